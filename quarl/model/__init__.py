@@ -1,1 +1,16 @@
+"""quarl's decoder-only transformer and HF checkpoint I/O."""
 
+from quarl.model.config import SUPPORTED_MODEL_TYPES, ModelConfigError, TransformerConfig
+from quarl.model.loading import CheckpointError, load_model, save_model
+from quarl.model.transformer import Transformer, batch_attention
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointError",
+    "ModelConfigError",
+    "Transformer",
+    "TransformerConfig",
+    "batch_attention",
+    "load_model",
+    "save_model",
+]

@@ -1,0 +1,116 @@
+"""Load and save Hugging Face safetensors checkpoints for :class:`Transformer`.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
+shards listed in ``model.safetensors.index.json``. Tensors are read one at a time and
+placed straight into a model built on the meta device, so peak host memory is one
+copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quarl.model.config import ModelConfigError, TransformerConfig
+from quarl.model.transformer import Rotary, Transformer
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The tensors of a checkpoint do not match its config."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are not on disk: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise CheckpointError(
+            f"{path} holds PyTorch .bin weights; quarl reads safetensors only. Convert with "
+            "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+        )
+    raise CheckpointError(f"{path} has config.json but no *.safetensors weights")
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
+    """Build the transformer described by ``path/config.json`` and load its weights."""
+    path = Path(path)
+    cfg = TransformerConfig.from_dir(path)
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise ModelConfigError(
+            f"{path}: checkpoint is quantized ({method}); quarl.load_model expects BF16/FP32 weights. "
+            "Load the full-precision checkpoint and pick a scheme with quant.scheme instead"
+        )
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {_hf_name(n): p for n, p in model.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    mis_shaped: dict[str, str] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # some tied checkpoints still store a copy
+                if key not in expected:
+                    unexpected.append(key)
+                    continue
+                t = f.get_tensor(key)
+                if tuple(t.shape) != tuple(expected[key].shape):
+                    mis_shaped[key] = f"{key}: checkpoint {tuple(t.shape)} vs model {tuple(expected[key].shape)}"
+                    continue
+                state[key] = t.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state) - set(mis_shaped))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}")
+    if mis_shaped:
+        problems.append("mis-shaped tensors: " + "; ".join(list(mis_shaped.values())[:10]))
+    if problems:
+        raise CheckpointError(f"{path} does not match its config.json ({cfg.model_type}): " + " | ".join(problems))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=False, assign=True)
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval()
+
+
+def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` as a HF checkpoint directory (config.json + model.safetensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        tensors[_hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))

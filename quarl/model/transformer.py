@@ -1,0 +1,262 @@
+"""One readable decoder-only transformer for Llama-3, Qwen2/2.5 and Qwen3.
+
+Parameter names follow Hugging Face's (``layers.3.self_attn.q_proj.weight`` ...) minus
+the ``model.`` prefix, so checkpoints load without a renaming table and the
+quantizer can replace linears by their familiar names.
+
+Attention is injected, not owned: every layer computes q/k/v (bias, per-head q/k
+norm, rotary embedding) and hands them to an ``attn`` callable
+``attn(layer_idx, q, k, v) -> out`` with shapes ``q [B, T, Hq, D]``,
+``k, v [B, T, Hkv, D]``, ``out [B, T, Hq, D]``. The training forward passes a masked
+SDPA over the batch (padded or packed), the simple generator a KV-cached one, and the
+rollout engine its paged kernels; the weights and the math around attention are
+shared by all three, which is what keeps sampler and learner aligned.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quarl.model.config import TransformerConfig
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the HF reference does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(cfg: TransformerConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[D/2]`` (float32) and the attention scaling of the rope type."""
+    d, base = cfg.head_dim, cfg.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv, 1.0
+    kind, factor = sc["rope_type"], float(sc.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "llama3":
+        # Llama-3.1: keep high frequencies, divide low ones by `factor`, blend between.
+        low_ff, high_ff = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_len = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low_ff, inv / factor, inv)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high_ff) & (wavelen <= old_len / low_ff)
+        return torch.where(medium, blended, scaled), 1.0
+    if kind == "yarn":
+        old_len = float(sc.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        beta_fast, beta_slow = float(sc.get("beta_fast", 32.0)), float(sc.get("beta_slow", 1.0))
+
+        def corr_dim(n_rot: float) -> float:
+            return (d * math.log(old_len / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrap = 1 - ramp
+        inv_yarn = (inv / factor) * (1 - extrap) + inv * extrap
+        att = sc.get("attention_factor")
+        if att is None:
+            att = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return inv_yarn, float(att)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+class Rotary(nn.Module):
+    """Rotary embedding with a cos/sin table grown on demand and indexed by position.
+
+    Indexing a precomputed table (rather than computing cos/sin per call) keeps the
+    decode step free of allocations that depend on the position, so it can be
+    captured in a CUDA graph once the table is large enough (``ensure``).
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        inv, scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.attention_scaling = scale
+        self.auto_grow = True
+        self.register_buffer("cos_table", torch.empty(0, cfg.head_dim), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0, cfg.head_dim), persistent=False)
+
+    def ensure(self, length: int) -> None:
+        if self.cos_table.shape[0] >= length:
+            return
+        n = 1 << max(int(length - 1).bit_length(), 8)
+        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(pos, self.inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos_table = emb.cos() * self.attention_scaling
+        self.sin_table = emb.sin() * self.attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[*positions.shape, D]`` in ``dtype``."""
+        if self.auto_grow:  # costs a host sync; engines call ensure() once and turn it off
+            self.ensure(int(positions.max()) + 1 if positions.numel() else 1)
+        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, T, H, D]``; cos/sin ``[B, T, D]`` (rotate-half convention)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, H]`` -> q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` with rope applied."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer; ``model(input_ids)`` returns logits ``[B, T, V]``."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """Final normed hidden states ``[B, T, H]`` for ``input_ids``/``positions`` ``[B, T]``."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        seq_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of a padded or packed batch.
+
+        ``attention_mask [B, T]`` (1 = real token) handles left or right padding;
+        ``seq_ids [B, T]`` marks packed sequences (attention stays within equal ids,
+        positions restart at each new id unless ``positions`` is given).
+        """
+        hidden = self.hidden_states(input_ids, *batch_attention(input_ids, attention_mask, positions, seq_ids))
+        return self.logits(hidden)
+
+
+def batch_attention(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AttnFn]:
+    """Positions ``[B, T]`` and a masked causal SDPA for a padded and/or packed batch."""
+    b, t = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones(b, t, dtype=torch.long, device=device)
+    real = attention_mask.bool()
+    if seq_ids is None:
+        seq_ids = torch.zeros(b, t, dtype=torch.long, device=device)
+    if positions is None:
+        # Position of a token = number of real tokens of its sequence before it.
+        starts = torch.ones_like(real)
+        starts[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
+        cum = torch.cumsum(real.long(), dim=1)
+        before = cum - real.long()  # real tokens strictly before t
+        # `before` never decreases along t, so a running max of its value at segment
+        # starts is the count at the start of the current segment.
+        base = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), dim=1).values
+        positions = (before - base).clamp(min=0)
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    mask = causal[None] & (seq_ids[:, :, None] == seq_ids[:, None, :]) & real[:, None, :]
+    # Rows of padding attend to themselves so SDPA never sees an all-masked row.
+    mask = mask | torch.eye(t, dtype=torch.bool, device=device)[None]
+    mask = mask[:, None]
+
+    def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+    return positions, attn
