@@ -1,1 +1,47 @@
+"""Algorithms as pure functions of tensors and scalars (DESIGN.md, "Algorithms").
 
+- advantages:   :func:`compute_advantages` (grpo, dr_grpo, rloo), :func:`compute_gae`
+- policy loss:  :func:`compute_policy_loss` (ppo, positive_only, sapo, gspo, tbpo) with
+                mismatch corrections (tis, decoupled, acr, icepop; seq-tis, mis)
+- reduction:    :func:`agg_loss`, :func:`masked_mean`, :func:`masked_sum`, :func:`seq_mean`
+- KL:           :func:`kl_penalty` (k1, k2, k3)
+- metrics:      :func:`mismatch_metrics`, :func:`is_repetitive`, :func:`repeat_fraction`
+
+Nothing here takes a config object; every name is found in a small registry whose keys
+are exported as the tuples below.
+"""
+
+from quarl.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, compute_gae
+from quarl.algos.aggregation import AGG_MODES, agg_loss, masked_mean, masked_sum, seq_mean
+from quarl.algos.corrections import SEQ_CORRECTIONS, TOKEN_CORRECTIONS
+from quarl.algos.kl import KL_ESTIMATORS, kl_penalty
+from quarl.algos.losses import (
+    POLICY_LOSSES,
+    SEQUENCE_LOSSES,
+    compute_policy_loss,
+    policy_loss_defaults,
+)
+from quarl.algos.mismatch import mismatch_metrics
+from quarl.algos.repetition import is_repetitive, repeat_fraction
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "SEQUENCE_LOSSES",
+    "SEQ_CORRECTIONS",
+    "TOKEN_CORRECTIONS",
+    "agg_loss",
+    "compute_advantages",
+    "compute_gae",
+    "compute_policy_loss",
+    "is_repetitive",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "mismatch_metrics",
+    "policy_loss_defaults",
+    "repeat_fraction",
+    "seq_mean",
+]
