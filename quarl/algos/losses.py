@@ -102,7 +102,7 @@ def _clipped_surrogate(
     Returns ``(loss, cut)`` of ``ratio``'s shape; ``cut`` marks entries whose gradient
     is zero because the clipped branch (or the dual clip ``-c A`` for A < 0) won.
     """
-    clipped_ratio = torch.minimum(ratio.clamp(min=low), torch.as_tensor(high, dtype=ratio.dtype))
+    clipped_ratio = torch.minimum(ratio.clamp(min=low), torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device))
     unclipped = -adv * ratio
     clipped = -adv * clipped_ratio
     cut = clipped > unclipped
@@ -122,9 +122,10 @@ def _frac(flags: torch.Tensor, over: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if not mask.bool().any():
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    return x[mask.bool()].max()
+    """Max of ``x`` over the mask, 0 when the mask is empty (no host sync)."""
+    mask = mask.bool()
+    top = torch.where(mask, x, x.new_tensor(float("-inf"))).max()
+    return torch.where(mask.any(), top, x.new_zeros(()))
 
 
 def _floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -257,7 +258,7 @@ def sapo_loss(
     with torch.no_grad():
         metrics = {
             "loss/policy": loss,
-            "loss/clip_frac": torch.zeros((), dtype=logp.dtype),
+            "loss/clip_frac": logp.new_zeros(()),
             "loss/ratio_mean": masked_mean(ratio, mask),
             "loss/ratio_max": _masked_max(ratio, mask),
             "correction/w_mean": masked_mean(corr.weight, mask),
@@ -371,7 +372,7 @@ def tbpo_loss(
             "loss/policy": loss,
             "loss/clip_frac": _frac(dropped, valid),
             **_seq_stats(ratio, v, valid),
-            "correction/drop_frac": torch.zeros((), dtype=logp.dtype),
+            "correction/drop_frac": logp.new_zeros(()),
             "tbpo/drop_frac_pos": _frac(dropped, valid & (adv > 0)),
             "tbpo/drop_frac_neg": _frac(dropped, valid & (adv < 0)),
         }

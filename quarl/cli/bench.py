@@ -1,0 +1,20 @@
+"""``quarl bench gemm|rollout``: the benchmark suites (GPU; JSON under bench/results/)."""
+
+from __future__ import annotations
+
+import importlib
+
+SUITES = ("gemm", "rollout")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (GEMM kernels, rollout engine)")
+    inner = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    for suite in SUITES:
+        try:
+            mod = importlib.import_module(f"quarl.cli.bench_{suite}")
+        except ModuleNotFoundError as e:
+            if e.name == f"quarl.cli.bench_{suite}":
+                continue
+            raise
+        mod.add_parser(inner)

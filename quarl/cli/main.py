@@ -1,0 +1,60 @@
+"""``quarl`` command line: thin entry points, no logic of their own."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommands live in their own modules, each with add_parser(subparsers) and run(args).
+COMMANDS = ("train", "eval", "generate", "bench", "export", "report")
+
+
+def _available_commands() -> list[tuple[str, object]]:
+    out = []
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"quarl.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"quarl.cli.{name}":
+                continue  # not part of this build
+            raise
+        out.append((name, mod))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quarl",
+        description="RL for LLMs with low-precision rollouts and a rollout-aligned learner (QaRL).",
+    )
+    parser.add_argument("--version", action="version", version=f"quarl {__import__('quarl').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for _name, mod in _available_commands():
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if rest and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+        if getattr(args, "debug", False):
+            raise
+        print(f"quarl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The run configuration of ``quarl train``: one section per package.
+
+Defaults are the built-in demo run (a small model, built-in tokenizer, synthetic
+arithmetic, aligned W4A16 with TBPO). Override from YAML (``--config run.yaml``) and
+dotted flags (``--rollout.temperature=0.8``); ``quarl train --dry-run`` prints the
+resolved configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from quarl.configuration import ConfigError, load
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # HF checkpoint dir; None = built-in model of `builtin` size
+    builtin: Literal["tiny", "small", "100m"] = "small"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one
+
+
+@dataclass
+class DataConfig:
+    task: Literal["arith", "countdown", "file"] = "arith"
+    path: str | None = None  # JSONL or parquet when task == "file"
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    difficulty: int = 1  # synthetic tasks: number of operations / operands
+    num_train: int = 2000
+    num_eval: int = 64
+    seed: int = 0
+    max_prompt_len: int = 256
+    system_prompt: str | None = None
+    reward: str = "builtin"  # "builtin" (the task's verifier), "math" (math-verify) or "module:function"
+    reward_timeout_s: float = 5.0
+    reward_workers: int = 2
+
+    def validate(self) -> None:
+        if self.task == "file" and not self.path:
+            raise ConfigError("data.path is required when data.task is 'file' (a .jsonl or .parquet file)")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 48
+    kv_cache_fraction: float = 0.35  # of free GPU memory for the paged KV cache
+    num_kv_blocks: int = 512  # CPU: fixed number of KV blocks
+    block_size: int = 16
+    max_num_seqs: int = 256
+    cuda_graphs: bool = True
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ConfigError("rollout.n must be >= 1")
+        if not 0 < self.kv_cache_fraction < 1:
+            raise ConfigError("rollout.kv_cache_fraction must be in (0, 1)")
+
+
+@dataclass
+class QuantConfig:
+    mode: Literal["bf16", "rollout", "aligned"] = "aligned"
+    scheme: str = "w4a16"
+    uaq_scale: float = 1.0  # QuRL's invariant scaling s (1.0 = off; the paper uses 1.5)
+    include: list[str] = field(default_factory=lambda: ["layers.*"])
+    exclude: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AlgoConfig:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
+    loss: Literal["ppo", "positive_only", "sapo", "gspo", "tbpo"] = "tbpo"
+    correction: str = "none"
+    eps_low: float | None = None  # None = the loss's own default
+    eps_high: float | None = None
+    delta_low: float | None = None
+    delta_high: float | None = None
+    dual_clip_c: float | None = None
+    cap: float = 2.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_coef: float = 0.5
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 1e-5
+    muon_lr: float = 0.02
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 30
+    prompts_per_step: int = 16
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    token_budget: int = 8192  # micro-batch size in tokens (gradient accumulation)
+    on_policy: bool = False
+    dynamic_sampling: bool = False
+    overlong_filter: bool = False
+    sft_warmup_steps: int = 150
+    sft_lr: float = 3e-3
+    seed: int = 0
+    device: str = "auto"
+    run_dir: str = "runs/default"
+    eval_every: int = 10
+    save_every: int = 10
+    keep_last: int = 2
+    max_bad_steps: int = 5
+    log_samples: int = 4
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def load_run_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    return load(RunConfig, path, overrides)

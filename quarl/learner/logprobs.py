@@ -1,0 +1,116 @@
+"""Per-token log-probabilities without materialising full-vocabulary logits.
+
+For a batch of T tokens and a vocabulary of V, keeping ``logits [T, V]`` in float32
+for the backward pass costs ``4 T V`` bytes (T = 64k, V = 152k: 39 GB). The autograd
+function below walks the tokens in chunks: the forward keeps only the log-sum-exp
+and the target logit of each token; the backward recomputes each chunk's logits and
+forms ``d logp / d logits = onehot(target) - softmax`` on the fly. Peak extra memory
+is one ``[chunk, V]`` block.
+
+All log-probs are those of ``softmax(logits / temperature)``: the rollout engine
+reports the same quantity for the tokens it samples, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quarl.model.transformer import Transformer, batch_attention
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32 for half/bf16/fp32 inputs, float64 for float64 (reference checks)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _chunk_stats(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, inv_t: float, want_entropy: bool):
+    logits = (h @ w.t()).to(_acc_dtype(h)) * inv_t
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, tgt[:, None]).squeeze(-1) - lse
+    ent = None
+    if want_entropy:
+        p = torch.softmax(logits, dim=-1)
+        ent = lse - (p * logits).sum(-1)
+    return logp, ent
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, chunk, want_entropy):  # type: ignore[override]
+        n = hidden.shape[0]
+        acc = _acc_dtype(hidden)
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.empty(n, dtype=acc, device=hidden.device) if want_entropy else None
+        for s in range(0, n, chunk):
+            lp, e = _chunk_stats(hidden[s : s + chunk], weight, targets[s : s + chunk], inv_t, want_entropy)
+            logp[s : s + chunk] = lp
+            if want_entropy:
+                ent[s : s + chunk] = e
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        if want_entropy:
+            ctx.mark_non_differentiable(ent)
+            return logp, ent
+        return logp, torch.empty(0, device=hidden.device)
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        inv_t, chunk = ctx.inv_t, ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc = _acc_dtype(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], chunk):
+            h, tgt, g = hidden[s : s + chunk], targets[s : s + chunk], grad_logp[s : s + chunk].to(acc)
+            logits = (h @ weight.t()).to(acc) * inv_t
+            d = -torch.softmax(logits, dim=-1) * g[:, None]
+            d.scatter_add_(-1, tgt[:, None], g[:, None])
+            d = d * inv_t
+            if need_h:
+                grad_h[s : s + chunk] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w += d.t() @ h.to(acc)
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(hidden @ weight.T / temperature)[targets]`` in float32 (float64 for float64 input).
+
+    hidden ``[..., H]``, weight ``[V, H]``, targets ``[...]`` (long) -> logp ``[...]`` and,
+    if asked, the entropy ``[...]`` of the same distribution (no gradient).
+    """
+    shape = targets.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent = _ChunkedTokenLogprob.apply(
+        h, weight, targets.reshape(-1), 1.0 / temperature, chunk_size, with_entropy
+    )
+    return logp.view(shape), (ent.view(shape) if with_entropy else None)
+
+
+def sequence_logprobs(
+    model: Transformer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each next token: ``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
+
+    Returns ``[B, T-1]`` (float32). Padded and packed batches as in
+    :meth:`Transformer.forward`; positions whose target is padding or belongs to the
+    next packed sequence hold meaningless values and must be masked by the caller.
+    """
+    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids)
+    hidden = model.hidden_states(input_ids, positions, attn)[:, :-1]
+    return token_logprobs(hidden, model.lm_head_weight, input_ids[:, 1:], temperature, chunk_size, with_entropy)

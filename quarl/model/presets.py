@@ -1,0 +1,68 @@
+"""Built-in model shapes: the demo's small models and the benchmark shapes of real ones.
+
+The demo shapes use the built-in character tokenizer's vocabulary (128). The named
+shapes of released models (``qwen2.5-1.5b`` ...) are for benchmarks on random weights;
+they never download anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quarl.model.config import TransformerConfig
+from quarl.model.transformer import Transformer
+
+_DEMO = dict(model_type="qwen3", vocab_size=128, qk_norm=True, rope_theta=10000.0, max_position_embeddings=2048)
+
+PRESETS: dict[str, dict] = {
+    # ~0.1M parameters: CPU tests.
+    "tiny": dict(_DEMO, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),
+    # ~0.8M parameters: the default CPU demo run.
+    "small": dict(_DEMO, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    # ~100M parameters: the GPU demo run.
+    "100m": dict(_DEMO, hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                         attention_bias=True, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       attention_bias=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                     max_position_embeddings=40960),
+}
+
+
+def preset_config(name: str) -> TransformerConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return TransformerConfig(**PRESETS[name])
+
+
+def build_random_model(
+    name_or_cfg: str | TransformerConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    std: float = 0.02,
+) -> Transformer:
+    """A randomly initialised model (normal(0, std) weights, unit norms, zero biases)."""
+    cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    with torch.device(device):
+        model = Transformer(cfg)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.to(dtype=dtype)

@@ -1,0 +1,97 @@
+"""``QuantizedWeight``: the packed tensors of one linear layer, as learner and engine share them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from quarl.quant import reference as ref
+from quarl.quant.scheme import QuantScheme, get_scheme
+
+TENSOR_FIELDS = ("qdata", "scales", "zeros", "global_scale")
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight ``[N, K]`` quantized under ``scheme`` (layouts: :mod:`quarl.quant.reference`).
+
+    qdata: codes (int8 / float8_e4m3fn ``[N, K]``, packed uint8 ``[N, Kp * bits / 8]``, or
+        the weight itself for ``bf16``).
+    scales: per-channel ``[N]`` or per-group ``[N, Kp / G]`` (fp32, e4m3 or e8m0 bytes).
+    zeros: uint8 zero points ``[N, Kp / G]`` of asymmetric formats.
+    global_scale: fp32 scalar tensor scale of nvfp4.
+    """
+
+    scheme: QuantScheme
+    shape: tuple[int, int]
+    qdata: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by field name (absent ones left out)."""
+        return {f: getattr(self, f) for f in TENSOR_FIELDS if getattr(self, f) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` these codes stand for, in ``dtype``."""
+        return ref.dequantize_tensors(
+            self.scheme, self.shape, self.qdata, self.scales, self.zeros, self.global_scale, dtype
+        )
+
+    def codes(self) -> torch.Tensor:
+        """One integer code per weight ``[N, K]`` (unpacked; raw bits for float formats)."""
+        n, k = self.shape
+        if not self.scheme.quantizes_weights:
+            return self.qdata.contiguous().view(torch.int16 if self.qdata.element_size() == 2 else torch.int32)
+        if self.scheme.packed:
+            return ref.unpack_codes(self.qdata, self.scheme.weight_bits)[:, :k]
+        return self.qdata.view(torch.uint8) if self.qdata.dtype == torch.float8_e4m3fn else self.qdata
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        moved = {f: t.to(device) for f, t in self.tensors().items()}
+        return QuantizedWeight(self.scheme, self.shape, **moved)
+
+    def clone(self) -> "QuantizedWeight":
+        return QuantizedWeight(self.scheme, self.shape, **{f: t.clone() for f, t in self.tensors().items()})
+
+    def copy_(self, other: "QuantizedWeight") -> "QuantizedWeight":
+        """Copy ``other``'s tensors into this one's storage (keeps CUDA-graph addresses valid)."""
+        if other.scheme != self.scheme or tuple(other.shape) != tuple(self.shape):
+            raise ValueError(f"cannot load {other.scheme.name} {other.shape} into {self.scheme.name} {self.shape}")
+        mine, theirs = self.tensors(), other.tensors()
+        if mine.keys() != theirs.keys():
+            raise ValueError(f"tensor sets differ: {sorted(mine)} vs {sorted(theirs)}")
+        for f, t in mine.items():
+            if t.shape != theirs[f].shape:
+                raise ValueError(f"{f}: shape {tuple(theirs[f].shape)} != {tuple(t.shape)}")
+            t.copy_(theirs[f])
+        return self
+
+
+def quantize_weight(w: torch.Tensor, scheme: QuantScheme | str) -> QuantizedWeight:
+    """Quantize ``w [N, K]`` with the reference quantizer (runs on w's device)."""
+    scheme = get_scheme(scheme)
+    with torch.no_grad():
+        tensors = ref.quantize_tensors(w, scheme)
+    return QuantizedWeight(scheme, (int(w.shape[0]), int(w.shape[1])), **tensors)
+
+
+assert {f.name for f in fields(QuantizedWeight)} >= set(TENSOR_FIELDS)

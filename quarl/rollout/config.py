@@ -1,0 +1,33 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and switches of the rollout engine.
+
+    The KV cache gets ``gpu_memory_utilization`` of the GPU's total memory minus what
+    the weights and the activations of a warm-up prefill take; on CPU it has
+    ``num_kv_blocks`` blocks (also a cap on GPU when set).
+    """
+
+    max_num_seqs: int = 256  # sequences decoded together
+    max_num_batched_tokens: int = 16384  # prompt tokens per prefill step
+    max_model_len: int = 4096  # prompt + completion
+    block_size: int = 16  # tokens per KV block
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None  # fixed cache size (CPU default 512)
+    cuda_graphs: bool = True  # decode through CUDA graphs on GPU
+    max_graph_batch: int | None = None  # largest captured batch (default max_num_seqs)
+    attention_backend: str = "auto"  # "auto" (triton on GPU, torch on CPU), "triton", "torch"
+    top_p_candidates: int = 1024  # top-p looks at this many most likely tokens at most
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_model_len:
+            # A preempted sequence is recomputed in one prefill, so it must fit one step.
+            self.max_num_batched_tokens = self.max_model_len
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
