@@ -102,7 +102,8 @@ def _clipped_surrogate(
     Returns ``(loss, cut)`` of ``ratio``'s shape; ``cut`` marks entries whose gradient
     is zero because the clipped branch (or the dual clip ``-c A`` for A < 0) won.
     """
-    clipped_ratio = torch.minimum(ratio.clamp(min=low), torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device))
+    high = torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device)
+    clipped_ratio = torch.minimum(ratio.clamp(min=low), high)
     unclipped = -adv * ratio
     clipped = -adv * clipped_ratio
     cut = clipped > unclipped
