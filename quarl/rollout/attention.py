@@ -1,0 +1,149 @@
+"""Paged attention for the model's injected ``attn(layer_idx, q, k, v)`` callable.
+
+A :class:`StepContext` describes one forward (which cache slots the new tokens go to,
+each sequence's block table and lengths); :class:`PagedAttention` closes over it and
+the cache. Every call first writes the new K/V into their slots, then attends over the
+cache: a prefill/extend step packs all new tokens as ``[1, N]``, a decode step has
+one token per sequence as ``[B, 1]``. Backends: Triton kernels on GPU
+(:mod:`quarl.rollout.kernels`), and a torch loop over sequences (SDPA) on CPU, used
+for parity tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quarl.rollout.kv_cache import KVCache
+
+
+@dataclass
+class StepContext:
+    """Attention inputs of one forward; tensors on the model's device.
+
+    slot_mapping ``[N]`` int64: cache slot (``block * block_size + offset``) of each new token.
+    block_tables ``[S, max_blocks]`` int32; context_lens ``[S]`` int32: tokens of each
+    sequence in the cache after this step's writes.
+    Prefill: cu_seqlens_q ``[S+1]`` int32 offsets of each sequence's new tokens.
+    Decode: split_len ``[1]`` int32 tokens per split of the split-K kernel.
+    ``host_*`` mirror the lengths on the host for the torch backend.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    max_seqlen_q: int = 1
+    split_len: torch.Tensor | None = None
+    num_splits: int = 1
+    host_context_lens: list[int] | None = None
+    host_cu_seqlens_q: list[int] | None = None
+
+
+class PagedAttention:
+    """``attn(layer_idx, q, k, v) -> out`` over a paged KV cache for one step."""
+
+    def __init__(self, cache: KVCache, ctx: StepContext, backend: str) -> None:
+        self.cache = cache
+        self.ctx = ctx
+        self.backend = backend
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t, hq, d = q.shape
+        hkv = k.shape[2]
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        slots = self.ctx.slot_mapping
+        k_cache.view(-1, hkv, d).index_copy_(0, slots, k.reshape(-1, hkv, d).to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, slots, v.reshape(-1, hkv, d).to(v_cache.dtype))
+        scale = d**-0.5
+        q_flat = q.reshape(b * t, hq, d)
+        if self.backend == "triton":
+            from quarl.rollout import kernels
+
+            if self.ctx.is_prefill:
+                out = kernels.paged_prefill_attention(
+                    q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.cu_seqlens_q,
+                    self.ctx.context_lens, self.ctx.max_seqlen_q, scale,
+                )
+            else:
+                out = self._triton_decode(q_flat, k_cache, v_cache, scale)
+        elif self.ctx.is_prefill:
+            out = torch_prefill_attention(
+                q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.host_cu_seqlens_q,
+                self.ctx.host_context_lens, scale,
+            )
+        else:
+            out = torch_decode_attention(
+                q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.host_context_lens, scale
+            )
+        return out.view(b, t, hq, d)
+
+    def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        from quarl.rollout import kernels
+
+        b, hq, d = q.shape
+        splits = self.ctx.num_splits
+        out = torch.empty_like(q)
+        part_out = part_lse = None
+        if splits > 1:
+            part_out = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, self.ctx.block_tables, self.ctx.context_lens, self.ctx.split_len,
+            out, part_out, part_lse, splits, scale,
+        )
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length, Hkv, D]`` of one sequence from ``cache [blocks, block_size, Hkv, D]``."""
+    n_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+
+
+def torch_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: list[int],
+    kv_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Reference of :func:`kernels.paged_prefill_attention` (same arguments, host lengths)."""
+    out = torch.empty_like(q)
+    for s, kv_len in enumerate(kv_lens):
+        q0, q1 = cu_seqlens_q[s], cu_seqlens_q[s + 1]
+        cached = kv_len - (q1 - q0)
+        k = _gather(k_cache, block_tables[s], kv_len)
+        v = _gather(v_cache, block_tables[s], kv_len)
+        rows = torch.arange(cached, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= rows[:, None]
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def torch_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Reference of :func:`kernels.paged_decode_attention`: q ``[B, Hq, D]``."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(context_lens):
+        k = _gather(k_cache, block_tables[b], length)
+        v = _gather(v_cache, block_tables[b], length)
+        o = F.scaled_dot_product_attention(
+            q[b, :, None], k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), scale=scale, enable_gqa=True
+        )
+        out[b] = o[:, 0]
+    return out

@@ -1,0 +1,217 @@
+"""The rollout engine: requests in, completions with per-token log-probs out."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quarl.model.transformer import Transformer
+from quarl.rollout.block_manager import BlockManager
+from quarl.rollout.config import EngineConfig
+from quarl.rollout.model_runner import ModelRunner
+from quarl.rollout.sampler import completion_key
+from quarl.rollout.sampling_params import SamplingParams
+from quarl.rollout.scheduler import Scheduler
+from quarl.rollout.sequence import Sequence
+from quarl.rollout.weights import load_weights_in_place, quantize_for_engine
+
+
+class LogprobMismatchError(RuntimeError):
+    """The engine's log-probs of a reference sequence differ from the learner's."""
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt.
+
+    ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under ``softmax(logits / T)``
+    before top-k/top-p truncation (under ``softmax(logits)`` for greedy requests).
+    """
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class GenerateStats:
+    """Counters of the last ``generate`` call."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    decode_batch_sizes: list[int] = field(default_factory=list)
+    decode_step_s: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache (see the package docstring).
+
+    ``model`` is a :class:`Transformer` or a checkpoint directory; ``scheme`` a
+    ``quarl.quant.QuantScheme``, a scheme name or ``None`` (``"bf16"`` and ``None``
+    keep the model's linears). A quantized scheme swaps every decoder linear for a
+    ``quarl.quant.QuantLinear`` holding packed weights; embeddings, norms and the LM
+    head stay in the model dtype.
+    """
+
+    def __init__(
+        self,
+        model: Transformer | str | Path,
+        scheme: Any = None,
+        config: EngineConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        if not isinstance(model, Transformer):
+            from quarl.model.loading import load_model
+
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+            model = load_model(model, dtype=dtype, device=device)
+        self.model = model.eval()
+        self.scheme = quantize_for_engine(self.model, scheme)
+        mc = self.model.config
+        self.max_model_len = self.config.max_model_len
+        self.eos_ids = frozenset(
+            [] if mc.eos_token_id is None else [mc.eos_token_id] if isinstance(mc.eos_token_id, int) else mc.eos_token_id
+        )
+        self.runner = ModelRunner(self.model, self.config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        if self.block_manager.blocks_for(self.max_model_len) > self.runner.num_blocks:
+            raise ValueError(
+                f"KV cache of {self.runner.num_blocks} blocks cannot hold one sequence of max_model_len="
+                f"{self.max_model_len}; raise num_kv_blocks or lower max_model_len"
+            )
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random(0x5EED)
+        self.stats = GenerateStats()
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Complete every prompt ``n`` times; completions sorted by (prompt, sample)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompt_token_ids)
+        if len(sampling_params) != len(prompt_token_ids):
+            raise ValueError(f"{len(prompt_token_ids)} prompts but {len(sampling_params)} SamplingParams")
+        if self.runner.kv is None:
+            raise RuntimeError("the KV cache is released; call engine.reallocate_kv_cache() first")
+        seqs: list[Sequence] = []
+        for i, (prompt, params) in enumerate(zip(prompt_token_ids, sampling_params)):
+            group = self._make_group(i, list(prompt), params)
+            seqs.extend(group)
+            self.scheduler.add(group)
+        stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_token_ids))
+        preempt0 = self.scheduler.num_preemptions
+        while not self.scheduler.is_finished():
+            t0 = time.perf_counter()
+            batch = self.scheduler.schedule()
+            token_ids, logprobs = self.runner.step(batch.is_prefill, batch.groups, batch.block_copies)
+            self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
+            dt = time.perf_counter() - t0
+            if batch.is_prefill:
+                stats.prefill_steps += 1
+                stats.prefill_s += dt
+            else:
+                stats.decode_steps += 1
+                stats.decode_s += dt
+                stats.decode_batch_sizes.append(len(batch.seqs))
+                stats.decode_step_s.append(dt)
+        stats.preemptions = self.scheduler.num_preemptions - preempt0
+        stats.generated_tokens = sum(s.num_generated for s in seqs)
+        self.stats = stats
+        return [
+            Completion(s.prompt_index, s.sample_index, s.generated_token_ids, s.logprobs, s.finish_reason or "length")
+            for s in seqs
+        ]
+
+    def _make_group(self, prompt_index: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+        if not prompt:
+            raise ValueError(f"prompt {prompt_index} is empty")
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt {prompt_index}: {len(prompt)} prompt + {params.max_new_tokens} new tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        return [
+            Sequence(next(self._seq_ids), prompt, params, prompt_index, j, completion_key(seed, j), stop)
+            for j in range(params.n)
+        ]
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, published: dict[str, Any]) -> None:
+        """Copy published weights into the model in place (storage kept: graphs stay valid).
+
+        Keys are parameter names, with or without HF's ``model.`` prefix; values are
+        tensors (any float dtype, cast on copy) or, for a quantized linear, the
+        ``QuantizedWeight`` that ``QuantLinear.load_quantized`` takes (keyed by the
+        module name or ``<module>.weight``).
+        """
+        load_weights_in_place(self.model, published)
+
+    def check_logprobs(
+        self, token_ids: list[int], reference_logprobs: Any, tol: float | None = None
+    ) -> float:
+        """Max |engine - reference| log-prob of ``token_ids[1:]`` given their prefixes.
+
+        ``reference_logprobs`` has ``len(token_ids) - 1`` entries (the learner's
+        ``log_softmax(logits)`` of each next token). Raises
+        :class:`LogprobMismatchError` when ``tol`` is given and exceeded, e.g. right
+        after ``load_weights`` to catch stale or mis-published weights.
+        """
+        if self.runner.kv is None:
+            raise RuntimeError("the KV cache is released; call engine.reallocate_kv_cache() first")
+        if not self.scheduler.is_finished():
+            raise RuntimeError("check_logprobs needs an idle engine")
+        seq = Sequence(-1, list(token_ids), SamplingParams(), 0, 0, 0, frozenset())
+        if not self.block_manager.can_allocate(len(seq)):
+            raise ValueError(f"sequence of {len(seq)} tokens does not fit the KV cache")
+        self.block_manager.allocate(seq, len(seq))
+        try:
+            ours = self.runner.score(seq).double().cpu()
+        finally:
+            self.block_manager.free(seq)
+        ref = torch.as_tensor(reference_logprobs, dtype=torch.float64).flatten().cpu()
+        if ref.shape != ours.shape:
+            raise ValueError(f"reference_logprobs has {ref.numel()} entries, expected {ours.numel()}")
+        diff = float((ours - ref).abs().max()) if ours.numel() else 0.0
+        if tol is not None and not diff <= tol:
+            raise LogprobMismatchError(f"engine log-probs differ from the reference by {diff:.3g} > tol {tol:.3g}")
+        return diff
+
+    # ------------------------------------------------------------------ memory
+    def release_kv_cache(self) -> None:
+        """Free the KV cache and decode graphs so the learner can use the memory."""
+        if not self.scheduler.is_finished():
+            raise RuntimeError("cannot release the KV cache while requests are running")
+        self.runner.release()
+
+    def reallocate_kv_cache(self) -> None:
+        """Re-create the KV cache (same number of blocks) and recapture the graphs."""
+        self.runner.allocate()
+
+    sleep = release_kv_cache
+    wake_up = reallocate_kv_cache

@@ -1,0 +1,325 @@
+"""Triton kernels of the rollout engine: paged attention (decode, prefill/extend) and sampling.
+
+KV-cache layout (per layer, K and V alike): ``[num_blocks, block_size, Hkv, D]``.
+Token ``t`` of a sequence with block table ``bt`` lives in block ``bt[t // block_size]``
+at row ``t % block_size``; one (token, kv head) row of ``D`` values is contiguous,
+so a tile of ``BLOCK_N`` tokens is gathered as ``BLOCK_N`` rows of ``D`` elements.
+
+Attention is computed with an online softmax in base 2 (``exp2`` of scores scaled by
+``scale * log2(e)``), accumulating in float32. GQA: the decode kernel handles all
+``Hq / Hkv`` query heads of one KV head in one program, so each K/V tile is read once
+per KV head; queries are padded to 16 rows for ``tl.dot``. Decode splits the context
+into ``NUM_SPLITS`` chunks (flash-decoding) whose length is read from device memory,
+so a CUDA graph captured once balances the splits at every context length.
+
+The sampling kernel streams a row of logits once: it computes the log-sum-exp of
+``logits / T`` online and the Gumbel-max choice with counter-based noise (see
+:mod:`quarl.rollout.sampler` for the hash), so no full-vocabulary sort is done.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    split_len = tl.load(split_len_ptr)
+    start = split * split_len
+    end = tl.minimum(ctx, start + split_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + b * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=o_mask,
+        )
+    else:
+        # part_out [B, Hq, NUM_SPLITS, HEAD_DIM], part_lse [B, Hq, NUM_SPLITS], contiguous
+        hq = tl.num_programs(1) * GROUP
+        base = (b * hq + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hq = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    base = (b * hq + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq)
+    cached = kv_len - q_len  # tokens already in the cache before this step's
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    # Keys up to the last query of this tile (causal); none for a tile past the end.
+    hi = tl.minimum(kv_len, cached + (m_block + 1) * BLOCK_M)
+    hi = tl.where(m_block * BLOCK_M < q_len, hi, 0)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq * stride_btb
+    q_pos = cached + offs_m
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_len
+        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(
+        out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    split_len: torch.Tensor,
+    out: torch.Tensor,
+    part_out: torch.Tensor | None,
+    part_lse: torch.Tensor | None,
+    num_splits: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context.
+
+    q ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; block_tables
+    ``[B, max_blocks]`` int32; context_lens ``[B]`` int32 (tokens to attend, the new
+    one included, already in the cache); split_len ``[1]`` int32 tokens per split
+    (a multiple of 64); out ``[B, Hq, D]``; part_out ``[B, Hq, S, D]`` and part_lse
+    ``[B, Hq, S]`` float32 scratch when ``num_splits > 1``.
+    """
+    b, hq, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    group = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))
+    if num_splits > 1:
+        assert part_out is not None and part_lse is not None
+    else:
+        part_out = part_lse = out
+    _paged_decode_kernel[(b, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, split_len, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(b, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' paged context (prefill/extend).
+
+    q ``[N, Hq, D]`` packs the new tokens of all sequences (``cu_seqlens_q [S+1]``
+    int32); their K/V are already in the cache. ``kv_lens [S]`` int32 counts each
+    sequence's cached + new tokens; new token ``i`` sits at position
+    ``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i``.
+    """
+    n, hq, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = kv_lens.shape[0]
+    block_m = 64 if max_seqlen_q > 32 else 16
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, hq)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+@triton.jit
+def _hash32(x):
+    # lowbias32 (C. Wellons) on int64 values in [0, 2^32); the masks keep uint32 wrap-around.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_l, inv_temp_ptr, row_seed_ptr, noise_ptr, token_ptr, logprob_ptr, lse_ptr, V,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    inv_t = tl.load(inv_temp_ptr + row)
+    seed = tl.load(row_seed_ptr + row)
+    noise = tl.load(noise_ptr + row)
+    m_run = tl.zeros([], dtype=tl.float32) - float("inf")
+    s_run = tl.zeros([], dtype=tl.float32)
+    best_key = tl.zeros([], dtype=tl.float32) - float("inf")
+    best_x = tl.zeros([], dtype=tl.float32)
+    best_idx = tl.zeros([], dtype=tl.int32)
+    offs = tl.arange(0, BLOCK_V)
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        mask = cols < V
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m_run, tl.max(x, 0))
+        s_run = s_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m_run = m_new
+        h = _hash32((seed + cols.to(tl.int64) * 0x85EBCA6B) & 0xFFFFFFFF)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        gumbel = -tl.log(-tl.log(u))
+        key = tl.where(mask, x + gumbel * noise, float("-inf"))
+        k_max = tl.max(key, 0)
+        k_idx = tl.argmax(key, 0)
+        x_at = tl.sum(tl.where(offs == k_idx, x, 0.0), 0)
+        better = k_max > best_key
+        best_x = tl.where(better, x_at, best_x)
+        best_idx = tl.where(better, v0 + k_idx, best_idx)
+        best_key = tl.where(better, k_max, best_key)
+    lse = m_run + tl.log(s_run)
+    tl.store(token_ptr + row, best_idx.to(tl.int64))
+    tl.store(logprob_ptr + row, best_x - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+def gumbel_sample(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    row_seed: torch.Tensor,
+    noise: torch.Tensor,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Fill tokens ``[B]`` int64, logprobs ``[B]`` and lse ``[B]`` float32 from logits ``[B, V]``.
+
+    Row ``i`` takes ``argmax(logits * inv_temp + noise * gumbel(row_seed, token))``
+    and its log-prob under ``softmax(logits * inv_temp)``.
+    """
+    b, v = logits.shape
+    if b == 0:
+        return
+    _sample_kernel[(b,)](
+        logits, logits.stride(0), inv_temp, row_seed, noise, tokens, logprobs, lse, v,
+        BLOCK_V=min(4096, triton.next_power_of_2(v)), num_warps=8,
+    )

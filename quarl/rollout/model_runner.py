@@ -1,0 +1,302 @@
+"""GPU state of the engine: KV cache, step inputs, CUDA graphs of the decode step, sampling."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from quarl.model.transformer import Transformer
+from quarl.rollout.attention import PagedAttention, StepContext
+from quarl.rollout.config import EngineConfig
+from quarl.rollout.kv_cache import KVCache
+from quarl.rollout.sampler import Sampler
+from quarl.rollout.sequence import Sequence
+
+_CPU_DEFAULT_BLOCKS = 512
+
+
+def _graph_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 16))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class ModelRunner:
+    """Runs prefill and decode steps of the model over the paged cache and samples.
+
+    Decode on GPU replays a CUDA graph captured for the smallest batch size that
+    holds the batch (rows beyond the batch write the cache's scratch block); the graph
+    reads its inputs from static buffers, so a step costs a few host-to-device copies,
+    one replay, the sampling kernel and one device-to-host copy of the sampled tokens.
+    """
+
+    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int) -> None:
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.is_cuda = self.device.type == "cuda"
+        mc = model.config
+        self.num_layers, self.num_kv_heads, self.head_dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+        backend = config.attention_backend
+        self.backend = ("triton" if self.is_cuda else "torch") if backend == "auto" else backend
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        model.rotary.ensure(max_model_len)
+        model.rotary.auto_grow = False
+        self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv: KVCache | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+        self.allocate()
+
+    # ---------------------------------------------------------------- memory
+    def _new_cache(self, num_blocks: int) -> KVCache:
+        return KVCache(
+            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cap = self.config.num_kv_blocks
+        if not self.is_cuda:
+            return cap or _CPU_DEFAULT_BLOCKS
+        per_block = KVCache.bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self._warmup_prefill()
+        peak_extra = torch.cuda.max_memory_allocated() - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        # Sampler scratch (top-k path in float32) and graph outputs, beyond the warm-up.
+        vocab = self.model.config.vocab_size
+        reserve = 4 * self.config.max_num_seqs * vocab * 4 + (256 << 20)
+        budget = total * self.config.gpu_memory_utilization - used - peak_extra - reserve
+        blocks = int(budget // per_block)
+        if cap:
+            blocks = min(blocks, cap)
+        need = -(-self.max_model_len // self.block_size)
+        if blocks < need:
+            raise RuntimeError(
+                f"KV cache too small: {blocks} blocks fit in memory, one sequence of max_model_len "
+                f"{self.max_model_len} needs {need}; raise gpu_memory_utilization or lower max_model_len"
+            )
+        return blocks
+
+    @torch.inference_mode()
+    def _warmup_prefill(self) -> None:
+        """Run the largest prefill once on a scratch cache to measure activation memory."""
+        tokens = self.config.max_num_batched_tokens
+        lens = []
+        while sum(lens) < tokens and len(lens) < self.config.max_num_seqs:
+            lens.append(min(self.max_model_len, tokens - sum(lens)))
+        blocks = sum(-(-n // self.block_size) for n in lens)
+        self.kv = self._new_cache(blocks)
+        vocab = self.model.config.vocab_size
+        seqs, next_block = [], 0
+        for n in lens:
+            nb = -(-n // self.block_size)
+            ids = torch.randint(0, vocab, (n,)).tolist()
+            seq = Sequence(-1, ids, None, 0, 0, 0, frozenset())  # type: ignore[arg-type]
+            seq.block_table = list(range(next_block, next_block + nb))
+            next_block += nb
+            seqs.append(seq)
+        self._prefill_logits(seqs)
+        torch.cuda.synchronize()
+        self.kv = None
+        gc.collect()
+
+    def allocate(self) -> None:
+        """(Re)create the KV cache and, on GPU, capture the decode graphs."""
+        if self.kv is not None:
+            return
+        self.kv = self._new_cache(self.num_blocks)
+        if self.is_cuda and self.config.cuda_graphs:
+            self.capture_graphs()
+
+    def release(self) -> None:
+        """Free the KV cache and the graphs (they point into it); weights stay."""
+        self.graphs.clear()
+        self._graph_pool = None
+        self.kv = None
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------- inputs
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _block_table_array(self, seqs: list[Sequence], width: int) -> np.ndarray:
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_table)] = seq.block_table
+        return table
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        blocks = np.asarray(seq.block_table, dtype=np.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def _num_splits(self, batch: int) -> int:
+        if self.backend != "triton":
+            return 1
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 8
+        splits = -(-4 * sms // (batch * self.num_kv_heads))
+        return int(max(1, min(splits, 16, -(-self.max_model_len // 128))))
+
+    def _split_len(self, max_context: int, splits: int) -> int:
+        per = -(-max_context // splits)
+        return -(-per // 64) * 64
+
+    # ---------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def _prefill_logits(self, seqs: list[Sequence], all_positions: bool = False) -> torch.Tensor:
+        """Run every token of ``seqs`` (their blocks allocated); logits of the last
+        token of each ``[S, V]``, or of every token ``[N, V]`` when ``all_positions``."""
+        lens = [len(s) for s in seqs]
+        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(lens)
+        ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(cu[-1]))
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        slots = np.concatenate([self._slots(s, 0, len(s)) for s in seqs])
+        width = max(len(s.block_table) for s in seqs)
+        ctx = StepContext(
+            is_prefill=True,
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(self._block_table_array(seqs, width)),
+            context_lens=self._tensor(np.asarray(lens, dtype=np.int32)),
+            cu_seqlens_q=self._tensor(cu),
+            max_seqlen_q=max(lens),
+            host_context_lens=lens,
+            host_cu_seqlens_q=cu.tolist(),
+        )
+        attn = PagedAttention(self.kv, ctx, self.backend)
+        hidden = self.model.hidden_states(self._tensor(ids)[None], self._tensor(positions)[None], attn)[0]
+        if not all_positions:
+            hidden = hidden[torch.from_numpy(cu[1:] - 1).to(self.device).long()]
+        return self.model.logits(hidden)
+
+    # ---------------------------------------------------------------- decode
+    def _decode_inputs(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
+        n = len(seqs)
+        ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
+        ctx_lens = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=n)
+        pos = ctx_lens.astype(np.int64) - 1
+        bs = self.block_size
+        last_block = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
+        slots = last_block * bs + pos % bs
+        return ids, pos, slots, ctx_lens
+
+    def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        attn = PagedAttention(self.kv, ctx, self.backend)
+        hidden = self.model.hidden_states(ids[:, None], pos[:, None], attn)
+        return self.model.logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        ids, pos, slots, ctx_lens = self._decode_inputs(seqs)
+        n = len(seqs)
+        if self.graphs and n <= max(self.graphs):
+            return self._replay(seqs, ids, pos, slots, ctx_lens)
+        width = max(len(s.block_table) for s in seqs)
+        splits = self._num_splits(n)
+        ctx = StepContext(
+            is_prefill=False,
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(self._block_table_array(seqs, width)),
+            context_lens=self._tensor(ctx_lens),
+            split_len=torch.tensor([self._split_len(int(ctx_lens.max()), splits)], dtype=torch.int32).to(self.device),
+            num_splits=splits,
+            host_context_lens=ctx_lens.tolist(),
+        )
+        return self._decode_forward(self._tensor(ids), self._tensor(pos), ctx)
+
+    def capture_graphs(self) -> None:
+        max_bs = min(self.config.max_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
+        dev = self.device
+        self._g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self._g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self._g_slots = torch.full((max_bs,), self.kv.scratch_slot, dtype=torch.int64, device=dev)
+        self._g_ctx = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self._g_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)
+        self._g_split = torch.full((1,), 64, dtype=torch.int32, device=dev)
+        self._g_host_tables = np.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=np.int32)
+        pool = None
+        self.graphs = {}
+        with torch.inference_mode():
+            for bs in reversed(_graph_batch_sizes(max_bs)):
+                splits = self._num_splits(bs)
+                ctx = StepContext(
+                    is_prefill=False,
+                    slot_mapping=self._g_slots[:bs],
+                    block_tables=self._g_tables[:bs],
+                    context_lens=self._g_ctx[:bs],
+                    split_len=self._g_split,
+                    num_splits=splits,
+                )
+                self._decode_forward(self._g_ids[:bs], self._g_pos[:bs], ctx)  # warm-up (compiles kernels)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    out = self._decode_forward(self._g_ids[:bs], self._g_pos[:bs], ctx)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = (graph, out, splits)
+        self._graph_pool = pool
+        torch.cuda.synchronize()
+
+    def _replay(
+        self, seqs: list[Sequence], ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, ctx_lens: np.ndarray
+    ) -> torch.Tensor:
+        n = len(seqs)
+        bs = min(b for b in self.graphs if b >= n)
+        graph, out, splits = self.graphs[bs]
+        table = self._g_host_tables
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_table)] = seq.block_table
+        self._g_ids[:n].copy_(torch.from_numpy(ids), non_blocking=True)
+        self._g_pos[:n].copy_(torch.from_numpy(pos), non_blocking=True)
+        self._g_slots[:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        self._g_ctx[:n].copy_(torch.from_numpy(ctx_lens), non_blocking=True)
+        if bs > n:  # padded rows: one token of the scratch block
+            self._g_slots[n:bs].fill_(self.kv.scratch_slot)
+            self._g_ctx[n:bs].fill_(1)
+            self._g_tables[n:bs, 0].fill_(self.num_blocks)
+        width = max(len(s.block_table) for s in seqs)
+        self._g_tables[:n, :width].copy_(torch.from_numpy(table[:n, :width]), non_blocking=True)
+        self._g_split.fill_(self._split_len(int(ctx_lens.max()), splits))
+        graph.replay()
+        return out[:n]
+
+    # ---------------------------------------------------------------- steps
+    def step(self, is_prefill: bool, groups: list[list[Sequence]], block_copies: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
+        """Run one scheduled step and sample the next token of every group member."""
+        assert self.kv is not None, "KV cache released; call reallocate_kv_cache() first"
+        self.kv.copy_blocks(block_copies)
+        members = [s for g in groups for s in g]
+        if is_prefill:
+            logits = self._prefill_logits([g[0] for g in groups])
+            if len(members) != len(groups):
+                rows = [i for i, g in enumerate(groups) for _ in g]
+                logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+        else:
+            logits = self._decode_logits(members)
+        with torch.inference_mode():
+            tokens, logprobs = self.sampler(logits, self.sampler.prepare(members))
+        return tokens.tolist(), logprobs.tolist()
+
+    @torch.inference_mode()
+    def score(self, seq: Sequence) -> torch.Tensor:
+        """log-probs ``[len-1]`` float32 of tokens ``1..`` of ``seq`` (its blocks allocated)."""
+        logits = self._prefill_logits([seq], all_positions=True)[:-1].float()
+        targets = torch.tensor(seq.token_ids[1:], device=self.device)
+        return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
