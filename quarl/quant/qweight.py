@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from quarl.quant import reference as ref
-from quarl.quant.scheme import QuantScheme, get_scheme
+from quarl.quant.scheme import PACK_K, QuantScheme, get_scheme
 
 TENSOR_FIELDS = ("qdata", "scales", "zeros", "global_scale")
 
@@ -60,7 +60,8 @@ class QuantizedWeight:
         """One integer code per weight ``[N, K]`` (unpacked; raw bits for float formats)."""
         n, k = self.shape
         if not self.scheme.quantizes_weights:
-            return self.qdata.contiguous().view(torch.int16 if self.qdata.element_size() == 2 else torch.int32)
+            int_of_size = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+            return self.qdata.contiguous().view(int_of_size[self.qdata.element_size()])
         if self.scheme.packed:
             return ref.unpack_codes(self.qdata, self.scheme.weight_bits)[:, :k]
         return self.qdata.view(torch.uint8) if self.qdata.dtype == torch.float8_e4m3fn else self.qdata
@@ -92,6 +93,41 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme | str) -> QuantizedWeig
     with torch.no_grad():
         tensors = ref.quantize_tensors(w, scheme)
     return QuantizedWeight(scheme, (int(w.shape[0]), int(w.shape[1])), **tensors)
+
+
+def stored_layout(
+    scheme: QuantScheme, out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of the tensors ``quantize_weight`` makes for an ``[N, K]`` weight
+    (``dtype`` is the weight's own dtype, used by ``bf16``)."""
+    n, k = out_features, in_features
+    if not scheme.quantizes_weights:
+        return {"qdata": ((n, k), dtype)}
+    if not scheme.packed:
+        qdt = torch.int8 if scheme.weight_format == "int" else torch.float8_e4m3fn
+        return {"qdata": ((n, k), qdt), "scales": ((n,), torch.float32)}
+    kp = -(-k // PACK_K) * PACK_K
+    ngroups = kp // scheme.group_size
+    sdt = {"fp32": torch.float32, "e4m3": torch.float8_e4m3fn, "e8m0": torch.uint8}[scheme.scale_format]
+    out = {"qdata": ((n, kp * scheme.weight_bits // 8), torch.uint8), "scales": ((n, ngroups), sdt)}
+    if not scheme.symmetric:
+        out["zeros"] = ((n, ngroups), torch.uint8)
+    if scheme.scale_format == "e4m3":
+        out["global_scale"] = ((), torch.float32)
+    return out
+
+
+def empty_quantized(
+    scheme: QuantScheme | str, out_features: int, in_features: int,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedWeight:
+    """Uninitialised storage of the right shapes (what ``QuantLinear`` allocates)."""
+    scheme = get_scheme(scheme)
+    tensors = {
+        f: torch.zeros(shape, dtype=dt, device=device)
+        for f, (shape, dt) in stored_layout(scheme, out_features, in_features, dtype).items()
+    }
+    return QuantizedWeight(scheme, (out_features, in_features), **tensors)
 
 
 assert {f.name for f in fields(QuantizedWeight)} >= set(TENSOR_FIELDS)

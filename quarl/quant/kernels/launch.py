@@ -1,0 +1,240 @@
+"""Python launchers for the Triton kernels, with the tile/split-K dispatch on M.
+
+Imported only when a fast path runs (it imports triton). Shapes: ``x [M, K]`` 2-D and
+contiguous in its last dim; the weight is a :class:`~quarl.quant.qweight.QuantizedWeight`.
+
+Dispatch on M (tile configs picked from the sweep in ``bench/gemm_sweep.py``):
+small M (decode) uses 16-row tiles and splits K until the grid covers the GPU twice
+(fp32 partials reduced by one ``sum``); larger M uses bigger tiles and no split. For
+weight-only formats above ``WO_DEQUANT_MIN_M`` rows the weight is dequantized once and
+the GEMM goes to cuBLAS, which wins once the GEMM is compute-bound.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from quarl.quant.kernels import triton_kernels as tk
+from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.scheme import PACK_K
+
+
+class TileConfig(NamedTuple):
+    bm: int
+    bn: int
+    bk: int = 128  # int8 GEMM only; sub-byte kernels always walk 128-column chunks
+    split_k: int = 0  # 0 = pick to fill the GPU
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+# Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
+WO_DEQUANT_MIN_M: int | None = 1024
+
+# Optional overrides {kernel_name: callable(M, N, K) -> TileConfig} (used by the sweep).
+CONFIG_OVERRIDES: dict[str, object] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pick_split(tiles: int, kblocks: int, sms: int, split_k: int) -> tuple[int, int]:
+    """(splits, k-blocks per split): split K until ~2 waves of programs, >= 2 blocks each."""
+    if split_k == 0:
+        split_k = 1 if tiles >= sms else min(_cdiv(2 * sms, tiles), max(kblocks // 2, 1))
+    per = _cdiv(kblocks, max(split_k, 1))
+    return _cdiv(kblocks, per), per
+
+
+def wo_config(m: int, n: int, k: int) -> TileConfig:
+    if "wo" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["wo"](m, n, k)
+    if m <= 16:
+        return TileConfig(16, 64, num_warps=4, num_stages=4)
+    if m <= 32:
+        return TileConfig(32, 64, num_warps=4, num_stages=4)
+    if m <= 64:
+        return TileConfig(64, 64, num_warps=4, num_stages=3)
+    if m <= 128:
+        return TileConfig(64, 128, num_warps=4, num_stages=3)
+    return TileConfig(128, 128, split_k=1, num_warps=8, num_stages=3)
+
+
+def int8_config(m: int, n: int, k: int) -> TileConfig:
+    if "int8" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["int8"](m, n, k)
+    if m <= 16:
+        return TileConfig(16, 64, 256, num_warps=4, num_stages=4)
+    if m <= 64:
+        return TileConfig(64, 64, 256, num_warps=4, num_stages=4)
+    if m <= 256:
+        return TileConfig(128, 128, 128, num_warps=8, num_stages=4)
+    return TileConfig(128, 256, 128, split_k=1, num_warps=8, num_stages=3)
+
+
+def w4a8_config(m: int, n: int, k: int) -> TileConfig:
+    if "w4a8" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["w4a8"](m, n, k)
+    if m <= 16:
+        return TileConfig(16, 64, num_warps=4, num_stages=4)
+    if m <= 64:
+        return TileConfig(64, 64, num_warps=4, num_stages=3)
+    return TileConfig(128, 128, split_k=1, num_warps=8, num_stages=3)
+
+
+def _interpreting(x: torch.Tensor) -> bool:
+    return x.device.type != "cuda"
+
+
+def _finish_split(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    y = part.sum(0) if part.shape[0] > 1 else part[0]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
+
+
+def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic quantization ``x [M, K]`` -> ``(q [M, K], scale fp32 [M])``."""
+    m, k = x.shape
+    fp8 = act_format == "fp8"
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    block = min(triton_next_pow2(k), 64 if _interpreting(x) else 4096)
+    tk.act_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, num_warps=4)
+    return q, s
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+_FMT = {("int", True): tk.FMT_INT_SYM, ("int", False): tk.FMT_INT_ASYM, ("e4m3",): tk.FMT_NVFP4, ("e8m0",): tk.FMT_MXFP4}
+
+
+def _wo_fmt(qw: QuantizedWeight) -> int:
+    sc = qw.scheme
+    if sc.weight_format == "fp4":
+        return _FMT[(sc.scale_format,)]
+    return _FMT[("int", sc.symmetric)]
+
+
+def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileConfig | None = None) -> torch.Tensor:
+    """Weight-only dequant GEMM ``x [M, K] @ W.T`` for int4/int2/nvfp4/mxfp4 weights."""
+    m, k = x.shape
+    n = qw.shape[0]
+    if WO_DEQUANT_MIN_M is not None and m >= WO_DEQUANT_MIN_M and cfg is None:
+        return torch.nn.functional.linear(x, qw.dequantize(x.dtype), bias)
+    cfg = cfg or wo_config(m, n, k)
+    nchunk = qw.qdata.shape[1] * 8 // qw.scheme.weight_bits // PACK_K
+    tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
+    split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
+    scales = qw.scales.view(torch.uint8) if qw.scales.dtype == torch.float8_e4m3fn else qw.scales
+    zeros = qw.zeros if qw.zeros is not None else scales
+    gs = qw.global_scale if qw.global_scale is not None else scales
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (tiles, split)
+    tk.wo_gemm_kernel[grid](
+        x, qw.qdata, scales, zeros, gs, bias if bias is not None else scales, out,
+        m, n, k, nchunk, per,
+        x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        FMT=_wo_fmt(qw), BITS=qw.scheme.weight_bits, G=qw.scheme.group_size,
+        BM=cfg.bm, BN=cfg.bn, SPLIT_K=split, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out if split == 1 else _finish_split(out, bias, x.dtype)
+
+
+def int8_gemm(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+    out_dtype: torch.dtype, cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """``(xq [M, K] int8 @ W_int8.T) * sx * sw`` (+ bias) with int32 accumulation."""
+    m, k = xq.shape
+    n = qw.shape[0]
+    cfg = cfg or int8_config(m, n, k)
+    kblocks = _cdiv(k, cfg.bk)
+    tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
+    split, per = _pick_split(tiles, kblocks, _num_sms(xq.device), cfg.split_k)
+    if split == 1:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+    tk.int8_gemm_kernel[(tiles, split)](
+        xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out,
+        m, n, k, per, xq.stride(0), qw.qdata.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT_K=split, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out if split == 1 else _finish_split(out, bias, out_dtype)
+
+
+def w4a8_gemm(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+    out_dtype: torch.dtype, cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    m, k = xq.shape
+    n = qw.shape[0]
+    if qw.scheme.group_size not in (64, 128) or not qw.scheme.symmetric:
+        raise ValueError("w4a8 kernel needs symmetric int4 with group 64 or 128")
+    cfg = cfg or w4a8_config(m, n, k)
+    nchunk = qw.qdata.shape[1] * 2 // PACK_K
+    tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
+    split, per = _pick_split(tiles, nchunk, _num_sms(xq.device), cfg.split_k)
+    if split == 1:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+    tk.w4a8_gemm_kernel[(tiles, split)](
+        xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out,
+        m, n, k, nchunk, per,
+        xq.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        G=qw.scheme.group_size, BM=cfg.bm, BN=cfg.bn, SPLIT_K=split, GROUP_M=cfg.group_m,
+        HAS_BIAS=bias is not None and split == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out if split == 1 else _finish_split(out, bias, out_dtype)
+
+
+def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per-token e4m3 activations (Triton quantizer) x per-channel e4m3 weights, row-wise
+    scaled through ``torch._scaled_mm`` (cuBLASLt) on CUDA; dequantized matmul elsewhere."""
+    xq, sx = act_quant(x, "fp8")
+    if x.device.type != "cuda":
+        y = (xq.float() * sx[:, None]) @ qw.dequantize(torch.float32).T
+        return (y + bias.float() if bias is not None else y).to(x.dtype)
+    y = torch._scaled_mm(
+        xq, qw.qdata.t(), scale_a=sx[:, None], scale_b=qw.scales[None, :], out_dtype=x.dtype,
+        bias=bias.to(x.dtype) if bias is not None else None,
+    )
+    return y
+
+
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Fast quantized ``x [M, K] @ W.T + bias`` for any quantized scheme."""
+    sc = qw.scheme
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if sc.act_format == "fp8":
+        return fp8_gemm(x, qw, bias)
+    if sc.act_format == "int8":
+        xq, sx = act_quant(x, "int8")
+        if sc.packed:
+            return w4a8_gemm(xq, sx, qw, bias, x.dtype)
+        return int8_gemm(xq, sx, qw, bias, x.dtype)
+    return wo_gemm(x, qw, bias)

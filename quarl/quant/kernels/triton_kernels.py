@@ -1,0 +1,276 @@
+"""Triton kernels for the quantized GEMMs (imported lazily: needs triton).
+
+Every kernel computes exactly the math of :mod:`quarl.quant.reference` (up to the
+accumulation order of the dot products) and reads the packed layouts defined there:
+for 4-bit formats a chunk of 128 K-columns is 64 bytes per output row, low nibbles
+for columns 0..63 and high nibbles for 64..127, so a tile of packed bytes ``[64, BN]``
+unpacks with one mask and one shift into two ``[64, BN]`` weight tiles that multiply
+two contiguous ``[BM, 64]`` slices of x (2-bit: four quarters of 32). K is looped over
+in such chunks; columns past the logical K are masked out of x, and the packed weights
+there are exact zeros.
+
+Kernels:
+* ``act_quant_kernel``: per-token dynamic int8 / e4m3 quantizer (one program per row,
+  two passes over the row: max-abs, then quantize), feeding the W8A8/W4A8 GEMMs.
+* ``wo_gemm_kernel``: weight-only dequant GEMM (int4 sym/asym, int2 asym, nvfp4, mxfp4)
+  with bf16/fp16 activations; dequantizes each tile in registers then runs a tensor-core
+  dot. ``SPLIT_K > 1`` writes fp32 partial sums ``[SPLIT_K, M, N]`` that the caller
+  reduces (deterministic, unlike atomics): that is the small-M (decode) path.
+* ``int8_gemm_kernel``: W8A8 int8 x int8 -> int32 with both scales fused in the epilogue.
+* ``w4a8_gemm_kernel``: int4 g128 weights unpacked to int8, int8 x int8 dots per group,
+  group scale applied to each group's int32 partial, token scale in the epilogue.
+
+Rounding inside kernels uses the fp32 "magic number" trick (``(v + 1.5 * 2^23) - 1.5 *
+2^23`` rounds to nearest even for ``|v| < 2^22``) and IEEE division (``div_rn``), so
+codes equal those of torch's ``round`` and ``/`` in the reference; e4m3 rounding is done
+in fp32 on the exact grid before the (then exact) cast.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_INT_SYM = 0
+FMT_INT_ASYM = 1
+FMT_NVFP4 = 2
+FMT_MXFP4 = 3
+
+
+@triton.jit
+def _rne(v):
+    magic = tl.full(v.shape, 12582912.0, tl.float32)
+    return (v + magic) - magic
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 -> nearest e4m3 value (still fp32), saturating at +-448."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e_ulp = tl.maximum(e, -6) - 3  # 3 mantissa bits; subnormals share the ulp 2^-9
+    ulp = ((e_ulp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - e_ulp) << 23).to(tl.float32, bitcast=True)
+    return _rne(v * inv_ulp) * ulp
+
+
+@triton.jit
+def act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+    IS_FP8: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        msk = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    a = tl.max(amax, axis=0)
+    qmax = 448.0 if IS_FP8 else 127.0
+    s = tl.where(a > 0, tl.math.div_rn(a, qmax), 1.0)
+    tl.store(s_ptr + row, s)
+    for k0 in range(0, K, BLOCK):
+        msk = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
+        t = tl.math.div_rn(v, tl.full([BLOCK], 1.0, tl.float32) * s)
+        if IS_FP8:
+            tl.store(q_ptr + row * stride_qm + k0 + offs, _round_e4m3(t).to(tl.float8e4nv), mask=msk)
+        else:
+            t = tl.minimum(tl.maximum(_rne(t), -127.0), 127.0)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, t.to(tl.int8), mask=msk)
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering of output tiles so neighbouring programs share weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _e2m1_value(code):
+    """fp32 value of e2m1 codes (int32, sign-magnitude s|ee|m)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+    sign = 1.0 - 2.0 * ((code >> 3) & 1).to(tl.float32)
+    return twice.to(tl.float32) * 0.5 * sign
+
+
+@triton.jit
+def _e4m3_value(b):
+    """fp32 value of non-negative e4m3 bytes (int32)."""
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)
+
+
+@triton.jit
+def _group_param(ptr, offs_n, stride_n, k_first, N, SUB: tl.constexpr, G: tl.constexpr):
+    """Per-group tensor ``[N, Kp/G]`` for the rows k_first..k_first+SUB of a weight tile.
+
+    One row ``[1, BN]`` when the whole sub-tile sits in one group, else ``[SUB, BN]``.
+    """
+    nmask = offs_n[None, :] < N
+    if G >= SUB:
+        return tl.load(ptr + offs_n[None, :] * stride_n + k_first // G, mask=nmask, other=0)
+    rows = (k_first + tl.arange(0, SUB)) // G
+    return tl.load(ptr + offs_n[None, :] * stride_n + rows[:, None], mask=nmask, other=0)
+
+
+@triton.jit
+def wo_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_k = tl.program_id(1)
+    NSUB: tl.constexpr = 8 // BITS
+    SUB: tl.constexpr = 128 // NSUB
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_j = tl.arange(0, SUB)
+    mmask = offs_m[:, None] < M
+    nmask = offs_n[None, :] < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    gscale = 1.0
+    if FMT == 2:
+        gscale = tl.load(gs_ptr)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    c_lo = pid_k * CHUNKS_PER_SPLIT
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
+    for c in range(c_lo, c_hi):
+        packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+        for i in tl.static_range(NSUB):
+            k_first = c * 128 + i * SUB
+            code = (packed >> (BITS * i)) & CODE_MASK
+            if FMT == 2 or FMT == 3:
+                val = _e2m1_value(code)
+            else:
+                val = code.to(tl.float32)
+            s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+            if FMT == 0:
+                val = val - HALF
+            elif FMT == 1:
+                z = _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+                val = val - z.to(tl.float32)
+            if FMT == 2:
+                s = _e4m3_value(s.to(tl.int32)) * gscale
+            elif FMT == 3:
+                s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            w = (val * s).to(x_ptr.dtype.element_ty)
+            ks = k_first + offs_j
+            x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+            acc += tl.dot(x, w)
+    omask = mmask & nmask
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        o = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        o = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(o, acc, mask=omask)
+
+
+@triton.jit
+def int8_gemm_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr,
+    M, N, K, KBLOCKS_PER_SPLIT,
+    stride_am, stride_bn, stride_om, stride_os,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """``out = (a_int8 [M, K] @ b_int8 [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias)."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mmask = offs_m[:, None] < M
+    nmask = offs_n[None, :] < N
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+    b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    kb_lo = pid_k * KBLOCKS_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KBLOCKS_PER_SPLIT, tl.cdiv(K, BK))
+    for kb in range(kb_lo, kb_hi):
+        ks = kb * BK + offs_k
+        a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0)
+        b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+    sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+    y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    omask = mmask & nmask
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)
+
+
+@triton.jit
+def w4a8_gemm_kernel(
+    a_ptr, w_ptr, sa_ptr, s_ptr, bias_ptr, out_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT,
+    stride_am, stride_wn, stride_sn, stride_om, stride_os,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """int8 activations x int4 (symmetric, G in {64, 128}) weights; see module docstring."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_j = tl.arange(0, 64)
+    mmask = offs_m[:, None] < M
+    nmask = offs_n[None, :] < N
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    c_lo = pid_k * CHUNKS_PER_SPLIT
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
+    for c in range(c_lo, c_hi):
+        packed = tl.load(w_cols + (c * 64 + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+        w_lo = ((packed & 15) - 8).to(tl.int8)
+        w_hi = ((packed >> 4) - 8).to(tl.int8)
+        k_lo = c * 128 + offs_j
+        a_lo = tl.load(a_rows + k_lo[None, :], mask=mmask & (k_lo[None, :] < K), other=0)
+        a_hi = tl.load(a_rows + (k_lo + 64)[None, :], mask=mmask & (k_lo[None, :] + 64 < K), other=0)
+        s_lo = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + (c * 128) // G, mask=offs_n < N, other=0.0)
+        if G == 128:
+            part = tl.dot(a_lo, w_lo, out_dtype=tl.int32)
+            part = tl.dot(a_hi, w_hi, part, out_dtype=tl.int32)
+            acc += part.to(tl.float32) * s_lo[None, :]
+        else:
+            s_hi = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + (c * 128 + 64) // G, mask=offs_n < N, other=0.0)
+            acc += tl.dot(a_lo, w_lo, out_dtype=tl.int32).to(tl.float32) * s_lo[None, :]
+            acc += tl.dot(a_hi, w_hi, out_dtype=tl.int32).to(tl.float32) * s_hi[None, :]
+    sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+    y = acc * sa[:, None]
+    omask = mmask & nmask
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)

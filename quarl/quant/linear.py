@@ -1,0 +1,234 @@
+"""The two quantized linear modules and the helpers that swap/publish them in a model.
+
+* :class:`QuantLinear` (rollout engine): holds only the packed tensors, as buffers
+  whose storage never moves, so a CUDA graph captured over it stays valid when new
+  weights are loaded with :meth:`QuantLinear.load_quantized`.
+* :class:`QATLinear` (learner, QaRL "aligned" mode): holds BF16/FP32 master weights;
+  its forward quantizes them and runs the very function ``QuantLinear`` runs
+  (:func:`quarl.quant.ops.quant_linear`), so learner and engine logits agree by
+  construction. Backward is straight-through:
+  ``grad_x = grad_y @ W_deq`` and ``grad_W = grad_y^T @ x_seen`` where ``x_seen`` is the
+  input as the forward's GEMM saw it (quantized-dequantized for W8A8/W4A8).
+  The ``QuantizedWeight`` made by a forward is cached until the master weight changes
+  (tracked through the parameter's version counter and storage pointer; in-place writes
+  through ``.data`` bypass the counter, so call :meth:`QATLinear.invalidate` after those)
+  and is what :meth:`QATLinear.publish` hands to the engine: no re-quantization.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from quarl.quant import ops
+from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
+from quarl.quant.scheme import QuantScheme, get_scheme
+
+DEFAULT_INCLUDE = ("layers.*",)
+
+
+class QuantLinear(nn.Module):
+    """Inference linear over packed weights: ``y = quant_linear(x, W_q) + b``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme | str,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme = get_scheme(scheme)
+        empty = empty_quantized(self.scheme, out_features, in_features, device=device, dtype=dtype)
+        self._fields = tuple(empty.tensors())
+        for name, t in empty.tensors().items():
+            self.register_buffer(name, t)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QuantLinear":
+        w = linear.weight
+        mod = cls(linear.in_features, linear.out_features, scheme, linear.bias is not None, w.device, w.dtype)
+        mod.load_quantized(quantize_weight(w.detach(), mod.scheme))
+        if linear.bias is not None:
+            mod.bias.data.copy_(linear.bias.detach())
+        return mod
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """A view of the buffers (no copy)."""
+        return QuantizedWeight(self.scheme, (self.out_features, self.in_features), **{f: getattr(self, f) for f in self._fields})
+
+    @torch.no_grad()
+    def load_quantized(self, qw: QuantizedWeight) -> None:
+        """Copy published tensors into this module's storage in place."""
+        self.qweight.copy_(qw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.quant_linear(x, self.qweight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
+
+
+class _QATMatmul(torch.autograd.Function):
+    """Forward: the engine's kernel on ``qw``. Backward: straight-through (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, qw: QuantizedWeight):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.qw, ctx.has_bias, ctx.w_dtype = qw, bias is not None, weight.dtype
+        return ops.quant_linear(x, qw, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        qw: QuantizedWeight = ctx.qw
+        gy = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (gy @ qw.dequantize(grad_y.dtype)).view(*grad_y.shape[:-1], -1).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            x_seen = ops.fake_quantize_input(x.reshape(-1, x.shape[-1]), qw.scheme.act_format)
+            grad_w = (gy.T @ x_seen.to(gy.dtype)).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = gy.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+class QATLinear(nn.Module):
+    """Training linear with master weights and the engine's quantized forward."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme | str,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme = get_scheme(scheme)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        self._qw: QuantizedWeight | None = None
+        self._qw_key: tuple | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QATLinear":
+        """Wrap ``linear``'s own Parameters (an optimizer built on them stays valid)."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.in_features, mod.out_features = linear.in_features, linear.out_features
+        mod.scheme = get_scheme(scheme)
+        mod.weight = linear.weight
+        mod.bias = linear.bias
+        mod._qw, mod._qw_key = None, None
+        return mod
+
+    def _key(self) -> tuple:
+        w = self.weight
+        return (w._version, w.data_ptr(), w.device, w.dtype)
+
+    def invalidate(self) -> None:
+        """Forget the cached quantized weight (needed after writes through ``.data``)."""
+        self._qw, self._qw_key = None, None
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The quantized master weight, made once per weight version."""
+        key = self._key()
+        if self._qw is None or self._qw_key != key:
+            self._qw = quantize_weight(self.weight.detach(), self.scheme)
+            self._qw_key = key
+        return self._qw
+
+    def publish(self) -> QuantizedWeight:
+        """The tensors the forward ran on (made now if the weight changed since)."""
+        return self.quantized_weight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _QATMatmul.apply(x, self.weight, self.bias, self.quantized_weight())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
+
+
+def _selected(name: str, include: Iterable[str], exclude: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in include) and not any(
+        fnmatch.fnmatchcase(name, p) for p in exclude
+    )
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme: QuantScheme | str,
+    mode: str = "qat",
+    include: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+) -> list[str]:
+    """Swap the selected ``nn.Linear`` modules of ``model`` in place; returns their names.
+
+    ``mode="qat"`` makes :class:`QATLinear` (sharing the original Parameters),
+    ``mode="inference"`` makes :class:`QuantLinear`. ``include``/``exclude`` are
+    ``fnmatch`` patterns over module names; the default ``("layers.*",)`` takes every
+    linear of the decoder layers and leaves embeddings, norms and the LM head alone.
+    """
+    scheme = get_scheme(scheme)
+    if mode not in ("qat", "inference"):
+        raise ValueError(f"mode must be 'qat' or 'inference', got {mode!r}")
+    include = tuple(DEFAULT_INCLUDE if include is None else include)
+    exclude = tuple(exclude)
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if type(mod) is nn.Linear and _selected(name, include, exclude)
+    ]
+    make = QATLinear.from_linear if mode == "qat" else QuantLinear.from_linear
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(mod, scheme))
+    return [name for name, _ in targets]
+
+
+def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]:
+    """Everything the engine needs, by parameter name: ``"<linear>.weight"`` maps to the
+    ``QuantizedWeight`` of each quantized linear (the one its last forward used), every
+    other parameter (norms, embeddings, LM head, biases) to its detached tensor."""
+    out: dict[str, QuantizedWeight | torch.Tensor] = {}
+    quantized = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QATLinear):
+            quantized[name] = mod.publish()
+        elif isinstance(mod, QuantLinear):
+            quantized[name] = mod.qweight
+    for name, qw in quantized.items():
+        out[f"{name}.weight" if name else "weight"] = qw
+    for name, p in model.named_parameters():
+        if name not in out:
+            out[name] = p.detach()
+    return out
+
+
+@torch.no_grad()
+def load_published(model: nn.Module, published: dict[str, QuantizedWeight | torch.Tensor]) -> None:
+    """Engine side of :func:`publish_model`: copy everything in place (storage kept)."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    for name, value in published.items():
+        if isinstance(value, QuantizedWeight):
+            mod = modules[name.rsplit(".", 1)[0]] if "." in name else model
+            if not isinstance(mod, QuantLinear):
+                raise TypeError(f"{name}: target is {type(mod).__name__}, not QuantLinear")
+            mod.load_quantized(value)
+        else:
+            params[name].copy_(value)

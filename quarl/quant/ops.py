@@ -1,0 +1,80 @@
+"""``quant_linear``: the one GEMM entry point that QuantLinear and QATLinear both call.
+
+Backend choice (``set_backend`` / ``use_backend`` / env ``QUARL_QUANT_BACKEND``):
+``"auto"`` (default) runs the Triton/cuBLAS fast paths for bf16/fp16 inputs on CUDA and
+the pure-torch reference otherwise; ``"triton"`` forces the kernels (on CPU tensors this
+needs ``TRITON_INTERPRET=1``: that is how the CPU tests check them); ``"reference"``
+forces the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from quarl.quant import reference as ref
+from quarl.quant.kernels import triton_available
+from quarl.quant.qweight import QuantizedWeight
+
+BACKENDS = ("auto", "triton", "reference")
+_backend = os.environ.get("QUARL_QUANT_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    old = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
+
+
+def uses_fast_path(x: torch.Tensor) -> bool:
+    if _backend == "reference" or not triton_available():
+        return False
+    if _backend == "triton":
+        return True
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [..., N] = Q_act(x) [..., K] @ deq(W).T + bias`` with the scheme's kernel."""
+    if not qw.scheme.quantizes_weights:
+        return F.linear(x, qw.qdata.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if not uses_fast_path(x):
+        return ref.reference_linear(x, qw, bias)
+    from quarl.quant.kernels import launch
+
+    lead = x.shape[:-1]
+    y = launch.linear(x.reshape(-1, x.shape[-1]), qw, bias)
+    return y.view(*lead, y.shape[-1])
+
+
+def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:
+    """``x`` as the GEMM of :func:`quant_linear` sees it, with the same quantizer it uses."""
+    if act_format == "none":
+        return x
+    if not uses_fast_path(x):
+        return ref.fake_quantize_activations(x, act_format)
+    from quarl.quant.kernels import launch
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    q, s = launch.act_quant(x2, act_format)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (q.to(cdt) * s[:, None].to(cdt)).to(x.dtype).view(x.shape)

@@ -1,0 +1,28 @@
+"""Run the Triton kernels on CPU through the interpreter (set before they are compiled:
+``triton.jit`` reads TRITON_INTERPRET when quarl's kernel module is first imported)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from quarl.quant.kernels import triton_available  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton: needs triton (interpreter on CPU)")
+
+
+@pytest.fixture
+def needs_triton():
+    if not triton_available():
+        pytest.skip("triton not installed")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
