@@ -24,6 +24,7 @@ class EngineConfig:
     max_graph_batch: int | None = None  # largest captured batch (default max_num_seqs)
     attention_backend: str = "auto"  # "auto" (triton on GPU, torch on CPU), "triton", "torch"
     top_p_candidates: int = 1024  # top-p looks at this many most likely tokens at most
+    share_prompt: bool = True  # the n samples of a prompt share its prefill and KV blocks
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:

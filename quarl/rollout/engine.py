@@ -119,7 +119,8 @@ class Engine:
         for i, (prompt, params) in enumerate(zip(prompt_token_ids, sampling_params)):
             group = self._make_group(i, list(prompt), params)
             seqs.extend(group)
-            self.scheduler.add(group)
+            for unit in [group] if self.config.share_prompt else [[s] for s in group]:
+                self.scheduler.add(unit)
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_token_ids))
         preempt0 = self.scheduler.num_preemptions
         while not self.scheduler.is_finished():

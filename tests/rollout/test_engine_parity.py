@@ -69,11 +69,12 @@ def test_seeded_sampling_is_reproducible_and_shared_prompt_matches(tiny_engines)
     b = engine.generate(PROMPTS[:3], shared)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert len({tuple(c.token_ids) for c in a if c.prompt_index == 1}) > 1  # samples differ
-    # Same seeds without sharing: prompt repeated, one sample each, streams (seed, j) kept by
-    # comparing sample j of the shared run with sample j of a run where only j matters.
-    for c in a:
-        alone = tight.generate([PROMPTS[c.prompt_index]], SamplingParams(**{**shared.__dict__, "n": c.sample_index + 1}))
-        assert alone[c.sample_index].token_ids == c.token_ids, family
+    unshared = Engine(engine.model, config=EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64, share_prompt=False))
+    c = unshared.generate(PROMPTS[:3], shared)
+    assert [x.token_ids for x in c] == [x.token_ids for x in a], family
+    assert sum((x.logprobs for x in c), []) == pytest.approx(sum((x.logprobs for x in a), []), abs=1e-6)
+    d = tight.generate(PROMPTS[:3], shared)  # sharing + copy-on-write + preemption
+    assert [x.token_ids for x in d] == [x.token_ids for x in a], family
     # log-probs are those of softmax(logits / T)
     for prompt, c in zip([PROMPTS[c.prompt_index] for c in a], a):
         ids = torch.tensor([prompt + c.token_ids])
@@ -100,3 +101,23 @@ def test_stop_tokens_and_check_logprobs(tiny_engines):
     assert engine.check_logprobs(seq, ref, tol=1e-5) < 1e-5
     with pytest.raises(quarl.rollout.LogprobMismatchError):
         engine.check_logprobs(seq, ref + 0.1, tol=1e-3)
+
+
+def test_triton_backend_matches_hf(hf_checkpoint):
+    """The whole engine on the Triton kernels (interpreted on CPU), prompt sharing included."""
+    family, path, hf = hf_checkpoint
+    engine = Engine(
+        quarl.load_model(path, dtype=torch.float32),
+        config=EngineConfig(max_model_len=40, block_size=4, num_kv_blocks=12, max_num_seqs=4, attention_backend="triton"),
+    )
+    prompts = PROMPTS[:4]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    for prompt, c in zip(prompts, outs):
+        assert c.token_ids == _hf_greedy(hf, prompt, 8), family
+        ref = _hf_logprobs(hf, prompt, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0), family
+    seeded = SamplingParams(n=2, temperature=0.8, max_new_tokens=6, seed=7, ignore_eos=True)
+    torch_engine = Engine(engine.model, config=EngineConfig(max_model_len=40, block_size=4, num_kv_blocks=64))
+    assert [c.token_ids for c in engine.generate(prompts, seeded)] == [
+        c.token_ids for c in torch_engine.generate(prompts, seeded)
+    ]
