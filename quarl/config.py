@@ -98,7 +98,7 @@ class AlgoConfig:
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = 1e-5
-    muon_lr: float = 0.02
+    muon_lr: float | None = None  # None = lr (Muon's update is RMS-matched to AdamW's)
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0

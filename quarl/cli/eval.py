@@ -1,0 +1,45 @@
+"""``quarl eval``: greedy accuracy of a model or a run's checkpoint on the task's eval set."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a run's latest checkpoint (or a model) on the task's eval split",
+        description="Greedy decoding with the rollout engine; prints the task's metrics as JSON.",
+    )
+    p.add_argument("run_dir", nargs="?", help="a run directory (its config and latest checkpoint are used)")
+    p.add_argument("--config", help="YAML run config (when evaluating without a run directory)")
+    p.add_argument("--scheme", help="evaluate with this quantization scheme in the engine (default: the run's)")
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(run=run, accepts_overrides=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from quarl.config import load_run_config
+    from quarl.trainer.loop import Trainer
+
+    overrides = list(args.overrides)
+    resume = False
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        cfg_file = run_dir / "config.yaml"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a quarl run directory?")
+        args.config = str(cfg_file)
+        overrides.append(f"--trainer.run_dir={run_dir}")
+        resume = True
+    if args.scheme:
+        overrides += [f"--quant.scheme={args.scheme}", "--quant.mode=rollout"]
+    cfg = load_run_config(args.config, overrides + ["--trainer.tensorboard=false"])
+    trainer = Trainer(cfg, resume=resume, evaluation_only=True)
+    metrics = trainer.evaluate(log=False)
+    metrics["step"] = trainer.step
+    print(json.dumps(metrics, indent=2))
+    return 0

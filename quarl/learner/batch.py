@@ -1,0 +1,109 @@
+"""The learner's view of a rollout: padded token tensors with the sampler's numbers.
+
+Shapes (B responses, T = longest prompt + response):
+- ``input_ids [B, T]`` prompt then response, right-padded with 0;
+- ``attention_mask [B, T]`` 1 on real tokens;
+- ``response_mask [B, T-1]`` 1 where position t predicts a response token
+  (``input_ids[:, t+1]`` is generated), the layout of
+  :func:`quarl.learner.logprobs.sequence_logprobs`;
+- ``sampler_logp [B, T-1]`` the engine's log-probs of those tokens (0 elsewhere);
+- ``advantages [B]`` (or ``[B, T-1]`` from GAE), ``rewards [B]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    sampler_logp: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+
+    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+        """Rows ``idx``, trimmed to their longest sequence."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
+        t = int(self.attention_mask[idx].sum(-1).max())
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                out[f.name] = None
+            elif v.dim() == 2:
+                width = t if v.shape[1] == self.input_ids.shape[1] else t - 1
+                out[f.name] = v[idx, :width]
+            else:
+                out[f.name] = v[idx]
+        return RolloutBatch(**out)
+
+
+def _to(v, device):
+    return None if v is None else v.to(device)
+
+
+def build_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    sampler_logprobs: list[list[float]],
+    rewards: list[float],
+    advantages: torch.Tensor,
+) -> RolloutBatch:
+    """Pack prompt/response pairs (one row each) into a right-padded :class:`RolloutBatch`."""
+    b = len(responses)
+    t = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.zeros(b, t, dtype=torch.long)
+    attn = torch.zeros(b, t, dtype=torch.long)
+    resp = torch.zeros(b, t - 1)
+    slp = torch.zeros(b, t - 1)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, sampler_logprobs)):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
+        attn[i, :n] = 1
+        if r:
+            resp[i, len(p) - 1 : n - 1] = 1.0
+            slp[i, len(p) - 1 : n - 1] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=resp,
+        sampler_logp=slp,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        advantages=advantages.float(),
+    )
+
+
+def split_by_token_budget(batch: RolloutBatch, token_budget: int) -> list[torch.Tensor]:
+    """Row indices of micro-batches whose padded size (rows x longest row) fits the budget."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i, n in enumerate(lengths):
+        new_max = max(cur_max, n)
+        if cur and new_max * (len(cur) + 1) > token_budget:
+            groups.append(cur)
+            cur, new_max = [], n
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        groups.append(cur)
+    return [torch.tensor(g, dtype=torch.long) for g in groups]

@@ -1,0 +1,205 @@
+"""The learner: log-probs, the policy update with gradient accumulation, the critic.
+
+The policy is a :class:`~quarl.model.Transformer` whose decoder linears are, in
+``aligned`` mode, :class:`quarl.quant.QATLinear` (low-bit forward, straight-through
+backward); the learner does not care which. A step is ``ppo_epochs`` passes over
+``mini_batches`` mini-batches; each mini-batch is cut into micro-batches of at most
+``token_budget`` padded tokens whose gradients are accumulated with weights that make
+the sum equal to the loss over the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
+from quarl.algos.losses import SEQUENCE_LOSSES
+from quarl.learner.batch import RolloutBatch, split_by_token_budget
+from quarl.learner.logprobs import sequence_logprobs
+from quarl.learner.optim import build_optimizer, warmup_constant
+from quarl.model.transformer import Transformer, batch_attention
+
+
+@dataclass
+class UpdateSettings:
+    """What one policy update does (the trainer builds it from AlgoConfig/TrainerConfig)."""
+
+    loss_type: str = "tbpo"
+    loss_hparams: dict = field(default_factory=dict)
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    token_budget: int = 8192
+    temperature: float = 1.0
+    grad_clip: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    value_coef: float = 0.5
+
+
+class Critic(nn.Module):
+    """A value model for PPO with GAE: a transformer trunk with a scalar head."""
+
+    def __init__(self, policy: Transformer) -> None:
+        super().__init__()
+        self.trunk = copy.deepcopy(policy)
+        self.trunk.lm_head = None
+        self.head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.head.to(device=policy.embed_tokens.weight.device, dtype=policy.embed_tokens.weight.dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values ``[B, T-1]`` of the states that predict tokens 1..T-1."""
+        positions, attn = batch_attention(input_ids, attention_mask)
+        h = self.trunk.hidden_states(input_ids, positions, attn)[:, :-1]
+        return self.head(h).squeeze(-1).float()
+
+
+class Learner:
+    def __init__(
+        self,
+        model: Transformer,
+        optim_name: str = "adamw",
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        muon_lr: float | None = None,
+        warmup_steps: int = 0,
+        ref_model: Transformer | None = None,
+        critic: Critic | None = None,
+    ) -> None:
+        self.model = model
+        self.ref_model = ref_model
+        self.critic = critic
+        self.optimizer = build_optimizer(model, optim_name, lr, weight_decay, tuple(betas), muon_lr)
+        self.scheduler = warmup_constant(self.optimizer, warmup_steps)
+        self.critic_optimizer = (
+            torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay) if critic is not None else None
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ---- forward passes -------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, token_budget: int, temperature: float = 1.0, ref: bool = False):
+        """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference)."""
+        model = self.ref_model if ref else self.model
+        out = torch.zeros_like(batch.sampler_logp)
+        for idx in split_by_token_budget(batch, token_budget):
+            mb = batch.select(idx)
+            lp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
+            out[idx, : lp.shape[1]] = lp.float() * mb.response_mask
+        return out
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch, token_budget: int) -> torch.Tensor:
+        out = torch.zeros_like(batch.sampler_logp)
+        for idx in split_by_token_budget(batch, token_budget):
+            mb = batch.select(idx)
+            v = self.critic(mb.input_ids, mb.attention_mask)
+            out[idx, : v.shape[1]] = v * mb.response_mask
+        return out
+
+    # ---- the update -----------------------------------------------------------------
+    def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
+        """``ppo_epochs`` x ``mini_batches`` optimizer steps on ``batch`` (already on device)."""
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        skipped = 0
+        n = batch.size
+        per_mb = math.ceil(n / s.mini_batches)
+        for _epoch in range(s.ppo_epochs):
+            for start in range(0, n, per_mb):
+                rows = torch.arange(start, min(n, start + per_mb), device=batch.input_ids.device)
+                metrics, ok = self._mini_batch_step(batch, rows, s, returns)
+                skipped += 0 if ok else 1
+                for k, v in metrics.items():
+                    if math.isfinite(v):
+                        sums[k] = sums.get(k, 0.0) + v
+                        counts[k] = counts.get(k, 0) + 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out["train/skipped_updates"] = float(skipped)
+        return out
+
+    def _mini_batch_step(
+        self, batch: RolloutBatch, rows: torch.Tensor, s: UpdateSettings, returns: torch.Tensor | None
+    ) -> tuple[dict[str, float], bool]:
+        mini = batch.select(rows)
+        ret = returns[rows] if returns is not None else None
+        seq_loss = s.loss_type in SEQUENCE_LOSSES
+        total_tokens = max(mini.num_response_tokens, 1)
+        total_rows = mini.size
+        max_len = int(mini.response_mask.sum(-1).max().clamp(min=1))
+        hparams = dict(s.loss_hparams)
+        if s.loss_hparams.get("agg") == "seq-mean-token-sum-norm":
+            hparams.setdefault("max_len", max_len)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        metric_acc: dict[str, float] = {}
+        for idx in split_by_token_budget(mini, s.token_budget):
+            mb = mini.select(idx)
+            # Weight of this micro-batch in the mini-batch's mean (exact for token-mean and
+            # the sequence means, since each micro-batch normalises by its own count).
+            token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
+            weight = mb.num_response_tokens / total_tokens if token_mean else mb.size / total_rows
+            logp, entropy = sequence_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True
+            )
+            mask = mb.response_mask
+            old = mb.old_logp if mb.old_logp is not None else logp.detach()
+            loss, m = compute_policy_loss(
+                s.loss_type, logp=logp, old_logp=old, sampler_logp=mb.sampler_logp,
+                advantages=mb.advantages, mask=mask, **hparams,
+            )
+            m["entropy"] = float(masked_mean(entropy, mask))
+            if s.kl_coef > 0 and mb.ref_logp is not None:
+                kl = masked_mean(kl_penalty(logp, mb.ref_logp, s.kl_estimator, mask), mask)
+                loss = loss + s.kl_coef * kl
+                m["loss/kl"] = float(kl)
+            if self.critic is not None and ret is not None:
+                v = self.critic(mb.input_ids, mb.attention_mask)
+                v_loss = 0.5 * masked_mean((v - ret[idx, : v.shape[1]]) ** 2, mask)
+                loss = loss + s.value_coef * v_loss
+                m["loss/value"] = float(v_loss)
+            (loss * weight).backward()
+            for k, v in m.items():
+                metric_acc[k] = metric_acc.get(k, 0.0) + float(v) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        metric_acc["grad_norm"] = float(grad_norm)
+        ok = math.isfinite(float(grad_norm)) and all(math.isfinite(v) for k, v in metric_acc.items() if k.startswith("loss/"))
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+            if self.critic_optimizer is not None:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), s.grad_clip)
+                self.critic_optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metric_acc, ok
+
+    # ---- state ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        if self.critic is not None:
+            sd["critic"] = self.critic.state_dict()
+            sd["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        if self.critic is not None and "critic" in sd:
+            self.critic.load_state_dict(sd["critic"])
+            self.critic_optimizer.load_state_dict(sd["critic_optimizer"])

@@ -1,0 +1,89 @@
+"""Where metrics go: ``metrics.jsonl`` always, TensorBoard and wandb when enabled.
+
+``metrics.jsonl`` holds one JSON object per step with the metric names of DESIGN.md;
+on resume, lines of steps past the checkpoint are dropped so the file reads as one
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict | None = None, resume_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
+            truncate_after(self.samples_path, resume_step)
+        elif self.path.exists():
+            self.path.unlink()
+            self.samples_path.unlink(missing_ok=True)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
+        self.wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ValueError("trainer.wandb_project is set but wandb is not installed: pip install wandb") from e
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir), resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        with open(self.samples_path, "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **s}) + "\n")
+        if self.tb is not None and samples:
+            text = "\n\n".join(f"**prompt** `{s['prompt']}`  \n**completion** `{s['completion']}`  \n"
+                               f"reward {s['reward']}" for s in samples)
+            self.tb.add_text("samples", text, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Keep the lines of ``path`` whose ``step`` is <= ``step``."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a quarl run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,409 @@
+"""The QaRL training loop.
+
+One step, top to bottom (DESIGN.md, "Architecture"):
+
+1. prompts      the next ``prompts_per_step`` examples of the task
+2. rollout      the engine samples ``n`` completions per prompt (low-bit in
+                ``rollout``/``aligned`` mode) and returns their log-probs
+3. rewards      the task's verifier, in a process pool with a timeout
+4. advantages   group-relative (GRPO, Dr.GRPO, RLOO) or GAE with a critic
+5. old logp     the learner's log-probs of the sampled tokens before the update (in
+                ``aligned`` mode through the same low-bit GEMM as the engine)
+6. update       ``ppo_epochs`` x ``mini_batches`` steps of the configured loss
+7. publish      the learner's weights (its packed low-bit tensors in ``aligned``
+                mode, no re-quantization) are copied into the engine in place
+8. log / eval / checkpoint
+
+All randomness of a step is derived from ``(seed, step)``, so a resumed run repeats
+the steps of an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from quarl.algos import compute_advantages, compute_gae, mismatch_metrics, repeat_fraction
+from quarl.algos.losses import policy_loss_defaults
+from quarl.config import RunConfig
+from quarl.configuration import dump_yaml, to_dict
+from quarl.learner.batch import RolloutBatch, build_batch
+from quarl.learner.learner import Critic, Learner, UpdateSettings
+from quarl.rollout import Engine, EngineConfig, SamplingParams
+from quarl.tasks.tokenizer import load_tokenizer
+from quarl.trainer import checkpoint as ckpt
+from quarl.trainer.logger import MetricsLogger
+from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
+from quarl.trainer.weights import Publisher, build_engine_model
+
+
+class TrainingAborted(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, resume: bool = False, console=None, evaluation_only: bool = False) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device, self.dtype = resolve_runtime(cfg)
+        self.console = console
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        if not evaluation_only:
+            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path if _has_tok(cfg) else None)
+        self.task, self.rewards = build_task_and_rewards(cfg.data)
+        self.train_examples = self.task.train_examples()
+        self.eval_examples = self.task.eval_examples()
+        base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say)
+
+        q = cfg.quant
+        engine_model = build_engine_model(copy.deepcopy(base), q.mode, q.scheme, q.include, q.exclude)
+        self.engine = Engine(engine_model, scheme=None, config=self._engine_config())
+        self.publisher = Publisher(base, self.engine, q.mode, q.scheme, q.include, q.exclude)
+        ref = copy.deepcopy(base).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        critic = Critic(base) if cfg.algo.advantage == "gae" else None
+        self.learner = Learner(
+            self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
+            tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic,
+        )
+        self.step = 0
+        self.data_pos = 0
+        self.bad_steps = 0
+        start_step = None
+        if resume:
+            start_step = self._restore()
+        self.logger = None if evaluation_only else MetricsLogger(
+            self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg), resume_step=start_step
+        )
+        self.publisher.publish()  # the engine starts from exactly the learner's weights
+        self.sync_error = self._check_engine_sync()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _say(self, msg: str) -> None:
+        if self.console is not None:
+            self.console.print(msg)
+
+    def _engine_config(self) -> EngineConfig:
+        r, d = self.cfg.rollout, self.cfg.data
+        return EngineConfig(
+            max_num_seqs=r.max_num_seqs,
+            max_model_len=d.max_prompt_len + r.max_new_tokens,
+            block_size=r.block_size,
+            gpu_memory_utilization=r.kv_cache_fraction,
+            num_kv_blocks=None if self.device.type == "cuda" else r.num_kv_blocks,
+            cuda_graphs=r.cuda_graphs,
+        )
+
+    def _check_engine_sync(self) -> float:
+        """Engine vs learner log-probs of one fixed sequence right after publishing."""
+        ex = self.eval_examples[0] if self.eval_examples else self.train_examples[0]
+        ids = self.tokenizer.apply_chat_template(self.task.messages(ex))[-32:] + self.tokenizer.encode("12")
+        batch = build_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], [0.0], torch.zeros(1)).to(self.device)
+        ref = self.learner.logprobs(batch, 1 << 30)[0]
+        diff = self.engine.check_logprobs(ids, ref.cpu())
+        # A stale or mis-published weight shows as a gap of order 1; quantization noise is far smaller.
+        if self.cfg.quant.mode != "rollout" and diff > 0.5:
+            raise RuntimeError(f"engine and learner disagree after publishing (max |dlogp| = {diff:.3f})")
+        return diff
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, float]:
+        from quarl.trainer.progress import StepProgress
+
+        t = self.cfg.trainer
+        last: dict[str, float] = {}
+        interrupted = False
+        old_handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            with StepProgress(t.steps, self.step, enabled=self.console is not None) as progress:
+                while self.step < t.steps:
+                    metrics = self.train_step()
+                    self.step += 1
+                    if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
+                        metrics.update(self.evaluate())
+                    self.logger.log(self.step, metrics)
+                    progress.update(self.step, metrics)
+                    last = metrics
+                    if t.save_every > 0 and self.step % t.save_every == 0:
+                        self.save()
+        except KeyboardInterrupt:
+            interrupted = True
+            self._say(f"[yellow]interrupted at step {self.step}: writing a final checkpoint[/yellow]")
+        finally:
+            signal.signal(signal.SIGTERM, old_handler)
+        self.save()
+        self.logger.close()
+        self.rewards.close()
+        if interrupted:
+            raise KeyboardInterrupt
+        return last
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        prompts, examples = self._next_prompts(cfg.trainer.prompts_per_step)           # 1
+        t0 = time.perf_counter()
+        completions = self._rollout(prompts, seed_offset=0)                            # 2
+        rollout_s = time.perf_counter() - t0
+        gen_tokens = sum(len(c.token_ids) for c in completions)
+        rewards, reward_metrics = self._score(completions, examples)                   # 3
+        if cfg.trainer.dynamic_sampling:
+            prompts, examples, completions, rewards, extra = self._dynamic_sampling(
+                prompts, examples, completions, rewards
+            )
+            reward_metrics.update(extra)
+        n = cfg.rollout.n
+        batch = self._make_batch(prompts, completions, rewards, n)                     # 4 (group advantages)
+        t1 = time.perf_counter()
+        self.engine.release_kv_cache()
+        batch = batch.to(self.device)
+        batch.old_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature)  # 5
+        if cfg.algo.kl_coef > 0:
+            batch.ref_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature, ref=True)
+        returns = self._gae(batch) if cfg.algo.advantage == "gae" else None
+        mis = mismatch_metrics(batch.old_logp, batch.sampler_logp, batch.response_mask)
+        update = self.learner.update(batch, self._update_settings(), returns)          # 6
+        learner_s = time.perf_counter() - t1
+        memory = self._memory_metrics()
+        self.engine.reallocate_kv_cache()
+        t2 = time.perf_counter()
+        quant_metrics = self.publisher.publish()                                       # 7
+        publish_s = time.perf_counter() - t2
+        self._check_finite(update)
+        lengths = [len(c.token_ids) for c in completions]
+        metrics = {
+            **reward_metrics,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "acc/mean": float((rewards >= 1.0).float().mean()),
+            "response/len_mean": sum(lengths) / len(lengths),
+            "response/len_max": float(max(lengths)),
+            "response/clip_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "response/repeat_frac": repeat_fraction([c.token_ids for c in completions]),
+            **mis,
+            **update,
+            **quant_metrics,
+            **memory,
+            "loss/policy": update.get("loss/policy", float("nan")),
+            "tbpo/drop_frac_pos": update.get("tbpo/drop_frac_pos", 0.0),
+            "tbpo/drop_frac_neg": update.get("tbpo/drop_frac_neg", 0.0),
+            "train/lr": self.learner.scheduler.get_last_lr()[0],
+            "train/bad_steps": float(self.bad_steps),
+            "time/rollout": rollout_s,
+            "time/learner": learner_s,
+            "time/publish": publish_s,
+            "time/step": time.perf_counter() - t_step,
+            "rollout/tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
+        }
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def _next_prompts(self, count: int):
+        """The next ``count`` examples of a seeded, per-epoch shuffle (resumable by position)."""
+        n = len(self.train_examples)
+        out_prompts, out_examples = [], []
+        for _ in range(count):
+            epoch, idx = divmod(self.data_pos, n)
+            order = list(range(n))
+            random.Random(self.cfg.data.seed * 1_000_003 + epoch).shuffle(order)
+            ex = self.train_examples[order[idx]]
+            self.data_pos += 1
+            ids = self.tokenizer.apply_chat_template(self.task.messages(ex))
+            out_prompts.append(ids[-self.cfg.data.max_prompt_len :])
+            out_examples.append(ex)
+        return out_prompts, out_examples
+
+    def _sampling_params(self, seed: int, temperature: float | None = None, n: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=r.n if n is None else n,
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed,
+        )
+
+    def _rollout(self, prompts: list[list[int]], seed_offset: int):
+        base = (self.cfg.trainer.seed * 1_000_003 + self.step) * 1009 + seed_offset
+        params = [self._sampling_params(base * 4099 + i) for i in range(len(prompts))]
+        return self.engine.generate(prompts, params)
+
+    def _score(self, completions, examples) -> tuple[torch.Tensor, dict[str, float]]:
+        n = self.cfg.rollout.n
+        texts = [self.tokenizer.decode(c.token_ids) for c in completions]
+        exs = [examples[c.prompt_index] for c in completions]
+        scores, stats = self.rewards.score(texts, exs)
+        assert len(scores) == len(completions) == len(examples) * n
+        return torch.tensor(scores, dtype=torch.float32), stats
+
+    def _dynamic_sampling(self, prompts, examples, completions, rewards):
+        """DAPO: drop groups whose rewards are all equal, refill with fresh prompts."""
+        n, want = self.cfg.rollout.n, len(prompts)
+        keep_p, keep_e, keep_c, keep_r = [], [], [], []
+        dropped, rounds = 0, 0
+        while True:
+            groups = rewards.view(-1, n)
+            for g in range(groups.shape[0]):
+                if len(keep_p) == want:
+                    break
+                if float(groups[g].max() - groups[g].min()) == 0.0:
+                    dropped += 1
+                    continue
+                keep_p.append(prompts[g])
+                keep_e.append(examples[g])
+                cs = [c for c in completions if c.prompt_index == g]
+                keep_c.append(cs)
+                keep_r.append(groups[g])
+            if len(keep_p) == want or rounds >= 3:
+                break
+            rounds += 1
+            prompts, examples = self._next_prompts(want)
+            completions = self._rollout(prompts, seed_offset=rounds)
+            rewards, _ = self._score(completions, examples)
+        if not keep_p:  # every group was uniform: train on the last batch as is (zero advantages)
+            keep_p, keep_e = prompts, examples
+            keep_c = [[c for c in completions if c.prompt_index == g] for g in range(len(prompts))]
+            keep_r = list(rewards.view(-1, n))
+        flat = []
+        for gi, cs in enumerate(keep_c):
+            for c in cs:
+                c.prompt_index = gi
+                flat.append(c)
+        extra = {"dapo/dropped_groups": float(dropped), "dapo/refill_rounds": float(rounds)}
+        return keep_p, keep_e, flat, torch.cat(keep_r), extra
+
+    def _make_batch(self, prompts, completions, rewards: torch.Tensor, n: int) -> RolloutBatch:
+        a = self.cfg.algo
+        if a.advantage == "gae":
+            adv = torch.zeros_like(rewards)
+        else:
+            adv = compute_advantages(a.advantage, rewards, n)
+        batch = build_batch(
+            [prompts[c.prompt_index] for c in completions],
+            [c.token_ids for c in completions],
+            [c.logprobs for c in completions],
+            rewards.tolist(),
+            adv,
+        )
+        if self.cfg.trainer.overlong_filter:
+            # DAPO overlong filtering: truncated responses carry no learning signal.
+            truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+            batch.response_mask[truncated] = 0.0
+        return batch
+
+    def _gae(self, batch: RolloutBatch) -> torch.Tensor:
+        """Token-level advantages from the critic (reward on each response's last token)."""
+        mask = batch.response_mask
+        values = self.learner.values(batch, self.cfg.trainer.token_budget)
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+        token_rewards = torch.where(last, batch.rewards[:, None].to(mask.dtype), torch.zeros_like(mask))
+        adv, returns = compute_gae(token_rewards, values, mask, self.cfg.algo.gamma, self.cfg.algo.lam)
+        # whiten over the batch's response tokens, as PPO implementations do
+        m = mask > 0
+        if m.any():
+            mu, sd = adv[m].mean(), adv[m].std() if int(m.sum()) > 1 else torch.tensor(1.0)
+            adv = torch.where(m, (adv - mu) / (sd + 1e-8), torch.zeros_like(adv))
+        batch.advantages = adv
+        return returns
+
+    def _update_settings(self) -> UpdateSettings:
+        a, t = self.cfg.algo, self.cfg.trainer
+        valid = policy_loss_defaults(a.loss)
+        wanted = {
+            "eps_low": a.eps_low, "eps_high": a.eps_high, "delta_low": a.delta_low, "delta_high": a.delta_high,
+            "dual_clip_c": a.dual_clip_c, "cap": a.cap, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg,
+            "agg": a.agg, "correction": a.correction if a.correction != "none" else None,
+        }
+        hp = {k: v for k, v in wanted.items() if v is not None and k in valid}
+        if a.correction != "none" and "correction" not in valid:
+            raise ValueError(f"loss {a.loss!r} takes no correction; set algo.correction=none")
+        ppo_epochs, mini_batches = (1, 1) if t.on_policy else (t.ppo_epochs, t.mini_batches)
+        return UpdateSettings(
+            loss_type=a.loss, loss_hparams=hp, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
+            token_budget=t.token_budget, temperature=self.cfg.rollout.temperature,
+            grad_clip=self.cfg.optim.grad_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+            value_coef=a.value_coef,
+        )
+
+    def _check_finite(self, update: dict[str, float]) -> None:
+        if update.get("train/skipped_updates", 0) > 0:
+            self.bad_steps += 1
+            self._say(f"[yellow]step {self.step + 1}: non-finite loss or gradient, update skipped "
+                      f"({self.bad_steps} in a row)[/yellow]")
+            if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+                raise TrainingAborted(
+                    f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; lower optim.lr "
+                    "or check the data (the last good checkpoint is intact)"
+                )
+        else:
+            self.bad_steps = 0
+
+    def _memory_metrics(self) -> dict[str, float]:
+        if self.device.type != "cuda":
+            return {}
+        out = {"memory/learner_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+        torch.cuda.reset_peak_memory_stats()
+        return out
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self, log: bool = True) -> dict[str, float]:
+        exs = self.eval_examples
+        if not exs:
+            return {}
+        prompts = [self.tokenizer.apply_chat_template(self.task.messages(e))[-self.cfg.data.max_prompt_len :]
+                   for e in exs]
+        params = self._sampling_params(seed=0, temperature=0.0, n=1)
+        comps = self.engine.generate(prompts, params)
+        texts = [self.tokenizer.decode(c.token_ids) for c in comps]
+        metrics = self.task.evaluate(texts, exs)
+        k = self.cfg.trainer.log_samples
+        samples = [
+            {"prompt": self.tokenizer.decode(p), "completion": t, "answer": e.answer,
+             "reward": self.task.reward(t, e)}
+            for p, t, e in list(zip(prompts, texts, exs))[:k]
+        ]
+        if log and self.logger is not None:
+            self.logger.log_samples(self.step, samples)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        state = {
+            "step": self.step,
+            "data_pos": self.data_pos,
+            "bad_steps": self.bad_steps,
+            "learner": self.learner.state_dict(),
+            "rng": ckpt.rng_state(),
+            "config": to_dict(self.cfg),
+        }
+        return ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.trainer.keep_last)
+
+    def _restore(self) -> int | None:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            self._say(f"no checkpoint in {self.run_dir}: starting from step 0")
+            return None
+        state = ckpt.load_checkpoint(path, map_location=self.device)
+        self.learner.load_state_dict(state["learner"])
+        self.step, self.data_pos, self.bad_steps = state["step"], state["data_pos"], state["bad_steps"]
+        ckpt.set_rng_state(state["rng"])
+        self._say(f"resumed from {path} (step {self.step})")
+        return self.step
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _has_tok(cfg: RunConfig) -> bool:
+    return bool(cfg.model.tokenizer or cfg.model.path)
+

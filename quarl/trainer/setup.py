@@ -1,0 +1,78 @@
+"""Building what a run needs from its config: device, task, rewards, the base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from quarl.cli.common import resolve_device, resolve_dtype
+from quarl.config import DataConfig, RunConfig
+from quarl.model.presets import build_random_model, preset_config
+from quarl.model.transformer import Transformer
+
+
+def resolve_runtime(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
+    device = resolve_device(cfg.trainer.device)
+    return device, resolve_dtype(cfg.model.dtype, device)
+
+
+def build_task_and_rewards(data: DataConfig):
+    """The task and a reward pool scoring completions with the configured verifier."""
+    from quarl.tasks import RewardPool, build_task
+
+    task = build_task(data)
+    spec = task.reward_spec() if data.reward == "builtin" else data.reward
+    pool = RewardPool(spec, workers=data.reward_workers, timeout_s=data.reward_timeout_s)
+    return task, pool
+
+
+def build_base_model(
+    cfg: RunConfig,
+    tokenizer,
+    task,
+    device: torch.device,
+    dtype: torch.dtype,
+    run_dir: Path,
+    say: Callable[[str], None],
+) -> Transformer:
+    """The policy at step 0: a local checkpoint, or the built-in model after its warm-start."""
+    import quarl
+    from quarl.trainer.warmstart import cached_warmstart, sft_pairs, supervised_finetune
+
+    m, t = cfg.model, cfg.trainer
+    if m.path:
+        model = quarl.load_model(m.path, dtype=dtype, device=device)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                f"{model.config.vocab_size}; set model.tokenizer to the model's own tokenizer"
+            )
+    else:
+        arch = preset_config(m.builtin)
+        if tokenizer.vocab_size > arch.vocab_size:
+            raise ValueError("the built-in models use the built-in tokenizer; unset model.tokenizer")
+        model = build_random_model(arch, seed=t.seed, dtype=torch.float32, device=device)
+    if t.sft_warmup_steps > 0:
+        pairs = sft_pairs(task, tokenizer, task.train_examples())
+        key = {
+            "model": m.path or m.builtin, "task": cfg.data.task, "difficulty": cfg.data.difficulty,
+            "data_seed": cfg.data.seed, "steps": t.sft_warmup_steps, "lr": t.sft_lr, "seed": t.seed,
+            "tokenizer": getattr(tokenizer, "name", "?"),
+        }
+        base = model.float()
+
+        def train(mdl: Transformer) -> list[float]:
+            say(f"supervised warm-start: {t.sft_warmup_steps} steps on {len(pairs)} worked solutions")
+            return supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed)
+
+        model, cached = cached_warmstart(run_dir / "warmstart", key, lambda: base, train, dtype, device)
+        if cached:
+            say(f"supervised warm-start: loaded from {run_dir / 'warmstart'}")
+    model = model.to(dtype=dtype)
+    if cfg.quant.uaq_scale != 1.0:
+        from quarl.quant import apply_uaq
+
+        apply_uaq(model, cfg.quant.uaq_scale)
+    return model

@@ -1,0 +1,82 @@
+"""Keeping the engine's weights equal to the learner's, per training mode.
+
+- ``bf16``: the learner's tensors are copied into the engine.
+- ``rollout``: the learner's full-precision linears are quantized at publish time (the
+  FlashRL/QuRL setting: the sampler sees ``Q(theta)``, the learner ``theta``).
+- ``aligned`` (QaRL): the learner's linears are :class:`QATLinear`; their forward
+  already made the packed tensors, and those exact tensors are published.
+
+Each publish also measures how the low-bit weights moved (DESIGN.md metric names):
+``quant/update_visible_frac`` (codes changed since the last publish),
+``quant/rel_update`` (QuRL eq. 13) and ``quant/rel_quant_err`` (QuRL eq. 14). On big
+models these are estimated on up to four decoder layers (first, two middle, last).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quarl.quant import (
+    QuantLinear,
+    get_scheme,
+    publish_model,
+    quantize_model,
+    quantize_weight,
+    rel_quant_err,
+    rel_update,
+    update_visible_frac,
+)
+from quarl.rollout import Engine
+
+
+def build_engine_model(model: nn.Module, mode: str, scheme: str, include, exclude) -> nn.Module:
+    """Swap the engine copy's selected linears for packed :class:`QuantLinear` (not in bf16 mode)."""
+    if mode != "bf16":
+        quantize_model(model, scheme, mode="inference", include=include, exclude=exclude)
+    return model
+
+
+def _metric_layers(num_layers: int) -> set[int]:
+    return {0, num_layers // 3, (2 * num_layers) // 3, num_layers - 1}
+
+
+class Publisher:
+    def __init__(self, learner_model: nn.Module, engine: Engine, mode: str, scheme: str, include, exclude) -> None:
+        self.mode = mode
+        self.engine = engine
+        self.scheme = None if mode == "bf16" else get_scheme(scheme)
+        if mode == "aligned":
+            quantize_model(learner_model, self.scheme, mode="qat", include=include, exclude=exclude)
+        self.learner_model = learner_model
+        self.quantized = [n + ".weight" for n, m in engine.model.named_modules() if isinstance(m, QuantLinear)]
+        keep = _metric_layers(len(learner_model.layers))
+        self.tracked = [n for n in self.quantized if int(n.split(".")[1]) in keep]
+        self._prev_codes: dict | None = None
+        self._prev_weights: dict | None = None
+
+    @torch.no_grad()
+    def published(self) -> dict:
+        if self.mode == "aligned":
+            return publish_model(self.learner_model)
+        out = {n: p.detach() for n, p in self.learner_model.named_parameters()}
+        for n in self.quantized:
+            out[n] = quantize_weight(out[n], self.scheme)
+        return out
+
+    @torch.no_grad()
+    def publish(self) -> dict[str, float]:
+        pub = self.published()
+        self.engine.load_weights(pub)
+        if self.scheme is None or not self.tracked:
+            return {}
+        params = dict(self.learner_model.named_parameters())
+        qws = {n: pub[n] for n in self.tracked}
+        weights = {n: params[n].detach() for n in self.tracked}
+        metrics = {"quant/rel_quant_err": rel_quant_err(weights, qws)}
+        if self._prev_codes is not None:
+            metrics["quant/update_visible_frac"] = update_visible_frac(self._prev_codes, qws)
+            metrics["quant/rel_update"] = rel_update(weights, self._prev_weights)
+        self._prev_codes = {n: q.clone() for n, q in qws.items()}
+        self._prev_weights = {n: w.clone() for n, w in weights.items()}
+        return metrics
