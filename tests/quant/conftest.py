@@ -26,3 +26,11 @@ def needs_triton():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request):
+    """Run a test once on the reference and once on the Triton kernels (interpreted on CPU)."""
+    if request.param == "triton":
+        request.getfixturevalue("needs_triton")
+    return request.param

@@ -52,7 +52,8 @@ def _round_e4m3(v):
     e_ulp = tl.maximum(e, -6) - 3  # 3 mantissa bits; subnormals share the ulp 2^-9
     ulp = ((e_ulp + 127) << 23).to(tl.float32, bitcast=True)
     inv_ulp = ((127 - e_ulp) << 23).to(tl.float32, bitcast=True)
-    return _rne(v * inv_ulp) * ulp
+    r = _rne(tl.abs(v) * inv_ulp) * ulp
+    return tl.where(v < 0, -r, r)  # keeps the sign of values that round to zero, as torch does
 
 
 @triton.jit

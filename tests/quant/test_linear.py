@@ -1,0 +1,155 @@
+"""QuantLinear / QATLinear: aligned forward, straight-through gradients, publish/load."""
+
+import pytest
+import torch
+from torch import nn
+
+from quarl.model import Transformer, TransformerConfig
+from quarl.quant import (
+    QATLinear,
+    QuantLinear,
+    get_scheme,
+    load_published,
+    publish_model,
+    quantize_model,
+    quantize_weight,
+    use_backend,
+)
+from quarl.quant import reference as ref
+from quarl.quant.ops import fake_quantize_input
+
+ALL = ["bf16", "w8a8-int8", "w8a8-fp8", "w4a16", "w4a16-asym", "w4a8-int8", "nvfp4", "mxfp4", "w2a16"]
+
+
+def tiny_model(dtype=torch.float32, layers=2) -> Transformer:
+    cfg = TransformerConfig(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype)
+    with torch.no_grad():  # non-trivial norms so UAQ/quantization see realistic inputs
+        for layer in model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_qat_forward_equals_quantlinear_forward_exactly(name, backend):
+    lin = nn.Linear(200, 48, bias=True)
+    qat = QATLinear.from_linear(lin, name)
+    inf = QuantLinear.from_linear(lin, name)
+    x = torch.randn(3, 7, 200)
+    with use_backend(backend):
+        assert torch.equal(qat(x), inf(x))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_qat_gradients_equal_autograd_through_dequantized_reference(name, backend):
+    sc = get_scheme(name)
+    lin = nn.Linear(200, 48, bias=True).double()
+    qat = QATLinear.from_linear(lin, sc)
+    x = torch.randn(3, 5, 200, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(3, 5, 48, dtype=torch.float64)
+    with use_backend(backend):
+        qat(x).backward(gy)
+        # Straight-through estimator written with autograd: forward sees fq(x) and W_deq,
+        # gradients flow to x and W as if quantization were the identity.
+        w = lin.weight.detach().clone().requires_grad_(True)
+        b = lin.bias.detach().clone().requires_grad_(True)
+        x2 = x.detach().clone().requires_grad_(True)
+        w_ste = w + (quantize_weight(w.detach(), sc).dequantize(torch.float64) - w).detach()
+        x_ste = x2 + (fake_quantize_input(x2.detach(), sc.act_format) - x2).detach()
+        torch.nn.functional.linear(x_ste, w_ste, b).backward(gy)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lin.weight.grad, w.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lin.bias.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_qat_grad_w_uses_activations_as_seen_by_forward():
+    lin = nn.Linear(64, 16, bias=False)
+    qat = QATLinear.from_linear(lin, "w8a8-int8")
+    x = torch.randn(4, 64)
+    gy = torch.randn(4, 16)
+    qat(x).backward(gy)
+    assert torch.allclose(lin.weight.grad, gy.T @ ref.fake_quantize_activations(x, "int8"), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(lin.weight.grad, gy.T @ x, rtol=1e-6, atol=1e-6)
+
+
+def test_publish_caches_until_master_weight_changes():
+    lin = nn.Linear(128, 32)
+    qat = QATLinear.from_linear(lin, "w4a16")
+    x = torch.randn(2, 128)
+    qat(x)
+    qw = qat.publish()
+    assert qat.publish() is qw  # no re-quantization
+    qat(x)
+    assert qat.publish() is qw
+    opt = torch.optim.SGD(qat.parameters(), lr=1.0)
+    qat(x).sum().backward()
+    opt.step()
+    qw2 = qat.publish()
+    assert qw2 is not qw
+    qat(x)
+    assert qat.publish() is qw2  # the forward after the step made the published tensors
+    torch.testing.assert_close(qw2.dequantize(), quantize_weight(lin.weight, "w4a16").dequantize())
+    lin.weight.data.mul_(2)  # bypasses the version counter: explicit invalidate
+    qat.invalidate()
+    assert qat.publish() is not qw2
+
+
+def test_load_quantized_copies_in_place():
+    a, b = nn.Linear(200, 48), nn.Linear(200, 48)
+    inf = QuantLinear.from_linear(a, "w4a16")
+    ptrs = {k: t.data_ptr() for k, t in inf.qweight.tensors().items()}
+    inf.load_quantized(quantize_weight(b.weight, "w4a16"))
+    assert {k: t.data_ptr() for k, t in inf.qweight.tensors().items()} == ptrs
+    torch.testing.assert_close(inf.qweight.dequantize(), quantize_weight(b.weight, "w4a16").dequantize())
+    with pytest.raises(ValueError):
+        inf.load_quantized(quantize_weight(b.weight, "w8a8-int8"))
+
+
+def test_quantize_model_default_selection_and_modes():
+    model = tiny_model()
+    names = quantize_model(model, "w4a16", mode="qat")
+    assert len(names) == 2 * 7 and all(n.startswith("layers.") for n in names)
+    assert isinstance(model.layers[0].self_attn.q_proj, QATLinear)
+    assert isinstance(model.embed_tokens, nn.Embedding)
+    assert isinstance(model.lm_head, nn.Linear) or model.lm_head is None
+    m2 = tiny_model()
+    names2 = quantize_model(m2, "w8a8-int8", mode="inference", exclude=["*.mlp.down_proj"])
+    assert len(names2) == 2 * 6 and isinstance(m2.layers[1].mlp.down_proj, nn.Linear)
+    assert isinstance(m2.layers[1].mlp.up_proj, QuantLinear)
+    with pytest.raises(ValueError):
+        quantize_model(tiny_model(), "w4a16", mode="train")
+
+
+def test_optimizer_built_before_swap_still_trains_qat_model():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    quantize_model(model, "w4a16", mode="qat")
+    q = model.layers[0].self_attn.q_proj
+    before = q.weight.detach().clone()
+    ids = torch.randint(0, 64, (2, 6))
+    model(ids).float().logsumexp(-1).mean().backward()
+    opt.step()
+    assert not torch.equal(before, q.weight)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w8a8-fp8", "nvfp4"])
+def test_publish_model_to_engine_model_gives_same_logits(name):
+    learner = tiny_model()
+    engine = tiny_model()
+    with torch.no_grad():
+        for p in engine.parameters():
+            p.add_(torch.randn_like(p))  # the engine starts out of date
+    quantize_model(learner, name, mode="qat")
+    quantize_model(engine, name, mode="inference")
+    ids = torch.randint(0, 64, (2, 9))
+    learner_logits = learner(ids)
+    published = publish_model(learner)
+    assert isinstance(published["layers.0.mlp.up_proj.weight"], type(learner.layers[0].mlp.up_proj.publish()))
+    assert isinstance(published["embed_tokens.weight"], torch.Tensor)
+    load_published(engine, published)
+    assert torch.equal(engine(ids), learner_logits)
