@@ -39,11 +39,12 @@ WO = ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"]
 @pytest.mark.parametrize("name", WO)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_weight_only_kernel(name, m, split_k):
+@pytest.mark.parametrize("post_scale", [True, False])
+def test_weight_only_kernel(name, m, split_k, post_scale):
     launch = _launch()
     qw = quantize_weight(torch.randn(N, K), name)
     x, bias = torch.randn(m, K), torch.randn(N)
-    cfg = launch.wo_config(m, N, K)._replace(split_k=split_k)
+    cfg = launch.wo_config(m, N, K)._replace(split_k=split_k, post_scale=post_scale)
     out = launch.wo_gemm(x, qw, bias, cfg)
     assert out.shape == (m, N) and out.dtype == x.dtype
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-5

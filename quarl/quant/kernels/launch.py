@@ -30,6 +30,7 @@ class TileConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
@@ -155,7 +156,8 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         m, n, k, nchunk, per,
         x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         FMT=_wo_fmt(qw), BITS=qw.scheme.weight_bits, G=qw.scheme.group_size,
-        BM=cfg.bm, BN=cfg.bn, SPLIT_K=split, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        BM=cfg.bm, BN=cfg.bn, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        POST_SCALE=cfg.post_scale and qw.scheme.weight_format == "int" and qw.scheme.group_size % PACK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if split == 1 else _finish_split(out, bias, x.dtype)
@@ -179,7 +181,7 @@ def int8_gemm(
     tk.int8_gemm_kernel[(tiles, split)](
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out,
         m, n, k, per, xq.stride(0), qw.qdata.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT_K=split, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if split == 1 else _finish_split(out, bias, out_dtype)
@@ -205,7 +207,7 @@ def w4a8_gemm(
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out,
         m, n, k, nchunk, per,
         xq.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        G=qw.scheme.group_size, BM=cfg.bm, BN=cfg.bn, SPLIT_K=split, GROUP_M=cfg.group_m,
+        G=qw.scheme.group_size, BM=cfg.bm, BN=cfg.bn, IS_SPLIT=split > 1, GROUP_M=cfg.group_m,
         HAS_BIAS=bias is not None and split == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if split == 1 else _finish_split(out, bias, out_dtype)

@@ -14,7 +14,7 @@ Kernels:
   two passes over the row: max-abs, then quantize), feeding the W8A8/W4A8 GEMMs.
 * ``wo_gemm_kernel``: weight-only dequant GEMM (int4 sym/asym, int2 asym, nvfp4, mxfp4)
   with bf16/fp16 activations; dequantizes each tile in registers then runs a tensor-core
-  dot. ``SPLIT_K > 1`` writes fp32 partial sums ``[SPLIT_K, M, N]`` that the caller
+  dot. ``IS_SPLIT`` (K split over ``program_id(1)``) writes fp32 partial sums ``[SPLIT_K, M, N]`` that the caller
   reduces (deterministic, unlike atomics): that is the small-M (decode) path.
 * ``int8_gemm_kernel``: W8A8 int8 x int8 -> int32 with both scales fused in the epilogue.
 * ``w4a8_gemm_kernel``: int4 g128 weights unpacked to int8, int8 x int8 dots per group,
@@ -135,9 +135,11 @@ def wo_gemm_kernel(
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_om, stride_os,
     FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, POST_SCALE: tl.constexpr,
 ):
+    # POST_SCALE (int formats, G % 128 == 0): multiply each chunk's fp32 partial product by
+    # its group scale instead of scaling the [128, BN] weight tile: fewer multiplies.
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     NSUB: tl.constexpr = 8 // BITS
@@ -159,29 +161,43 @@ def wo_gemm_kernel(
     c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
     for c in range(c_lo, c_hi):
         packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
-        for i in tl.static_range(NSUB):
-            k_first = c * 128 + i * SUB
-            code = (packed >> (BITS * i)) & CODE_MASK
-            if FMT == 2 or FMT == 3:
-                val = _e2m1_value(code)
-            else:
-                val = code.to(tl.float32)
-            s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
-            if FMT == 0:
-                val = val - HALF
-            elif FMT == 1:
-                z = _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G)
-                val = val - z.to(tl.float32)
-            if FMT == 2:
-                s = _e4m3_value(s.to(tl.int32)) * gscale
-            elif FMT == 3:
-                s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            w = (val * s).to(x_ptr.dtype.element_ty)
-            ks = k_first + offs_j
-            x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
-            acc += tl.dot(x, w)
+        if POST_SCALE:
+            part = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in tl.static_range(NSUB):
+                k_first = c * 128 + i * SUB
+                code = (packed >> (BITS * i)) & CODE_MASK
+                if FMT == 0:
+                    ival = code - HALF
+                else:
+                    ival = code - _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.int32)
+                ks = k_first + offs_j
+                x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+                part = tl.dot(x, ival.to(tl.float32).to(x_ptr.dtype.element_ty), part)
+            acc += part * _group_param(s_ptr, offs_n, stride_sn, c * 128, N, SUB, G)
+        else:
+            for i in tl.static_range(NSUB):
+                k_first = c * 128 + i * SUB
+                code = (packed >> (BITS * i)) & CODE_MASK
+                if FMT == 2 or FMT == 3:
+                    val = _e2m1_value(code)
+                else:
+                    val = code.to(tl.float32)
+                s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+                if FMT == 0:
+                    val = val - HALF
+                elif FMT == 1:
+                    z = _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+                    val = val - z.to(tl.float32)
+                if FMT == 2:
+                    s = _e4m3_value(s.to(tl.int32)) * gscale
+                elif FMT == 3:
+                    s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                w = (val * s).to(x_ptr.dtype.element_ty)
+                ks = k_first + offs_j
+                x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+                acc += tl.dot(x, w)
     omask = mmask & nmask
-    if SPLIT_K == 1:
+    if not IS_SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         o = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -196,7 +212,7 @@ def int8_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr,
     M, N, K, KBLOCKS_PER_SPLIT,
     stride_am, stride_bn, stride_om, stride_os,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """``out = (a_int8 [M, K] @ b_int8 [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias)."""
@@ -221,7 +237,7 @@ def int8_gemm_kernel(
     sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     omask = mmask & nmask
-    if SPLIT_K == 1:
+    if not IS_SPLIT:
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
@@ -234,7 +250,7 @@ def w4a8_gemm_kernel(
     a_ptr, w_ptr, sa_ptr, s_ptr, bias_ptr, out_ptr,
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT,
     stride_am, stride_wn, stride_sn, stride_om, stride_os,
-    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """int8 activations x int4 (symmetric, G in {64, 128}) weights; see module docstring."""
@@ -269,7 +285,7 @@ def w4a8_gemm_kernel(
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = acc * sa[:, None]
     omask = mmask & nmask
-    if SPLIT_K == 1:
+    if not IS_SPLIT:
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
