@@ -217,7 +217,8 @@ def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) ->
     """Per-token e4m3 activations (Triton quantizer) x per-channel e4m3 weights, row-wise
     scaled through ``torch._scaled_mm`` (cuBLASLt) on CUDA; dequantized matmul elsewhere."""
     xq, sx = act_quant(x, "fp8")
-    if x.device.type != "cuda":
+    n, k = qw.shape
+    if x.device.type != "cuda" or n % 16 or k % 16:  # cuBLASLt fp8 needs N, K % 16 == 0
         y = (xq.float() * sx[:, None]) @ qw.dequantize(torch.float32).T
         return (y + bias.float() if bias is not None else y).to(x.dtype)
     y = torch._scaled_mm(

@@ -1,0 +1,55 @@
+"""``quarl bench gemm``: bf16 vs every quantized format on real models' linear shapes.
+
+Wired by the CLI as a ``bench`` subcommand through :func:`add_parser` / :func:`run`;
+also runnable alone: ``python3 -m quarl.cli.bench_gemm --out bench/results/gemm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from quarl.quant.bench import ALL_FORMATS, M_VALUES, MODELS
+
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (tokens)")
+    p.add_argument("--formats", default=",".join(ALL_FORMATS), help="comma list of scheme names")
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays per measurement (median)")
+    p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    return p
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("gemm", help="benchmark quantized GEMMs against bf16")
+    _configure(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from quarl.quant.bench import format_table, run_benchmark, save
+
+    if not torch.cuda.is_available():
+        print("quarl bench gemm needs a CUDA GPU")
+        return 1
+    result = run_benchmark(
+        models=args.models.split(","), ms=[int(m) for m in args.m.split(",")],
+        formats=args.formats.split(","), reps=args.reps, graph=not args.no_graph,
+        partial_path=args.out + ".partial" if args.out else None,
+    )
+    print(format_table(result))
+    if args.out:
+        save(result, args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_configure(argparse.ArgumentParser(prog="quarl bench gemm", description=__doc__)).parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

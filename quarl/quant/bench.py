@@ -1,0 +1,280 @@
+"""GEMM benchmark of every format against bf16 on the linear shapes of real models.
+
+Method (shared/GPU.md): the two ceilings are measured first (device-to-device copy for
+bandwidth, 8192^3 bf16 and fp8 products for the matrix rates) and each timing is
+compared with its floor ``max(bytes / bandwidth, flops / rate)``, where bytes count the
+weight once at the format's storage cost (scales included) plus x and y in bf16, and
+the rate is the bf16 one for weight-only formats and the fp8 one for W8A8/W4A8. Each
+measurement rotates among enough weight/input sets to exceed the L2 cache several
+times, runs them inside a CUDA graph (as the rollout engine does) after warm-up, and
+reports the median per-call time of many replays. Inputs are random normals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from quarl.quant.ops import quant_linear
+from quarl.quant.qweight import QuantizedWeight, quantize_weight
+from quarl.quant.scheme import SCHEMES, get_scheme
+
+MODELS: dict[str, dict[str, int]] = {
+    "qwen2.5-1.5b": dict(hidden=1536, inter=8960, heads=12, kv_heads=2, head_dim=128),
+    "qwen2.5-7b": dict(hidden=3584, inter=18944, heads=28, kv_heads=4, head_dim=128),
+}
+M_VALUES = (1, 16, 64, 256, 1024, 4096)
+
+
+def linear_shapes(cfg: dict[str, int]) -> list[tuple[str, int, int, int]]:
+    """(label, N, K, count per decoder layer) of a model's distinct linear shapes."""
+    q, kv, h, i = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], cfg["hidden"], cfg["inter"]
+    shapes = [("q_proj", q, h, 1), ("k_proj/v_proj", kv, h, 2), ("o_proj", h, q, 1), ("gate_proj/up_proj", i, h, 2), ("down_proj", h, i, 1)]
+    if q == h:  # q_proj and o_proj share a shape
+        shapes = [("q_proj/o_proj", q, h, 2)] + [s for s in shapes if s[0] not in ("q_proj", "o_proj")]
+    return shapes
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes/s (read + write)
+    bf16_flops: float
+    fp8_flops: float
+
+
+def _time_events(fn: Callable[[], object], reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    a = torch.randn(256 * 2**20, device=device, dtype=torch.bfloat16)  # 512 MiB
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t_copy = _time_events(lambda: b.copy_(a), 20)
+    del a, b
+    n = 8192
+    x, y = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    x @ y
+    t_bf16 = _time_events(lambda: x @ y, 20)
+    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()
+    one_m, one_n = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
+    def fp8():
+        return torch._scaled_mm(x8, y8, scale_a=one_m, scale_b=one_n, out_dtype=torch.bfloat16)
+
+    fp8()
+    t_fp8 = _time_events(fp8, 20)
+    return Ceilings(2 * 512 * 2**20 / t_copy, 2 * n**3 / t_bf16, 2 * n**3 / t_fp8)
+
+
+def time_per_call(calls: list[Callable[[], object]], reps: int = 20, min_calls: int = 8, graph: bool = True) -> float:
+    """Median seconds per call of ``calls`` (rotating sets) replayed in a CUDA graph."""
+    seq = calls * max(1, math.ceil(min_calls / len(calls)))
+    for f in calls:  # compile / autotune / handle creation outside the timing
+        f()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for f in calls:
+                f()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(g):
+            for f in seq:
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+        return _time_events(g.replay, reps) / len(seq)
+
+    def run_all():
+        for f in seq:
+            f()
+
+    return _time_events(run_all, reps) / len(seq)
+
+
+def _n_sets(bytes_per_set: int, l2: int) -> int:
+    return int(min(128, max(2, math.ceil(3 * l2 / max(bytes_per_set, 1)))))
+
+
+def _slice_qw(big: QuantizedWeight, i: int, n: int, k: int) -> QuantizedWeight:
+    parts = {f: (t[i * n : (i + 1) * n] if t.dim() > 0 else t) for f, t in big.tensors().items()}
+    return QuantizedWeight(big.scheme, (n, k), **parts)
+
+
+def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0) -> list[Callable[[], object]]:
+    """One closure per rotating set: ``y = linear(x_i, W_i)`` under format ``fmt``."""
+    sc = get_scheme(fmt)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    per_set = int(n * k * sc.bits_per_weight / 8 + m * k * 2)
+    sets = _n_sets(per_set, l2)
+    w = torch.randn(sets * n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+    x = torch.randn(sets, m, k, device=device, dtype=torch.bfloat16, generator=gen)
+    if not sc.quantizes_weights:
+        return [lambda i=i: F.linear(x[i], w[i * n : (i + 1) * n]) for i in range(sets)]
+    big = quantize_weight(w, sc)
+    del w
+    qws = [_slice_qw(big, i, n, k) for i in range(sets)]
+    return [lambda i=i: quant_linear(x[i], qws[i]) for i in range(sets)]
+
+
+def floor_seconds(fmt: str, m: int, n: int, k: int, ceil: Ceilings) -> float:
+    sc = get_scheme(fmt)
+    nbytes = n * k * sc.bits_per_weight / 8 + 2 * m * k + 2 * m * n
+    rate = ceil.fp8_flops if sc.quantizes_activations else ceil.bf16_flops
+    return max(nbytes / ceil.bandwidth, 2 * m * n * k / rate)
+
+
+def git_commit() -> str:
+    env = os.environ.get("QUARL_GIT_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def run_benchmark(
+    models: list[str], ms: list[int], formats: list[str], reps: int = 20, graph: bool = True, log=print,
+    partial_path: str | None = None,
+) -> dict:
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    ceil = measure_ceilings(device)
+    log(f"ceilings: {ceil.bandwidth / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops / 1e12:.0f} TFLOP/s, fp8 {ceil.fp8_flops / 1e12:.0f} TFLOP/s")
+    if "bf16" not in formats:
+        formats = ["bf16"] + formats
+    rows = []
+    for model in models:
+        for label, n, k, count in linear_shapes(MODELS[model]):
+            for m in ms:
+                base = None
+                for fmt in formats:
+                    try:
+                        t = time_per_call(make_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph)
+                        err = None
+                    except Exception as e:  # keep going; the failure is part of the result
+                        t, err = float("nan"), f"{type(e).__name__}: {e}"[:300]
+                    if fmt == "bf16":
+                        base = t
+                    fl = floor_seconds(fmt, m, n, k, ceil)
+                    rows.append(dict(
+                        model=model, layer=label, count=count, N=n, K=k, M=m, format=fmt,
+                        ms=t * 1e3, speedup=base / t if base else float("nan"),
+                        floor_ms=fl * 1e3, floor_frac=fl / t, error=err,
+                    ))
+                    torch.cuda.empty_cache()
+                log(_row_line(rows[-len(formats):]))
+                if partial_path:
+                    save(dict(device=props.name, ceilings=asdict(ceil), formats=formats, rows=rows), partial_path)
+    result = dict(
+        device=props.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        git_commit=git_commit(), torch=torch.__version__, triton=_triton_version(), cuda_graphs=graph,
+        ceilings=asdict(ceil), formats=formats, rows=rows,
+    )
+    result["layer_speedups"] = layer_speedups(rows)
+    result["targets"] = check_targets(rows)
+    return result
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return "none"
+
+
+def _row_line(rows: list[dict]) -> str:
+    r0 = rows[0]
+    cells = " ".join(f"{r['format']}={r['speedup']:.2f}x" for r in rows[1:])
+    return f"{r0['model']:>13} {r0['layer']:>17} M={r0['M']:<5} bf16={r0['ms'] * 1e3:8.1f}us {cells}"
+
+
+def layer_speedups(rows: list[dict]) -> list[dict]:
+    """Per model, M and format: time of all linears of one decoder layer vs bf16."""
+    acc: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["model"], r["M"], r["format"])
+        acc[key] = acc.get(key, 0.0) + r["ms"] * r["count"]
+    out = []
+    for (model, m, fmt), t in acc.items():
+        base = acc.get((model, m, "bf16"))
+        out.append(dict(model=model, M=m, format=fmt, layer_ms=t, speedup=base / t if base else float("nan")))
+    return out
+
+
+TARGETS = (  # (format, predicate on M, min speedup) on the 7B shapes
+    ("w4a16", "M<=16", lambda m: m <= 16, 2.5),
+    ("w4a16", "M=64", lambda m: m == 64, 1.4),
+    ("w8a8-fp8", "M>=256", lambda m: m >= 256, 1.4),
+    ("w8a8-int8", "M>=256", lambda m: m >= 256, 1.3),
+)
+
+
+def check_targets(rows: list[dict], model: str = "qwen2.5-7b") -> list[dict]:
+    out = []
+    for fmt, label, pred, want in TARGETS:
+        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"])]
+        if not got:
+            continue
+        sp = [r["speedup"] for r in got]
+        geo = math.exp(sum(math.log(s) for s in sp) / len(sp)) if all(s > 0 for s in sp) else float("nan")
+        worst = min(got, key=lambda r: r["speedup"])
+        out.append(dict(
+            format=fmt, where=label, target=want, geomean=geo, min=worst["speedup"],
+            min_at=f"{worst['layer']} M={worst['M']}", met_geomean=geo >= want, met_all=worst["speedup"] >= want,
+        ))
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = [f"# {result['device']}  {result['date']}  commit {result['git_commit'][:10]}"]
+    c = result["ceilings"]
+    lines.append(f"# ceilings: {c['bandwidth'] / 1e12:.2f} TB/s, bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
+    fmts = result["formats"]
+    lines.append(f"{'model':>13} {'layer':>17} {'M':>5} {'bf16 us':>8} " + " ".join(f"{f:>10}" for f in fmts[1:]))
+    rows = result["rows"]
+    for i in range(0, len(rows), len(fmts)):
+        grp = rows[i : i + len(fmts)]
+        r0 = grp[0]
+        lines.append(
+            f"{r0['model']:>13} {r0['layer']:>17} {r0['M']:>5} {r0['ms'] * 1e3:>8.1f} "
+            + " ".join(f"{r['speedup']:>5.2f}x/{r['floor_frac']:.2f}" for r in grp[1:])
+        )
+    lines.append("(cells: speedup over bf16 / fraction of the format's floor)")
+    for t in result["targets"]:
+        ok = "MET" if t["met_all"] else ("met on geomean" if t["met_geomean"] else "MISSED")
+        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x: geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
+    return "\n".join(lines)
+
+
+def save(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+ALL_FORMATS = list(SCHEMES)

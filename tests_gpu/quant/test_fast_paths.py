@@ -1,0 +1,130 @@
+"""GPU suite (not run in CI): every fast path against its reference on fresh random inputs.
+
+    PYTHONPATH=. python3 -m pytest tests_gpu/quant -q
+"""
+
+import pytest
+import torch
+
+from quarl.quant import (
+    QATLinear,
+    QuantLinear,
+    get_scheme,
+    quant_linear,
+    quantize_weight,
+    reference_linear,
+    use_backend,
+)
+from quarl.quant import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+FORMATS = ["w8a8-int8", "w8a8-fp8", "w4a16", "w4a16-asym", "w4a8-int8", "nvfp4", "mxfp4", "w2a16"]
+MS = [1, 16, 33, 200, 1100]
+SHAPES = [(512, 1536), (1000, 1040)]  # 1040: K % 128 != 0
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _check(out, expect, tol):
+    assert out.isfinite().all()
+    assert _rel(out, expect) < tol, _rel(out, expect)
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_quant_codes_equal_reference(act, dtype):
+    from quarl.quant.kernels import launch
+
+    x = (torch.randn(300, 5000, device="cuda") * torch.logspace(-4, 3, 300, device="cuda")[:, None]).to(dtype)
+    x[7] = 0
+    q, s = launch.act_quant(x, act)
+    q_ref, s_ref = ref.quantize_activations(x, act)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", MS)
+def test_fast_path_matches_reference(name, shape, m):
+    n, k = shape
+    w = torch.randn(n, k, device="cuda") * 0.02
+    qw = quantize_weight(w, name)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = quant_linear(x, qw, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # bf16 output rounding (~2e-3) + bf16 weight tiles + fp32 accumulation order
+    _check(out, reference_linear(x.float(), qw, bias.float(), exact=True), 1.5e-2)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_weight_only_configs_and_determinism(name, m):
+    from quarl.quant.kernels import launch
+
+    n, k = 3584, 3584
+    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    expect = reference_linear(x.float(), qw, exact=True)
+    for cfg in (launch.wo_config(m, n, k), launch.TileConfig(16, 64, split_k=4), launch.TileConfig(64, 128, split_k=1, post_scale=False)):
+        a = launch.wo_gemm(x, qw, None, cfg)
+        b = launch.wo_gemm(x, qw, None, cfg)
+        assert torch.equal(a, b)  # no atomics: bitwise deterministic
+        _check(a, expect, 1.5e-2)
+
+
+@pytest.mark.parametrize("m", [1, 16, 256, 2048])
+def test_int8_gemm_configs(m):
+    from quarl.quant.kernels import launch
+
+    n, k = 4096, 3584
+    qw = quantize_weight(torch.randn(n, k, device="cuda"), "w8a8-int8")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    xq, sx = launch.act_quant(x, "int8")
+    expect = reference_linear(x.float(), qw, exact=True)
+    for cfg in (launch.int8_config(m, n, k), launch.TileConfig(128, 128, 64, split_k=1), launch.TileConfig(16, 64, 256, split_k=3)):
+        _check(launch.int8_gemm(xq, sx, qw, None, torch.bfloat16, cfg), expect, 1e-2)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_qat_forward_equals_quantlinear_on_gpu(name):
+    lin = torch.nn.Linear(1536, 512, bias=True, device="cuda", dtype=torch.bfloat16)
+    qat = QATLinear.from_linear(lin, name)
+    inf = QuantLinear.from_linear(lin, name)
+    x = torch.randn(4, 9, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = qat(x)
+    assert torch.equal(y, inf(x.detach()))
+    y.float().square().sum().backward()
+    assert x.grad.isfinite().all() and lin.weight.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w8a8-int8", "w8a8-fp8", "nvfp4"])
+def test_quantlinear_cuda_graph_sees_loaded_weights(name):
+    a = torch.nn.Linear(1536, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.nn.Linear(1536, 512, device="cuda", dtype=torch.bfloat16)
+    inf = QuantLinear.from_linear(a, name)
+    x = torch.randn(8, 1536, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        inf(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = inf(x)
+    inf.load_quantized(quantize_weight(b.weight, name))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, QuantLinear.from_linear(b, name)(x))
+
+
+def test_reference_backend_on_gpu_matches_fast_path_closely():
+    qw = quantize_weight(torch.randn(512, 1536, device="cuda"), get_scheme("w4a16"))
+    x = torch.randn(16, 1536, device="cuda", dtype=torch.bfloat16)
+    with use_backend("reference"):
+        slow = quant_linear(x, qw)
+    _check(quant_linear(x, qw), slow.float(), 1.5e-2)
