@@ -1,0 +1,36 @@
+"""``quarl export``: a training checkpoint's policy as a HF or quarl-packed checkpoint dir."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    from quarl.export.hf import FORMATS
+
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint's policy (HF bf16/fp32, or the engine's packed low-bit weights)",
+        description="Export the policy of a run's latest checkpoint (or --step N, or a checkpoint dir). "
+        "hf-bf16/hf-fp32 write a plain HF model (UAQ undone); quarl-packed writes the low-bit "
+        "tensors of quant.scheme that the rollout engine ran on (load with quarl.export.load_packed).",
+    )
+    p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT", help="run directory or checkpoints/step_NNNNNN")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", default="hf-bf16", choices=FORMATS)
+    p.add_argument("--step", type=int, help="export this step's checkpoint instead of the latest")
+    p.add_argument("--scheme", help="quarl-packed: quantize with this scheme instead of the run's quant.scheme")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from quarl.export.hf import export_checkpoint
+
+    res = export_checkpoint(args.source, args.out, args.format, args.step, args.scheme)
+    print(f"exported step {res.step} ({res.checkpoint}) as {res.format} to {res.out}")
+    if res.copied:
+        print(f"tokenizer files: {', '.join(res.copied)}")
+    else:
+        print("no tokenizer files copied (the run used no local tokenizer directory)")
+    return 0

@@ -1,0 +1,208 @@
+"""Export a training checkpoint's policy as a Hugging Face checkpoint directory.
+
+A quarl checkpoint (``RUN_DIR/checkpoints/step_NNNNNN/state.pt``) holds the learner's
+state_dict and the run config, not an architecture. The policy is rebuilt from the
+config: ``model.path``'s ``config.json`` when the run started from a checkpoint, else
+the built-in preset ``model.builtin``. In ``aligned`` mode the linears are
+``QATLinear``; their state_dict keys are the plain ``...q_proj.weight`` of ``nn.Linear``,
+so one loader serves every mode.
+
+Formats:
+
+* ``hf-bf16`` / ``hf-fp32``: a plain model. UAQ (``quant.uaq_scale`` != 1) is undone
+  first, in fp32, so the norms and q/k/v/gate/up weights are the unscaled ones any HF
+  tool expects; then cast to the target dtype. ``config.json`` + ``model.safetensors``,
+  loadable by ``quarl.load_model`` and ``transformers.AutoModelForCausalLM``.
+* ``quarl-packed``: the low-bit tensors the rollout engine ran on (see
+  :mod:`quarl.export.packed`), UAQ kept since the codes were made from scaled weights.
+
+Tokenizer files (and ``generation_config.json``) are copied from ``model.tokenizer`` or
+``model.path`` when the run used a local HF directory; runs on the built-in character
+tokenizer have none to copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quarl.model.config import TransformerConfig
+from quarl.model.loading import CheckpointError, save_model
+from quarl.model.presets import preset_config
+from quarl.model.transformer import Rotary, Transformer
+from quarl.trainer.checkpoint import list_checkpoints, load_checkpoint
+
+FORMATS = ("hf-bf16", "hf-fp32", "quarl-packed")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP wrappers
+
+
+@dataclass
+class PolicyCheckpoint:
+    """The policy part of one training checkpoint."""
+
+    path: Path
+    step: int
+    run_config: dict[str, Any]
+    arch: TransformerConfig
+    state: dict[str, torch.Tensor]  # parameter name -> tensor, as stored (dtype of the learner)
+
+    def section(self, name: str) -> dict[str, Any]:
+        value = self.run_config.get(name)
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def uaq_scale(self) -> float:
+        return float(self.section("quant").get("uaq_scale") or 1.0)
+
+    @property
+    def model_dir(self) -> Path | None:
+        path = self.section("model").get("path")
+        return Path(path) if path else None
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    checkpoint: Path
+    step: int
+    format: str
+    copied: list[str] = field(default_factory=list)  # tokenizer files taken from the model dir
+
+
+def find_checkpoint(src: str | Path, step: int | None = None) -> Path:
+    """The checkpoint directory ``src`` names: a checkpoint itself, or a run dir's latest (or ``step``)."""
+    src = Path(src)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist")
+    if (src / "meta.json").is_file():
+        if step is not None and _step_of(src) != step:
+            raise ValueError(f"{src} is the checkpoint of step {_step_of(src)}, not --step {step}")
+        return src
+    found = list_checkpoints(src)
+    if not found:
+        raise FileNotFoundError(f"{src} has no complete checkpoint (expected {src}/checkpoints/step_NNNNNN/meta.json)")
+    if step is None:
+        return found[-1]
+    for ckpt in found:
+        if _step_of(ckpt) == step:
+            return ckpt
+    raise ValueError(f"{src} has no checkpoint of step {step}; available: {', '.join(str(_step_of(c)) for c in found)}")
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("_")[1])
+
+
+def read_policy(ckpt: str | Path) -> PolicyCheckpoint:
+    """Load ``ckpt``'s policy weights and the architecture they belong to."""
+    ckpt = Path(ckpt)
+    state = load_checkpoint(ckpt, map_location="cpu")
+    try:
+        weights = state["learner"]["model"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{ckpt}: state.pt has no learner.model state_dict") from None
+    run_config = state.get("config")
+    if not isinstance(run_config, dict):
+        raise CheckpointError(f"{ckpt}: state.pt has no run config; cannot tell which architecture it holds")
+    weights = {_strip_wrappers(k): v for k, v in weights.items()}
+    return PolicyCheckpoint(ckpt, int(state.get("step", _step_of(ckpt))), run_config, _architecture(run_config), weights)
+
+
+def _strip_wrappers(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.removeprefix(prefix)
+    return name
+
+
+def _architecture(run_config: dict[str, Any]) -> TransformerConfig:
+    model = run_config.get("model") or {}
+    if model.get("path"):
+        path = Path(model["path"])
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the run started from model.path={path}, whose config.json is gone; the architecture "
+                "is read from it, so restore that directory (or a copy with the same config.json)"
+            )
+        return TransformerConfig.from_dir(path)
+    return preset_config(model.get("builtin") or "small")
+
+
+def build_policy(ckpt: PolicyCheckpoint, dtype: torch.dtype | None = None) -> Transformer:
+    """A :class:`Transformer` holding ``ckpt``'s weights (in ``dtype``; None = as stored), UAQ as trained."""
+    with torch.device("meta"):
+        model = Transformer(ckpt.arch)
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in ckpt.state.items()}
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shaped = [f"{k}: {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
+              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    if missing or unexpected or shaped:
+        problems = [f"{label}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                    for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shaped))
+                    if names]
+        raise CheckpointError(f"{ckpt.path}: policy weights do not fit {ckpt.arch.model_type} "
+                              f"({ckpt.arch.num_hidden_layers} layers): " + " | ".join(problems))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = Rotary(ckpt.arch)
+    return model.eval().requires_grad_(False)
+
+
+def export_checkpoint(
+    src: str | Path, out: str | Path, fmt: str = "hf-bf16", step: int | None = None, scheme: str | None = None
+) -> ExportResult:
+    """Export the policy of ``src`` (run dir or checkpoint dir) into ``out`` in format ``fmt``.
+
+    ``scheme`` (quarl-packed only) overrides the run's ``quant.scheme``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if scheme is not None and fmt != "quarl-packed":
+        raise ValueError("--scheme applies to --format quarl-packed only")
+    ckpt = read_policy(find_checkpoint(src, step))
+    out = Path(out)
+    if ckpt.model_dir is not None and out.resolve() == ckpt.model_dir.resolve():
+        raise ValueError(f"--out {out} is the run's own model.path; pick another directory")
+    if fmt == "quarl-packed":
+        from quarl.export.packed import export_packed
+
+        export_packed(ckpt, out, scheme)
+    else:
+        export_hf(ckpt, out, torch.bfloat16 if fmt == "hf-bf16" else torch.float32)
+    copied = copy_tokenizer(ckpt, out)
+    return ExportResult(out, ckpt.path, ckpt.step, fmt, copied)
+
+
+def export_hf(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype) -> None:
+    """Write the plain (UAQ removed) policy as ``config.json`` + ``model.safetensors`` in ``dtype``."""
+    from quarl.quant import remove_uaq
+
+    model = build_policy(ckpt, torch.float32)  # undo UAQ in fp32: one rounding, at the final cast
+    if ckpt.uaq_scale != 1.0:
+        remove_uaq(model, ckpt.uaq_scale)
+    save_model(model, out, dtype=dtype)
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def copy_tokenizer(ckpt: PolicyCheckpoint, out: Path) -> list[str]:
+    model = ckpt.section("model")
+    source = model.get("tokenizer") or model.get("path")
+    if not source or not Path(source).is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, out / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,99 @@
+"""`quarl report` on synthetic runs: files, overlays, missing data, escaping, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from quarl.cli.main import main
+from quarl.trainer.report import PANELS, render_report
+
+ALL_METRICS = [m for p in PANELS for m in p.metrics if m != "eval/acc"] + [
+    "time/rollout", "time/learner", "time/publish", "time/step", "rollout/tokens_per_s"]
+
+
+def _write_run(run_dir: Path, steps: int, metrics: list[str], offset: float = 0.0, config: str | None = None,
+               samples: list[dict] | None = None) -> Path:
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for s in range(1, steps + 1):
+            row = {"step": s, **{m: 0.1 + offset + 0.01 * s + 0.001 * i for i, m in enumerate(metrics)}}
+            if s == 2:
+                row[metrics[0]] = None  # the logger writes non-finite values as null
+            if s % 5 == 0:
+                row["eval/acc"] = 0.5 + offset
+            f.write(json.dumps(row) + "\n")
+    if config is not None:
+        (run_dir / "config.yaml").write_text(config)
+    if samples is not None:
+        (run_dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return run_dir
+
+
+def _pngs(html_path: Path) -> list[Path]:
+    return sorted((html_path.parent / f"{html_path.stem}_files").glob("*.png"))
+
+
+def test_single_run_report(tmp_path):
+    samples = [{"step": 10, "prompt": "2+2 <b>?", "completion": "<script>alert(1)</script> 4", "answer": "4",
+                "reward": 1.0}]
+    run = _write_run(tmp_path / "aligned-w4", 12, ALL_METRICS, samples=samples,
+                     config="quant:\n  mode: aligned\n  scheme: w4a16\n  uaq_scale: 1.5\nalgo:\n  loss: tbpo\n")
+    out = render_report([run])
+    assert out == run / "report.html"
+    page = out.read_text()
+    assert len(_pngs(out)) == len(PANELS) + 1  # + the step-time figure
+    assert page.count('src="data:image/png;base64,') == len(PANELS) + 1
+    assert "aligned-w4" in page and "w4a16" in page and "tbpo" in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; 4" in page and "<script>" not in page
+    assert "2+2 &lt;b&gt;?" in page
+    # final reward: the last reward/mean (0.1 + 0.12), final eval acc 0.5 at step 10
+    assert "0.22" in page and "0.5" in page
+
+
+def test_two_runs_overlaid_one_with_missing_metrics(tmp_path):
+    full = _write_run(tmp_path / "runs" / "full", 30, ALL_METRICS)
+    sparse = _write_run(tmp_path / "runs" / "sparse", 8, ["reward/mean", "entropy"], offset=0.3)  # no config/samples
+    out = render_report([full, sparse])
+    assert out == full / "report-compare.html"
+    page = out.read_text()
+    assert "full" in page and "sparse" in page and "no samples.jsonl" in page
+    assert len(_pngs(out)) == len(PANELS) + 1
+
+
+def test_runs_with_little_data(tmp_path):
+    only_reward = _write_run(tmp_path / "a", 5, ["reward/mean"])
+    out = render_report([only_reward], out_dir=tmp_path / "out")
+    assert out == tmp_path / "out" / "report.html"
+    assert [p.name for p in _pngs(out)] == ["reward.png"]
+    assert "No data in any run for:" in out.read_text()
+    # every value null except one step; a metric that is null everywhere gets no subplot
+    run = tmp_path / "nulls"
+    run.mkdir()
+    rows = [{"step": 1, "reward/mean": None, "entropy": None}, {"step": 2, "reward/mean": math.inf}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r).replace("Infinity", "null") + "\n" for r in rows))
+    out = render_report([run])
+    assert _pngs(out) == []
+
+
+def test_same_named_runs_get_distinct_labels(tmp_path):
+    a = _write_run(tmp_path / "exp1" / "run", 3, ["reward/mean"])
+    b = _write_run(tmp_path / "exp2" / "run", 3, ["reward/mean"])
+    page = render_report([a, b]).read_text()
+    assert "exp1/run" in page and "exp2/run" in page
+
+
+def test_missing_metrics_file_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        render_report([tmp_path])
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_cli_prints_the_path(tmp_path, capsys):
+    run = _write_run(tmp_path / "r", 3, ["reward/mean"])
+    assert main(["report", str(run), "--out", str(tmp_path / "o")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "o" / "report.html")
