@@ -114,7 +114,8 @@ def read_policy(ckpt: str | Path) -> PolicyCheckpoint:
     if not isinstance(run_config, dict):
         raise CheckpointError(f"{ckpt}: state.pt has no run config; cannot tell which architecture it holds")
     weights = {_strip_wrappers(k): v for k, v in weights.items()}
-    return PolicyCheckpoint(ckpt, int(state.get("step", _step_of(ckpt))), run_config, _architecture(run_config), weights)
+    step = int(state.get("step", _step_of(ckpt)))
+    return PolicyCheckpoint(ckpt, step, run_config, _architecture(run_config), weights)
 
 
 def _strip_wrappers(name: str) -> str:
