@@ -46,11 +46,13 @@ class BlockManager:
         """Blocks for the first ``num_tokens`` tokens of a sequence that holds none."""
         assert not seq.block_table, seq
         seq.block_table = [self._take() for _ in range(self.blocks_for(num_tokens))]
+        seq.table_epoch += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent``."""
         assert not child.block_table, child
         child.block_table = list(parent.block_table)
+        child.table_epoch += 1
         for block in parent.block_table:
             self.ref_counts[block] += 1
 
@@ -58,6 +60,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+        seq.table_epoch += 1
 
     def _needs_block(self, seq: Sequence) -> bool:
         position = len(seq) - 1  # the token the next decode step writes
@@ -80,4 +83,5 @@ class BlockManager:
         new_block = self._take()
         self._release(block)
         seq.block_table[index] = new_block
+        seq.table_epoch += 1
         return block, new_block

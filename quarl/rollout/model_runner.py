@@ -11,7 +11,7 @@ from quarl.model.transformer import Transformer
 from quarl.rollout.attention import PagedAttention, StepContext
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.kv_cache import KVCache
-from quarl.rollout.sampler import Sampler
+from quarl.rollout.sampler import Sampler, SamplingBatch, row_seeds
 from quarl.rollout.sequence import Sequence
 
 _CPU_DEFAULT_BLOCKS = 512
@@ -52,6 +52,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv: KVCache | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+        self._make_decode_buffers(min(config.max_num_seqs, 256))
         self.allocate()
 
     # ---------------------------------------------------------------- memory
@@ -187,110 +188,144 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     # ---------------------------------------------------------------- decode
-    def _decode_inputs(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
+    def _make_decode_buffers(self, max_bs: int) -> None:
+        """Static decode inputs: one int64 buffer (ids, positions, slots, context lengths,
+        row seeds, split length) filled on the host and sent with one copy, and the
+        block tables, updated row by row only where a sequence changed."""
+        dev = self.device
+        pin = self.is_cuda
+        self._bs_cap = max_bs
+        self._host_ints = torch.zeros(5 * max_bs + 1, dtype=torch.int64, pin_memory=pin)
+        self._dev_ints = torch.zeros(5 * max_bs + 1, dtype=torch.int64, device=dev)
+        h, d = self._host_ints.numpy(), self._dev_ints
+        self._h_ids, self._h_pos, self._h_slots, self._h_ctx, self._h_seed = (h[i * max_bs : (i + 1) * max_bs] for i in range(5))
+        self._h_split = h[5 * max_bs :]
+        self._d_ids, self._d_pos, self._d_slots, self._d_ctx, self._d_seed = (d[i * max_bs : (i + 1) * max_bs] for i in range(5))
+        self._d_split = d[5 * max_bs :]
+        self._host_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, pin_memory=pin)
+        self._h_tables = self._host_tables.numpy()
+        self._d_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)
+        self._row_owner: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, table epoch) per row
+        self._row_len = [0] * max_bs
+        self._host_out = torch.zeros(2, max_bs, dtype=torch.float64, pin_memory=pin)
+        self._dev_tokens = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self._dev_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)
+
+    def _decode_context(self, n: int, splits: int, host_lens: list[int] | None = None) -> StepContext:
+        return StepContext(
+            host_context_lens=host_lens,
+            is_prefill=False,
+            slot_mapping=self._d_slots[:n],
+            block_tables=self._d_tables[:n],
+            context_lens=self._d_ctx[:n],
+            split_len=self._d_split,
+            num_splits=splits,
+        )
+
+    def _fill_decode_inputs(self, seqs: list[Sequence], padded: int, splits: int, keys: np.ndarray) -> int:
+        """Write the step's inputs into the host buffers for rows ``[0, padded)``; returns the table width."""
+        n, bs = len(seqs), self.block_size
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        self._h_ids[:n] = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
+        self._h_pos[:n] = lens - 1
+        last = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
+        self._h_slots[:n] = last * bs + (lens - 1) % bs
+        self._h_ctx[:n] = lens
+        self._h_seed[:n] = row_seeds(keys, lens)
+        self._h_ids[n:padded] = 0
+        self._h_pos[n:padded] = 0
+        self._h_slots[n:padded] = self.kv.scratch_slot
+        self._h_ctx[n:padded] = 1
+        self._h_split[0] = self._split_len(int(lens.max()), splits)
+        width = 1
+        for i, seq in enumerate(seqs):
+            table, owner = seq.block_table, (seq.seq_id, seq.table_epoch)
+            if self._row_owner[i] != owner:
+                self._h_tables[i, : len(table)] = table
+                self._row_owner[i] = owner
+            elif self._row_len[i] != len(table):
+                start = self._row_len[i]
+                self._h_tables[i, start : len(table)] = table[start:]
+            self._row_len[i] = len(table)
+            width = max(width, len(table))
+        for i in range(n, padded):
+            self._h_tables[i, 0] = self.num_blocks  # padded rows read the scratch block
+            self._row_owner[i] = None
+        return width
+
+    @torch.inference_mode()
+    def _decode(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         n = len(seqs)
-        ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
-        ctx_lens = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=n)
-        pos = ctx_lens.astype(np.int64) - 1
-        bs = self.block_size
-        last_block = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
-        slots = last_block * bs + pos % bs
-        return ids, pos, slots, ctx_lens
+        if n > self._bs_cap:
+            self._make_decode_buffers(n)
+        use_graph = bool(self.graphs) and n <= max(self.graphs)
+        padded = min(b for b in self.graphs if b >= n) if use_graph else n
+        splits = self.graphs[padded][2] if use_graph else self._num_splits(n)
+        rows = self.sampler.rows_for(seqs)
+        self._fill_decode_inputs(seqs, padded, splits, rows.keys)
+        self._dev_ints.copy_(self._host_ints, non_blocking=True)
+        self._d_tables[:padded].copy_(self._host_tables[:padded], non_blocking=True)
+        if use_graph:
+            graph, out, _ = self.graphs[padded]
+            graph.replay()
+            logits = out[:n]
+        else:
+            host_lens = self._h_ctx[:n].tolist() if self.backend == "torch" else None
+            ctx = self._decode_context(n, splits, host_lens)
+            logits = self._decode_forward(self._d_ids[:n], self._d_pos[:n], ctx)
+        tokens, logprobs = self.sampler(
+            logits, SamplingBatch(rows, self._d_seed[:n]), out=(self._dev_tokens[:n], self._dev_logprobs[:n])
+        )
+        host = self._host_out[:, :n]
+        host[0].copy_(tokens, non_blocking=True)
+        host[1].copy_(logprobs, non_blocking=True)
+        if self.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        return host[0].long().tolist(), host[1].tolist()
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         attn = PagedAttention(self.kv, ctx, self.backend)
         hidden = self.model.hidden_states(ids[:, None], pos[:, None], attn)
         return self.model.logits(hidden[:, 0])
 
-    @torch.inference_mode()
-    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        ids, pos, slots, ctx_lens = self._decode_inputs(seqs)
-        n = len(seqs)
-        if self.graphs and n <= max(self.graphs):
-            return self._replay(seqs, ids, pos, slots, ctx_lens)
-        width = max(len(s.block_table) for s in seqs)
-        splits = self._num_splits(n)
-        ctx = StepContext(
-            is_prefill=False,
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(self._block_table_array(seqs, width)),
-            context_lens=self._tensor(ctx_lens),
-            split_len=torch.tensor([self._split_len(int(ctx_lens.max()), splits)], dtype=torch.int32).to(self.device),
-            num_splits=splits,
-            host_context_lens=ctx_lens.tolist(),
-        )
-        return self._decode_forward(self._tensor(ids), self._tensor(pos), ctx)
-
     def capture_graphs(self) -> None:
         max_bs = min(self.config.max_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
-        dev = self.device
-        self._g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self._g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self._g_slots = torch.full((max_bs,), self.kv.scratch_slot, dtype=torch.int64, device=dev)
-        self._g_ctx = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self._g_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)
-        self._g_split = torch.full((1,), 64, dtype=torch.int32, device=dev)
-        self._g_host_tables = np.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=np.int32)
+        self._make_decode_buffers(max(max_bs, self._bs_cap))
+        self._h_ctx[:] = 1
+        self._h_slots[:] = self.kv.scratch_slot
+        self._h_split[0] = 64
+        self._dev_ints.copy_(self._host_ints)
         pool = None
         self.graphs = {}
         with torch.inference_mode():
             for bs in reversed(_graph_batch_sizes(max_bs)):
                 splits = self._num_splits(bs)
-                ctx = StepContext(
-                    is_prefill=False,
-                    slot_mapping=self._g_slots[:bs],
-                    block_tables=self._g_tables[:bs],
-                    context_lens=self._g_ctx[:bs],
-                    split_len=self._g_split,
-                    num_splits=splits,
-                )
-                self._decode_forward(self._g_ids[:bs], self._g_pos[:bs], ctx)  # warm-up (compiles kernels)
+                ctx = self._decode_context(bs, splits)
+                self._decode_forward(self._d_ids[:bs], self._d_pos[:bs], ctx)  # warm-up (compiles kernels)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    out = self._decode_forward(self._g_ids[:bs], self._g_pos[:bs], ctx)
+                    out = self._decode_forward(self._d_ids[:bs], self._d_pos[:bs], ctx)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = (graph, out, splits)
         self._graph_pool = pool
         torch.cuda.synchronize()
 
-    def _replay(
-        self, seqs: list[Sequence], ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, ctx_lens: np.ndarray
-    ) -> torch.Tensor:
-        n = len(seqs)
-        bs = min(b for b in self.graphs if b >= n)
-        graph, out, splits = self.graphs[bs]
-        table = self._g_host_tables
-        for i, seq in enumerate(seqs):
-            table[i, : len(seq.block_table)] = seq.block_table
-        self._g_ids[:n].copy_(torch.from_numpy(ids), non_blocking=True)
-        self._g_pos[:n].copy_(torch.from_numpy(pos), non_blocking=True)
-        self._g_slots[:n].copy_(torch.from_numpy(slots), non_blocking=True)
-        self._g_ctx[:n].copy_(torch.from_numpy(ctx_lens), non_blocking=True)
-        if bs > n:  # padded rows: one token of the scratch block
-            self._g_slots[n:bs].fill_(self.kv.scratch_slot)
-            self._g_ctx[n:bs].fill_(1)
-            self._g_tables[n:bs, 0].fill_(self.num_blocks)
-        width = max(len(s.block_table) for s in seqs)
-        self._g_tables[:n, :width].copy_(torch.from_numpy(table[:n, :width]), non_blocking=True)
-        self._g_split.fill_(self._split_len(int(ctx_lens.max()), splits))
-        graph.replay()
-        return out[:n]
-
     # ---------------------------------------------------------------- steps
-    def step(self, is_prefill: bool, groups: list[list[Sequence]], block_copies: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
+    def step(
+        self, is_prefill: bool, groups: list[list[Sequence]], block_copies: list[tuple[int, int]]
+    ) -> tuple[list[int], list[float]]:
         """Run one scheduled step and sample the next token of every group member."""
         assert self.kv is not None, "KV cache released; call reallocate_kv_cache() first"
         self.kv.copy_blocks(block_copies)
+        if not is_prefill:
+            return self._decode([g[0] for g in groups])
         members = [s for g in groups for s in g]
-        if is_prefill:
+        with torch.inference_mode():
             logits = self._prefill_logits([g[0] for g in groups])
             if len(members) != len(groups):
                 rows = [i for i, g in enumerate(groups) for _ in g]
                 logits = logits.index_select(0, torch.tensor(rows, device=self.device))
-        else:
-            logits = self._decode_logits(members)
-        with torch.inference_mode():
             tokens, logprobs = self.sampler(logits, self.sampler.prepare(members))
         return tokens.tolist(), logprobs.tolist()
 

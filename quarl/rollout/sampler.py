@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from quarl.rollout.sequence import Sequence
@@ -71,16 +72,33 @@ def gumbel_noise(row_seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return -torch.log(-torch.log(u))
 
 
-@dataclass
-class SamplingBatch:
-    """Per-row sampling inputs (device tensors) and the rows that need truncation."""
+def row_seeds(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`row_seed`: uint64 arrays in, int64 array out."""
+    x = (keys ^ ((positions.astype(np.uint64) * np.uint64(_GOLDEN)) & np.uint64(_M32))) & np.uint64(_M32)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(_M32)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(_M32)
+    x ^= x >> np.uint64(16)
+    return x.astype(np.int64)
 
-    inv_temp: torch.Tensor  # [R] float32: 1/T, or 1 for greedy rows
-    row_seed: torch.Tensor  # [R] int64
-    noise: torch.Tensor  # [R] float32: 1 to sample, 0 for greedy
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling settings of a batch whose membership did not change."""
+
+    inv_temp: torch.Tensor  # [R] float32 on device: 1/T, or 1 for greedy rows
+    noise: torch.Tensor  # [R] float32 on device: 1 to sample, 0 for greedy
+    keys: np.ndarray  # [R] uint64 completion keys
     truncated_rows: list[int]
     top_k: list[int]  # per truncated row (<= 0: none)
     top_p: list[float]  # per truncated row
+
+
+@dataclass
+class SamplingBatch:
+    rows: SamplingRows
+    row_seed: torch.Tensor  # [R] int64 on device
 
 
 class Sampler:
@@ -91,57 +109,77 @@ class Sampler:
         self.device = device
         self.use_triton = use_triton
         self.top_p_candidates = top_p_candidates
+        self._rows_key: tuple[int, ...] = ()
+        self._rows: SamplingRows | None = None
 
-    def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
-        inv_temp, seeds, noise, rows, top_k, top_p = [], [], [], [], [], []
+    def rows_for(self, seqs: list[Sequence]) -> SamplingRows:
+        """Settings of ``seqs`` (cached while the batch keeps the same sequences)."""
+        key = tuple(s.seq_id for s in seqs)
+        if self._rows is not None and key == self._rows_key:
+            return self._rows
+        inv_temp, noise, rows, top_k, top_p = [], [], [], [], []
         for i, seq in enumerate(seqs):
             p = seq.params
             inv_temp.append(1.0 if p.is_greedy else 1.0 / p.temperature)
             noise.append(0.0 if p.is_greedy else 1.0)
-            seeds.append(row_seed(seq.rng_key, len(seq)))
             if p.truncates:
                 rows.append(i)
                 top_k.append(p.top_k)
                 top_p.append(p.top_p)
-        dev = self.device
-        return SamplingBatch(
-            inv_temp=torch.tensor(inv_temp, dtype=torch.float32).to(dev, non_blocking=True),
-            row_seed=torch.tensor(seeds, dtype=torch.int64).to(dev, non_blocking=True),
-            noise=torch.tensor(noise, dtype=torch.float32).to(dev, non_blocking=True),
+        self._rows_key = key
+        self._rows = SamplingRows(
+            inv_temp=torch.tensor(inv_temp, dtype=torch.float32).to(self.device),
+            noise=torch.tensor(noise, dtype=torch.float32).to(self.device),
+            keys=np.fromiter((s.rng_key for s in seqs), dtype=np.uint64, count=len(seqs)),
             truncated_rows=rows,
             top_k=top_k,
             top_p=top_p,
         )
+        return self._rows
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits ``[R, V]`` (any float dtype)."""
+    def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
+        """Sampling inputs for drawing token ``len(seq)`` of each sequence."""
+        rows = self.rows_for(seqs)
+        positions = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        return SamplingBatch(rows, torch.from_numpy(row_seeds(rows.keys, positions)).to(self.device))
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits ``[R, V]`` (any float dtype); ``out`` optional (tokens, logprobs) buffers."""
+        rows = batch.rows
         if self.use_triton:
             from quarl.rollout.kernels import gumbel_sample
 
             r = logits.shape[0]
-            tokens = torch.empty(r, dtype=torch.int64, device=logits.device)
-            logprobs = torch.empty(r, dtype=torch.float32, device=logits.device)
+            if out is None:
+                out = (
+                    torch.empty(r, dtype=torch.int64, device=logits.device),
+                    torch.empty(r, dtype=torch.float32, device=logits.device),
+                )
+            tokens, logprobs = out
             lse = torch.empty(r, dtype=torch.float32, device=logits.device)
-            gumbel_sample(logits, batch.inv_temp, batch.row_seed, batch.noise, tokens, logprobs, lse)
+            gumbel_sample(logits, rows.inv_temp, batch.row_seed, rows.noise, tokens, logprobs, lse)
         else:
-            tokens, logprobs, lse = sample_reference(logits, batch.inv_temp, batch.row_seed, batch.noise)
-        if batch.truncated_rows:
+            tokens, logprobs, lse = sample_reference(logits, rows.inv_temp, batch.row_seed, rows.noise)
+        if rows.truncated_rows:
             self._sample_truncated(logits, batch, tokens, logprobs, lse)
         return tokens, logprobs
 
     def _sample_truncated(
         self, logits: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor, logprobs: torch.Tensor, lse: torch.Tensor
     ) -> None:
-        rows = torch.tensor(batch.truncated_rows, device=logits.device)
-        x = logits.index_select(0, rows).float() * batch.inv_temp[rows, None]
-        caps = [k if k > 0 else self.top_p_candidates for k in batch.top_k]
+        settings = batch.rows
+        rows = torch.tensor(settings.truncated_rows, device=logits.device)
+        x = logits.index_select(0, rows).float() * settings.inv_temp[rows, None]
+        caps = [k if k > 0 else self.top_p_candidates for k in settings.top_k]
         kmax = min(self.vocab_size, max(caps))
         vals, idx = torch.topk(x, kmax, dim=-1)  # sorted, descending
         row_lse = lse[rows]
         probs = torch.exp(vals - row_lse[:, None])
         rank = torch.arange(kmax, device=x.device)
         k_row = torch.tensor([min(c, kmax) for c in caps], device=x.device)
-        p_row = torch.tensor(batch.top_p, dtype=torch.float32, device=x.device)
+        p_row = torch.tensor(settings.top_p, dtype=torch.float32, device=x.device)
         keep = (rank[None, :] < k_row[:, None]) & ((torch.cumsum(probs, -1) - probs) < p_row[:, None])
         key = vals + gumbel_noise(batch.row_seed[rows, None], idx)
         choice = torch.where(keep, key, float("-inf")).argmax(-1, keepdim=True)

@@ -41,6 +41,7 @@ class Sequence:
         self.stop_ids = stop_ids
         self.logprobs: list[float] = []
         self.block_table: list[int] = []
+        self.table_epoch = 0  # bumped when blocks are replaced, not when one is appended
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
 
