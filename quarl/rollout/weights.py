@@ -26,9 +26,9 @@ def quantize_for_engine(model: Transformer, scheme: Any) -> Any:
         raise NotImplementedError(f"scheme {scheme!r} needs quarl.quant.quantize_model / get_scheme: {e}") from e
     if isinstance(scheme, str):
         scheme = get_scheme(scheme)
-    if getattr(scheme, "is_full_precision", False):
+    if not scheme.quantizes_weights and not scheme.quantizes_activations:
         return None
-    quantize_model(model, scheme)
+    quantize_model(model, scheme, mode="inference")
     return scheme
 
 

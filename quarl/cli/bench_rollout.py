@@ -1,0 +1,48 @@
+"""``quarl bench rollout``: engine throughput on random weights vs its floor and HF generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("rollout", help="rollout engine throughput (random weights, forced length)")
+    _add_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    from quarl.rollout.bench import SHAPES
+
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--gen-len", type=int, default=1024)
+    p.add_argument("--formats", default="bf16", help="comma list: bf16,w8a8-fp8,w8a8-int8,w4a16,...")
+    p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from quarl.rollout.bench import run_benchmark, summary_table
+
+    result = run_benchmark(
+        args.shape, args.batch, args.prompt_len, args.gen_len, [f for f in args.formats.split(",") if f],
+        hf_gen_len=args.hf_gen_len, out=args.out,
+    )
+    print(summary_table(result))
+    if not args.out:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quarl bench rollout", description=__doc__)
+    _add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

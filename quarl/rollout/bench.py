@@ -1,0 +1,268 @@
+"""Rollout throughput benchmark on random weights, against its floor and HF ``generate``.
+
+Method (shared/GPU.md): the memory bandwidth (device-to-device copy, read + write) and
+the bf16 matrix rate (8192^3 product) are measured first. A decode step of a batch
+whose sequences hold ``c_i`` tokens must read every weight the step uses once (all
+decoder linears at their stored size, norms, the LM head; the embedding lookup is
+``B`` rows) and the K/V of ``sum_i c_i`` tokens, and must do ``2 * params * B`` FLOPs:
+its floor is ``max(bytes / bandwidth, flops / rate)``. Summed over the ``G - 1`` decode
+steps of a forced-length run, that floor divided by the measured decode time is the
+fraction achieved. Prefill floor: FLOPs / rate. Throughput counts generated tokens
+over the whole ``generate`` call (prefill included).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quarl.model.config import TransformerConfig
+from quarl.model.transformer import Rotary, Transformer
+from quarl.rollout.config import EngineConfig
+from quarl.rollout.engine import Engine
+from quarl.rollout.sampling_params import SamplingParams
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                         attention_bias=True, tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       attention_bias=True, tie_word_embeddings=False, rope_theta=1e6, eos_token_id=151643),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, eos_token_id=151645),
+}
+
+
+def shape_config(shape: str, max_len: int) -> TransformerConfig:
+    return TransformerConfig(rms_norm_eps=1e-6, max_position_embeddings=max(max_len, 4096), **SHAPES[shape])
+
+
+@torch.no_grad()
+def random_model(cfg: TransformerConfig, device: torch.device, seed: int = 0) -> Transformer:
+    """bf16 model with N(0, 0.02) weights and biases, unit norms (finite, non-degenerate logits)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval()
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes/s, read + write of a device copy
+    bf16_flops: float
+
+
+def _median_time(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    a = torch.randn(512 * 2**20, device=device, dtype=torch.bfloat16)  # 1 GiB
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t_copy = _median_time(lambda: b.copy_(a), 20)
+    bw = 2 * a.numel() * a.element_size() / t_copy
+    del a, b
+    n = 8192
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    x @ y
+    t_mm = _median_time(lambda: x @ y, 20)
+    return Ceilings(bandwidth=bw, bf16_flops=2 * n**3 / t_mm)
+
+
+def step_weight_bytes(model: Transformer) -> int:
+    """Bytes a decode step reads of the weights (embedding table excluded unless tied)."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rotary") or (name == "embed_tokens.weight" and model.lm_head is not None):
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def matmul_params(cfg: TransformerConfig) -> int:
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+
+
+def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: int, gen_len: int,
+           ceil: Ceilings) -> dict[str, float]:
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    flops_per_token = 2 * matmul_params(cfg)
+    decode = []
+    for k in range(1, gen_len):  # decode step k runs token prompt_len + k - 1, context prompt_len + k
+        mem = (weight_bytes + batch * (prompt_len + k) * kv_per_token) / ceil.bandwidth
+        attn_flops = 4 * batch * (prompt_len + k) * cfg.q_size * cfg.num_hidden_layers
+        decode.append(max(mem, (batch * flops_per_token + attn_flops) / ceil.bf16_flops))
+    prefill_flops = batch * prompt_len * flops_per_token + 2 * batch * prompt_len**2 * cfg.q_size * cfg.num_hidden_layers
+    return {
+        "decode_floor_s": sum(decode),
+        "decode_step_floor_ms_mean": 1e3 * sum(decode) / max(len(decode), 1),
+        "decode_step_floor_ms_first": 1e3 * decode[0] if decode else 0.0,
+        "decode_step_floor_ms_last": 1e3 * decode[-1] if decode else 0.0,
+        "weights_read_ms": 1e3 * weight_bytes / ceil.bandwidth,
+        "prefill_floor_s": prefill_flops / ceil.bf16_flops,
+    }
+
+
+def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, ceil: Ceilings,
+               device: torch.device, seed: int = 0, engine_kw: dict | None = None) -> dict[str, Any]:
+    cfg = shape_config(shape, prompt_len + gen_len)
+    model = random_model(cfg, device, seed)
+    t0 = time.perf_counter()
+    config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + gen_len, max_num_batched_tokens=32768,
+                          **(engine_kw or {}))
+    engine = Engine(model, scheme=None if fmt == "bf16" else fmt, config=config)
+    init_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=gen_len, ignore_eos=True, seed=seed)
+    engine.generate(prompts[: min(batch, 8)], SamplingParams(max_new_tokens=4, ignore_eos=True))  # compile
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    total_s = time.perf_counter() - t0
+    st = engine.stats
+    assert all(len(o.token_ids) == gen_len for o in outs)
+    assert all(math.isfinite(lp) for o in outs[:4] for lp in o.logprobs)
+    fl = floors(cfg, step_weight_bytes(engine.model), batch, prompt_len, gen_len, ceil)
+    steps = sorted(st.decode_step_s)
+    row = {
+        "shape": shape, "format": fmt, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
+        "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
+        "prefill_s": st.prefill_s, "prefill_steps": st.prefill_steps, "decode_s": st.decode_s,
+        "decode_steps": st.decode_steps, "preemptions": st.preemptions,
+        "decode_step_ms_mean": 1e3 * st.decode_s / max(st.decode_steps, 1),
+        "decode_step_ms_median": 1e3 * steps[len(steps) // 2] if steps else 0.0,
+        "kv_blocks": engine.runner.num_blocks, "weight_bytes_per_step": step_weight_bytes(engine.model),
+        **fl,
+    }
+    row["decode_floor_fraction"] = fl["decode_floor_s"] / st.decode_s if st.decode_s else 0.0
+    row["overall_floor_fraction"] = (fl["decode_floor_s"] + fl["prefill_floor_s"]) / total_s
+    del engine, model, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+@torch.no_grad()
+def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """HF ``generate`` (sampling, forced length) on the same random weights."""
+    import transformers
+
+    cfg = shape_config(shape, prompt_len + gen_len)
+    model = random_model(cfg, device, seed)
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    state = {("" if n.startswith("lm_head") else "model.") + n: p for n, p in model.named_parameters()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), (missing, unexpected)
+    del model
+    hf.eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None)
+    hf.generate(ids[:8], attention_mask=mask[:8], max_new_tokens=4, **kw)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=gen_len, **kw)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    new = out.shape[1] - prompt_len
+    del hf, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"shape": shape, "format": "hf-generate-bf16", "batch": batch, "prompt_len": prompt_len,
+            "gen_len": new, "generated_tok_per_s": batch * new / total, "total_s": total}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats: list[str],
+                  hf_gen_len: int = 0, out: str | None = None, engine_kw: dict | None = None) -> dict[str, Any]:
+    device = torch.device("cuda")
+    ceil = measure_ceilings(device)
+    rows = []
+    for fmt in formats:
+        try:
+            rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=engine_kw))
+        except Exception as e:  # keep the other rows of a long run
+            rows.append({"shape": shape, "format": fmt, "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "benchmark": "rollout", "device": torch.cuda.get_device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "torch": torch.__version__,
+        "ceilings": asdict(ceil), "rows": rows,
+    }
+    if hf_gen_len:
+        hf = run_hf(shape, batch, prompt_len, hf_gen_len, device)
+        hf["note"] = (f"HF generate ran {hf['gen_len']} new tokens (not {gen_len}); its tok/s is used as is, "
+                      "which favours HF (its per-token cost grows with context)")
+        result["hf"] = hf
+        print(json.dumps(hf), flush=True)
+        for r in rows:
+            if "generated_tok_per_s" in r:
+                r["speedup_vs_hf"] = r["generated_tok_per_s"] / hf["generated_tok_per_s"]
+    base = next((r for r in rows if r.get("format") == "bf16" and "generated_tok_per_s" in r), None)
+    for r in rows:
+        if base is not None and "generated_tok_per_s" in r:
+            r["speedup_vs_bf16"] = r["generated_tok_per_s"] / base["generated_tok_per_s"]
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['device']}  bw {result['ceilings']['bandwidth'] / 1e12:.2f} TB/s  "
+             f"bf16 {result['ceilings']['bf16_flops'] / 1e12:.0f} TFLOP/s"]
+    lines.append("shape         fmt         B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf")
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['shape']:13s} {r['format']:10s} ERROR {r['error'][:120]}")
+            continue
+        lines.append(
+            f"{r['shape']:13s} {r['format']:10s} {r['batch']:4d} {r['generated_tok_per_s']:9.0f} "
+            f"{r['decode_step_ms_mean']:8.3f} {r['decode_step_floor_ms_mean']:8.3f} {r['decode_floor_fraction']:5.2f} "
+            f"{r.get('speedup_vs_bf16', float('nan')):6.2f} {r.get('speedup_vs_hf', float('nan')):6.1f}"
+        )
+    if "hf" in result:
+        lines.append(f"HF generate: {result['hf']['generated_tok_per_s']:.0f} tok/s ({result['hf']['gen_len']} new tokens)")
+    return "\n".join(lines)
