@@ -9,10 +9,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [[ $PARTS == *tests* ]]; then
-  timeout 240 python3 -m pytest tests_gpu/rollout -q -x -p no:cacheprovider 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -25
+  timeout 180 python3 -m pytest tests_gpu/rollout -q -x -p no:cacheprovider 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -25
 fi
 if [[ $PARTS == *b15* ]]; then
-  timeout 240 python3 -m quarl.cli.bench_rollout --shape qwen2.5-1.5b --batch 256 --prompt-len 256 --gen-len 1024 \
+  timeout 200 python3 -m quarl.cli.bench_rollout --shape qwen2.5-1.5b --batch 256 --prompt-len 256 --gen-len 1024 \
     --formats bf16 --hf-gen-len 128 --out "$OUT/rollout_qwen2.5-1.5b.json" 2>&1 | tee "$OUT/rollout_b15.log" | grep -v '^{' | tail -20
 fi
 if [[ $PARTS == *b7* ]]; then
