@@ -41,7 +41,7 @@ neighbours lets a GEMM kernel unpack a tile with one shift and one mask and mult
 by a contiguous slice of x: no shuffles.
 
 Activations (``act_format``), per token, dynamic, symmetric, computed in fp32:
-``s_m = max|x_m| / 127`` (int8) or ``/ 448`` (fp8), 1 for an all-zero row;
+``s_m = max|x_m| * fp32(1/127)`` (int8) or ``* fp32(1/448)`` (fp8), 1 for an all-zero row;
 ``q = clamp(round(x / s), -127, 127)`` or ``e4m3(clamp(x / s, +-448))``.
 
 The GEMM each scheme implies is ``y = xq @ wq.T`` with ``xq`` the activations as
@@ -145,7 +145,10 @@ def to_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------ weight quantizers
 def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # ``amax * fp32(1 / qmax)``, not ``amax / qmax``: torch on CUDA turns division by a
+    # scalar into this multiply anyway, and the Triton quantizer does the same, so CPU,
+    # GPU and kernel scales agree bit for bit.
+    return torch.where(amax > 0, amax * (1.0 / qmax), torch.ones_like(amax))
 
 
 def quantize_per_channel(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:

@@ -83,3 +83,20 @@ def test_dispatch_forced_triton_matches_reference(name):
         fast = quant_linear(x, qw)
     assert fast.shape == (2, 5, N)
     assert _rel(fast, reference_linear(x, qw, exact=True)) < 1e-5
+
+
+@pytest.mark.parametrize("name", WO)
+def test_dequant_kernel_exact(name):
+    qw = quantize_weight(torch.randn(N, K), name)
+    assert torch.equal(_launch().dequantize(qw, torch.float32), qw.dequantize(torch.float32))
+
+
+def test_split_k_counters_are_reset_and_result_deterministic():
+    launch = _launch()
+    qw = quantize_weight(torch.randn(N, 640), "w4a16")
+    x = torch.randn(3, 640)
+    cfg = launch.wo_config(3, N, 640)._replace(split_k=3)
+    a = launch.wo_gemm(x, qw, None, cfg)
+    b = launch.wo_gemm(x, qw, None, cfg)
+    assert torch.equal(a, b)
+    assert int(launch._counters(x.device, 1).abs().sum()) == 0

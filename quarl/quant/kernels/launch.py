@@ -74,22 +74,24 @@ def wo_config(m: int, n: int, k: int) -> TileConfig:
 
 
 def int8_config(m: int, n: int, k: int) -> TileConfig:
+    # From the H200 sweep (bench/results/sweep_h200_1.json): 64-row tiles up to M=256 (split-K
+    # when the grid is short), 128x128x128 / 8 warps / 3 stages from M=1024 on.
     if "int8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["int8"](m, n, k)
     if m <= 16:
-        return TileConfig(16, 64, 256, num_warps=4, num_stages=4)
+        return TileConfig(16, 64, 256, num_warps=4, num_stages=3)
     if m <= 64:
-        return TileConfig(64, 64, 256, num_warps=4, num_stages=4)
-    if m <= 256:
-        return TileConfig(128, 128, 128, num_warps=8, num_stages=4)
-    return TileConfig(128, 256, 128, split_k=1, num_warps=8, num_stages=3)
+        return TileConfig(64, 64, 128, num_warps=4, num_stages=4)
+    if m <= 512:
+        return TileConfig(64, 128, 128, num_warps=4, num_stages=4)
+    return TileConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)
 
 
 def w4a8_config(m: int, n: int, k: int) -> TileConfig:
     if "w4a8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["w4a8"](m, n, k)
     if m <= 16:
-        return TileConfig(16, 64, num_warps=4, num_stages=4)
+        return TileConfig(16, 128, num_warps=4, num_stages=3)
     if m <= 64:
         return TileConfig(64, 64, num_warps=4, num_stages=3)
     return TileConfig(128, 128, split_k=1, num_warps=8, num_stages=3)
@@ -99,11 +101,30 @@ def _interpreting(x: torch.Tensor) -> bool:
     return x.device.type != "cuda"
 
 
-def _finish_split(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    y = part.sum(0) if part.shape[0] > 1 else part[0]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(dtype)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 tile counters of split-K launches, one buffer per (device, stream).
+
+    Kernels leave them at zero, so the buffer is allocated once (before any CUDA-graph
+    capture that uses it) and reused; per stream, so concurrent GEMMs never share one.
+    """
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _outputs(m: int, n: int, split: int, tiles: int, dtype: torch.dtype, device: torch.device):
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    if split == 1:
+        return out, out, out
+    part = torch.empty(split, m, n, dtype=torch.float32, device=device)
+    return out, part, _counters(device, tiles)
 
 
 def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +135,12 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
-    block = min(triton_next_pow2(k), 64 if _interpreting(x) else 4096)
-    tk.act_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, num_warps=4)
+    full = triton_next_pow2(k)
+    block = min(full, 64 if _interpreting(x) else 32768)
+    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    tk.act_quant_kernel[(m,)](
+        x, q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
+    )
     return q, s
 
 
@@ -138,7 +163,7 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     m, k = x.shape
     n = qw.shape[0]
     if WO_DEQUANT_MIN_M is not None and m >= WO_DEQUANT_MIN_M and cfg is None:
-        return torch.nn.functional.linear(x, qw.dequantize(x.dtype), bias)
+        return torch.nn.functional.linear(x, dequantize(qw, x.dtype), bias)
     cfg = cfg or wo_config(m, n, k)
     nchunk = qw.qdata.shape[1] * 8 // qw.scheme.weight_bits // PACK_K
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
@@ -146,21 +171,35 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     scales = qw.scales.view(torch.uint8) if qw.scales.dtype == torch.float8_e4m3fn else qw.scales
     zeros = qw.zeros if qw.zeros is not None else scales
     gs = qw.global_scale if qw.global_scale is not None else scales
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (tiles, split)
-    tk.wo_gemm_kernel[grid](
-        x, qw.qdata, scales, zeros, gs, bias if bias is not None else scales, out,
-        m, n, k, nchunk, per,
-        x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+    out, part, cnt = _outputs(m, n, split, tiles, x.dtype, x.device)
+    tk.wo_gemm_kernel[(tiles, split)](
+        x, qw.qdata, scales, zeros, gs, bias if bias is not None else scales, out, part, cnt,
+        m, n, k, nchunk, per, split,
+        x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(0),
         FMT=_wo_fmt(qw), BITS=qw.scheme.weight_bits, G=qw.scheme.group_size,
-        BM=cfg.bm, BN=cfg.bn, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        BM=cfg.bm, BN=cfg.bn, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
         POST_SCALE=cfg.post_scale and qw.scheme.weight_format == "int" and qw.scheme.group_size % PACK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out if split == 1 else _finish_split(out, bias, x.dtype)
+    return out
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Packed sub-byte weight -> ``[N, K]`` in ``dtype`` with one Triton launch."""
+    n, k = qw.shape
+    if not qw.scheme.packed:
+        return qw.dequantize(dtype)
+    nchunk = qw.qdata.shape[1] * 8 // qw.scheme.weight_bits // PACK_K
+    scales = qw.scales.view(torch.uint8) if qw.scales.dtype == torch.float8_e4m3fn else qw.scales
+    zeros = qw.zeros if qw.zeros is not None else scales
+    gs = qw.global_scale if qw.global_scale is not None else scales
+    out = torch.empty(n, k, dtype=dtype, device=qw.qdata.device)
+    bn = 16 if _interpreting(out) else 64
+    tk.dequant_kernel[(_cdiv(n, bn), nchunk)](
+        qw.qdata, scales, zeros, gs, out, n, k, qw.qdata.stride(0), scales.stride(0), out.stride(0),
+        FMT=_wo_fmt(qw), BITS=qw.scheme.weight_bits, G=qw.scheme.group_size, BN=bn, num_warps=4,
+    )
+    return out
 
 
 def int8_gemm(
@@ -174,17 +213,14 @@ def int8_gemm(
     kblocks = _cdiv(k, cfg.bk)
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
     split, per = _pick_split(tiles, kblocks, _num_sms(xq.device), cfg.split_k)
-    if split == 1:
-        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+    out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
     tk.int8_gemm_kernel[(tiles, split)](
-        xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out,
-        m, n, k, per, xq.stride(0), qw.qdata.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None and split == 1,
+        xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
+        m, n, k, per, split, xq.stride(0), qw.qdata.stride(0), out.stride(0),
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out if split == 1 else _finish_split(out, bias, out_dtype)
+    return out
 
 
 def w4a8_gemm(
@@ -199,18 +235,15 @@ def w4a8_gemm(
     nchunk = qw.qdata.shape[1] * 2 // PACK_K
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
     split, per = _pick_split(tiles, nchunk, _num_sms(xq.device), cfg.split_k)
-    if split == 1:
-        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+    out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
     tk.w4a8_gemm_kernel[(tiles, split)](
-        xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out,
-        m, n, k, nchunk, per,
-        xq.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
+        m, n, k, nchunk, per, split,
+        xq.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
         G=qw.scheme.group_size, BM=cfg.bm, BN=cfg.bn, IS_SPLIT=split > 1, GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None and split == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out if split == 1 else _finish_split(out, bias, out_dtype)
+    return out
 
 
 def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

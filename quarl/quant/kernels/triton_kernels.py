@@ -10,12 +10,14 @@ in such chunks; columns past the logical K are masked out of x, and the packed w
 there are exact zeros.
 
 Kernels:
-* ``act_quant_kernel``: per-token dynamic int8 / e4m3 quantizer (one program per row,
-  two passes over the row: max-abs, then quantize), feeding the W8A8/W4A8 GEMMs.
+* ``act_quant_kernel``: per-token dynamic int8 / e4m3 quantizer (one program per row;
+  the row stays in registers up to 32k columns), feeding the W8A8/W4A8/FP8 GEMMs.
 * ``wo_gemm_kernel``: weight-only dequant GEMM (int4 sym/asym, int2 asym, nvfp4, mxfp4)
   with bf16/fp16 activations; dequantizes each tile in registers then runs a tensor-core
-  dot. ``IS_SPLIT`` (K split over ``program_id(1)``) writes fp32 partial sums ``[SPLIT_K, M, N]`` that the caller
-  reduces (deterministic, unlike atomics): that is the small-M (decode) path.
+  dot. ``IS_SPLIT`` splits K over ``program_id(1)``; the last split of each tile adds
+  the fp32 partials in a fixed order inside the same launch (``_store_tile``): one
+  launch, deterministic. That is the small-M (decode) path.
+* ``dequant_kernel``: packed weight -> bf16 ``[N, K]`` for the large-M path (cuBLAS GEMM).
 * ``int8_gemm_kernel``: W8A8 int8 x int8 -> int32 with both scales fused in the epilogue.
 * ``w4a8_gemm_kernel``: int4 g128 weights unpacked to int8, int8 x int8 dots per group,
   group scale applied to each group's int32 partial, token scale in the epilogue.
@@ -59,28 +61,69 @@ def _round_e4m3(v):
 @triton.jit
 def act_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-    IS_FP8: tl.constexpr, BLOCK: tl.constexpr,
+    IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
+    """One row per program. ONE_PASS (BLOCK >= K): the row stays in registers, x is read once."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        msk = k0 + offs < K
-        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    a = tl.max(amax, axis=0)
-    qmax = 448.0 if IS_FP8 else 127.0
-    s = tl.where(a > 0, tl.math.div_rn(a, qmax), 1.0)
+    # scale = amax * fp32(1 / qmax): a multiply, so torch (which turns division by a
+    # scalar into a multiply by its reciprocal on CUDA) and this kernel agree bit for bit
+    inv_qmax = 1.0 / 448.0 if IS_FP8 else 1.0 / 127.0
+    if ONE_PASS:
+        msk = offs < K
+        v = tl.load(x_ptr + row * stride_xm + offs, mask=msk, other=0.0).to(tl.float32)
+        a = tl.max(tl.abs(v), axis=0)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            msk = k0 + offs < K
+            v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        a = tl.max(amax, axis=0)
+    s = tl.where(a > 0, a * inv_qmax, 1.0)
     tl.store(s_ptr + row, s)
     for k0 in range(0, K, BLOCK):
         msk = k0 + offs < K
-        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
+        if not ONE_PASS:
+            v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
         t = tl.math.div_rn(v, tl.full([BLOCK], 1.0, tl.float32) * s)
         if IS_FP8:
             tl.store(q_ptr + row * stride_qm + k0 + offs, _round_e4m3(t).to(tl.float8e4nv), mask=msk)
         else:
             t = tl.minimum(tl.maximum(_rne(t), -127.0), 127.0)
             tl.store(q_ptr + row * stride_qm + k0 + offs, t.to(tl.int8), mask=msk)
+
+
+@triton.jit
+def _store_tile(
+    acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+    pid_tile, pid_k, n_split, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Write an fp32 tile (+ bias) as the output dtype.
+
+    Split-K: each split stores its partial sum to ``part [n_split, M, N]`` (fp32), then
+    bumps the tile's counter; the split that arrives last adds the partials in split
+    order (so the result does not depend on arrival order: deterministic), writes the
+    output and resets the counter for the next launch (CUDA-graph replays included).
+    """
+    omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tile_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile_off, acc, mask=omask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_tile, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            acc = tl.zeros_like(acc)
+            for sp in range(0, n_split):
+                acc += tl.load(part_ptr + sp * M.to(tl.int64) * N + tile_off, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_tile, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -124,16 +167,18 @@ def _group_param(ptr, offs_n, stride_n, k_first, N, SUB: tl.constexpr, G: tl.con
     """
     nmask = offs_n[None, :] < N
     if G >= SUB:
-        return tl.load(ptr + offs_n[None, :] * stride_n + k_first // G, mask=nmask, other=0)
-    rows = (k_first + tl.arange(0, SUB)) // G
-    return tl.load(ptr + offs_n[None, :] * stride_n + rows[:, None], mask=nmask, other=0)
+        out = tl.load(ptr + offs_n[None, :] * stride_n + k_first // G, mask=nmask, other=0)
+    else:
+        rows = (k_first + tl.arange(0, SUB)) // G
+        out = tl.load(ptr + offs_n[None, :] * stride_n + rows[:, None], mask=nmask, other=0)
+    return out
 
 
 @triton.jit
 def wo_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr,
-    M, N, K, NCHUNK, CHUNKS_PER_SPLIT,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
     FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, POST_SCALE: tl.constexpr,
@@ -196,22 +241,15 @@ def wo_gemm_kernel(
                 ks = k_first + offs_j
                 x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
                 acc += tl.dot(x, w)
-    omask = mmask & nmask
-    if not IS_SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        o = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        o = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(o, acc, mask=omask)
+    _store_tile(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
 def int8_gemm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr,
-    M, N, K, KBLOCKS_PER_SPLIT,
-    stride_am, stride_bn, stride_om, stride_os,
+    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, KBLOCKS_PER_SPLIT, N_SPLIT,
+    stride_am, stride_bn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
@@ -236,20 +274,15 @@ def int8_gemm_kernel(
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-    omask = mmask & nmask
-    if not IS_SPLIT:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)
+    _store_tile(y, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
 def w4a8_gemm_kernel(
-    a_ptr, w_ptr, sa_ptr, s_ptr, bias_ptr, out_ptr,
-    M, N, K, NCHUNK, CHUNKS_PER_SPLIT,
-    stride_am, stride_wn, stride_sn, stride_om, stride_os,
+    a_ptr, w_ptr, sa_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
+    stride_am, stride_wn, stride_sn, stride_om,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
@@ -284,10 +317,45 @@ def w4a8_gemm_kernel(
             acc += tl.dot(a_hi, w_hi, out_dtype=tl.int32).to(tl.float32) * s_hi[None, :]
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = acc * sa[:, None]
-    omask = mmask & nmask
-    if not IS_SPLIT:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)
+    _store_tile(y, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def dequant_kernel(
+    w_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+    FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+):
+    """One 128-column chunk of BN rows per program: ``out[n, k] = value(code) * scale``."""
+    pid_n = tl.program_id(0)
+    c = tl.program_id(1)
+    NSUB: tl.constexpr = 8 // BITS
+    SUB: tl.constexpr = 128 // NSUB
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_j = tl.arange(0, SUB)
+    nmask = offs_n[:, None] < N
+    rows = offs_n[:, None].to(tl.int64)
+    packed = tl.load(w_ptr + rows * stride_wn + c * SUB + offs_j[None, :], mask=nmask, other=0).to(tl.int32)
+    gscale = 1.0
+    if FMT == 2:
+        gscale = tl.load(gs_ptr)
+    for i in tl.static_range(NSUB):
+        ks = c * 128 + i * SUB + offs_j
+        code = (packed >> (BITS * i)) & CODE_MASK
+        gidx = ks[None, :] // G
+        sv = tl.load(s_ptr + rows * stride_sn + gidx, mask=nmask, other=0)
+        if FMT == 2 or FMT == 3:
+            val = _e2m1_value(code)
+        else:
+            val = code.to(tl.float32)
+        if FMT == 0:
+            val = val - HALF
+        elif FMT == 1:
+            val = val - tl.load(z_ptr + rows * stride_sn + gidx, mask=nmask, other=0).to(tl.float32)
+        if FMT == 2:
+            sv = _e4m3_value(sv.to(tl.int32)) * gscale
+        elif FMT == 3:
+            sv = (sv.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + rows * stride_on + ks[None, :], (val * sv).to(out_ptr.dtype.element_ty), mask=nmask & (ks[None, :] < K))
