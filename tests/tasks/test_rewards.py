@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from quarl.tasks import Example, RewardError, RewardPool, math_reward, resolve_reward
+from quarl.tasks.rewards import MATH_REWARD, last_boxed
+from tests.tasks import reward_fns
+
+EXACT = "tests.tasks.reward_fns:exact"
+
+
+@pytest.mark.parametrize(
+    "completion, answer, reward",
+    [
+        ("so the answer is \\boxed{1/2}", "0.5", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "1/2", 1.0),
+        ("$\\boxed{x^2+2x+1}$", "(x+1)^2", 1.0),
+        ("\\boxed{2} no wait \\boxed{5}", "5", 1.0),  # the last box is the answer
+        ("\\boxed{5} no wait \\boxed{2}", "5", 0.0),
+        ("\\boxed{3}", "4", 0.0),
+        ("the answer is 0.5", "0.5", 0.0),  # no box, no reward
+        ("\\boxed{\\frac{1}{2}", "0.5", 0.0),  # unclosed box
+        ("\\boxed{42}", "\\boxed{42}", 1.0),  # a boxed gold answer works too
+    ],
+)
+def test_math_reward(completion, answer, reward):
+    assert math_reward(completion, answer, {}) == reward
+
+
+def test_last_boxed():
+    assert last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\boxed{\\frac{1}{2}}"
+    assert last_boxed("none") is None
+
+
+def test_missing_math_verify_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(RewardError, match="pip install math-verify"):
+        resolve_reward(MATH_REWARD)
+    with pytest.raises(RewardError, match="pip install math-verify"):
+        math_reward("\\boxed{1}", "1", {})
+
+
+def test_resolve_reward_errors():
+    assert resolve_reward(EXACT) is reward_fns.exact
+    with pytest.raises(ValueError, match="module:function"):
+        resolve_reward("no_colon")
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'"):
+        resolve_reward("no_such_module_xyz:f")
+    with pytest.raises(RewardError, match="has no function 'exactt'.*its functions: exact"):
+        resolve_reward("tests.tasks.reward_fns:exactt")
+    with pytest.raises(RewardError, match="not a function"):
+        resolve_reward("tests.tasks.reward_fns:NOT_A_FUNCTION")
+
+
+def examples(answers: str) -> list[Example]:
+    return [Example(prompt="p", answer=a) for a in answers]
+
+
+def test_inline_pool_scores_and_counts_errors():
+    with RewardPool(lambda c, a, m: float(c == a), workers=0) as pool:
+        assert pool.score(["a", "x", "c"], examples("abc")) == (
+            [1.0, 0.0, 1.0], {"reward/timeouts": 0.0, "reward/errors": 0.0}
+        )
+    with RewardPool(EXACT, workers=0) as pool:
+        rewards, metrics = pool.score(["a", "raise", "none"], examples("abc"))
+        assert rewards == [1.0, 0.0, 0.0] and metrics["reward/errors"] == 2.0
+        with pytest.raises(ValueError, match="2 completions for 3 examples"):
+            pool.score(["a", "b"], examples("abc"))
+
+
+def test_worker_pool_needs_an_importable_function():
+    with pytest.raises(ValueError, match="module:function"):
+        RewardPool(lambda c, a, m: 0.0, workers=1)
+    with RewardPool(reward_fns.exact, workers=1, timeout_s=5.0) as pool:
+        assert pool.spec == EXACT
+        assert pool.score(["a"], examples("a"))[0] == [1.0]
+
+
+def test_hung_crashing_and_raising_verifiers_never_stall_the_batch():
+    completions = ["a", "hang", "c", "raise", "e", "die", "none", "x", "i"]
+    start = time.monotonic()
+    with RewardPool(EXACT, workers=2, timeout_s=1.0) as pool:
+        rewards, metrics = pool.score(completions, examples("abcdefghi"))
+        elapsed = time.monotonic() - start
+        assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+        assert metrics == {"reward/timeouts": 1.0, "reward/errors": 3.0}  # raise, die, none
+        # The pool recovered: replaced workers score the next batch.
+        assert pool.score(list("abcd"), examples("abcd")) == (
+            [1.0] * 4, {"reward/timeouts": 0.0, "reward/errors": 0.0}
+        )
+    assert elapsed < 8.0
+
+
+def test_math_reward_runs_in_a_worker_process():
+    with RewardPool(MATH_REWARD, workers=1, timeout_s=20.0) as pool:
+        rewards, metrics = pool.score(["\\boxed{1/2}", "\\boxed{3}"], [Example("p", "0.5"), Example("p", "4")])
+    assert rewards == [1.0, 0.0] and metrics["reward/errors"] == 0.0
+
+
+def test_pool_arguments():
+    with pytest.raises(ValueError, match="workers"):
+        RewardPool(EXACT, workers=-1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool(EXACT, workers=0, timeout_s=0)
