@@ -276,8 +276,8 @@ class RewardPool:
             w.process.join(1.0)
             raise RewardError(
                 f"reward worker exited while starting (exit code {w.process.exitcode}). Workers are "
-                "started with 'spawn', which re-imports the main script: guard its entry point with "
-                "`if __name__ == '__main__':` (or use workers=0)"
+                "started with 'spawn', which re-imports the main script: if it has no "
+                "`if __name__ == '__main__':` guard, add one (or use workers=0)"
             )
         if not alive:
             if w.job is not None:
