@@ -39,6 +39,8 @@ class StepContext:
     max_seqlen_q: int = 1
     split_len: torch.Tensor | None = None
     num_splits: int = 1
+    decode_block_n: int = 64
+    decode_warps: int = 4
     host_context_lens: list[int] | None = None
     host_cu_seqlens_q: list[int] | None = None
 
@@ -93,7 +95,7 @@ class PagedAttention:
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, self.ctx.block_tables, self.ctx.context_lens, self.ctx.split_len,
-            out, part_out, part_lse, splits, scale,
+            out, part_out, part_lse, splits, scale, self.ctx.decode_block_n, self.ctx.decode_warps,
         )
 
 

@@ -155,6 +155,10 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
     assert all(len(o.token_ids) == gen_len for o in outs)
     assert all(math.isfinite(lp) for o in outs[:4] for lp in o.logprobs)
     fl = floors(cfg, step_weight_bytes(engine.model), batch, prompt_len, gen_len, ceil)
+    replay_ms = float("nan")
+    if engine.runner.graphs:  # GPU time of one decode step alone: the last step's inputs replayed
+        graph = engine.runner.graphs[max(engine.runner.graphs)][0]
+        replay_ms = 1e3 * _median_time(graph.replay, 20)
     steps = sorted(st.decode_step_s)
     row = {
         "shape": shape, "format": fmt, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
@@ -163,6 +167,8 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
         "decode_steps": st.decode_steps, "preemptions": st.preemptions,
         "decode_step_ms_mean": 1e3 * st.decode_s / max(st.decode_steps, 1),
         "decode_step_ms_median": 1e3 * steps[len(steps) // 2] if steps else 0.0,
+        "last_step_graph_replay_ms": replay_ms, "decode_tiling": list(engine.runner.decode_tiling),
+        "decode_tuning_ms": engine.runner.decode_tuning_ms, "fused_kernels": engine.runner.fused,
         "kv_blocks": engine.runner.num_blocks, "weight_bytes_per_step": step_weight_bytes(engine.model),
         **fl,
     }
@@ -223,7 +229,9 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
         try:
             rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=engine_kw))
         except Exception as e:  # keep the other rows of a long run
-            rows.append({"shape": shape, "format": fmt, "error": f"{type(e).__name__}: {e}"})
+            rows.append({"shape": shape, "format": fmt, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+        gc.collect()  # the failed engine's frames are gone with the exception; free its memory
+        torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
     result = {
         "benchmark": "rollout", "device": torch.cuda.get_device_name(device),
@@ -253,7 +261,7 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
 def summary_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device']}  bw {result['ceilings']['bandwidth'] / 1e12:.2f} TB/s  "
              f"bf16 {result['ceilings']['bf16_flops'] / 1e12:.0f} TFLOP/s"]
-    lines.append("shape         fmt         B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf")
+    lines.append("shape         fmt         B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf   last_replay_ms/floor")
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['shape']:13s} {r['format']:10s} ERROR {r['error'][:120]}")
@@ -261,7 +269,8 @@ def summary_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['shape']:13s} {r['format']:10s} {r['batch']:4d} {r['generated_tok_per_s']:9.0f} "
             f"{r['decode_step_ms_mean']:8.3f} {r['decode_step_floor_ms_mean']:8.3f} {r['decode_floor_fraction']:5.2f} "
-            f"{r.get('speedup_vs_bf16', float('nan')):6.2f} {r.get('speedup_vs_hf', float('nan')):6.1f}"
+            f"{r.get('speedup_vs_bf16', float('nan')):6.2f} {r.get('speedup_vs_hf', float('nan')):6.1f} "
+            f"{r['last_step_graph_replay_ms']:7.3f}/{r['decode_step_floor_ms_last']:.3f} {r['decode_tiling']}"
         )
     if "hf" in result:
         lines.append(f"HF generate: {result['hf']['generated_tok_per_s']:.0f} tok/s ({result['hf']['gen_len']} new tokens)")

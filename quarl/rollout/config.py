@@ -24,6 +24,8 @@ class EngineConfig:
     max_graph_batch: int | None = None  # largest captured batch (default max_num_seqs)
     attention_backend: str = "auto"  # "auto" (triton on GPU, torch on CPU), "triton", "torch"
     top_p_candidates: int = 1024  # top-p looks at this many most likely tokens at most
+    fused_kernels: bool = True  # Triton backend: fused norm/rotary/SiLU kernels (quarl.rollout.fused)
+    tune_decode: bool = True  # on GPU, time a few decode-attention tilings at start-up and keep the best
     share_prompt: bool = True  # the n samples of a prompt share its prefill and KV blocks
 
     def __post_init__(self) -> None:

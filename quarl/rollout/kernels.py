@@ -181,6 +181,8 @@ def paged_decode_attention(
     part_lse: torch.Tensor | None,
     num_splits: int,
     scale: float,
+    block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context.
 
@@ -203,8 +205,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(b, hq)](

@@ -48,6 +48,13 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         model.rotary.ensure(max_model_len)
         model.rotary.auto_grow = False
+        self.decode_tiling = (64, 4, 4)  # (BLOCK_N, num_warps, programs per SM) of the decode kernel
+        self.decode_tuning_ms = 0.0
+        self.fused = False
+        if self.backend == "triton" and config.fused_kernels:
+            from quarl.rollout.fused import supports_fused
+
+            self.fused = supports_fused(model)
         self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates)
         self.num_blocks = self._num_kv_blocks()
         self.kv: KVCache | None = None
@@ -121,6 +128,8 @@ class ModelRunner:
         if self.kv is not None:
             return
         self.kv = self._new_cache(self.num_blocks)
+        if self.is_cuda and self.backend == "triton" and self.config.tune_decode and self.decode_tuning_ms == 0.0:
+            self.tune_decode()
         if self.is_cuda and self.config.cuda_graphs:
             self.capture_graphs()
 
@@ -148,16 +157,69 @@ class ModelRunner:
         blocks = np.asarray(seq.block_table, dtype=np.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
-    def _num_splits(self, batch: int) -> int:
+    def _num_splits(self, batch: int, programs_per_sm: int | None = None) -> int:
+        """Context splits of the decode kernel so that ``batch * Hkv * splits`` fills the GPU."""
         if self.backend != "triton":
             return 1
+        per_sm = programs_per_sm or self.decode_tiling[2]
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 8
-        splits = -(-4 * sms // (batch * self.num_kv_heads))
+        splits = -(-per_sm * sms // (batch * self.num_kv_heads))
         return int(max(1, min(splits, 16, -(-self.max_model_len // 128))))
 
     def _split_len(self, max_context: int, splits: int) -> int:
         per = -(-max_context // splits)
-        return -(-per // 64) * 64
+        return -(-per // 128) * 128
+
+    @torch.inference_mode()
+    def tune_decode(self) -> None:
+        """Time decode-attention tilings (BLOCK_N, warps, programs per SM) on random K/V in
+        this cache at the largest batch and a mid-size context; keep the fastest."""
+        from quarl.rollout import kernels
+
+        batch = min(self.config.max_num_seqs, self._bs_cap)
+        ctx_len = min(self.max_model_len, 1024)
+        nb = -(-ctx_len // self.block_size)
+        if batch * nb > self.num_blocks:
+            return
+        k_cache, v_cache = self.kv.k[0], self.kv.v[0]
+        k_cache[: batch * nb].normal_()
+        v_cache[: batch * nb].normal_()
+        tables = torch.randperm(batch * nb, device=self.device).view(batch, nb).to(torch.int32)
+        hq = self.model.config.num_attention_heads
+        q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
+        lens = torch.randint(ctx_len // 2, ctx_len + 1, (batch,), device=self.device)
+        out = torch.empty_like(q)
+        best = None
+        for per_sm in (2, 4, 8):
+            splits = self._num_splits(batch, per_sm)
+            split_len = torch.tensor([self._split_len(ctx_len, splits)], device=self.device)
+            po = torch.empty(batch, hq, splits, self.head_dim, device=self.device)
+            pl = torch.empty(batch, hq, splits, device=self.device)
+            for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
+                def call():
+                    kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, split_len, out, po, pl,
+                                                   splits, self.head_dim**-0.5, block_n, warps)
+                call()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    call()
+                end.record()
+                torch.cuda.synchronize()
+                t = start.elapsed_time(end) / 10
+                if best is None or t < best[0]:
+                    best = (t, (block_n, warps, per_sm))
+        self.decode_tiling = best[1]
+        self.decode_tuning_ms = best[0]
+        self.kv.data.zero_()
+
+    def _hidden_states(self, ids: torch.Tensor, pos: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+        if self.fused:
+            from quarl.rollout.fused import fused_hidden_states
+
+            return fused_hidden_states(self.model, ids, pos, attn)
+        return self.model.hidden_states(ids, pos, attn)
 
     # ---------------------------------------------------------------- prefill
     @torch.inference_mode()
@@ -182,7 +244,7 @@ class ModelRunner:
             host_cu_seqlens_q=cu.tolist(),
         )
         attn = PagedAttention(self.kv, ctx, self.backend)
-        hidden = self.model.hidden_states(self._tensor(ids)[None], self._tensor(positions)[None], attn)[0]
+        hidden = self._hidden_states(self._tensor(ids)[None], self._tensor(positions)[None], attn)[0]
         if not all_positions:
             hidden = hidden[torch.from_numpy(cu[1:] - 1).to(self.device).long()]
         return self.model.logits(hidden)
@@ -220,6 +282,8 @@ class ModelRunner:
             context_lens=self._d_ctx[:n],
             split_len=self._d_split,
             num_splits=splits,
+            decode_block_n=self.decode_tiling[0],
+            decode_warps=self.decode_tiling[1],
         )
 
     def _fill_decode_inputs(self, seqs: list[Sequence], padded: int, splits: int, keys: np.ndarray) -> int:
@@ -285,7 +349,7 @@ class ModelRunner:
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         attn = PagedAttention(self.kv, ctx, self.backend)
-        hidden = self.model.hidden_states(ids[:, None], pos[:, None], attn)
+        hidden = self._hidden_states(ids[:, None], pos[:, None], attn)
         return self.model.logits(hidden[:, 0])
 
     def capture_graphs(self) -> None:
@@ -293,7 +357,7 @@ class ModelRunner:
         self._make_decode_buffers(max(max_bs, self._bs_cap))
         self._h_ctx[:] = 1
         self._h_slots[:] = self.kv.scratch_slot
-        self._h_split[0] = 64
+        self._h_split[0] = 128
         self._dev_ints.copy_(self._host_ints)
         pool = None
         self.graphs = {}

@@ -166,3 +166,40 @@ def test_release_reallocate_and_load_weights():
         ref = torch.log_softmax(model(torch.tensor([seq], device=DEV)).float()[0], -1)
     ref_lp = ref[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
     assert engine.check_logprobs(seq, ref_lp.cpu(), tol=0.1) < 0.1
+
+
+def test_fused_kernels_match_model_forward():
+    from quarl.rollout.fused import rmsnorm, rope, silu_mul
+    from quarl.model.transformer import RMSNorm, apply_rotary
+    import torch.nn.functional as F
+
+    x = torch.randn(37, 1536, device=DEV, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    norm = RMSNorm(1536, 1e-6).to(DEV).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+        ref = norm(x + r)
+        res = r.clone()
+        got = rmsnorm(x, norm.weight, 1e-6, res)
+    assert torch.equal(res, x + r)
+    assert (got.float() - ref.float()).abs().max() <= 2 * ref.float().abs().max() * 2**-8
+    q = torch.randn(37, 12, 128, device=DEV, dtype=torch.bfloat16)
+    cos, sin = torch.randn(37, 128, device=DEV, dtype=torch.bfloat16), torch.randn(37, 128, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(rope(q, cos, sin), apply_rotary(q[None], cos[None], sin[None])[0])
+    g, u = torch.randn(37, 8960, device=DEV, dtype=torch.bfloat16), torch.randn(37, 8960, device=DEV, dtype=torch.bfloat16)
+    diff = (silu_mul(g, u).float() - (F.silu(g) * u).float()).abs().max()
+    assert diff <= 2**-6
+
+
+def test_fused_engine_equals_unfused():
+    model = _small_model(torch.bfloat16)
+    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (5, 40, 17, 90)]
+    kw = dict(max_model_len=256, max_num_seqs=16, num_kv_blocks=200)
+    fused = Engine(model, config=EngineConfig(fused_kernels=True, **kw))
+    plain = Engine(model, config=EngineConfig(fused_kernels=False, **kw))
+    assert fused.runner.fused and not plain.runner.fused
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    a, b = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert sum(x.token_ids == y.token_ids for x, y in zip(a, b)) >= 3
+    torch.testing.assert_close(torch.tensor([x.logprobs[0] for x in a]), torch.tensor([y.logprobs[0] for y in b]),
+                               atol=2e-2, rtol=0)
