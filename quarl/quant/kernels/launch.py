@@ -34,7 +34,7 @@ class TileConfig(NamedTuple):
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
-WO_DEQUANT_MIN_M: int | None = 1024
+WO_DEQUANT_MIN_M: int | None = 128
 
 # Optional overrides {kernel_name: callable(M, N, K) -> TileConfig} (used by the sweep).
 CONFIG_OVERRIDES: dict[str, object] = {}
@@ -62,15 +62,15 @@ def _pick_split(tiles: int, kblocks: int, sms: int, split_k: int) -> tuple[int, 
 def wo_config(m: int, n: int, k: int) -> TileConfig:
     if "wo" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["wo"](m, n, k)
+    # From the H200 sweeps (bench/results/sweep_h200_*.json): narrow tiles, split-K and
+    # scale-before-dot win at small M; above WO_DEQUANT_MIN_M dequant + cuBLAS wins.
     if m <= 16:
-        return TileConfig(16, 64, num_warps=4, num_stages=4)
+        return TileConfig(16, 32, num_warps=4, num_stages=4, post_scale=False)
     if m <= 32:
-        return TileConfig(32, 64, num_warps=4, num_stages=4)
+        return TileConfig(32, 64, num_warps=4, num_stages=3)
     if m <= 64:
         return TileConfig(64, 64, num_warps=4, num_stages=3)
-    if m <= 128:
-        return TileConfig(64, 128, num_warps=4, num_stages=3)
-    return TileConfig(128, 128, split_k=1, num_warps=8, num_stages=3)
+    return TileConfig(64, 128, num_warps=4, num_stages=3)
 
 
 def int8_config(m: int, n: int, k: int) -> TileConfig:
@@ -82,8 +82,8 @@ def int8_config(m: int, n: int, k: int) -> TileConfig:
         return TileConfig(16, 64, 256, num_warps=4, num_stages=3)
     if m <= 64:
         return TileConfig(64, 64, 128, num_warps=4, num_stages=4)
-    if m <= 512:
-        return TileConfig(64, 128, 128, num_warps=4, num_stages=4)
+    if m <= 512 and n < 8192:
+        return TileConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)
     return TileConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)
 
 

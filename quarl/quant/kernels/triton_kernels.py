@@ -109,13 +109,13 @@ def _store_tile(
     omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tile_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if IS_SPLIT:
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile_off, acc, mask=omask)
+        tl.store(part_ptr + pid_k * N * M + tile_off, acc, mask=omask)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_tile, 1, sem="acq_rel")
         if arrived == n_split - 1:
             acc = tl.zeros_like(acc)
             for sp in range(0, n_split):
-                acc += tl.load(part_ptr + sp * M.to(tl.int64) * N + tile_off, mask=omask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(part_ptr + sp * N * M + tile_off, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
