@@ -214,6 +214,11 @@ def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.
 
 
 def git_commit() -> str:
+    """HEAD's hash, or ``$QUARL_GIT_COMMIT`` where the checkout has no .git (device copies)."""
+    import os
+
+    if os.environ.get("QUARL_GIT_COMMIT"):
+        return os.environ["QUARL_GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
