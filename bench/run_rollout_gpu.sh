@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests of the rollout engine, then the rollout benchmarks.
 # Usage (repo root, GPU machine): bash bench/run_rollout_gpu.sh [OUT_DIR] [parts]
-# parts: comma list of tests,b15,b7 (default all).
+# parts: comma list of tests,b15,b7 (default all). Set QUARL_GIT_COMMIT=<sha> where the copy has no .git.
 set -u
 OUT=${1:-${OUT:-/tmp/rollout_out}}
 PARTS=${2:-tests,b15,b7}
