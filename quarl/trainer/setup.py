@@ -23,8 +23,7 @@ def build_task_and_rewards(data: DataConfig):
     from quarl.tasks import RewardPool, build_task
 
     task = build_task(data)
-    spec = task.reward_spec() if data.reward == "builtin" else data.reward
-    pool = RewardPool(spec, workers=data.reward_workers, timeout_s=data.reward_timeout_s)
+    pool = RewardPool(task.reward_spec, workers=data.reward_workers, timeout_s=data.reward_timeout_s)
     return task, pool
 
 

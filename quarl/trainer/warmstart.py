@@ -68,7 +68,7 @@ def supervised_finetune(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(step, losses[-1])
     model.eval()

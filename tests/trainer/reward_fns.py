@@ -1,0 +1,25 @@
+"""Reward functions for trainer tests (importable by the reward pool's workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from quarl.tasks.synthetic import arith_reward
+
+
+def hang_once(completion: str, answer: str, meta: dict) -> float:
+    """The arithmetic verifier, except that the very first call (across all workers) hangs."""
+    marker = os.environ["QUARL_TEST_HANG_MARKER"]
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return arith_reward(completion, answer, meta)
+    os.close(fd)
+    time.sleep(3600)
+    return 0.0
+
+
+def digit_one(completion: str, answer: str, meta: dict) -> float:
+    """1.0 when the completion contains the character '1': a signal even an untrained model gets."""
+    return 1.0 if "1" in completion else 0.0
