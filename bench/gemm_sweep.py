@@ -1,11 +1,12 @@
-"""Tile-config sweep for the Triton GEMMs on the Qwen2.5-7B shapes (GPU only).
+"""Tile-config sweep for the quantized GEMMs on the Qwen2.5-7B shapes (GPU only).
 
-Times each candidate TileConfig (and, for weight-only formats, the dequant + cuBLAS
-path) at the M values that the dispatch in quarl/quant/kernels/launch.py distinguishes,
-and writes every timing plus the best config per (kernel, M) as JSON. The winners are
-copied by hand into launch.py's *_config functions.
+Times each candidate TileConfig against bf16 (CUDA-graph replays over rotating weight
+sets, as quarl.quant.bench does), checks each candidate's output against the reference
+once, and writes every timing plus the best config per (kind, M, shape) as JSON. Also
+times the fp8 path's two launches apart (activation quantizer, ``_scaled_mm``). The
+winners are copied by hand into launch.py's *_config functions.
 
-    PYTHONPATH=. python3 bench/gemm_sweep.py --out $OUT/sweep.json
+    PYTHONPATH=. python3 bench/gemm_sweep.py --out $OUT/sweep.json [--kinds w4,fp8,int8]
 """
 
 from __future__ import annotations
@@ -15,77 +16,110 @@ import json
 import time
 
 import torch
+import torch.nn.functional as F
 
 from quarl.quant import bench
 from quarl.quant.kernels import launch
 from quarl.quant.kernels.launch import TileConfig as C
+from quarl.quant.ops import quant_linear
+from quarl.quant.qweight import quantize_weight
+from quarl.quant.reference import reference_linear
+from quarl.quant.scheme import get_scheme
 
-SHAPES = [(n, k) for _, n, k, _ in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
+SHAPES = [(lbl, n, k) for lbl, n, k, _ in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
 
-WO = {
-    1: [C(16, bn, num_warps=4, num_stages=4, post_scale=p) for bn in (32, 64, 128) for p in (True, False)],
-    16: [C(16, bn, num_warps=w, num_stages=s, post_scale=p) for bn in (32, 64, 128) for w, s in ((4, 3), (4, 4)) for p in (True, False)],
-    64: [C(bm, bn, num_warps=4, num_stages=3, split_k=sk) for bm in (32, 64) for bn in (64, 128) for sk in (0, 1)]
-    + [C(64, 128, num_warps=8, num_stages=3), C(64, 64, num_warps=4, num_stages=4)],
-    256: [C(bm, bn, split_k=1, num_warps=w, num_stages=3) for bm in (64, 128) for bn in (128, 256) for w in (4, 8)],
-    1024: [C(128, bn, split_k=1, num_warps=8, num_stages=s) for bn in (128, 256) for s in (3, 4)],
+W4 = {
+    1: [C(16, bn, split_k=sk, num_warps=4, num_stages=s, kernel="swap") for bn in (64, 128) for s in (3, 5) for sk in (0, -4)]
+    + [C(1, bn, split_k=sk, num_warps=4, num_stages=3, kernel="gemv") for bn in (32, 64) for sk in (0, -4)],
+    16: [C(16, bn, split_k=sk, num_warps=4, num_stages=s, kernel="swap") for bn in (64, 128) for s in (3, 5) for sk in (0, -4)]
+    + [C(16, 128, num_warps=8, num_stages=4, kernel="swap")],
+    64: [C(64, bn, split_k=sk, num_warps=w, num_stages=s, kernel="swap") for bn in (64, 128) for w, s in ((4, 3), (4, 4), (8, 4)) for sk in (0, -4)],
+    256: [C(bm, 128, split_k=0, num_warps=8, num_stages=s, kernel="swap") for bm in (64, 128) for s in (3, 4)]
+    + [C(0, 0, kernel="dequant")],
+}
+FP8 = {
+    m: [C(0, 0, kernel="cublas")]
+    + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s, kernel="triton")
+       for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)) for sk in (0, 1)]
+    for m in (256, 1024, 4096)
 }
 INT8 = {
-    256: [C(bm, bn, 128, split_k=sk, num_warps=w, num_stages=st) for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4)) for sk in (0, 1)],
+    m: [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)) for sk in (0, 1)]
+    for m in (256, 1024, 4096)
 }
-W4A8 = {
-    16: [C(16, bn, num_warps=4, num_stages=s) for bn in (64, 128) for s in (3, 4)],
-    64: [C(bm, bn, num_warps=4, num_stages=s) for bm in (32, 64) for bn in (64, 128) for s in (3, 4)],
-    256: [C(128, bn, split_k=1, num_warps=w, num_stages=3) for bn in (128, 256) for w in (4, 8)],
-}
+SPEC = {"w4": ("w4a16", W4), "fp8": ("w8a8-fp8", FP8), "int8": ("w8a8-int8", INT8)}
 
 
-def sweep(kind: str, fmt: str, table: dict, budget_s: float, dev, l2, log) -> list[dict]:
-    rows = []
+def make_sets(fmt, m, n, k, dev, l2):
+    sc = get_scheme(fmt)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sets = bench._n_sets(int(n * k * sc.bits_per_weight / 8 + m * k * 2), l2)
+    w = torch.randn(sets * n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+    x = torch.randn(sets, m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+    big = quantize_weight(w, sc)
+    del w
+    qws = [bench._slice_qw(big, i, n, k) for i in range(sets)]
+    return x, qws
+
+
+def sweep(kind, budget_s, dev, l2, log, rows):
+    fmt, table = SPEC[kind]
     t0 = time.time()
     for m, cfgs in table.items():
-        for n, k in SHAPES:
+        for lbl, n, k in SHAPES:
+            if time.time() - t0 > budget_s:
+                log(f"{kind}: budget spent")
+                return
             base = bench.time_per_call(bench.make_calls("bf16", m, n, k, dev, l2))
-            calls = bench.make_calls(fmt, m, n, k, dev, l2)
-            cands = [("default", None)] + [(repr(c), c) for c in cfgs]
-            if kind == "wo":
-                cands.append(("dequant+cublas", "dequant"))
-            for name, cfg in cands:
-                if time.time() - t0 > budget_s:
-                    log(f"{kind}: budget spent")
-                    return rows
+            x, qws = make_sets(fmt, m, n, k, dev, l2)
+            expect = reference_linear(x[0].float(), qws[0])
+            calls = [lambda i=i: quant_linear(x[i], qws[i]) for i in range(len(qws))]
+            if kind == "fp8":  # the two launches of the cuBLAS path, apart
+                xq, sx = launch.act_quant(x[0], "fp8")
+                for name, fn in (
+                    ("act_quant_only", [lambda i=i: launch.act_quant(x[i], "fp8") for i in range(len(qws))]),
+                    ("scaled_mm_only", [lambda i=i: torch._scaled_mm(xq, qws[i].qdata.t(), scale_a=sx[:, None], scale_b=qws[i].scales[None, :], out_dtype=torch.bfloat16) for i in range(len(qws))]),
+                ):
+                    t = bench.time_per_call(fn)
+                    rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=name, us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=0.0))
+            for cfg in [None] + cfgs:
                 launch.CONFIG_OVERRIDES.pop(kind, None)
-                launch.WO_DEQUANT_MIN_M = 1 if cfg == "dequant" else None
-                if isinstance(cfg, C):
+                if cfg is not None:
                     launch.CONFIG_OVERRIDES[kind] = lambda *_a, c=cfg: c
                 try:
+                    out = quant_linear(x[0], qws[0])
+                    err = float((out.float() - expect).norm() / expect.norm())
                     t = bench.time_per_call(calls)
                 except Exception as e:
+                    t, err = float("nan"), float("nan")
+                    log(f"{kind} M={m} {lbl} {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                if not err < 2e-2:
+                    log(f"{kind} M={m} {lbl} {cfg}: WRONG rel err {err}")
                     t = float("nan")
-                    log(f"{kind} M={m} {name}: {type(e).__name__}: {str(e)[:200]}")
-                rows.append(dict(kind=kind, fmt=fmt, M=m, N=n, K=k, cfg=name, us=t * 1e6, bf16_us=base * 1e6, speedup=base / t))
+                rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=repr(cfg) if cfg else "default", us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=err))
             launch.CONFIG_OVERRIDES.pop(kind, None)
-            launch.WO_DEQUANT_MIN_M = 1024
-            best = min((r for r in rows if r["M"] == m and r["N"] == n and r["K"] == k and r["kind"] == kind), key=lambda r: r["us"])
-            log(f"{kind} M={m:<5} N={n:<6} K={k:<6} bf16 {base * 1e6:7.1f}us best {best['us']:7.1f}us ({best['speedup']:.2f}x) {best['cfg']}")
-    return rows
+            mine = [r for r in rows if r["kind"] == kind and r["M"] == m and r["N"] == n and r["K"] == k and r["us"] == r["us"]]
+            best = min(mine, key=lambda r: r["us"]) if mine else None
+            dflt = next((r for r in mine if r["cfg"] == "default"), None)
+            log(f"{kind} M={m:<5} {lbl:>17} bf16 {base * 1e6:7.1f}us default {dflt['speedup'] if dflt else float('nan'):.2f}x "
+                f"best {best['us'] if best else float('nan'):7.1f}us ({best['speedup'] if best else float('nan'):.2f}x) {best['cfg'] if best else ''}")
+            del x, qws, calls
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep")
-    ap.add_argument("--kinds", default="wo,int8,w4a8")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole sweep")
+    ap.add_argument("--kinds", default="w4,fp8,int8")
     args = ap.parse_args()
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows: list[dict] = []
-    kinds = args.kinds.split(",")
-    share = {"wo": 0.75, "int8": 0.25, "w4a8": 0.15}
-    spec = {"wo": ("w4a16", WO), "int8": ("w8a8-int8", INT8), "w4a8": ("w4a8-int8", W4A8)}
-    for kind in kinds:
-        fmt, table = spec[kind]
-        rows += sweep(kind, fmt, table, args.budget * share[kind], dev, l2, lambda s: print(s, flush=True))
+    share = {"w4": 0.5, "fp8": 0.25, "int8": 0.25}
+    for kind in args.kinds.split(","):
+        sweep(kind, args.budget * share[kind], dev, l2, lambda s: print(s, flush=True), rows)
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
 

@@ -100,3 +100,44 @@ def test_split_k_counters_are_reset_and_result_deterministic():
     b = launch.wo_gemm(x, qw, None, cfg)
     assert torch.equal(a, b)
     assert int(launch._counters(x.device, 1).abs().sum()) == 0
+
+
+# int4 g128 small-M kernels (swap: tensor-core dot with weights as A; gemv: CUDA cores)
+W4_N, W4_K = 40, 330  # odd N, K % 128 != 0 (3 chunks, last one partial)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize("kernel,bm", [("swap", 16), ("gemv", 4)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
+    launch = _launch()
+    qw = quantize_weight(torch.randn(W4_N, W4_K), name)
+    x, bias = torch.randn(m, W4_K), torch.randn(W4_N)
+    cfg = launch.TileConfig(bm, 16 if kernel == "gemv" else 32, split_k=split_k, kernel=kernel)
+    out = launch.wo_gemm(x, qw, bias if split_k == 2 else None, cfg)
+    assert out.shape == (m, W4_N)
+    expect = reference_linear(x, qw, bias if split_k == 2 else None, exact=True)
+    assert _rel(out, expect) < 1e-5
+
+
+def test_w4_dispatch_uses_small_m_kernels():
+    launch = _launch()
+    for m in (1, 16, 64):
+        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "gemv")
+    qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
+    x = torch.randn(5, W4_K)
+    with use_backend("triton"):
+        assert _rel(quant_linear(x, qw), reference_linear(x, qw, exact=True)) < 1e-5
+    with pytest.raises(ValueError):
+        launch.wo_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 32, kernel="swap"))
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_fp8_triton_gemm_kernel(m):
+    launch = _launch()
+    qw = quantize_weight(torch.randn(N, K), "w8a8-fp8")
+    x, bias = torch.randn(m, K), torch.randn(N)
+    cfg = launch.TileConfig(16, 32, 64, split_k=2, kernel="triton")
+    out = launch.fp8_gemm(x, qw, bias, cfg)
+    assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-5

@@ -31,6 +31,9 @@ class TileConfig(NamedTuple):
     num_stages: int = 3
     group_m: int = 8
     post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
+    # weight-only: "tiled" (wo_gemm_kernel), "swap" / "gemv" (int4 g128 only), "dequant"
+    # (dequantize + cuBLAS); fp8: "triton" (int8_gemm_kernel on e4m3) or "cublas" (_scaled_mm)
+    kernel: str = "tiled"
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
@@ -52,9 +55,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _pick_split(tiles: int, kblocks: int, sms: int, split_k: int) -> tuple[int, int]:
-    """(splits, k-blocks per split): split K until ~2 waves of programs, >= 2 blocks each."""
-    if split_k == 0:
-        split_k = 1 if tiles >= sms else min(_cdiv(2 * sms, tiles), max(kblocks // 2, 1))
+    """(splits, k-blocks per split): split K until ~2 waves of programs, >= 2 blocks each
+    (``split_k = -w``: until ~w waves)."""
+    if split_k <= 0:
+        waves = -split_k or 2
+        split_k = 1 if tiles >= sms else min(_cdiv(waves * sms, tiles), max(kblocks // 2, 1))
     per = _cdiv(kblocks, max(split_k, 1))
     return _cdiv(kblocks, per), per
 
@@ -71,6 +76,27 @@ def wo_config(m: int, n: int, k: int) -> TileConfig:
     if m <= 64:
         return TileConfig(64, 64, num_warps=4, num_stages=3)
     return TileConfig(64, 128, num_warps=4, num_stages=3)
+
+
+def w4_config(m: int, n: int, k: int) -> TileConfig:
+    """int4 g128 weight-only (w4a16, w4a16-asym): bm/bn are the swapped tile's M / N sides."""
+    if "w4" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["w4"](m, n, k)
+    if m <= 16:
+        return TileConfig(16, 64, num_warps=4, num_stages=4, kernel="swap")
+    if m <= 32:
+        return TileConfig(32, 64, num_warps=4, num_stages=4, kernel="swap")
+    if m <= 64:
+        return TileConfig(64, 64, num_warps=4, num_stages=4, kernel="swap")
+    if m <= 128:
+        return TileConfig(128, 128, num_warps=8, num_stages=3, kernel="swap")
+    return TileConfig(0, 0, kernel="dequant")
+
+
+def fp8_config(m: int, n: int, k: int) -> TileConfig:
+    if "fp8" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["fp8"](m, n, k)
+    return TileConfig(0, 0, kernel="cublas")
 
 
 def int8_config(m: int, n: int, k: int) -> TileConfig:
@@ -158,11 +184,49 @@ def _wo_fmt(qw: QuantizedWeight) -> int:
     return _FMT[("int", sc.symmetric)]
 
 
+def is_w4_g128(qw: QuantizedWeight) -> bool:
+    """int4 weights with one (fp32) scale per 128-column chunk: the swap / GEMV kernels."""
+    sc = qw.scheme
+    return sc.weight_format == "int" and sc.weight_bits == 4 and sc.group_size == PACK_K and not sc.quantizes_activations
+
+
+def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+    """int4 g128 ``x [M, K] @ W.T`` with ``w4_swap_kernel`` or ``w4_gemv_kernel`` (cfg.kernel)."""
+    m, k = x.shape
+    n = qw.shape[0]
+    nchunk = qw.qdata.shape[1] // (PACK_K // 2)
+    bm = cfg.bm
+    if cfg.kernel == "gemv":
+        bm = min(bm, triton_next_pow2(m))
+    n_tiles, m_tiles = _cdiv(n, cfg.bn), _cdiv(m, bm)
+    tiles = n_tiles * m_tiles
+    split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
+    out, part, cnt = _outputs(m, n, split, tiles, x.dtype, x.device)
+    kern = tk.w4_gemv_kernel if cfg.kernel == "gemv" else tk.w4_swap_kernel
+    zeros = qw.zeros if qw.zeros is not None else qw.scales
+    kern[(n_tiles, split, m_tiles)](
+        x, qw.qdata, qw.scales, zeros, bias if bias is not None else qw.scales, out, part, cnt,
+        m, n, k, nchunk, per, split,
+        x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
+        ASYM=qw.zeros is not None, BM=bm, BN=cfg.bn, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
 def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileConfig | None = None) -> torch.Tensor:
     """Weight-only dequant GEMM ``x [M, K] @ W.T`` for int4/int2/nvfp4/mxfp4 weights."""
     m, k = x.shape
     n = qw.shape[0]
-    if WO_DEQUANT_MIN_M is not None and m >= WO_DEQUANT_MIN_M and cfg is None:
+    if cfg is None and is_w4_g128(qw):
+        cfg = w4_config(m, n, k)
+    if cfg is not None and cfg.kernel in ("swap", "gemv"):
+        if not is_w4_g128(qw):
+            raise ValueError(f"{cfg.kernel} kernel needs int4 weights with group 128, got {qw.scheme.name}")
+        return w4_gemm(x, qw, bias, cfg)
+    if (cfg is not None and cfg.kernel == "dequant") or (
+        cfg is None and WO_DEQUANT_MIN_M is not None and m >= WO_DEQUANT_MIN_M
+    ):
         return torch.nn.functional.linear(x, dequantize(qw, x.dtype), bias)
     cfg = cfg or wo_config(m, n, k)
     nchunk = qw.qdata.shape[1] * 8 // qw.scheme.weight_bits // PACK_K
@@ -206,7 +270,7 @@ def int8_gemm(
     xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     out_dtype: torch.dtype, cfg: TileConfig | None = None,
 ) -> torch.Tensor:
-    """``(xq [M, K] int8 @ W_int8.T) * sx * sw`` (+ bias) with int32 accumulation."""
+    """``(xq [M, K] @ W.T) * sx * sw`` (+ bias): int8 (int32 accumulation) or e4m3 (fp32)."""
     m, k = xq.shape
     n = qw.shape[0]
     cfg = cfg or int8_config(m, n, k)
@@ -246,11 +310,16 @@ def w4a8_gemm(
     return out
 
 
-def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Per-token e4m3 activations (Triton quantizer) x per-channel e4m3 weights, row-wise
-    scaled through ``torch._scaled_mm`` (cuBLASLt) on CUDA; dequantized matmul elsewhere."""
+def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileConfig | None = None) -> torch.Tensor:
+    """Per-token e4m3 activations (Triton quantizer) x per-channel e4m3 weights: either the
+    Triton GEMM (``int8_gemm_kernel`` on e4m3, scales + bias in its epilogue) or row-wise
+    scaled ``torch._scaled_mm`` on CUDA (dequantized matmul where that cannot run)."""
     xq, sx = act_quant(x, "fp8")
     n, k = qw.shape
+    m = x.shape[0]
+    cfg = cfg or fp8_config(m, n, k)
+    if cfg.kernel == "triton":
+        return int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
     if x.device.type != "cuda" or n % 16 or k % 16:  # cuBLASLt fp8 needs N, K % 16 == 0
         y = (xq.float() * sx[:, None]) @ qw.dequantize(torch.float32).T
         return (y + bias.float() if bias is not None else y).to(x.dtype)

@@ -18,7 +18,11 @@ Kernels:
   the fp32 partials in a fixed order inside the same launch (``_store_tile``): one
   launch, deterministic. That is the small-M (decode) path.
 * ``dequant_kernel``: packed weight -> bf16 ``[N, K]`` for the large-M path (cuBLAS GEMM).
-* ``int8_gemm_kernel``: W8A8 int8 x int8 -> int32 with both scales fused in the epilogue.
+* ``int8_gemm_kernel``: W8A8 int8 x int8 -> int32 (or e4m3 x e4m3 -> fp32) with both
+  scales fused in the epilogue.
+* ``w4_swap_kernel`` / ``w4_gemv_kernel``: int4 g128 weight-only GEMMs for small M (see
+  their docstrings): weight tile K-contiguous, exponent-trick dequant, swapped tensor-core
+  dot (weights as the A operand) or a CUDA-core broadcast GEMV.
 * ``w4a8_gemm_kernel``: int4 g128 weights unpacked to int8, int8 x int8 dots per group,
   group scale applied to each group's int32 partial, token scale in the epilogue.
 
@@ -253,7 +257,9 @@ def int8_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """``out = (a_int8 [M, K] @ b_int8 [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias)."""
+    """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias): int8 x int8
+    with int32 accumulation, or e4m3 x e4m3 with fp32 accumulation (the dot's result type
+    follows the operands)."""
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -263,14 +269,17 @@ def int8_gemm_kernel(
     nmask = offs_n[None, :] < N
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    if a_ptr.dtype.element_ty == tl.int8:
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     kb_lo = pid_k * KBLOCKS_PER_SPLIT
     kb_hi = tl.minimum(kb_lo + KBLOCKS_PER_SPLIT, tl.cdiv(K, BK))
     for kb in range(kb_lo, kb_hi):
         ks = kb * BK + offs_k
-        a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0)
-        b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc)
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
@@ -359,3 +368,137 @@ def dequant_kernel(
         elif FMT == 3:
             sv = (sv.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         tl.store(out_ptr + rows * stride_on + ks[None, :], (val * sv).to(out_ptr.dtype.element_ty), mask=nmask & (ks[None, :] < K))
+
+
+# ------------------------------------------------------------------ int4 g128 small-M paths
+# Both kernels read the 4-bit layout above with the weight tile K-contiguous ([BN, 64]
+# packed bytes per 128-column chunk: each row's 64 bytes are 4 x 16-byte loads) and turn
+# codes into fp32 with the exponent trick ``bits(code | 0x4B000000) - (2^23 + zero)``:
+# one LOP3 + one FADD per weight, exact (no int->float conversion instruction).
+
+
+@triton.jit
+def _int4_vals(packed, zf):
+    """[BN, 64] uint8 -> (lo, hi) fp32 ``code - zero`` for columns 0..63 / 64..127 of a chunk.
+    ``zf`` = 2^23 + zero point, broadcastable to [BN, 64]."""
+    p = packed.to(tl.int32)
+    lo = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - zf
+    hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zf
+    return lo, hi
+
+
+@triton.jit
+def _store_tile_nm(
+    acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
+    pid_tile, pid_k, n_split, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """``_store_tile`` for a transposed fp32 tile ``acc [BN, BM]`` (out[m, n] = acc[n, m])."""
+    omask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    tile_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    optrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * N * M + tile_off, acc, mask=omask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_tile, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            acc = tl.zeros_like(acc)
+            for sp in range(0, n_split):
+                acc += tl.load(part_ptr + sp * N * M + tile_off, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_tile, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def w4_swap_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """int4 g128 (sym/asym) weight-only GEMM with swapped operands: ``out.T [BN, BM] =
+    deq(W) [BN, K] @ x.T [K, BM]``. The dequantized weight tile is the MMA's A operand
+    (registers; N fills the 64-row MMA side), the few activation rows the B operand, so
+    M = 1..64 wastes no weight traffic. Group scale (and zero point) per 128-column chunk:
+    the chunk's fp32 partial is scaled once (post-scale). Grid (n tiles, K splits, m tiles)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_j = tl.arange(0, 64)
+    nmask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm  # [1, BM]
+    xmask_m = offs_m[None, :] < M
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    z_rows = z_ptr + offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    c_lo = pid_k * CHUNKS_PER_SPLIT
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
+    for c in range(c_lo, c_hi):
+        packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0)
+        if ASYM:
+            zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + 8388608.0
+        else:
+            zf = 8388616.0
+        lo, hi = _int4_vals(packed, zf)
+        k_lo = c * 128 + offs_j
+        xt_lo = tl.load(x_cols + k_lo[:, None], mask=xmask_m & (k_lo[:, None] < K), other=0.0)
+        xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xmask_m & (k_lo[:, None] + 64 < K), other=0.0)
+        part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
+        part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
+        s = tl.load(s_rows + c, mask=nmask, other=0.0)
+        acc += part * s[:, None]
+    _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
+                   pid_n + pid_m * tl.num_programs(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def w4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """GEMV-style int4 g128 kernel for a handful of rows (BM <= 4, no tensor cores): the
+    weight tile is dequantized and scaled in fp32 registers, multiplied with the BM rows of
+    x by broadcast, accumulated per K lane in ``[BN, BM, 64]`` and reduced over K once at
+    the end. Same grid and split-K epilogue as ``w4_swap_kernel``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_j = tl.arange(0, 64)
+    nmask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    xmask_m = offs_m[:, None] < M
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    z_rows = z_ptr + offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BN, BM, 64], dtype=tl.float32)
+    c_lo = pid_k * CHUNKS_PER_SPLIT
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
+    for c in range(c_lo, c_hi):
+        packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0)
+        if ASYM:
+            zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + 8388608.0
+        else:
+            zf = 8388616.0
+        lo, hi = _int4_vals(packed, zf)
+        s = tl.load(s_rows + c, mask=nmask, other=0.0)[:, None]
+        k_lo = c * 128 + offs_j
+        x_lo = tl.load(x_rows + k_lo[None, :], mask=xmask_m & (k_lo[None, :] < K), other=0.0).to(tl.float32)
+        x_hi = tl.load(x_rows + (k_lo + 64)[None, :], mask=xmask_m & (k_lo[None, :] + 64 < K), other=0.0).to(tl.float32)
+        acc += (lo * s)[:, None, :] * x_lo[None, :, :] + (hi * s)[:, None, :] * x_hi[None, :, :]
+    out = tl.sum(acc, axis=2)
+    _store_tile_nm(out, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
+                   pid_n + pid_m * tl.num_programs(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
