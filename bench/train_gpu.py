@@ -25,7 +25,7 @@ DEFAULTS = [
     "--trainer.sft_lr=1e-3", "--optim.lr=2e-6", "--trainer.eval_every=6", "--trainer.save_every=0",
     "--quant.mode=aligned", "--quant.scheme=w4a16", "--algo.loss=tbpo", "--trainer.token_budget=32768",
 ]
-KEYS = ("time/rollout", "time/learner", "time/publish", "time/step", "rollout/tokens_per_s", "reward/mean",
+KEYS = ("time/rollout", "time/learner", "time/publish", "time/kv_cache", "time/step", "rollout/tokens_per_s", "reward/mean",
         "acc/mean", "mismatch/kl_k3", "mismatch/abs_logp_diff_mean", "response/len_mean", "tbpo/drop_frac_pos",
         "tbpo/drop_frac_neg", "quant/update_visible_frac", "memory/learner_peak_gb", "eval/acc", "grad_norm")
 

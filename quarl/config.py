@@ -56,6 +56,7 @@ class RolloutConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     cuda_graphs: bool = True
+    release_kv_cache: bool = True  # free the KV cache while the learner steps (recaptures graphs after)
 
     def validate(self) -> None:
         if self.n < 1:

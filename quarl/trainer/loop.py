@@ -164,7 +164,8 @@ class Trainer:
         n = cfg.rollout.n
         batch = self._make_batch(prompts, completions, rewards, n)                     # 4 (group advantages)
         t1 = time.perf_counter()
-        self.engine.release_kv_cache()
+        if cfg.rollout.release_kv_cache:
+            self.engine.release_kv_cache()
         batch = batch.to(self.device)
         batch.old_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature)  # 5
         if cfg.algo.kl_coef > 0:
@@ -174,7 +175,10 @@ class Trainer:
         update = self.learner.update(batch, self._update_settings(), returns)          # 6
         learner_s = time.perf_counter() - t1
         memory = self._memory_metrics()
-        self.engine.reallocate_kv_cache()
+        t2 = time.perf_counter()
+        if cfg.rollout.release_kv_cache:
+            self.engine.reallocate_kv_cache()
+        kv_s = time.perf_counter() - t2
         t2 = time.perf_counter()
         quant_metrics = self.publisher.publish()                                       # 7
         publish_s = time.perf_counter() - t2
@@ -201,6 +205,7 @@ class Trainer:
             "time/rollout": rollout_s,
             "time/learner": learner_s,
             "time/publish": publish_s,
+            "time/kv_cache": kv_s,
             "time/step": time.perf_counter() - t_step,
             "rollout/tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
         }
