@@ -34,10 +34,12 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     extra = sys.argv[2:]
-    cfg = load_run_config(None, DEFAULTS + extra + [f"--trainer.run_dir={out / 'run'}"])
+    run_dir = Path(os.environ.get("QUARL_RUN_DIR", "/tmp/quarl_train_gpu"))  # checkpoints stay off $OUT
+    cfg = load_run_config(None, DEFAULTS + extra + [f"--trainer.run_dir={run_dir}"])
     trainer = Trainer(cfg)
     trainer.run()
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (out / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
     steady = rows[1:] if len(rows) > 1 else rows
     result = {
         "benchmark": "train_step",
