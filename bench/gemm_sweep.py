@@ -29,24 +29,19 @@ from quarl.quant.scheme import get_scheme
 SHAPES = [(lbl, n, k) for lbl, n, k, _ in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
 
 W4 = {
-    1: [C(16, bn, split_k=sk, num_warps=4, num_stages=s, kernel="swap") for bn in (64, 128) for s in (3, 5) for sk in (0, -4)]
-    + [C(1, bn, split_k=sk, num_warps=4, num_stages=3, kernel="gemv") for bn in (32, 64) for sk in (0, -4)],
-    16: [C(16, bn, split_k=sk, num_warps=4, num_stages=s, kernel="swap") for bn in (64, 128) for s in (3, 5) for sk in (0, -4)]
-    + [C(16, 128, num_warps=8, num_stages=4, kernel="swap")],
-    64: [C(64, bn, split_k=sk, num_warps=w, num_stages=s, kernel="swap") for bn in (64, 128) for w, s in ((4, 3), (4, 4), (8, 4)) for sk in (0, -4)],
-    256: [C(bm, 128, split_k=0, num_warps=8, num_stages=s, kernel="swap") for bm in (64, 128) for s in (3, 4)]
-    + [C(0, 0, kernel="dequant")],
+    m: [C(bm, bn, split_k=sk, num_warps=4, num_stages=3, kernel=kern) for kern in ("swap", "swap16") for bn, sk in ((64, 0), (64, -4), (128, -4))]
+    for m, bm in ((1, 16), (16, 16), (64, 64))
 }
 FP8 = {
     m: [C(0, 0, kernel="cublas")]
     + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s, kernel="triton")
-       for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)) for sk in (0, 1)]
-    for m in (256, 1024, 4096)
+       for bm, bn, bk, w, s, sk in ((128, 128, 128, 8, 3, 0), (64, 128, 128, 4, 4, 0), (128, 256, 128, 8, 3, 1))]
+    for m in (256, 1024)
 }
 INT8 = {
     m: [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)) for sk in (0, 1)]
-    for m in (256, 1024, 4096)
+        for bm, bn, bk, w, s, sk in ((128, 128, 128, 8, 3, 0), (128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1))]
+    for m in (256, 4096)
 }
 SPEC = {"w4": ("w4a16", W4), "fp8": ("w8a8-fp8", FP8), "int8": ("w8a8-int8", INT8)}
 

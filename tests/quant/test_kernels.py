@@ -141,3 +141,22 @@ def test_fp8_triton_gemm_kernel(m):
     cfg = launch.TileConfig(16, 32, 64, split_k=2, kernel="triton")
     out = launch.fp8_gemm(x, qw, bias, cfg)
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_w4_swap_raw16_variant(name, m):
+    launch = _launch()
+    qw = quantize_weight(torch.randn(W4_N, W4_K), name)
+    x = torch.randn(m, W4_K)
+    out = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 32, split_k=2, kernel="swap16"))
+    # the (128 + code) * x - (128 + zero) * x form cancels ~30x: fp32 error grows to ~1e-5
+    assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-4
+
+
+def test_act_quant_two_pass_long_rows():
+    launch = _launch()
+    x = torch.randn(3, 200) * 3
+    q, s = launch.act_quant(x, "int8")  # interpreter: 64-column blocks, so 4 blocks per row
+    q_ref, s_ref = ref.quantize_activations(x, "int8")
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)

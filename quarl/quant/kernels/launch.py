@@ -13,6 +13,7 @@ the GEMM goes to cuBLAS, which wins once the GEMM is compute-bound.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -31,7 +32,8 @@ class TileConfig(NamedTuple):
     num_stages: int = 3
     group_m: int = 8
     post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
-    # weight-only: "tiled" (wo_gemm_kernel), "swap" / "gemv" (int4 g128 only), "dequant"
+    # weight-only: "tiled" (wo_gemm_kernel), "swap" / "swap16" (RAW16) / "gemv" (int4 g128
+    # only), "dequant"
     # (dequantize + cuBLAS); fp8: "triton" (int8_gemm_kernel on e4m3) or "cublas" (_scaled_mm)
     kernel: str = "tiled"
 
@@ -82,15 +84,19 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     """int4 g128 weight-only (w4a16, w4a16-asym): bm/bn are the swapped tile's M / N sides."""
     if "w4" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["w4"](m, n, k)
-    if m <= 16:
-        return TileConfig(16, 64, num_warps=4, num_stages=4, kernel="swap")
-    if m <= 32:
-        return TileConfig(32, 64, num_warps=4, num_stages=4, kernel="swap")
+    # H200 sweep 47a5360 (bench/results/sweep_h200_3.json): 3 stages beat 4-5, BN 64 except
+    # on long K (down_proj), where BN 128 and ~4 waves of K splits win.
+    kern = W4_SMALL_KERNEL
     if m <= 64:
-        return TileConfig(64, 64, num_warps=4, num_stages=4, kernel="swap")
-    if m <= 128:
-        return TileConfig(128, 128, num_warps=8, num_stages=3, kernel="swap")
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        if k >= 8192:
+            return TileConfig(bm, 128, split_k=-4, num_warps=4, num_stages=3, kernel=kern)
+        return TileConfig(bm, 64, split_k=-4 if m <= 16 else 0, num_warps=4, num_stages=3, kernel=kern)
     return TileConfig(0, 0, kernel="dequant")
+
+
+# "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
+W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "swap")
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
@@ -162,8 +168,11 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
     if m == 0:
         return q, s
     full = triton_next_pow2(k)
-    block = min(full, 64 if _interpreting(x) else 32768)
-    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    # one pass (row in registers) up to 8192 columns; longer rows (down_proj, K = 18944)
+    # take two passes over 4096-column blocks: a 32768-wide register row spilled (H200
+    # sweep 47a5360: 350 us for 4096 x 18944)
+    block = min(full, 64 if _interpreting(x) else (full if full <= 8192 else 4096))
+    warps = 4 if block <= 2048 else 8
     tk.act_quant_kernel[(m,)](
         x, q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
     )
@@ -209,7 +218,7 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         m, n, k, nchunk, per, split,
         x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
         ASYM=qw.zeros is not None, BM=bm, BN=cfg.bn, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"RAW16": True} if cfg.kernel == "swap16" else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -220,7 +229,7 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     n = qw.shape[0]
     if cfg is None and is_w4_g128(qw):
         cfg = w4_config(m, n, k)
-    if cfg is not None and cfg.kernel in ("swap", "gemv"):
+    if cfg is not None and cfg.kernel in ("swap", "swap16", "gemv"):
         if not is_w4_g128(qw):
             raise ValueError(f"{cfg.kernel} kernel needs int4 weights with group 128, got {qw.scheme.name}")
         return w4_gemm(x, qw, bias, cfg)
@@ -282,7 +291,7 @@ def int8_gemm(
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
         m, n, k, per, split, xq.stride(0), qw.qdata.stride(0), out.stride(0),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_INT=xq.dtype == torch.int8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -255,7 +255,7 @@ def int8_gemm_kernel(
     M, N, K, KBLOCKS_PER_SPLIT, N_SPLIT,
     stride_am, stride_bn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IS_SPLIT: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
 ):
     """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias): int8 x int8
     with int32 accumulation, or e4m3 x e4m3 with fp32 accumulation (the dot's result type
@@ -269,7 +269,7 @@ def int8_gemm_kernel(
     nmask = offs_n[None, :] < N
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
-    if a_ptr.dtype.element_ty == tl.int8:
+    if ACC_INT:
         acc = tl.zeros([BM, BN], dtype=tl.int32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -420,7 +420,7 @@ def w4_swap_kernel(
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_om,
     ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RAW16: tl.constexpr = False,
 ):
     """int4 g128 (sym/asym) weight-only GEMM with swapped operands: ``out.T [BN, BM] =
     deq(W) [BN, K] @ x.T [K, BM]``. The dequantized weight tile is the MMA's A operand
@@ -444,16 +444,33 @@ def w4_swap_kernel(
     c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
     for c in range(c_lo, c_hi):
         packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0)
-        if ASYM:
-            zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + 8388608.0
-        else:
-            zf = 8388616.0
-        lo, hi = _int4_vals(packed, zf)
         k_lo = c * 128 + offs_j
         xt_lo = tl.load(x_cols + k_lo[:, None], mask=xmask_m & (k_lo[:, None] < K), other=0.0)
         xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xmask_m & (k_lo[:, None] + 64 < K), other=0.0)
-        part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
-        part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
+        if RAW16:
+            # bf16 bits 0x4300 | code = 128 + code (exact): one LOP3 per weight, no
+            # conversion; the offset (128 + zero) is taken off by a second dot with a
+            # constant tile (cheap at small M: the MMA units are idle).
+            p16 = packed.to(tl.int16)
+            lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
+            hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
+            if ASYM:
+                zneg = -(tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32) + 128.0)
+                off = tl.broadcast_to(zneg.to(x_ptr.dtype.element_ty)[:, None], [BN, 64])
+            else:
+                off = tl.full([BN, 64], -136.0, x_ptr.dtype.element_ty)
+            part = tl.dot(lo, xt_lo)
+            part = tl.dot(hi, xt_hi, part)
+            part = tl.dot(off, xt_lo, part)
+            part = tl.dot(off, xt_hi, part)
+        else:
+            if ASYM:
+                zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + 8388608.0
+            else:
+                zf = 8388616.0
+            lo, hi = _int4_vals(packed, zf)
+            part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
+            part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
         s = tl.load(s_rows + c, mask=nmask, other=0.0)
         acc += part * s[:, None]
     _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
