@@ -151,6 +151,7 @@ class Trainer:
         cfg = self.cfg
         t_step = time.perf_counter()
         prompts, examples = self._next_prompts(cfg.trainer.prompts_per_step)           # 1
+        self._peak_memory_gb()
         t0 = time.perf_counter()
         completions = self._rollout(prompts, seed_offset=0)                            # 2
         rollout_s = time.perf_counter() - t0
@@ -163,9 +164,11 @@ class Trainer:
             reward_metrics.update(extra)
         n = cfg.rollout.n
         batch = self._make_batch(prompts, completions, rewards, n)                     # 4 (group advantages)
+        rollout_mem = self._peak_memory_gb()
         t1 = time.perf_counter()
         if cfg.rollout.release_kv_cache:
             self.engine.release_kv_cache()
+        self._peak_memory_gb()
         batch = batch.to(self.device)
         batch.old_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature)  # 5
         if cfg.algo.kl_coef > 0:
@@ -174,7 +177,10 @@ class Trainer:
         mis = mismatch_metrics(batch.old_logp, batch.sampler_logp, batch.response_mask)
         update = self.learner.update(batch, self._update_settings(), returns)          # 6
         learner_s = time.perf_counter() - t1
-        memory = self._memory_metrics()
+        learner_mem = self._peak_memory_gb()
+        memory = {} if learner_mem is None else {
+            "memory/rollout_peak_gb": rollout_mem, "memory/learner_peak_gb": learner_mem,
+        }
         t2 = time.perf_counter()
         if cfg.rollout.release_kv_cache:
             self.engine.reallocate_kv_cache()
@@ -351,12 +357,13 @@ class Trainer:
         else:
             self.bad_steps = 0
 
-    def _memory_metrics(self) -> dict[str, float]:
+    def _peak_memory_gb(self) -> float | None:
+        """Peak CUDA memory since the last call (None on CPU)."""
         if self.device.type != "cuda":
-            return {}
-        out = {"memory/learner_peak_gb": torch.cuda.max_memory_allocated() / 2**30}
-        torch.cuda.reset_peak_memory_stats()
-        return out
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
