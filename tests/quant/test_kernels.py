@@ -82,7 +82,8 @@ def test_dispatch_forced_triton_matches_reference(name):
     with use_backend("triton"):
         fast = quant_linear(x, qw)
     assert fast.shape == (2, 5, N)
-    assert _rel(fast, reference_linear(x, qw, exact=True)) < 1e-5
+    tol = 1e-4 if name.startswith("w4a16") else 1e-5  # swap16's offset form, see test_w4_swap_raw16_variant
+    assert _rel(fast, reference_linear(x, qw, exact=True)) < tol
 
 
 @pytest.mark.parametrize("name", WO)
@@ -124,11 +125,11 @@ def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
 def test_w4_dispatch_uses_small_m_kernels():
     launch = _launch()
     for m in (1, 16, 64):
-        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "gemv")
+        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "swap16", "gemv")
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
-    with use_backend("triton"):
-        assert _rel(quant_linear(x, qw), reference_linear(x, qw, exact=True)) < 1e-5
+    with use_backend("triton"):  # swap16 (default at M <= 16) cancels ~30x: see below
+        assert _rel(quant_linear(x, qw), reference_linear(x, qw, exact=True)) < 1e-4
     with pytest.raises(ValueError):
         launch.wo_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 32, kernel="swap"))
 

@@ -86,7 +86,7 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
         return CONFIG_OVERRIDES["w4"](m, n, k)
     # H200 sweep 47a5360 (bench/results/sweep_h200_3.json): 3 stages beat 4-5, BN 64 except
     # on long K (down_proj), where BN 128 and ~4 waves of K splits win.
-    kern = W4_SMALL_KERNEL
+    kern = W4_SMALL_KERNEL if m <= 16 else "swap"  # swap16's second dot costs at M = 64
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         if k >= 8192:
@@ -96,7 +96,8 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
 
 
 # "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
-W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "swap")
+# (H200 sweep 38f2fc8: swap16 1.16-1.38x vs swap 1.05-1.36x over bf16 at M <= 16)
+W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "swap16")
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:

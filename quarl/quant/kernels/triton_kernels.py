@@ -279,7 +279,10 @@ def int8_gemm_kernel(
         ks = kb * BK + offs_k
         a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
         b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if ACC_INT:  # triton 3.6 wants out_dtype to match an int32 accumulator
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b, acc)
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
