@@ -46,7 +46,12 @@ def run_variant(name: str, overrides: list[str], base: Path, warm: Path | None) 
     if warm is not None:
         shutil.copytree(warm, run_dir / "warmstart")
     cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
-    trainer = Trainer(cfg)
+    console = None
+    if os.environ.get("QUARL_VERBOSE"):
+        from rich.console import Console
+
+        console = Console(stderr=True, force_terminal=False)
+    trainer = Trainer(cfg, console=console)
     trainer.run()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] if len(rows) > 1 else rows

@@ -30,7 +30,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     difficulty: int = 1  # synthetic tasks: number of operations / operands
-    num_train: int = 2000
+    num_train: int = 256  # the demo's RL gain on a small model comes from revisiting problems
     num_eval: int = 64
     seed: int = 0
     max_prompt_len: int = 256
@@ -98,7 +98,7 @@ class AlgoConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 1e-5
+    lr: float = 2e-4  # the demo's tiny model; real LLMs want ~1e-6 (AdamW) as in QaRL/QuRL
     muon_lr: float | None = None  # None = lr (Muon's update is RMS-matched to AdamW's)
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -108,21 +108,21 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 30
-    prompts_per_step: int = 16
+    steps: int = 100
+    prompts_per_step: int = 32
     ppo_epochs: int = 1
     mini_batches: int = 1
     token_budget: int = 8192  # micro-batch size in tokens (gradient accumulation)
     on_policy: bool = False
     dynamic_sampling: bool = False
     overlong_filter: bool = False
-    sft_warmup_steps: int = 150
+    sft_warmup_steps: int = 200
     sft_lr: float = 3e-3
     seed: int = 0
     device: str = "auto"
     run_dir: str = "runs/default"
-    eval_every: int = 10
-    save_every: int = 10
+    eval_every: int = 20
+    save_every: int = 20
     keep_last: int = 2
     max_bad_steps: int = 5
     log_samples: int = 4

@@ -78,6 +78,7 @@ class Learner:
         self.critic = critic
         self.optimizer = build_optimizer(model, optim_name, lr, weight_decay, tuple(betas), muon_lr)
         self.scheduler = warmup_constant(self.optimizer, warmup_steps)
+        self.last_nonfinite: list[str] = []  # metric names of the last skipped update
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay) if critic is not None else None
         )
@@ -174,7 +175,8 @@ class Learner:
                 metric_acc[k] = metric_acc.get(k, 0.0) + float(v) * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
         metric_acc["grad_norm"] = float(grad_norm)
-        ok = math.isfinite(float(grad_norm)) and all(math.isfinite(v) for k, v in metric_acc.items() if k.startswith("loss/"))
+        self.last_nonfinite = sorted(k for k, v in metric_acc.items() if not math.isfinite(v))
+        ok = not self.last_nonfinite
         if ok:
             self.optimizer.step()
             self.scheduler.step()

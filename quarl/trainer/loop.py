@@ -21,6 +21,7 @@ the steps of an uninterrupted one exactly.
 from __future__ import annotations
 
 import copy
+import math
 import random
 import signal
 import time
@@ -188,7 +189,7 @@ class Trainer:
         t2 = time.perf_counter()
         quant_metrics = self.publisher.publish()                                       # 7
         publish_s = time.perf_counter() - t2
-        self._check_finite(update)
+        self._check_finite(update, mis)
         lengths = [len(c.token_ids) for c in completions]
         metrics = {
             **reward_metrics,
@@ -344,14 +345,16 @@ class Trainer:
             value_coef=a.value_coef,
         )
 
-    def _check_finite(self, update: dict[str, float]) -> None:
+    def _check_finite(self, update: dict[str, float], mismatch: dict[str, float]) -> None:
         if update.get("train/skipped_updates", 0) > 0:
             self.bad_steps += 1
-            self._say(f"[yellow]step {self.step + 1}: non-finite loss or gradient, update skipped "
-                      f"({self.bad_steps} in a row)[/yellow]")
+            bad = self.learner.last_nonfinite + sorted(k for k, v in mismatch.items() if not math.isfinite(v))
+            self._say(f"[yellow]step {self.step + 1}: non-finite loss or gradient ({', '.join(bad) or 'grad_norm'}), "
+                      f"update skipped ({self.bad_steps} in a row)[/yellow]")
             if self.bad_steps >= self.cfg.trainer.max_bad_steps:
                 raise TrainingAborted(
-                    f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; lower optim.lr "
+                    f"{self.bad_steps} consecutive steps had a non-finite loss or gradient "
+                    f"(last: {', '.join(bad) or 'grad_norm'}); lower optim.lr "
                     "or check the data (the last good checkpoint is intact)"
                 )
         else:

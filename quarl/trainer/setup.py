@@ -64,7 +64,9 @@ def build_base_model(
 
         def train(mdl: Transformer) -> list[float]:
             say(f"supervised warm-start: {t.sft_warmup_steps} steps on {len(pairs)} worked solutions")
-            return supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed)
+            losses = supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed)
+            say(f"supervised warm-start: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            return losses
 
         model, cached = cached_warmstart(run_dir / "warmstart", key, lambda: base, train, dtype, device)
         if cached:
