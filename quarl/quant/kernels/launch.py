@@ -134,21 +134,26 @@ def _interpreting(x: torch.Tensor) -> bool:
     return x.device.type != "cuda"
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 tile counters of split-K launches, one buffer per (device, stream).
+    """Zeroed int32 tile counters of split-K launches, one buffer per device.
 
-    Kernels leave them at zero, so the buffer is allocated once (before any CUDA-graph
-    capture that uses it) and reused; per stream, so concurrent GEMMs never share one.
+    Kernels leave them at zero, so the buffer is allocated once and reused. It must be
+    allocated (and zeroed) eagerly: a buffer made during CUDA-graph capture would only
+    be zeroed when that particular graph replays, and another graph could read it
+    first. Run one eager forward before capturing (warm-up does this).
     """
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
+    buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "split-K counters are first needed inside CUDA-graph capture; run the same forward "
+                "eagerly once before capturing"
+            )
         buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
+        _COUNTERS[device] = buf
     return buf
 
 
