@@ -51,7 +51,7 @@ class Ceilings:
     fp8_flops: float
 
 
-def _time_events(fn: Callable[[], object], reps: int) -> float:
+def median_cuda_time(fn: Callable[[], object], reps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -67,12 +67,12 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     a = torch.randn(256 * 2**20, device=device, dtype=torch.bfloat16)  # 512 MiB
     b = torch.empty_like(a)
     b.copy_(a)
-    t_copy = _time_events(lambda: b.copy_(a), 20)
+    t_copy = median_cuda_time(lambda: b.copy_(a), 20)
     del a, b
     n = 8192
     x, y = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
     x @ y
-    t_bf16 = _time_events(lambda: x @ y, 20)
+    t_bf16 = median_cuda_time(lambda: x @ y, 20)
     x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()
     one_m, one_n = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
 
@@ -80,7 +80,7 @@ def measure_ceilings(device: torch.device) -> Ceilings:
         return torch._scaled_mm(x8, y8, scale_a=one_m, scale_b=one_n, out_dtype=torch.bfloat16)
 
     fp8()
-    t_fp8 = _time_events(fp8, 20)
+    t_fp8 = median_cuda_time(fp8, 20)
     return Ceilings(2 * 512 * 2**20 / t_copy, 2 * n**3 / t_bf16, 2 * n**3 / t_fp8)
 
 
@@ -103,13 +103,13 @@ def time_per_call(calls: list[Callable[[], object]], reps: int = 20, min_calls: 
                 f()
         g.replay()
         torch.cuda.synchronize()
-        return _time_events(g.replay, reps) / len(seq)
+        return median_cuda_time(g.replay, reps) / len(seq)
 
     def run_all():
         for f in seq:
             f()
 
-    return _time_events(run_all, reps) / len(seq)
+    return median_cuda_time(run_all, reps) / len(seq)
 
 
 def _n_sets(bytes_per_set: int, l2: int) -> int:

@@ -20,7 +20,7 @@ import math
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from quarl.model.transformer import Rotary, Transformer
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.sampling_params import SamplingParams
+from quarl.quant.bench import Ceilings, measure_ceilings, median_cuda_time
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -63,39 +64,6 @@ def random_model(cfg: TransformerConfig, device: torch.device, seed: int = 0) ->
             p.normal_(0.0, 0.02, generator=gen)
     model.rotary = Rotary(cfg).to(device)
     return model.eval()
-
-
-@dataclass
-class Ceilings:
-    bandwidth: float  # bytes/s, read + write of a device copy
-    bf16_flops: float
-
-
-def _median_time(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def measure_ceilings(device: torch.device) -> Ceilings:
-    a = torch.randn(512 * 2**20, device=device, dtype=torch.bfloat16)  # 1 GiB
-    b = torch.empty_like(a)
-    b.copy_(a)
-    t_copy = _median_time(lambda: b.copy_(a), 20)
-    bw = 2 * a.numel() * a.element_size() / t_copy
-    del a, b
-    n = 8192
-    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    x @ y
-    t_mm = _median_time(lambda: x @ y, 20)
-    return Ceilings(bandwidth=bw, bf16_flops=2 * n**3 / t_mm)
 
 
 def step_weight_bytes(model: Transformer) -> int:
@@ -158,7 +126,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
     replay_ms = float("nan")
     if engine.runner.graphs:  # GPU time of one decode step alone: the last step's inputs replayed
         graph = engine.runner.graphs[max(engine.runner.graphs)][0]
-        replay_ms = 1e3 * _median_time(graph.replay, 20)
+        replay_ms = 1e3 * median_cuda_time(graph.replay, 20)
     steps = sorted(st.decode_step_s)
     row = {
         "shape": shape, "format": fmt, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
