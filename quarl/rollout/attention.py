@@ -139,13 +139,21 @@ def torch_decode_attention(
     context_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """Reference of :func:`kernels.paged_decode_attention`: q ``[B, Hq, D]``."""
-    out = torch.empty_like(q)
-    for b, length in enumerate(context_lens):
-        k = _gather(k_cache, block_tables[b], length)
-        v = _gather(v_cache, block_tables[b], length)
-        o = F.scaled_dot_product_attention(
-            q[b, :, None], k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), scale=scale, enable_gqa=True
-        )
-        out[b] = o[:, 0]
-    return out
+    """Reference of :func:`kernels.paged_decode_attention`: q ``[B, Hq, D]``.
+
+    All sequences at once: their blocks are gathered into ``[B, L, Hkv, D]`` (L = the
+    longest context, rounded up to whole blocks) and positions past each context are
+    masked, so one SDPA call serves the batch.
+    """
+    bs = k_cache.shape[1]
+    n_blocks = -(-max(context_lens) // bs)
+    idx = block_tables[:, :n_blocks].long()
+    k = k_cache[idx].flatten(1, 2)  # [B, L, Hkv, D]
+    v = v_cache[idx].flatten(1, 2)
+    lens = torch.tensor(context_lens, device=q.device)
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+    )
+    return o[:, :, 0]

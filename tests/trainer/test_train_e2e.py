@@ -30,31 +30,41 @@ def _train(run_dir, *overrides, steps=2, resume=False):
     return trainer, rows
 
 
-def _weights(trainer):
-    return {k: v.detach().clone() for k, v in trainer.learner.model.state_dict().items()}
+def _cli_train(run_dir, *args):
+    r = subprocess.run(
+        [sys.executable, "-m", "quarl", "train", "--quiet", *TINY, f"--trainer.run_dir={run_dir}", *args],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint_weights(run_dir):
+    state = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir))
+    return state["learner"]["model"]
 
 
 @pytest.fixture(scope="module")
 def mode_runs(tmp_path_factory):
-    """The same seed in the three modes (rollout and aligned with w4a16)."""
+    """The same seed in the three modes (rollout and aligned with w4a16), through the CLI."""
     out = {}
     for mode in ("bf16", "rollout", "aligned"):
         run_dir = tmp_path_factory.mktemp(mode)
-        trainer, rows = _train(run_dir, f"--quant.mode={mode}", "--quant.scheme=w4a16", "--algo.loss=ppo")
-        out[mode] = (trainer, rows, run_dir)
+        rows = _cli_train(run_dir, "--trainer.steps=2", f"--quant.mode={mode}", "--quant.scheme=w4a16",
+                          "--algo.loss=ppo")
+        out[mode] = (_checkpoint_weights(run_dir), rows, run_dir)
     return out
 
 
 def test_every_mode_trains_and_changes_weights(mode_runs):
-    for mode, (trainer, rows, run_dir) in mode_runs.items():
+    for mode, (weights, rows, run_dir) in mode_runs.items():
         assert len(rows) == 2
         for key in ("reward/mean", "mismatch/kl_k3", "loss/policy", "entropy", "grad_norm", "time/rollout",
                     "time/learner", "time/publish", "time/step", "rollout/tokens_per_s", "response/len_mean",
                     "response/repeat_frac", "tbpo/drop_frac_pos", "acc/mean"):
             assert key in rows[-1], (mode, key)
         start = load_model(run_dir / "warmstart")  # the step-0 policy
-        now = trainer.learner.model.state_dict()
-        changed = [k for k, v in start.state_dict().items() if not torch.equal(v, now[k])]
+        changed = [k for k, v in start.state_dict().items() if not torch.equal(v, weights[k])]
         assert changed, mode
 
 
@@ -67,17 +77,38 @@ def test_mismatch_by_mode(mode_runs):
 
 
 def test_resume_is_exact(tmp_path):
-    straight, rows6 = _train(tmp_path / "a", "--trainer.save_every=3", steps=6)
-    _train(tmp_path / "b", "--trainer.save_every=3", steps=3)
-    resumed, rows = _train(tmp_path / "b", "--trainer.save_every=3", steps=6, resume=True)
+    """6 steps straight == 3 steps, then --resume for 3 more (metrics and weights)."""
+    rows6 = _cli_train(tmp_path / "a", "--trainer.save_every=3", "--trainer.steps=6")
+    _cli_train(tmp_path / "b", "--trainer.save_every=3", "--trainer.steps=3")
+    rows = _cli_train(tmp_path / "b", "--trainer.save_every=3", "--trainer.steps=6", "--resume")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     volatile = ("time/", "rollout/tokens_per_s", "memory/")
     for a, b in zip(rows6, rows):
         ka = {k: v for k, v in a.items() if not k.startswith(volatile)}
         kb = {k: v for k, v in b.items() if not k.startswith(volatile)}
         assert ka == kb, a["step"]
-    wa, wb = _weights(straight), _weights(resumed)
+    wa, wb = _checkpoint_weights(tmp_path / "a"), _checkpoint_weights(tmp_path / "b")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--trainer.dynamic_sampling=true", "--trainer.overlong_filter=true"],
+    ["--algo.kl_coef=0.1", "--algo.loss=gspo", "--algo.correction=mis"],
+    ["--algo.advantage=gae", "--algo.loss=ppo", "--trainer.ppo_epochs=2", "--trainer.mini_batches=2"],
+    ["--optim.name=muon", "--quant.uaq_scale=1.5", "--algo.loss=ppo", "--algo.correction=acr"],
+    ["--quant.scheme=w8a8-int8", "--algo.loss=sapo", "--algo.advantage=rloo", "--trainer.on_policy=true"],
+], ids=["dapo", "kl-gspo-mis", "gae-critic", "muon-uaq-acr", "int8-sapo-rloo"])
+def test_trainer_variants_run(tmp_path, extra):
+    trainer, rows = _train(tmp_path, *extra, steps=2)
+    assert len(rows) == 2
+    assert all(v is None or isinstance(v, (int, float)) for v in rows[-1].values())
+    assert rows[-1]["train/skipped_updates"] == 0.0
+    if "--algo.kl_coef=0.1" in extra:
+        assert "loss/kl" in rows[-1]
+    if "--algo.advantage=gae" in extra:
+        assert "loss/value" in rows[-1]
+    if "--trainer.dynamic_sampling=true" in extra:
+        assert "dapo/dropped_groups" in rows[-1]
 
 
 def test_crash_while_writing_checkpoint_keeps_previous(tmp_path, monkeypatch):
