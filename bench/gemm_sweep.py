@@ -28,10 +28,22 @@ from quarl.quant.scheme import get_scheme
 
 SHAPES = [(lbl, n, k) for lbl, n, k, _ in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
 
-W4 = {
-    m: [C(bm, bn, split_k=sk, num_warps=4, num_stages=3, kernel=kern) for kern in ("swap", "swap16") for bn, sk in ((64, 0), (64, -4), (128, -4))]
-    for m, bm in ((1, 16), (16, 16), (64, 64))
-}
+def _w4_table():
+    """Run-6 sweep: the SUB16 dequant ("swapb") over tile height, warps, stages and forced
+    K-split waves (many short programs per SM), against swap16 / swap and the default."""
+    t = {}
+    for m, bm in ((1, 16), (16, 16)):
+        t[m] = [C(bm, bn, num_warps=w, num_stages=st, waves=wv, kernel="swapb")
+                for bn, w in ((32, 2), (64, 4), (128, 4)) for st in (3, 5) for wv in (2, 4, 8, 16)]
+        t[m] += [C(bm, 64, split_k=-4, num_warps=4, num_stages=3, kernel="swapb"), C(bm, 64, split_k=-4, num_warps=4, num_stages=3, kernel="swap16"),
+                 C(bm, 64, num_warps=4, num_stages=4, waves=8, kernel="swap16")]
+    t[64] = [C(64, bn, num_warps=w, num_stages=st, waves=wv, kernel=kern)
+             for kern in ("swapb",) for bn, w in ((64, 4), (128, 8), (256, 8)) for st in (3, 4) for wv in (1, 2, 4)]
+    t[64] += [C(64, 64, num_warps=4, num_stages=3, waves=wv, kernel="swap") for wv in (2, 4)]
+    return {m: t[m] for m in (16, 64, 1)}  # most important first (the sweep has a time budget)
+
+
+W4 = _w4_table()
 FP8 = {
     m: [C(0, 0, kernel="cublas")]
     + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s, kernel="triton")
@@ -56,6 +68,42 @@ def make_sets(fmt, m, n, k, dev, l2):
     del w
     qws = [bench._slice_qw(big, i, n, k) for i in range(sets)]
     return x, qws
+
+
+def _warm(items):
+    """Compile (by running once) each (kind, M, N, K, cfg) in this process: fills the on-disk
+    Triton cache so the timing process only loads kernels."""
+    import os
+
+    os.environ.setdefault("PYTHONPATH", ".")
+    dev = torch.device("cuda")
+    qws, n_ok = {}, 0
+    for kind, m, n, k, cfg in items:
+        fmt = SPEC[kind][0]
+        if (fmt, n, k) not in qws:
+            qws[(fmt, n, k)] = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, get_scheme(fmt))
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        launch.CONFIG_OVERRIDES[kind] = lambda *_a, c=cfg: c
+        try:
+            quant_linear(x, qws[(fmt, n, k)])
+            n_ok += 1
+        except Exception:
+            pass
+        launch.CONFIG_OVERRIDES.pop(kind, None)
+    torch.cuda.synchronize()
+    return n_ok
+
+
+def warm_compile(kinds, procs, log):
+    import multiprocessing as mp
+
+    items = [(kind, m, n, k, cfg) for kind in kinds for m, cfgs in SPEC[kind][1].items() for cfg in cfgs for _, n, k in SHAPES]
+    # one item per distinct compile is enough in principle, but the specialisation (M == 1,
+    # divisibility, split or not) depends on the shape: warm every item, spread round-robin
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        done = sum(pool.map(_warm, [items[i::procs] for i in range(procs)]))
+    log(f"warm compile: {done}/{len(items)} launches in {time.time() - t0:.0f}s with {procs} processes")
 
 
 def sweep(kind, budget_s, dev, l2, log, rows):
@@ -92,7 +140,9 @@ def sweep(kind, budget_s, dev, l2, log, rows):
                 if not err < 2e-2:
                     log(f"{kind} M={m} {lbl} {cfg}: WRONG rel err {err}")
                     t = float("nan")
-                rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=repr(cfg) if cfg else "default", us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=err))
+                nbytes = n * k * get_scheme(fmt).bits_per_weight / 8 + 2 * m * k + 2 * m * n
+                rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=repr(cfg) if cfg else "default", us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=err,
+                                 eff_TBps=nbytes / t / 1e12))
             launch.CONFIG_OVERRIDES.pop(kind, None)
             mine = [r for r in rows if r["kind"] == kind and r["M"] == m and r["N"] == n and r["K"] == k and r["us"] == r["us"]]
             best = min(mine, key=lambda r: r["us"]) if mine else None
@@ -108,11 +158,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole sweep")
     ap.add_argument("--kinds", default="w4,fp8,int8")
+    ap.add_argument("--warm-procs", type=int, default=0, help="compile every candidate first in N processes")
+    ap.add_argument("--warm-only", action="store_true", help="only fill the Triton cache (e.g. while tests run)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows: list[dict] = []
+    if args.warm_procs > 0:
+        warm_compile(args.kinds.split(","), args.warm_procs, lambda s: print(s, flush=True))
+    if args.warm_only:
+        return
     share = {"w4": 0.5, "fp8": 0.25, "int8": 0.25}
+    total = sum(share[k] for k in args.kinds.split(","))
+    share = {k: v / total for k, v in share.items()}
     for kind in args.kinds.split(","):
         sweep(kind, args.budget * share[kind], dev, l2, lambda s: print(s, flush=True), rows)
         with open(args.out, "w") as f:

@@ -33,6 +33,25 @@ def test_act_quant_kernel_matches_reference_codes(act):
     assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
 
 
+def test_e4m3_byte_equals_torch_cast():
+    """The kernel's fp32 -> e4m3 byte conversion equals torch's clamp + cast bit for bit on
+    the hard cases: every e4m3 value, every midpoint between neighbours (ties to even),
+    values just off the midpoints, the subnormal range, saturation, +-0, inf and NaN."""
+    from quarl.quant.kernels import triton_kernels as tk
+
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()  # sorted
+    mids = (grid[1:] + grid[:-1]) / 2
+    base = torch.cat([grid, mids, mids.nextafter(torch.tensor(float("inf"))), mids.nextafter(torch.tensor(-float("inf")))])
+    extra = torch.tensor([0.0, 1e-45, 1e-39, 2.0**-10, 2.0**-10 * 1.0001, 2.0**-7, 447.9, 448.0, 456.0, 460.0, 464.0, 500.0, 1e30, float("inf"), float("nan")])
+    v = torch.cat([base, -base, extra, -extra, torch.randn(4000) * torch.logspace(-4, 3, 4000)])
+    q = torch.empty(v.numel(), dtype=torch.uint8)
+    tk.e4m3_byte_kernel[(-(-v.numel() // 1024),)](v, q, v.numel(), BLOCK=1024)
+    expect = ref.to_e4m3(v).view(torch.uint8)
+    bad = q != expect
+    assert not bad.any(), (v[bad][:8].tolist(), q[bad][:8].tolist(), expect[bad][:8].tolist())
+
+
 WO = ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"]
 
 
@@ -109,7 +128,7 @@ W4_N, W4_K = 40, 330  # odd N, K % 128 != 0 (3 chunks, last one partial)
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 @pytest.mark.parametrize("m", [1, 3, 16, 17])
-@pytest.mark.parametrize("kernel,bm", [("swap", 16), ("gemv", 4)])
+@pytest.mark.parametrize("kernel,bm", [("swap", 16), ("swapb", 16), ("gemv", 4)])
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
     launch = _launch()
@@ -125,7 +144,7 @@ def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
 def test_w4_dispatch_uses_small_m_kernels():
     launch = _launch()
     for m in (1, 16, 64):
-        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "swap16", "gemv")
+        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "swap16", "swapb", "gemv")
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
     with use_backend("triton"):  # swap16 (default at M <= 16) cancels ~30x: see below
@@ -153,6 +172,22 @@ def test_w4_swap_raw16_variant(name, m):
     out = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 32, split_k=2, kernel="swap16"))
     # the (128 + code) * x - (128 + zero) * x form cancels ~30x: fp32 error grows to ~1e-5
     assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("dtype", [torch.float16])  # the interpreter's bf16 math is broken (GPU suite)
+def test_w4_swapb_half_activations_and_waves(name, dtype):
+    """SUB16 dequant (16-bit 1024 + code minus the offset for fp16) in the activation dtype,
+    with the K split picked by ``waves`` (interpreter: 4 "SMs", so 3 chunks -> 3 splits)."""
+    launch = _launch()
+    qw = quantize_weight(torch.randn(W4_N, W4_K), name)
+    x = torch.randn(16, W4_K).to(dtype)
+    bias = torch.randn(W4_N).to(dtype)
+    for cfg in (launch.TileConfig(16, 32, waves=8, kernel="swapb"), launch.TileConfig(16, 64, waves=1, kernel="swapb")):
+        out = launch.wo_gemm(x, qw, bias, cfg)
+        expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+        assert out.dtype == dtype
+        assert _rel(out, expect) < 4e-3  # output rounding to 16 bits only
 
 
 def test_act_quant_two_pass_long_rows():

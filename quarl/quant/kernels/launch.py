@@ -32,10 +32,13 @@ class TileConfig(NamedTuple):
     num_stages: int = 3
     group_m: int = 8
     post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
-    # weight-only: "tiled" (wo_gemm_kernel), "swap" / "swap16" (RAW16) / "gemv" (int4 g128
-    # only), "dequant"
+    # weight-only: "tiled" (wo_gemm_kernel), "swap" / "swap16" (RAW16) / "swapb" (SUB16) /
+    # "gemv" (int4 g128 only), "dequant"
     # (dequantize + cuBLAS); fp8: "triton" (int8_gemm_kernel on e4m3) or "cublas" (_scaled_mm)
     kernel: str = "tiled"
+    # > 0: split K until about waves x SMs programs, even when the tiles alone fill the GPU
+    # (w4 kernels; short programs, many resident per SM, hide the per-chunk latency chain)
+    waves: float = 0
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
@@ -84,20 +87,20 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     """int4 g128 weight-only (w4a16, w4a16-asym): bm/bn are the swapped tile's M / N sides."""
     if "w4" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["w4"](m, n, k)
-    # H200 sweep 47a5360 (bench/results/sweep_h200_3.json): 3 stages beat 4-5, BN 64 except
-    # on long K (down_proj), where BN 128 and ~4 waves of K splits win.
-    kern = W4_SMALL_KERNEL if m <= 16 else "swap"  # swap16's second dot costs at M = 64
+    # H200 sweep run 6 (bench/results/gemm_sweep_h200_6.json): the SUB16 dequant ("swapb")
+    # with BN 64 / 4 warps / 3 stages and K split to ~8 waves of programs on the big shapes
+    # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
+    # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        if k >= 8192:
-            return TileConfig(bm, 128, split_k=-4, num_warps=4, num_stages=3, kernel=kern)
-        return TileConfig(bm, 64, split_k=-4 if m <= 16 else 0, num_warps=4, num_stages=3, kernel=kern)
+        big = m <= 16 and (_cdiv(n, 64) >= 256 or k >= 8192)
+        return TileConfig(bm, 64, num_warps=4, num_stages=3, waves=8 if big else 4, kernel=W4_SMALL_KERNEL)
     return TileConfig(0, 0, kernel="dequant")
 
 
-# "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
-# (H200 sweep 38f2fc8: swap16 1.16-1.38x vs swap 1.05-1.36x over bf16 at M <= 16)
-W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "swap16")
+# "swapb", "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
+# (H200 sweep run 6: swapb beats swap16 / swap at every M <= 64 shape; exact, no extra dots)
+W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "swapb")
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
@@ -180,7 +183,7 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
     block = min(full, 64 if _interpreting(x) else (full if full <= 8192 else 4096))
     warps = 4 if block <= 2048 else 8
     tk.act_quant_kernel[(m,)](
-        x, q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
+        x, q.view(torch.uint8) if fp8 else q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
     )
     return q, s
 
@@ -215,7 +218,12 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         bm = min(bm, triton_next_pow2(m))
     n_tiles, m_tiles = _cdiv(n, cfg.bn), _cdiv(m, bm)
     tiles = n_tiles * m_tiles
-    split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
+    if cfg.waves > 0:  # ~waves x SMs programs, >= 2 chunks each
+        split = max(1, min(round(cfg.waves * _num_sms(x.device) / tiles), nchunk // 2))
+        per = _cdiv(nchunk, split)
+        split = _cdiv(nchunk, per)
+    else:
+        split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
     out, part, cnt = _outputs(m, n, split, tiles, x.dtype, x.device)
     kern = tk.w4_gemv_kernel if cfg.kernel == "gemv" else tk.w4_swap_kernel
     zeros = qw.zeros if qw.zeros is not None else qw.scales
@@ -224,7 +232,7 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         m, n, k, nchunk, per, split,
         x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
         ASYM=qw.zeros is not None, BM=bm, BN=cfg.bn, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
-        **({"RAW16": True} if cfg.kernel == "swap16" else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"RAW16": True} if cfg.kernel == "swap16" else {"SUB16": True, "INTERP": _interpreting(x)} if cfg.kernel == "swapb" else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -235,7 +243,7 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     n = qw.shape[0]
     if cfg is None and is_w4_g128(qw):
         cfg = w4_config(m, n, k)
-    if cfg is not None and cfg.kernel in ("swap", "swap16", "gemv"):
+    if cfg is not None and cfg.kernel in ("swap", "swap16", "swapb", "gemv"):
         if not is_w4_g128(qw):
             raise ValueError(f"{cfg.kernel} kernel needs int4 weights with group 128, got {qw.scheme.name}")
         return w4_gemm(x, qw, bias, cfg)

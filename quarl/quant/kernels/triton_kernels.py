@@ -28,8 +28,10 @@ Kernels:
 
 Rounding inside kernels uses the fp32 "magic number" trick (``(v + 1.5 * 2^23) - 1.5 *
 2^23`` rounds to nearest even for ``|v| < 2^22``) and IEEE division (``div_rn``), so
-codes equal those of torch's ``round`` and ``/`` in the reference; e4m3 rounding is done
-in fp32 on the exact grid before the (then exact) cast.
+codes equal those of torch's ``round`` and ``/`` in the reference. e4m3 activation codes
+are built as bytes with integer arithmetic (``_e4m3_byte``, a port of torch's own
+fp32 -> e4m3fn conversion) and stored through a uint8 view: no Triton fp8 cast (on the
+H200, Triton's path differed from torch's cast for some elements; see bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -50,16 +52,29 @@ def _rne(v):
 
 
 @triton.jit
-def _round_e4m3(v):
-    """fp32 -> nearest e4m3 value (still fp32), saturating at +-448."""
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+def _e4m3_byte(v):
+    """fp32 -> e4m3fn byte (int32 in [0, 255]) exactly as torch casts ``clamp(v, +-448)``.
+
+    A port of c10's ``fp8e4m3fn_from_fp32_value`` (integer round-to-nearest-even on the fp32
+    bits; the subnormal range rounds by adding 2^14, whose fp32 ulp is e4m3's 2^-9), so no
+    Triton fp8 conversion is involved. NaN -> 0x7f | sign, as torch's cast.
+    """
+    nan = v != v
     bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    e_ulp = tl.maximum(e, -6) - 3  # 3 mantissa bits; subnormals share the ulp 2^-9
-    ulp = ((e_ulp + 127) << 23).to(tl.float32, bitcast=True)
-    inv_ulp = ((127 - e_ulp) << 23).to(tl.float32, bitcast=True)
-    r = _rne(tl.abs(v) * inv_ulp) * ulp
-    return tl.where(v < 0, -r, r)  # keeps the sign of values that round to zero, as torch does
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    norm = (a + (((7 - 127) << 23) + 0x7FFFF) + ((a >> 20) & 1)) >> 20
+    code = tl.where(a < (121 << 23), sub, norm)
+    return tl.where(nan, 0x7F, code) | sign
+
+
+@triton.jit
+def e4m3_byte_kernel(v_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    """``q = _e4m3_byte(v)`` elementwise (tests the conversion alone)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(q_ptr + offs, _e4m3_byte(v).to(tl.uint8), mask=offs < n)
 
 
 @triton.jit
@@ -92,7 +107,7 @@ def act_quant_kernel(
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
         t = tl.math.div_rn(v, tl.full([BLOCK], 1.0, tl.float32) * s)
         if IS_FP8:
-            tl.store(q_ptr + row * stride_qm + k0 + offs, _round_e4m3(t).to(tl.float8e4nv), mask=msk)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, _e4m3_byte(t).to(tl.uint8), mask=msk)
         else:
             t = tl.minimum(tl.maximum(_rne(t), -127.0), 127.0)
             tl.store(q_ptr + row * stride_qm + k0 + offs, t.to(tl.int8), mask=msk)
@@ -423,13 +438,21 @@ def w4_swap_kernel(
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_om,
     ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, RAW16: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, RAW16: tl.constexpr = False, SUB16: tl.constexpr = False,
+    INTERP: tl.constexpr = False,
 ):
     """int4 g128 (sym/asym) weight-only GEMM with swapped operands: ``out.T [BN, BM] =
     deq(W) [BN, K] @ x.T [K, BM]``. The dequantized weight tile is the MMA's A operand
     (registers; N fills the 64-row MMA side), the few activation rows the B operand, so
     M = 1..64 wastes no weight traffic. Group scale (and zero point) per 128-column chunk:
-    the chunk's fp32 partial is scaled once (post-scale). Grid (n tiles, K splits, m tiles)."""
+    the chunk's fp32 partial is scaled once (post-scale). Grid (n tiles, K splits, m tiles).
+
+    Dequantization (code -> code - zero as the dot's dtype), by variant:
+    * default: fp32 exponent trick (``_int4_vals``) then a conversion: ~5 instructions/weight.
+    * ``RAW16``: bf16 bits ``0x4300 | code`` = 128 + code, offset removed by two more dots.
+    * ``SUB16``: the same 16-bit values minus (128 + zero) with a packed 16-bit subtraction
+      (``add.bf16x2``, two weights per instruction); exact (small integers), no extra dots.
+      fp16 activations use ``0x6400 | code`` = 1024 + code instead."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -450,7 +473,31 @@ def w4_swap_kernel(
         k_lo = c * 128 + offs_j
         xt_lo = tl.load(x_cols + k_lo[:, None], mask=xmask_m & (k_lo[:, None] < K), other=0.0)
         xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xmask_m & (k_lo[:, None] + 64 < K), other=0.0)
-        if RAW16:
+        if SUB16:
+            p16 = packed.to(tl.int16)
+            if x_ptr.dtype.element_ty == tl.float16:
+                lo = ((p16 & 15) | 0x6400).to(tl.float16, bitcast=True)
+                hi = ((p16 >> 4) | 0x6400).to(tl.float16, bitcast=True)
+                base = 1024.0
+            else:
+                lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
+                hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+                base = 128.0
+            if ASYM:
+                zb = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + base
+            else:
+                zb = base + 8.0
+            if INTERP:  # the interpreter's bf16 arithmetic is wrong; same exact math in fp32
+                lo = lo.to(tl.float32) - zb
+                hi = hi.to(tl.float32) - zb
+            else:
+                if ASYM:
+                    zb = zb.to(lo.dtype)
+                lo = lo - zb
+                hi = hi - zb
+            part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
+            part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
+        elif RAW16:
             # bf16 bits 0x4300 | code = 128 + code (exact): one LOP3 per weight, no
             # conversion; the offset (128 + zero) is taken off by a second dot with a
             # constant tile (cheap at small M: the MMA units are idle).
