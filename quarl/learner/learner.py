@@ -164,12 +164,12 @@ class Learner:
             if s.kl_coef > 0 and mb.ref_logp is not None:
                 kl = masked_mean(kl_penalty(logp, mb.ref_logp, s.kl_estimator, mask), mask)
                 loss = loss + s.kl_coef * kl
-                m["loss/kl"] = float(kl)
+                m["loss/kl"] = float(kl.detach())
             if self.critic is not None and ret is not None:
                 v = self.critic(mb.input_ids, mb.attention_mask)
                 v_loss = 0.5 * masked_mean((v - ret[idx, : v.shape[1]]) ** 2, mask)
                 loss = loss + s.value_coef * v_loss
-                m["loss/value"] = float(v_loss)
+                m["loss/value"] = float(v_loss.detach())
             (loss * weight).backward()
             for k, v in m.items():
                 metric_acc[k] = metric_acc.get(k, 0.0) + float(v) * weight
