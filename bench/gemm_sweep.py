@@ -43,7 +43,19 @@ def _w4_table():
     return {m: t[m] for m in (16, 64, 1)}  # most important first (the sweep has a time budget)
 
 
-W4 = _w4_table()
+def _w4_table_run7():
+    """Run-7 sweep: chunks per iteration (CPI: a row's CPI x 64 bytes requested together) for
+    swapb, over tile height / warps / stages / waves; the default (run-6 winner) is the baseline."""
+    t = {}
+    for m in (16, 1):
+        t[m] = [C(16, bn, num_warps=w, num_stages=st, waves=wv, cpi=cpi, kernel="swapb")
+                for bn, w, st, cpi in ((64, 4, 3, 2), (64, 4, 2, 4), (64, 4, 3, 4), (32, 2, 3, 4), (32, 2, 2, 8), (32, 2, 3, 8), (16, 1, 3, 8))
+                for wv in (4, 8)]
+    t[64] = [C(64, 64, num_warps=4, num_stages=st, waves=wv, cpi=cpi, kernel="swapb") for st, cpi in ((3, 2), (2, 2), (2, 4)) for wv in (2, 4)]
+    return {m: t[m] for m in (16, 64, 1)}
+
+
+W4 = _w4_table_run7()
 FP8 = {
     m: [C(0, 0, kernel="cublas")]
     + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s, kernel="triton")

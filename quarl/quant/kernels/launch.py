@@ -39,6 +39,7 @@ class TileConfig(NamedTuple):
     # > 0: split K until about waves x SMs programs, even when the tiles alone fill the GPU
     # (w4 kernels; short programs, many resident per SM, hide the per-chunk latency chain)
     waves: float = 0
+    cpi: int = 1  # w4 swap kernels: 128-column chunks per (unrolled) loop iteration
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
@@ -224,6 +225,9 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         split = _cdiv(nchunk, per)
     else:
         split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
+    if cfg.cpi > 1:  # whole unrolled iterations per split
+        per = _cdiv(per, cfg.cpi) * cfg.cpi
+        split = _cdiv(nchunk, per)
     out, part, cnt = _outputs(m, n, split, tiles, x.dtype, x.device)
     kern = tk.w4_gemv_kernel if cfg.kernel == "gemv" else tk.w4_swap_kernel
     zeros = qw.zeros if qw.zeros is not None else qw.scales
@@ -232,7 +236,8 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         m, n, k, nchunk, per, split,
         x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
         ASYM=qw.zeros is not None, BM=bm, BN=cfg.bn, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
-        **({"RAW16": True} if cfg.kernel == "swap16" else {"SUB16": True, "INTERP": _interpreting(x)} if cfg.kernel == "swapb" else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"RAW16": True} if cfg.kernel == "swap16" else {"SUB16": True, "INTERP": _interpreting(x)} if cfg.kernel == "swapb" else {}),
+        **({"CPI": cfg.cpi} if cfg.cpi > 1 and cfg.kernel != "gemv" else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

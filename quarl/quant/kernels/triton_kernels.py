@@ -439,7 +439,7 @@ def w4_swap_kernel(
     stride_xm, stride_wn, stride_sn, stride_om,
     ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, RAW16: tl.constexpr = False, SUB16: tl.constexpr = False,
-    INTERP: tl.constexpr = False,
+    INTERP: tl.constexpr = False, CPI: tl.constexpr = 1,
 ):
     """int4 g128 (sym/asym) weight-only GEMM with swapped operands: ``out.T [BN, BM] =
     deq(W) [BN, K] @ x.T [K, BM]``. The dequantized weight tile is the MMA's A operand
@@ -452,7 +452,11 @@ def w4_swap_kernel(
     * ``RAW16``: bf16 bits ``0x4300 | code`` = 128 + code, offset removed by two more dots.
     * ``SUB16``: the same 16-bit values minus (128 + zero) with a packed 16-bit subtraction
       (``add.bf16x2``, two weights per instruction); exact (small integers), no extra dots.
-      fp16 activations use ``0x6400 | code`` = 1024 + code instead."""
+      fp16 activations use ``0x6400 | code`` = 1024 + code instead.
+
+    ``CPI`` chunks per loop iteration (unrolled; chunks past the split masked out): the
+    CPI x 64 bytes of each weight row are requested together (one DRAM burst instead of
+    CPI row-strided 64-byte pieces a pipeline step apart)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -468,61 +472,69 @@ def w4_swap_kernel(
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     c_lo = pid_k * CHUNKS_PER_SPLIT
     c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
-    for c in range(c_lo, c_hi):
-        packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0)
-        k_lo = c * 128 + offs_j
-        xt_lo = tl.load(x_cols + k_lo[:, None], mask=xmask_m & (k_lo[:, None] < K), other=0.0)
-        xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xmask_m & (k_lo[:, None] + 64 < K), other=0.0)
-        if SUB16:
-            p16 = packed.to(tl.int16)
-            if x_ptr.dtype.element_ty == tl.float16:
-                lo = ((p16 & 15) | 0x6400).to(tl.float16, bitcast=True)
-                hi = ((p16 >> 4) | 0x6400).to(tl.float16, bitcast=True)
-                base = 1024.0
+    for c0 in range(c_lo, c_hi, CPI):
+        for u in tl.static_range(CPI):
+            c = c0 + u
+            if CPI > 1:  # (vector compares: the interpreter rejects a scalar bool in a mask)
+                nm = nmask & ((tl.zeros([BN], dtype=tl.int32) + c) < c_hi)
+                xm = xmask_m & ((tl.zeros([1, BM], dtype=tl.int32) + c) < c_hi)
             else:
-                lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
-                hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
-                base = 128.0
-            if ASYM:
-                zb = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + base
-            else:
-                zb = base + 8.0
-            if INTERP:  # the interpreter's bf16 arithmetic is wrong; same exact math in fp32
-                lo = lo.to(tl.float32) - zb
-                hi = hi.to(tl.float32) - zb
+                nm = nmask
+                xm = xmask_m
+            packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nm[:, None], other=0)
+            k_lo = c * 128 + offs_j
+            xt_lo = tl.load(x_cols + k_lo[:, None], mask=xm & (k_lo[:, None] < K), other=0.0)
+            xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xm & (k_lo[:, None] + 64 < K), other=0.0)
+            if SUB16:
+                p16 = packed.to(tl.int16)
+                if x_ptr.dtype.element_ty == tl.float16:
+                    lo = ((p16 & 15) | 0x6400).to(tl.float16, bitcast=True)
+                    hi = ((p16 >> 4) | 0x6400).to(tl.float16, bitcast=True)
+                    base = 1024.0
+                else:
+                    lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
+                    hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+                    base = 128.0
+                if ASYM:
+                    zb = tl.load(z_rows + c, mask=nm, other=0).to(tl.float32)[:, None] + base
+                else:
+                    zb = base + 8.0
+                if INTERP:  # the interpreter's bf16 arithmetic is wrong; same exact math in fp32
+                    lo = lo.to(tl.float32) - zb
+                    hi = hi.to(tl.float32) - zb
+                else:
+                    if ASYM:
+                        zb = zb.to(lo.dtype)
+                    lo = lo - zb
+                    hi = hi - zb
+                part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
+                part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
+            elif RAW16:
+                # bf16 bits 0x4300 | code = 128 + code (exact): one LOP3 per weight, no
+                # conversion; the offset (128 + zero) is taken off by a second dot with a
+                # constant tile (cheap at small M: the MMA units are idle).
+                p16 = packed.to(tl.int16)
+                lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
+                hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
+                if ASYM:
+                    zneg = -(tl.load(z_rows + c, mask=nm, other=0).to(tl.float32) + 128.0)
+                    off = tl.broadcast_to(zneg.to(x_ptr.dtype.element_ty)[:, None], [BN, 64])
+                else:
+                    off = tl.full([BN, 64], -136.0, x_ptr.dtype.element_ty)
+                part = tl.dot(lo, xt_lo)
+                part = tl.dot(hi, xt_hi, part)
+                part = tl.dot(off, xt_lo, part)
+                part = tl.dot(off, xt_hi, part)
             else:
                 if ASYM:
-                    zb = zb.to(lo.dtype)
-                lo = lo - zb
-                hi = hi - zb
-            part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
-            part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
-        elif RAW16:
-            # bf16 bits 0x4300 | code = 128 + code (exact): one LOP3 per weight, no
-            # conversion; the offset (128 + zero) is taken off by a second dot with a
-            # constant tile (cheap at small M: the MMA units are idle).
-            p16 = packed.to(tl.int16)
-            lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
-            hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
-            if ASYM:
-                zneg = -(tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32) + 128.0)
-                off = tl.broadcast_to(zneg.to(x_ptr.dtype.element_ty)[:, None], [BN, 64])
-            else:
-                off = tl.full([BN, 64], -136.0, x_ptr.dtype.element_ty)
-            part = tl.dot(lo, xt_lo)
-            part = tl.dot(hi, xt_hi, part)
-            part = tl.dot(off, xt_lo, part)
-            part = tl.dot(off, xt_hi, part)
-        else:
-            if ASYM:
-                zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + 8388608.0
-            else:
-                zf = 8388616.0
-            lo, hi = _int4_vals(packed, zf)
-            part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
-            part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
-        s = tl.load(s_rows + c, mask=nmask, other=0.0)
-        acc += part * s[:, None]
+                    zf = tl.load(z_rows + c, mask=nm, other=0).to(tl.float32)[:, None] + 8388608.0
+                else:
+                    zf = 8388616.0
+                lo, hi = _int4_vals(packed, zf)
+                part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
+                part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
+            s = tl.load(s_rows + c, mask=nm, other=0.0)
+            acc += part * s[:, None]
     _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
                    pid_n + pid_m * tl.num_programs(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
 
