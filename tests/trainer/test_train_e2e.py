@@ -156,3 +156,30 @@ def test_cli_train_dry_run_and_run(tmp_path):
     assert "finished 1 steps" in r.stdout
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "metrics.jsonl").is_file()
     assert ckpt.latest_checkpoint(tmp_path) is not None
+
+
+def test_ctrl_c_writes_final_checkpoint_and_eval_cli(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quarl", "train", "--quiet", *TINY, f"--trainer.run_dir={tmp_path}",
+         "--trainer.steps=500"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    done = len(metrics.read_text().splitlines())
+    latest = ckpt.latest_checkpoint(tmp_path)
+    assert latest is not None and ckpt.load_checkpoint(latest)["step"] >= done >= 2
+
+    r = subprocess.run([sys.executable, "-m", "quarl", "eval", str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert 0.0 <= out["eval/acc"] <= 1.0 and out["step"] == ckpt.load_checkpoint(latest)["step"]
