@@ -149,6 +149,19 @@ def _check_token_correction(correction: str, valid: tuple[str, ...]) -> None:
         raise ValueError(f"unknown correction {correction!r}; valid: {', '.join(valid)}")
 
 
+def _token_metrics(loss, clip_frac, ratio, corr, mask) -> dict[str, torch.Tensor]:
+    """The metrics every token-level loss reports (values still on the device)."""
+    return {
+        "loss/policy": loss,
+        "loss/clip_frac": clip_frac,
+        "loss/ratio_mean": masked_mean(ratio, mask),
+        "loss/ratio_max": _masked_max(ratio, mask),
+        "correction/w_mean": masked_mean(corr.weight, mask),
+        "correction/w_max": _masked_max(corr.weight, mask),
+        "correction/drop_frac": _frac(corr.dropped, mask),
+    }
+
+
 # ---------------------------------------------------------------- token-level losses
 
 
@@ -188,15 +201,7 @@ def ppo_loss(
     surrogate, cut = _clipped_surrogate(ratio, adv, 1.0 - eps_low, high, dual_clip_c)
     loss = agg_loss(corr.weight * surrogate, mask, agg, max_len)
     with torch.no_grad():
-        metrics = {
-            "loss/policy": loss,
-            "loss/clip_frac": _frac(cut, mask),
-            "loss/ratio_mean": masked_mean(ratio, mask),
-            "loss/ratio_max": _masked_max(ratio, mask),
-            "correction/w_mean": masked_mean(corr.weight, mask),
-            "correction/w_max": _masked_max(corr.weight, mask),
-            "correction/drop_frac": _frac(corr.dropped, mask),
-        }
+        metrics = _token_metrics(loss, _frac(cut, mask), ratio, corr, mask)
     return loss, _floats(metrics)
 
 
@@ -257,16 +262,8 @@ def sapo_loss(
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = agg_loss(corr.weight * (-(4.0 / tau) * gate * adv), mask, agg, max_len)
     with torch.no_grad():
-        metrics = {
-            "loss/policy": loss,
-            "loss/clip_frac": logp.new_zeros(()),
-            "loss/ratio_mean": masked_mean(ratio, mask),
-            "loss/ratio_max": _masked_max(ratio, mask),
-            "correction/w_mean": masked_mean(corr.weight, mask),
-            "correction/w_max": _masked_max(corr.weight, mask),
-            "correction/drop_frac": _frac(corr.dropped, mask),
-            "sapo/gate_mean": masked_mean(4.0 * gate * (1.0 - gate), mask),
-        }
+        metrics = _token_metrics(loss, logp.new_zeros(()), ratio, corr, mask)
+        metrics["sapo/gate_mean"] = masked_mean(4.0 * gate * (1.0 - gate), mask)
     return loss, _floats(metrics)
 
 
