@@ -131,6 +131,7 @@ class Trainer:
                     self.step += 1
                     if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
                         metrics.update(self.evaluate())
+                        metrics["mismatch/engine_check"] = self._check_engine_sync()
                     self.logger.log(self.step, metrics)
                     progress.update(self.step, metrics)
                     last = metrics

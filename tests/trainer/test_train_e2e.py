@@ -183,3 +183,15 @@ def test_ctrl_c_writes_final_checkpoint_and_eval_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{"):])
     assert 0.0 <= out["eval/acc"] <= 1.0 and out["step"] == ckpt.load_checkpoint(latest)["step"]
+
+
+def test_engine_check_catches_stale_weights(tmp_path):
+    cfg = load_run_config(None, TINY + [f"--trainer.run_dir={tmp_path}", "--trainer.steps=1", "--quant.mode=bf16"])
+    trainer = Trainer(cfg)
+    assert trainer.sync_error < 1e-4
+    with torch.no_grad():  # the learner moves on, the engine is not told
+        trainer.learner.model.lm_head_weight.mul_(3.0)
+    with pytest.raises(RuntimeError, match="disagree after publishing"):
+        trainer._check_engine_sync()
+    trainer.publisher.publish()
+    assert trainer._check_engine_sync() < 1e-4
