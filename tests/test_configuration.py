@@ -57,3 +57,13 @@ def test_override_parsing_errors():
         parse_overrides(["--rollout.n"])
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_overrides(["rollout.n=3"])
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    examples = sorted(Path(__file__).resolve().parent.parent.glob("examples/*.yaml"))
+    assert examples
+    for f in examples:
+        cfg = load_run_config(str(f), ["--model.path=/models/x", "--data.path=train.jsonl"])
+        assert cfg.data.task == "file" and cfg.optim.lr == 1e-6, f
