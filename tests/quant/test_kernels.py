@@ -184,14 +184,15 @@ def test_w4_swapb_half_activations_and_waves(name, dtype):
     x = torch.randn(16, W4_K).to(dtype)
     bias = torch.randn(W4_N).to(dtype)
     for cfg in (launch.TileConfig(16, 32, waves=8, kernel="swapb"), launch.TileConfig(16, 64, waves=1, kernel="swapb"),
-                launch.TileConfig(16, 32, waves=1, cpi=2, kernel="swapb"), launch.TileConfig(16, 16, split_k=1, cpi=4, kernel="swapb")):
+                launch.TileConfig(16, 32, waves=1, cpi=2, kernel="swapb"), launch.TileConfig(16, 16, split_k=1, cpi=4, kernel="swapb"),
+                launch.TileConfig(16, 32, split_k=2, words=True, kernel="swapb"), launch.TileConfig(16, 16, waves=1, cpi=2, words=True, kernel="swapb")):
         out = launch.wo_gemm(x, qw, bias, cfg)
         expect = reference_linear(x.float(), qw, bias.float(), exact=True)
         assert out.dtype == dtype
         assert _rel(out, expect) < 4e-3  # output rounding to 16 bits only
 
 
-@pytest.mark.parametrize("kernel", ["swap", "swap16", "swapb"])
+@pytest.mark.parametrize("kernel", ["swap", "swap16", "swapb", "swapb-words"])
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 def test_w4_chunks_per_iteration(kernel, name):
     """CPI > 1 (unrolled chunks, the tail chunk of a split masked) equals the reference."""
@@ -199,8 +200,18 @@ def test_w4_chunks_per_iteration(kernel, name):
     qw = quantize_weight(torch.randn(W4_N, W4_K), name)
     x, bias = torch.randn(5, W4_K), torch.randn(W4_N)
     expect = reference_linear(x, qw, bias, exact=True)
-    for cfg in (launch.TileConfig(16, 32, split_k=1, cpi=2, kernel=kernel), launch.TileConfig(16, 32, split_k=2, cpi=4, kernel=kernel)):
+    words = kernel.endswith("-words")
+    kernel = kernel.removesuffix("-words")
+    for cfg in (launch.TileConfig(16, 32, split_k=1, cpi=2, kernel=kernel, words=words), launch.TileConfig(16, 32, split_k=2, cpi=4, kernel=kernel, words=words)):
         assert _rel(launch.wo_gemm(x, qw, bias, cfg), expect) < (1e-4 if kernel == "swap16" else 1e-5)
+
+
+def test_w4_config_env_tweak(monkeypatch):
+    launch = _launch()
+    monkeypatch.setenv("QUARL_W4_SMALL", "bn=128,num_warps=8,waves=4.0,words=1")
+    cfg = launch.w4_config(16, 4608, 3584)
+    assert (cfg.bn, cfg.num_warps, cfg.waves, cfg.words) == (128, 8, 4, True)
+    assert launch.w4_config(64, 4608, 3584).bn == 64  # QUARL_W4_MID unset
 
 
 def test_act_quant_two_pass_long_rows():

@@ -80,6 +80,8 @@ def test_weight_only_configs_and_determinism(name, m):
     if name.startswith("w4a16") and m <= 64:  # int4 g128 small-M kernels, K split by waves
         bm = 16 if m <= 16 else 64
         cfgs += [launch.TileConfig(bm, bn, waves=w, kernel=kern) for kern in ("swap", "swap16", "swapb") for bn, w in ((64, 4), (128, 1), (32, 8))]
+        cfgs += [launch.TileConfig(bm, 64, waves=8, cpi=2, kernel="swapb"), launch.TileConfig(bm, 64, waves=8, words=True, kernel="swapb"),
+                 launch.TileConfig(bm, 64, waves=8, num_stages=1, kernel="swapb")]
     for cfg in cfgs:
         a = launch.wo_gemm(x, qw, None, cfg)
         b = launch.wo_gemm(x, qw, None, cfg)

@@ -40,6 +40,7 @@ class TileConfig(NamedTuple):
     # (w4 kernels; short programs, many resident per SM, hide the per-chunk latency chain)
     waves: float = 0
     cpi: int = 1  # w4 swap kernels: 128-column chunks per (unrolled) loop iteration
+    words: bool = False  # swapb: read the packed weight as int32 words (WORDS)
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
@@ -95,8 +96,26 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         big = m <= 16 and (_cdiv(n, 64) >= 256 or k >= 8192)
-        return TileConfig(bm, 64, num_warps=4, num_stages=3, waves=8 if big else 4, kernel=W4_SMALL_KERNEL)
+        cfg = TileConfig(bm, 64, num_warps=4, num_stages=3, waves=8 if big else 4, kernel=W4_SMALL_KERNEL)
+        return _env_tweak(cfg, "QUARL_W4_SMALL" if m <= 16 else "QUARL_W4_MID")
     return TileConfig(0, 0, kernel="dequant")
+
+
+def _env_tweak(cfg: TileConfig, var: str) -> TileConfig:
+    """A/B runs on the device: ``VAR="bn=128,num_warps=8,words=1"`` replaces those fields."""
+    spec = os.environ.get(var, "")
+    if not spec:
+        return cfg
+    def conv(f: str, v: str):
+        cur = getattr(cfg, f)
+        if isinstance(cur, bool):
+            return v in ("1", "True", "true")
+        if isinstance(cur, str):
+            return v
+        x = float(v)
+        return int(x) if x.is_integer() else x
+
+    return cfg._replace(**{f: conv(f, v) for f, v in (item.split("=") for item in spec.split(","))})
 
 
 # "swapb", "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
@@ -231,13 +250,18 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     out, part, cnt = _outputs(m, n, split, tiles, x.dtype, x.device)
     kern = tk.w4_gemv_kernel if cfg.kernel == "gemv" else tk.w4_swap_kernel
     zeros = qw.zeros if qw.zeros is not None else qw.scales
+    wdata, wstride = qw.qdata, qw.qdata.stride(0)
+    if cfg.words:
+        if cfg.kernel != "swapb":
+            raise ValueError("words=True needs the swapb kernel")
+        wdata, wstride = qw.qdata.view(torch.int32), qw.qdata.stride(0) // 4
     kern[(n_tiles, split, m_tiles)](
-        x, qw.qdata, qw.scales, zeros, bias if bias is not None else qw.scales, out, part, cnt,
+        x, wdata, qw.scales, zeros, bias if bias is not None else qw.scales, out, part, cnt,
         m, n, k, nchunk, per, split,
-        x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
+        x.stride(0), wstride, qw.scales.stride(0), out.stride(0),
         ASYM=qw.zeros is not None, BM=bm, BN=cfg.bn, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
         **({"RAW16": True} if cfg.kernel == "swap16" else {"SUB16": True, "INTERP": _interpreting(x)} if cfg.kernel == "swapb" else {}),
-        **({"CPI": cfg.cpi} if cfg.cpi > 1 and cfg.kernel != "gemv" else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"CPI": cfg.cpi} if cfg.cpi > 1 and cfg.kernel != "gemv" else {}), **({"WORDS": True} if cfg.words else {}), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -433,13 +433,24 @@ def _store_tile_nm(
 
 
 @triton.jit
+def _words_to_bytes(wq, BN: tl.constexpr):
+    """int32 words ``[BN, 16]`` (4 packed bytes each, little-endian) -> int32 bytes ``[BN, 64]``
+    in byte order (byte 4w + b = bits 8b..8b+7 of word w)."""
+    b0 = wq & 0xFF
+    b1 = (wq >> 8) & 0xFF
+    b2 = (wq >> 16) & 0xFF
+    b3 = (wq >> 24) & 0xFF
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BN, 64])
+
+
+@triton.jit
 def w4_swap_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_om,
     ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, RAW16: tl.constexpr = False, SUB16: tl.constexpr = False,
-    INTERP: tl.constexpr = False, CPI: tl.constexpr = 1,
+    INTERP: tl.constexpr = False, CPI: tl.constexpr = 1, WORDS: tl.constexpr = False,
 ):
     """int4 g128 (sym/asym) weight-only GEMM with swapped operands: ``out.T [BN, BM] =
     deq(W) [BN, K] @ x.T [K, BM]``. The dequantized weight tile is the MMA's A operand
@@ -456,7 +467,12 @@ def w4_swap_kernel(
 
     ``CPI`` chunks per loop iteration (unrolled; chunks past the split masked out): the
     CPI x 64 bytes of each weight row are requested together (one DRAM burst instead of
-    CPI row-strided 64-byte pieces a pipeline step apart)."""
+    CPI row-strided 64-byte pieces a pipeline step apart).
+
+    ``WORDS`` (SUB16 only): ``w_ptr`` is the packed weight viewed as int32 (stride in words);
+    a chunk row is 16 words, word w holding columns 4w..4w+3 (low nibbles) and 64+4w..
+    64+4w+3 (high nibbles); the eight nibble planes are interleaved back into k order with
+    ``tl.join`` (32-bit loads instead of byte loads into the dot operand layout)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -481,12 +497,18 @@ def w4_swap_kernel(
             else:
                 nm = nmask
                 xm = xmask_m
-            packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nm[:, None], other=0)
+            if WORDS:
+                wq = tl.load(w_rows + (c * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
+            else:
+                packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nm[:, None], other=0)
             k_lo = c * 128 + offs_j
             xt_lo = tl.load(x_cols + k_lo[:, None], mask=xm & (k_lo[:, None] < K), other=0.0)
             xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xm & (k_lo[:, None] + 64 < K), other=0.0)
             if SUB16:
-                p16 = packed.to(tl.int16)
+                if WORDS:
+                    p16 = _words_to_bytes(wq, BN).to(tl.int16)
+                else:
+                    p16 = packed.to(tl.int16)
                 if x_ptr.dtype.element_ty == tl.float16:
                     lo = ((p16 & 15) | 0x6400).to(tl.float16, bitcast=True)
                     hi = ((p16 >> 4) | 0x6400).to(tl.float16, bitcast=True)
