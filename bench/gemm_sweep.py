@@ -60,10 +60,11 @@ def _w4_table_run8():
     (num_stages 1, occupancy only), 8 warps x BN 128; the default is the baseline."""
     t = {}
     for m in (16, 1):
-        t[m] = [C(16, bn, num_warps=w, num_stages=st, waves=wv, words=wd, kernel="swapb")
-                for bn, w, st, wv, wd in ((64, 4, 3, 4, True), (64, 4, 3, 8, True), (64, 4, 4, 8, True), (128, 8, 3, 4, True), (128, 8, 3, 8, True),
-                                          (64, 4, 1, 8, True), (64, 4, 1, 16, True), (64, 4, 1, 8, False), (64, 4, 1, 16, False),
-                                          (128, 8, 3, 4, False), (128, 8, 3, 8, False))]
+        t[m] = [C(16, bn, num_warps=w, num_stages=st, waves=wv, words=wd, cpi=cpi, kernel="swapb")
+                for bn, w, st, wv, wd, cpi in (
+                    (64, 4, 3, 4, True, 1), (64, 4, 3, 8, True, 1), (64, 4, 4, 8, True, 1), (64, 4, 2, 8, True, 1), (128, 8, 3, 4, True, 1),
+                    (128, 8, 3, 8, True, 1), (64, 4, 3, 8, True, 2), (32, 2, 3, 8, True, 1), (64, 4, 1, 8, True, 1), (64, 4, 1, 16, True, 1),
+                    (64, 4, 1, 8, False, 1), (64, 4, 1, 16, False, 1), (128, 8, 3, 4, False, 1), (128, 8, 3, 8, False, 1))]
     t[64] = [C(64, bn, num_warps=w, num_stages=3, waves=wv, words=True, kernel="swapb") for bn, w in ((64, 4), (128, 8)) for wv in (2, 4)]
     return {m: t[m] for m in (16, 64, 1)}
 
