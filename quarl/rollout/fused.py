@@ -15,8 +15,10 @@ CPU path and the learner keep the model's own forward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
 
 from quarl.model.transformer import AttnFn, Transformer
 
@@ -116,6 +118,47 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return out.view(g.shape)
 
 
+def _concat_as_views(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``[sum N, K]`` weight (and bias) whose row blocks become the modules' parameters.
+
+    The modules keep their names and shapes, so in-place weight loading writes straight
+    into the fused buffer and one GEMM serves them all.
+    """
+    weight = torch.cat([m.weight.detach() for m in mods], 0)
+    has_bias = mods[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in mods], 0) if has_bias else None
+    row = 0
+    for m in mods:
+        n = m.out_features
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if has_bias:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+def fuse_projections(model: Transformer) -> int:
+    """Back q/k/v and gate/up of each layer by one buffer each (plain linears only).
+
+    Decode at rollout batch sizes is launch- and tile-bound on these small GEMMs: one
+    ``[q+k+v]`` and one ``[2 I]`` product per layer replace five. Returns the number of
+    fused groups. Quantized linears are left alone.
+    """
+    count = 0
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        groups = (("qkv", a, [a.q_proj, a.k_proj, a.v_proj]), ("gate_up", m, [m.gate_proj, m.up_proj]))
+        for name, owner, mods in groups:
+            if hasattr(owner, f"_fused_{name}"):
+                count += 1
+                continue
+            if not all(type(x) is nn.Linear for x in mods) or (mods[0].bias is None) != (mods[-1].bias is None):
+                continue
+            setattr(owner, f"_fused_{name}", _concat_as_views(mods))
+            count += 1
+    return count
+
+
 def supports_fused(model: Transformer) -> bool:
     cfg = model.config
     return cfg.hidden_act == "silu" and cfg.head_dim % 2 == 0
@@ -133,9 +176,17 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
         if h is None:
             h = rmsnorm(residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
         a = layer.self_attn
-        q = a.q_proj(h).view(b * t, a.n_heads, a.head_dim)
-        k = a.k_proj(h).view(b * t, a.n_kv, a.head_dim)
-        v = a.v_proj(h).view(b * t, a.n_kv, a.head_dim)
+        fused_qkv = getattr(a, "_fused_qkv", None)
+        if fused_qkv is not None:
+            qkv = F.linear(h, *fused_qkv)
+            nq, nkv = a.n_heads * a.head_dim, a.n_kv * a.head_dim
+            q = qkv[:, :nq].view(b * t, a.n_heads, a.head_dim)
+            k = qkv[:, nq : nq + nkv].view(b * t, a.n_kv, a.head_dim)
+            v = qkv[:, nq + nkv :].view(b * t, a.n_kv, a.head_dim)
+        else:
+            q = a.q_proj(h).view(b * t, a.n_heads, a.head_dim)
+            k = a.k_proj(h).view(b * t, a.n_kv, a.head_dim)
+            v = a.v_proj(h).view(b * t, a.n_kv, a.head_dim)
         if a.q_norm is not None:
             q = rmsnorm(q, a.q_norm.weight, a.q_norm.eps)
             k = rmsnorm(k, a.k_norm.weight, a.k_norm.eps)
@@ -145,7 +196,13 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
         o = a.o_proj(out.reshape(b * t, -1))
         h = rmsnorm(o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
         mlp = layer.mlp
-        m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        fused_gu = getattr(mlp, "_fused_gate_up", None)
+        if fused_gu is not None:
+            gu = F.linear(h, *fused_gu)
+            inter = gu.shape[-1] // 2
+            m = mlp.down_proj(silu_mul(gu[:, :inter], gu[:, inter:]))
+        else:
+            m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
         nxt = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
         h = rmsnorm(m, nxt.weight, nxt.eps, residual)
     return h.view(b, t, hidden)

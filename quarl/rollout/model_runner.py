@@ -52,9 +52,11 @@ class ModelRunner:
         self.decode_tuning_ms = 0.0
         self.fused = False
         if self.backend == "triton" and config.fused_kernels:
-            from quarl.rollout.fused import supports_fused
+            from quarl.rollout.fused import fuse_projections, supports_fused
 
             self.fused = supports_fused(model)
+            if self.fused:
+                fuse_projections(model)
         self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates)
         self.num_blocks = self._num_kv_blocks()
         self.kv: KVCache | None = None
