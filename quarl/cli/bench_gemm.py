@@ -24,7 +24,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("gemm", help="benchmark quantized GEMMs against bf16")
     _configure(p)
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 
@@ -34,8 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from quarl.quant.bench import format_table, run_benchmark, save
 
     if not torch.cuda.is_available():
-        print("quarl bench gemm needs a CUDA GPU")
-        return 1
+        raise ValueError("quarl bench gemm needs a CUDA GPU (it times the fast kernels); run it on a GPU machine")
     result = run_benchmark(
         models=args.models.split(","), ms=[int(m) for m in args.m.split(",")],
         formats=args.formats.split(","), reps=args.reps, graph=not args.no_graph,

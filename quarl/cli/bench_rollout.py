@@ -9,7 +9,7 @@ import json
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("rollout", help="rollout engine throughput (random weights, forced length)")
     _add_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 
@@ -26,8 +26,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from quarl.rollout.bench import run_benchmark, summary_table
 
+    if not torch.cuda.is_available():
+        raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
     result = run_benchmark(
         args.shape, args.batch, args.prompt_len, args.gen_len, [f for f in args.formats.split(",") if f],
         hf_gen_len=args.hf_gen_len, out=args.out,

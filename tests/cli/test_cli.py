@@ -30,3 +30,11 @@ def test_generate_builtin_and_checkpoint(hf_checkpoint):
 def test_generate_missing_model_dir(tmp_path):
     r = _quarl("generate", "--model", str(tmp_path / "nope"), "--prompt", "x", check=False)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_bench_commands_need_a_gpu():
+    for suite in ("gemm", "rollout"):
+        r = _quarl("bench", suite, "--help")
+        assert "--out" in r.stdout
+        r = _quarl("bench", suite, check=False)
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
