@@ -52,6 +52,12 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        existing = ckpt.latest_checkpoint(self.run_dir)
+        if existing is not None and not resume and not evaluation_only:
+            raise ValueError(
+                f"{self.run_dir} already holds a run (checkpoint {existing.name}): pass --resume to continue it, "
+                "or --trainer.run_dir=NEW_DIR to start another (or delete the directory)"
+            )
         self.device, self.dtype = resolve_runtime(cfg)
         self.console = console
         torch.manual_seed(cfg.trainer.seed)

@@ -195,3 +195,9 @@ def test_engine_check_catches_stale_weights(tmp_path):
         trainer._check_engine_sync()
     trainer.publisher.publish()
     assert trainer._check_engine_sync() < 1e-4
+
+
+def test_existing_run_dir_needs_resume(tmp_path):
+    _train(tmp_path, steps=1)
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        Trainer(load_run_config(None, TINY + [f"--trainer.run_dir={tmp_path}", "--trainer.steps=2"]))
