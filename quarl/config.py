@@ -104,6 +104,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    fp32_master: bool = True  # bf16/fp16 learners step FP32 master copies (costs 4 bytes/param + optimizer)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
 from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.learner.batch import RolloutBatch, split_by_token_budget
 from quarl.learner.logprobs import sequence_logprobs
-from quarl.learner.optim import build_optimizer, warmup_constant
+from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
 from quarl.model.transformer import Transformer, batch_attention
 
 
@@ -72,11 +72,15 @@ class Learner:
         warmup_steps: int = 0,
         ref_model: Transformer | None = None,
         critic: Critic | None = None,
+        fp32_master: bool = True,
     ) -> None:
         self.model = model
         self.ref_model = ref_model
         self.critic = critic
-        self.optimizer = build_optimizer(model, optim_name, lr, weight_decay, tuple(betas), muon_lr)
+        low_precision = model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+        self.master = MasterWeights(model) if low_precision and fp32_master else None
+        params = self.master.named_masters() if self.master is not None else model
+        self.optimizer = build_optimizer(params, optim_name, lr, weight_decay, tuple(betas), muon_lr)
         self.scheduler = warmup_constant(self.optimizer, warmup_steps)
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
         self.critic_optimizer = (
@@ -142,6 +146,8 @@ class Learner:
         if s.loss_hparams.get("agg") == "seq-mean-token-sum-norm":
             hparams.setdefault("max_len", max_len)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.model.zero_grad(set_to_none=True)
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
         metric_acc: dict[str, float] = {}
@@ -173,17 +179,24 @@ class Learner:
             (loss * weight).backward()
             for k, v in m.items():
                 metric_acc[k] = metric_acc.get(k, 0.0) + float(v) * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        if self.master is not None:
+            self.master.grads_to_masters()
+        stepped = self.master.masters() if self.master is not None else self.model.parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip)
         metric_acc["grad_norm"] = float(grad_norm)
         self.last_nonfinite = sorted(k for k, v in metric_acc.items() if not math.isfinite(v))
         ok = not self.last_nonfinite
         if ok:
             self.optimizer.step()
             self.scheduler.step()
+            if self.master is not None:
+                self.master.masters_to_model()
             if self.critic_optimizer is not None:
                 torch.nn.utils.clip_grad_norm_(self.critic.parameters(), s.grad_clip)
                 self.critic_optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.model.zero_grad(set_to_none=True)
         return metric_acc, ok
 
     # ---- state ----------------------------------------------------------------------
@@ -193,6 +206,8 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
+        if self.master is not None:
+            sd["master"] = self.master.state_dict()
         if self.critic is not None:
             sd["critic"] = self.critic.state_dict()
             sd["critic_optimizer"] = self.critic_optimizer.state_dict()
@@ -200,6 +215,8 @@ class Learner:
 
     def load_state_dict(self, sd: dict) -> None:
         self.model.load_state_dict(sd["model"])
+        if self.master is not None:
+            self.master.load_state_dict(sd["master"])
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         if self.critic is not None and "critic" in sd:

@@ -44,14 +44,16 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
 
 
 def build_optimizer(
-    model: nn.Module,
+    model: nn.Module | list[tuple[str, torch.Tensor]],
     name: str,
     lr: float,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     muon_lr: float | None = None,
 ) -> torch.optim.Optimizer:
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    """AdamW, or Muon + AdamW, over a module's parameters or ``(name, tensor)`` pairs."""
+    named = model.named_parameters() if isinstance(model, nn.Module) else model
+    params = [(n, p) for n, p in named if p.requires_grad]
     if name == "adamw":
         return torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=weight_decay, betas=betas)
     if name == "muon":
@@ -66,6 +68,46 @@ def build_optimizer(
             opts.append(torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay, betas=betas))
         return CombinedOptimizer(opts)
     raise ValueError(f"unknown optimizer {name!r}; use adamw or muon")
+
+
+class MasterWeights:
+    """FP32 master copies of a BF16/FP16 model's parameters.
+
+    The model keeps computing in its own dtype (the same as the rollout engine, so the
+    aligned forward stays aligned); gradients are copied into the FP32 masters, the
+    optimizer steps there, and the rounded result is written back into the model. An
+    update far below one BF16 ulp (lr 1e-6 on weights of size 1e-2) therefore
+    accumulates instead of vanishing.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.pairs = [(n, p, p.detach().float().clone().requires_grad_(True))
+                      for n, p in model.named_parameters() if p.requires_grad]
+
+    def named_masters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, m) for n, _, m in self.pairs]
+
+    def masters(self) -> list[torch.Tensor]:
+        return [m for _, _, m in self.pairs]
+
+    @torch.no_grad()
+    def grads_to_masters(self) -> None:
+        for _, p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        for _, p, m in self.pairs:
+            p.copy_(m)  # bumps the version: quantized forwards re-quantize
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: m.detach() for n, _, m in self.pairs}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for n, _, m in self.pairs:
+            m.copy_(sd[n])
+        self.masters_to_model()
 
 
 def warmup_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

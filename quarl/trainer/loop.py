@@ -79,7 +79,7 @@ class Trainer:
         critic = Critic(base) if cfg.algo.advantage == "gae" else None
         self.learner = Learner(
             self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
-            tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic,
+            tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic, cfg.optim.fp32_master,
         )
         self.step = 0
         self.data_pos = 0

@@ -76,3 +76,30 @@ def test_nonfinite_loss_skips_update():
     assert out["train/skipped_updates"] == 1.0
     for b, p in zip(before, model.parameters()):
         assert torch.equal(b, p)
+
+
+def test_bf16_model_steps_through_fp32_masters():
+    """lr far below a bf16 ulp: the masters accumulate the updates and the model is their rounding."""
+    model = build_random_model("tiny", seed=3, dtype=torch.bfloat16, std=0.1)
+    learner = Learner(model, lr=1e-6)
+    assert learner.master is not None
+    start = {n: m.clone() for n, m in learner.master.named_masters()}
+    batch = _batch()
+    for _ in range(3):
+        learner.update(batch, UpdateSettings(loss_type="ppo"))
+    moved = [n for n, m in learner.master.named_masters() if not torch.equal(m, start[n])]
+    assert moved
+    for (n, p), (_, m) in zip(model.named_parameters(), learner.master.named_masters()):
+        assert p.dtype == torch.bfloat16 and m.dtype == torch.float32
+        assert torch.equal(p, m.to(torch.bfloat16)), n
+    # tiny steps: most bf16 weights did not move, yet the fp32 masters did
+    w = "layers.0.mlp.up_proj.weight"
+    master = dict(learner.master.named_masters())[w]
+    assert (master != start[w]).float().mean() > 0.5
+    assert (dict(model.named_parameters())[w].float() != start[w].to(torch.bfloat16).float()).float().mean() < 0.5
+    # round trip through a checkpoint
+    sd = learner.state_dict()
+    other = Learner(build_random_model("tiny", seed=4, dtype=torch.bfloat16, std=0.1), lr=1e-6)
+    other.load_state_dict(sd)
+    for (n, m1), (_, m2) in zip(learner.master.named_masters(), other.master.named_masters()):
+        assert torch.equal(m1, m2), n
