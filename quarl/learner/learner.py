@@ -83,6 +83,7 @@ class Learner:
         self.optimizer = build_optimizer(params, optim_name, lr, weight_decay, tuple(betas), muon_lr)
         self.scheduler = warmup_constant(self.optimizer, warmup_steps)
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
+        self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay) if critic is not None else None
         )
@@ -114,7 +115,15 @@ class Learner:
 
     # ---- the update -----------------------------------------------------------------
     def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
-        """``ppo_epochs`` x ``mini_batches`` optimizer steps on ``batch`` (already on device)."""
+        """``ppo_epochs`` x ``mini_batches`` optimizer steps on ``batch`` (already on device).
+
+        ``batch.old_logp`` may be None only for a single optimizer step (one epoch, one
+        mini-batch): then the update's own forward is the proximal policy, its detached
+        log-probs serve as ``old_logp`` and are left in ``self.last_logp`` ``[B, T-1]``.
+        """
+        if batch.old_logp is None and (s.ppo_epochs, s.mini_batches) != (1, 1):
+            raise ValueError("old_logp is required when one batch makes several optimizer steps")
+        self.last_logp = torch.zeros_like(batch.sampler_logp)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         skipped = 0
@@ -162,6 +171,7 @@ class Learner:
             )
             mask = mb.response_mask
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
+            self.last_logp[rows[idx], : logp.shape[1]] = logp.detach().float() * mask
             loss, m = compute_policy_loss(
                 s.loss_type, logp=logp, old_logp=old, sampler_logp=mb.sampler_logp,
                 advantages=mb.advantages, mask=mask, **hparams,

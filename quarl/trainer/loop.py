@@ -178,12 +178,16 @@ class Trainer:
             self.engine.release_kv_cache()
         self._peak_memory_gb()
         batch = batch.to(self.device)
-        batch.old_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature)  # 5
+        settings = self._update_settings()
+        single_step = (settings.ppo_epochs, settings.mini_batches) == (1, 1)
+        if not single_step:  # 5: otherwise the update's own forward is the proximal policy
+            batch.old_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature)
         if cfg.algo.kl_coef > 0:
             batch.ref_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature, ref=True)
         returns = self._gae(batch) if cfg.algo.advantage == "gae" else None
-        mis = mismatch_metrics(batch.old_logp, batch.sampler_logp, batch.response_mask)
-        update = self.learner.update(batch, self._update_settings(), returns)          # 6
+        update = self.learner.update(batch, settings, returns)                         # 6
+        old_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
+        mis = mismatch_metrics(old_logp, batch.sampler_logp, batch.response_mask)
         learner_s = time.perf_counter() - t1
         learner_mem = self._peak_memory_gb()
         memory = {} if learner_mem is None else {
