@@ -103,3 +103,26 @@ def test_bf16_model_steps_through_fp32_masters():
     other.load_state_dict(sd)
     for (n, m1), (_, m2) in zip(learner.master.named_masters(), other.master.named_masters()):
         assert torch.equal(m1, m2), n
+
+
+def test_single_step_update_reuses_its_forward_as_old_logp():
+    model = build_random_model("tiny", seed=5, dtype=torch.float64, std=0.1)
+    batch = _batch(1)
+    a, b = Learner(copy.deepcopy(model), lr=0.0), Learner(copy.deepcopy(model), lr=0.0)
+    for learner in (a, b):  # keep the gradients for inspection
+        learner.optimizer.zero_grad = lambda set_to_none=True: None
+    s = UpdateSettings(loss_type="tbpo", token_budget=20, grad_clip=1e9)
+    separate = a.logprobs(batch, 1 << 20)
+    batch_a = copy.deepcopy(batch)
+    batch_a.old_logp = separate
+    ma = a.update(batch_a, s)
+    mb = b.update(copy.deepcopy(batch), s)  # no old_logp: the update's forward is the proximal policy
+    torch.testing.assert_close(b.last_logp, separate, rtol=1e-12, atol=1e-12)
+    # old log-probs are stored in float32, so the separate path sees ratios of 1 +- 1e-7
+    assert ma["loss/policy"] == pytest.approx(mb["loss/policy"], rel=1e-5)
+    ga = torch.cat([p.grad.flatten() for p in a.model.parameters()])
+    gb = torch.cat([p.grad.flatten() for p in b.model.parameters()])
+    torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6 * float(gb.abs().max()))
+    assert gb.abs().max() > 0
+    with pytest.raises(ValueError, match="old_logp is required"):
+        b.update(copy.deepcopy(batch), UpdateSettings(loss_type="ppo", ppo_epochs=2))
