@@ -84,8 +84,11 @@ class Learner:
         self.scheduler = warmup_constant(self.optimizer, warmup_steps)
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
+        self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
+        critic_params = self.critic_master.masters() if self.critic_master is not None else (
+            critic.parameters() if critic is not None else None)
         self.critic_optimizer = (
-            torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay) if critic is not None else None
+            torch.optim.AdamW(critic_params, lr=lr, weight_decay=weight_decay) if critic is not None else None
         )
 
     @property
@@ -159,6 +162,7 @@ class Learner:
             self.model.zero_grad(set_to_none=True)
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
+            self.critic.zero_grad(set_to_none=True)
         metric_acc: dict[str, float] = {}
         for idx in split_by_token_budget(mini, s.token_budget):
             mb = mini.select(idx)
@@ -202,8 +206,14 @@ class Learner:
             if self.master is not None:
                 self.master.masters_to_model()
             if self.critic_optimizer is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), s.grad_clip)
-                self.critic_optimizer.step()
+                if self.critic_master is not None:
+                    self.critic_master.grads_to_masters()
+                    torch.nn.utils.clip_grad_norm_(self.critic_master.masters(), s.grad_clip)
+                    self.critic_optimizer.step()
+                    self.critic_master.masters_to_model()
+                else:
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), s.grad_clip)
+                    self.critic_optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
@@ -221,6 +231,8 @@ class Learner:
         if self.critic is not None:
             sd["critic"] = self.critic.state_dict()
             sd["critic_optimizer"] = self.critic_optimizer.state_dict()
+            if self.critic_master is not None:
+                sd["critic_master"] = self.critic_master.state_dict()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -231,4 +243,6 @@ class Learner:
         self.scheduler.load_state_dict(sd["scheduler"])
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
+            if self.critic_master is not None:
+                self.critic_master.load_state_dict(sd["critic_master"])
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])

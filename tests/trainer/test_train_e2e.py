@@ -97,7 +97,7 @@ def test_resume_is_exact(tmp_path):
     ["--algo.advantage=gae", "--algo.loss=ppo", "--trainer.ppo_epochs=2", "--trainer.mini_batches=2"],
     ["--optim.name=muon", "--quant.uaq_scale=1.5", "--algo.loss=ppo", "--algo.correction=acr"],
     ["--quant.scheme=w8a8-int8", "--algo.loss=sapo", "--algo.advantage=rloo", "--trainer.on_policy=true"],
-    ["--model.dtype=bfloat16", "--optim.lr=1e-6"],
+    ["--model.dtype=bfloat16", "--optim.lr=1e-6", "--algo.advantage=gae", "--algo.loss=ppo"],
 ], ids=["dapo", "kl-gspo-mis", "gae-critic", "muon-uaq-acr", "int8-sapo-rloo", "bf16-fp32-master"])
 def test_trainer_variants_run(tmp_path, extra):
     trainer, rows = _train(tmp_path, *extra, steps=2)
@@ -112,7 +112,8 @@ def test_trainer_variants_run(tmp_path, extra):
         assert "dapo/dropped_groups" in rows[-1]
     if "--model.dtype=bfloat16" in extra:
         assert trainer.learner.master is not None
-        assert "master" in ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["learner"]
+        state = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["learner"]
+        assert "master" in state and "critic_master" in state
 
 
 def test_crash_while_writing_checkpoint_keeps_previous(tmp_path, monkeypatch):
