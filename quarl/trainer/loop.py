@@ -83,6 +83,7 @@ class Trainer:
         )
         self.step = 0
         self.data_pos = 0
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
         start_step = None
         if resume:
@@ -201,16 +202,9 @@ class Trainer:
         quant_metrics = self.publisher.publish()                                       # 7
         publish_s = time.perf_counter() - t2
         self._check_finite(update, mis)
-        lengths = [len(c.token_ids) for c in completions]
         metrics = {
             **reward_metrics,
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "acc/mean": float((rewards >= 1.0).float().mean()),
-            "response/len_mean": sum(lengths) / len(lengths),
-            "response/len_max": float(max(lengths)),
-            "response/clip_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "response/repeat_frac": repeat_fraction([c.token_ids for c in completions]),
+            **_rollout_metrics(completions, rewards),
             **mis,
             **update,
             **quant_metrics,
@@ -236,9 +230,11 @@ class Trainer:
         out_prompts, out_examples = [], []
         for _ in range(count):
             epoch, idx = divmod(self.data_pos, n)
-            order = list(range(n))
-            random.Random(self.cfg.data.seed * 1_000_003 + epoch).shuffle(order)
-            ex = self.train_examples[order[idx]]
+            if self._epoch_order[0] != epoch:
+                order = list(range(n))
+                random.Random(self.cfg.data.seed * 1_000_003 + epoch).shuffle(order)
+                self._epoch_order = (epoch, order)
+            ex = self.train_examples[self._epoch_order[1][idx]]
             self.data_pos += 1
             ids = self.tokenizer.apply_chat_template(self.task.messages(ex))
             out_prompts.append(ids[-self.cfg.data.max_prompt_len :])
@@ -424,6 +420,20 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         self._say(f"resumed from {path} (step {self.step})")
         return self.step
+
+
+def _rollout_metrics(completions, rewards: torch.Tensor) -> dict[str, float]:
+    """Reward and response-shape metrics of one step's completions (DESIGN.md names)."""
+    lengths = [len(c.token_ids) for c in completions]
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "acc/mean": float((rewards >= 1.0).float().mean()),
+        "response/len_mean": sum(lengths) / len(lengths),
+        "response/len_max": float(max(lengths)),
+        "response/clip_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "response/repeat_frac": repeat_fraction([c.token_ids for c in completions]),
+    }
 
 
 def _raise_interrupt(signum, frame):
