@@ -235,6 +235,7 @@ def batch_attention(
     if attention_mask is None:
         attention_mask = torch.ones(b, t, dtype=torch.long, device=device)
     real = attention_mask.bool()
+    seq_ids_given = seq_ids is not None
     if seq_ids is None:
         seq_ids = torch.zeros(b, t, dtype=torch.long, device=device)
     if positions is None:
@@ -247,6 +248,16 @@ def batch_attention(
         # starts is the count at the start of the current segment.
         base = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), dim=1).values
         positions = (before - base).clamp(min=0)
+    if not seq_ids_given and bool((real[:, 1:] <= real[:, :-1]).all()):
+        # Right padding only: plain causal attention is exact for every real token (pads come
+        # after them), and without an explicit mask SDPA can use its flash kernel.
+        def causal_attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+
+        return positions, causal_attn
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     mask = causal[None] & (seq_ids[:, :, None] == seq_ids[:, None, :]) & real[:, None, :]
     # Rows of padding attend to themselves so SDPA never sees an all-masked row.

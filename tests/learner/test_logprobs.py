@@ -67,3 +67,25 @@ def test_sequence_logprobs_packed_batch():
             full = torch.log_softmax(m(s[None])[0], -1)
             ref = full[:-1].gather(-1, s[1:, None]).squeeze(-1)
             torch.testing.assert_close(lp[0, off : off + len(s) - 1].double(), ref, rtol=1e-9, atol=1e-9)
+
+
+def test_right_padded_batch_takes_the_causal_path_exactly():
+    m = _tiny()
+    lens = [9, 4, 1, 6]
+    ids = torch.randint(0, 50, (4, 9))
+    mask = torch.zeros(4, 9, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1
+    from quarl.model.transformer import batch_attention
+
+    _, attn = batch_attention(ids, mask)
+    assert attn.__name__ == "causal_attn"  # no explicit mask: SDPA may use its flash kernel
+    lp, _ = sequence_logprobs(m, ids, mask)
+    with torch.no_grad():
+        for i, n in enumerate(lens):
+            if n < 2:
+                continue
+            seq = ids[i, :n]
+            full = torch.log_softmax(m(seq[None])[0], -1)
+            ref = full[:-1].gather(-1, seq[1:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[i, : n - 1].double(), ref, rtol=1e-9, atol=1e-9)
