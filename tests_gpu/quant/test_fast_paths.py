@@ -17,7 +17,6 @@ from quarl.quant import (
 )
 from quarl.quant import reference as ref
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 FORMATS = ["w8a8-int8", "w8a8-fp8", "w4a16", "w4a16-asym", "w4a8-int8", "nvfp4", "mxfp4", "w2a16"]
 MS = [1, 16, 33, 200, 1100]
