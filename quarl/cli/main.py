@@ -10,19 +10,6 @@ import sys
 COMMANDS = ("train", "eval", "generate", "bench", "export", "report")
 
 
-def _available_commands() -> list[tuple[str, object]]:
-    out = []
-    for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"quarl.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"quarl.cli.{name}":
-                continue  # not part of this build
-            raise
-        out.append((name, mod))
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quarl",
@@ -30,8 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"quarl {__import__('quarl').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for _name, mod in _available_commands():
-        mod.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"quarl.cli.{name}").add_parser(sub)
     return parser
 
 

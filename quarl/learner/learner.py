@@ -100,21 +100,14 @@ class Learner:
     def logprobs(self, batch: RolloutBatch, token_budget: int, temperature: float = 1.0, ref: bool = False):
         """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference)."""
         model = self.ref_model if ref else self.model
-        out = torch.zeros_like(batch.sampler_logp)
-        for idx in split_by_token_budget(batch, token_budget):
-            mb = batch.select(idx)
-            lp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
-            out[idx, : lp.shape[1]] = lp.float() * mb.response_mask
-        return out
+        return _per_response_token(
+            batch, token_budget, lambda mb: sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)[0]
+        )
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, token_budget: int) -> torch.Tensor:
-        out = torch.zeros_like(batch.sampler_logp)
-        for idx in split_by_token_budget(batch, token_budget):
-            mb = batch.select(idx)
-            v = self.critic(mb.input_ids, mb.attention_mask)
-            out[idx, : v.shape[1]] = v * mb.response_mask
-        return out
+        """The critic's values ``[B, T-1]`` of the states that predict response tokens."""
+        return _per_response_token(batch, token_budget, lambda mb: self.critic(mb.input_ids, mb.attention_mask))
 
     # ---- the update -----------------------------------------------------------------
     def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
@@ -246,3 +239,13 @@ class Learner:
             if self.critic_master is not None:
                 self.critic_master.load_state_dict(sd["critic_master"])
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
+
+
+def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:
+    """``fn`` over micro-batches, gathered into ``[B, T-1]`` (0 off the response tokens)."""
+    out = torch.zeros_like(batch.sampler_logp)
+    for idx in split_by_token_budget(batch, token_budget):
+        mb = batch.select(idx)
+        v = fn(mb)
+        out[idx, : v.shape[1]] = v.float() * mb.response_mask
+    return out

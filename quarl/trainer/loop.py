@@ -65,7 +65,7 @@ class Trainer:
         if not evaluation_only:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
 
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path if _has_tok(cfg) else None)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.task, self.rewards = build_task_and_rewards(cfg.data)
         self.train_examples = self.task.train_examples()
         self.eval_examples = self.task.eval_examples()
@@ -438,8 +438,4 @@ def _rollout_metrics(completions, rewards: torch.Tensor) -> dict[str, float]:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def _has_tok(cfg: RunConfig) -> bool:
-    return bool(cfg.model.tokenizer or cfg.model.path)
 

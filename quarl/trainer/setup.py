@@ -9,6 +9,7 @@ import torch
 
 from quarl.cli.common import resolve_device, resolve_dtype
 from quarl.config import DataConfig, RunConfig
+from quarl.model.config import TransformerConfig
 from quarl.model.presets import build_random_model, preset_config
 from quarl.model.transformer import Transformer
 
@@ -41,18 +42,19 @@ def build_base_model(
     from quarl.trainer.warmstart import cached_warmstart, sft_pairs, supervised_finetune
 
     m, t = cfg.model, cfg.trainer
-    if m.path:
-        model = quarl.load_model(m.path, dtype=dtype, device=device)
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                f"{model.config.vocab_size}; set model.tokenizer to the model's own tokenizer"
-            )
-    else:
-        arch = preset_config(m.builtin)
-        if tokenizer.vocab_size > arch.vocab_size:
-            raise ValueError("the built-in models use the built-in tokenizer; unset model.tokenizer")
-        model = build_random_model(arch, seed=t.seed, dtype=torch.float32, device=device)
+    arch = TransformerConfig.from_dir(m.path) if m.path else preset_config(m.builtin)
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {arch.vocab_size}; "
+            + ("set model.tokenizer to the model's own tokenizer" if m.path else
+               "the built-in models use the built-in tokenizer: unset model.tokenizer")
+        )
+
+    def build(build_dtype: torch.dtype) -> Transformer:
+        if m.path:
+            return quarl.load_model(m.path, dtype=build_dtype, device=device)
+        return build_random_model(arch, seed=t.seed, dtype=build_dtype, device=device)
+
     if t.sft_warmup_steps > 0:
         pairs = sft_pairs(task, tokenizer, task.train_examples())
         key = {
@@ -60,7 +62,6 @@ def build_base_model(
             "data_seed": cfg.data.seed, "steps": t.sft_warmup_steps, "lr": t.sft_lr, "seed": t.seed,
             "tokenizer": getattr(tokenizer, "name", "?"),
         }
-        base = model.float()
 
         def train(mdl: Transformer) -> list[float]:
             say(f"supervised warm-start: {t.sft_warmup_steps} steps on {len(pairs)} worked solutions")
@@ -68,9 +69,14 @@ def build_base_model(
             say(f"supervised warm-start: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             return losses
 
-        model, cached = cached_warmstart(run_dir / "warmstart", key, lambda: base, train, dtype, device)
+        # the warm-start trains in float32; the base model is only built when the cache misses
+        model, cached = cached_warmstart(
+            run_dir / "warmstart", key, lambda: build(torch.float32), train, dtype, device
+        )
         if cached:
             say(f"supervised warm-start: loaded from {run_dir / 'warmstart'}")
+    else:
+        model = build(dtype)
     model = model.to(dtype=dtype)
     if cfg.quant.uaq_scale != 1.0:
         from quarl.quant import apply_uaq
