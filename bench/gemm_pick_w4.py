@@ -7,7 +7,7 @@ import re
 import sys
 
 rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["kind"] == "w4" and r["us"] == r["us"]]
-FIELDS = ("bn", "num_warps", "num_stages", "waves", "cpi", "words")
+FIELDS = ("kernel", "bn", "num_warps", "num_stages", "waves", "cpi", "words")
 for var, ms in (("QUARL_W4_SMALL", (1, 16)), ("QUARL_W4_MID", (64,))):
     sel = [r for r in rows if r["M"] in ms]
     keys = {(r["M"], r["layer"]) for r in sel}

@@ -43,33 +43,18 @@ def _w4_table():
     return {m: t[m] for m in (16, 64, 1)}  # most important first (the sweep has a time budget)
 
 
-def _w4_table_run7():
-    """Run-7 sweep: chunks per iteration (CPI: a row's CPI x 64 bytes requested together) for
-    swapb, over tile height / warps / stages / waves; the default (run-6 winner) is the baseline."""
+def _w4_table_run9():
+    """Run-9 sweep: the CUDA fragment kernel ("frag", M <= 16) over warps per block and the
+    K split (``waves`` = blocks per SM it splits K towards); run 8's Triton default
+    (swapb, 8 waves) is the baseline to beat. M = 64 stays on swapb."""
     t = {}
     for m in (16, 1):
-        t[m] = [C(16, bn, num_warps=w, num_stages=st, waves=wv, cpi=cpi, kernel="swapb")
-                for bn, w, st, cpi in ((64, 4, 3, 2), (64, 4, 2, 4), (64, 4, 3, 4), (32, 2, 3, 4), (32, 2, 2, 8), (32, 2, 3, 8), (16, 1, 3, 8))
-                for wv in (4, 8)]
-    t[64] = [C(64, 64, num_warps=4, num_stages=st, waves=wv, cpi=cpi, kernel="swapb") for st, cpi in ((3, 2), (2, 2), (2, 4)) for wv in (2, 4)]
-    return {m: t[m] for m in (16, 64, 1)}
+        t[m] = [C(16, 64, num_warps=w, waves=b, kernel="frag") for w in (1, 2, 4, 8) for b in (1, 2, 4, 8, 16)]
+        t[m] += [C(16, 64, num_warps=4, num_stages=3, waves=8, kernel="swapb")]
+    return t
 
 
-def _w4_table_run8():
-    """Run-8 sweep: WORDS (int32 loads + ldmatrix path into the dot operand), no pipelining
-    (num_stages 1, occupancy only), 8 warps x BN 128; the default is the baseline."""
-    t = {}
-    for m in (16, 1):
-        t[m] = [C(16, bn, num_warps=w, num_stages=st, waves=wv, words=wd, cpi=cpi, kernel="swapb")
-                for bn, w, st, wv, wd, cpi in (
-                    (64, 4, 3, 4, True, 1), (64, 4, 3, 8, True, 1), (64, 4, 4, 8, True, 1), (64, 4, 2, 8, True, 1), (128, 8, 3, 4, True, 1),
-                    (128, 8, 3, 8, True, 1), (64, 4, 3, 8, True, 2), (32, 2, 3, 8, True, 1), (64, 4, 1, 8, True, 1), (64, 4, 1, 16, True, 1),
-                    (64, 4, 1, 8, False, 1), (64, 4, 1, 16, False, 1), (128, 8, 3, 4, False, 1), (128, 8, 3, 8, False, 1))]
-    t[64] = [C(64, bn, num_warps=w, num_stages=3, waves=wv, words=True, kernel="swapb") for bn, w in ((64, 4), (128, 8)) for wv in (2, 4)]
-    return {m: t[m] for m in (16, 64, 1)}
-
-
-W4 = _w4_table_run8()
+W4 = _w4_table_run9()
 FP8 = {
     m: [C(0, 0, kernel="cublas")]
     + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s, kernel="triton")

@@ -84,6 +84,10 @@ class QuantizedWeight:
             if t.shape != theirs[f].shape:
                 raise ValueError(f"{f}: shape {tuple(theirs[f].shape)} != {tuple(t.shape)}")
             t.copy_(theirs[f])
+        if getattr(self.qdata, "_quarl_frag", None) is not None:  # engine-side derived layout
+            from quarl.quant.kernels import cuda_w4
+
+            cuda_w4.refresh(self)
         return self
 
 

@@ -143,12 +143,16 @@ def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
 
 def test_w4_dispatch_uses_small_m_kernels():
     launch = _launch()
-    for m in (1, 16, 64):
-        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "swap16", "swapb", "gemv")
+    for m in (1, 16):  # the CUDA fragment kernel; it falls back to swapb off the GPU
+        assert launch.w4_config(m, 4608, 3584).kernel == "frag"
+    assert launch.w4_config(64, 4608, 3584).kernel in ("swap", "swap16", "swapb", "gemv")
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
-    with use_backend("triton"):  # swap16 (default at M <= 16) cancels ~30x: see below
+    with use_backend("triton"):
         assert _rel(quant_linear(x, qw), reference_linear(x, qw, exact=True)) < 1e-4
+        fallback = launch.wo_gemm(x, qw, None, launch.w4_config(5, W4_N, W4_K))
+        swapb = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
+        assert torch.equal(fallback, swapb)
     with pytest.raises(ValueError):
         launch.wo_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 32, kernel="swap"))
 

@@ -166,3 +166,46 @@ def test_split_k_counters_survive_graph_capture_order():
         torch.cuda.synchronize()
         assert torch.isfinite(outs[m]).all()
         torch.testing.assert_close(outs[m].float(), want[m], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 7, 9, 16])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (512, 18944)])
+def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
+    """The CUDA fragment kernel at every warp count and K split (with and without the
+    split-K reduction), N not a multiple of 64, odd K; bitwise deterministic."""
+    from quarl.quant.kernels import cuda_w4, launch
+
+    assert cuda_w4.available()
+    n, k = shape
+    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    swapb = launch.wo_gemm(x, qw, bias, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
+    for nw in (1, 2, 4, 8):
+        for bps in (0.5, 4, 16):
+            cfg = cuda_w4.FragConfig(nw=nw, blocks_per_sm=bps)
+            a = cuda_w4.w4a16_frag_gemm(x, qw, bias, cfg, counters=launch._counters)
+            b = cuda_w4.w4a16_frag_gemm(x, qw, bias, cfg, counters=launch._counters)
+            assert torch.equal(a, b)
+            _check(a, expect, 5e-3)
+            # same math as the Triton small-M kernel: only the fp32 summation order differs
+            _check(a, swapb.float(), 5e-3)
+
+
+def test_frag_kernel_is_the_default_at_small_m_and_follows_in_place_loads():
+    from quarl.quant.kernels import cuda_w4, launch
+
+    assert launch.w4_config(16, 4096, 4096).kernel == "frag"
+    assert launch.w4_config(17, 4096, 4096).kernel != "frag"
+    a, b = (torch.nn.Linear(1040, 700, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    inf = QuantLinear.from_linear(a, "w4a16-asym")
+    x = torch.randn(3, 1040, device="cuda", dtype=torch.bfloat16)
+    inf(x)
+    frag = inf.qdata._quarl_frag[1]
+    inf.load_quantized(quantize_weight(b.weight, "w4a16-asym"))
+    assert inf.qdata._quarl_frag[1].qdata.data_ptr() == frag.qdata.data_ptr()
+    inf.bias.data.copy_(b.bias)
+    expect = reference_linear(x.float(), quantize_weight(b.weight, "w4a16-asym"), b.bias.float(), exact=True)
+    _check(inf(x), expect, 5e-3)

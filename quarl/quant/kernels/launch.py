@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from quarl.quant.kernels import cuda_w4
 from quarl.quant.kernels import triton_kernels as tk
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
@@ -33,7 +34,7 @@ class TileConfig(NamedTuple):
     group_m: int = 8
     post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
     # weight-only: "tiled" (wo_gemm_kernel), "swap" / "swap16" (RAW16) / "swapb" (SUB16) /
-    # "gemv" (int4 g128 only), "dequant"
+    # "gemv" (int4 g128 only), "frag" (CUDA fragment kernel, int4 g128, bf16, M <= 16), "dequant"
     # (dequantize + cuBLAS); fp8: "triton" (int8_gemm_kernel on e4m3) or "cublas" (_scaled_mm)
     kernel: str = "tiled"
     # > 0: split K until about waves x SMs programs, even when the tiles alone fill the GPU
@@ -93,10 +94,16 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # with BN 64 / 4 warps / 3 stages and K split to ~8 waves of programs on the big shapes
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
+    if m <= cuda_w4.MAX_M and W4_SMALL_KERNEL == "frag":
+        return _env_tweak(TileConfig(16, cuda_w4.SLAB, num_warps=4, waves=4, kernel="frag"), "QUARL_W4_SMALL")
+    return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
+
+
+def _w4_triton_config(m: int, n: int, k: int, kernel: str) -> TileConfig:
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         big = m <= 16 and (_cdiv(n, 64) >= 256 or k >= 8192)
-        cfg = TileConfig(bm, 64, num_warps=4, num_stages=3, waves=8 if big else 4, kernel=W4_SMALL_KERNEL)
+        cfg = TileConfig(bm, 64, num_warps=4, num_stages=3, waves=8 if big else 4, kernel=kernel)
         return _env_tweak(cfg, "QUARL_W4_SMALL" if m <= 16 else "QUARL_W4_MID")
     return TileConfig(0, 0, kernel="dequant")
 
@@ -118,9 +125,11 @@ def _env_tweak(cfg: TileConfig, var: str) -> TileConfig:
     return cfg._replace(**{f: conv(f, v) for f, v in (item.split("=") for item in spec.split(","))})
 
 
-# "swapb", "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
-# (H200 sweep run 6: swapb beats swap16 / swap at every M <= 64 shape; exact, no extra dots)
-W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "swapb")
+# "frag", "swapb", "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
+# (H200 sweep run 6: swapb beats swap16 / swap at every M <= 64 shape; exact, no extra dots;
+# run 9: the CUDA fragment kernel beats swapb at M <= 16). "frag" falls back to "swapb"
+# where it cannot run (no NVRTC, pre-sm80 GPU, fp16 inputs, the Triton interpreter).
+W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "frag")
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
@@ -272,6 +281,11 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     n = qw.shape[0]
     if cfg is None and is_w4_g128(qw):
         cfg = w4_config(m, n, k)
+    if cfg is not None and cfg.kernel == "frag":
+        if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.MAX_M and cuda_w4.available():
+            fc = cuda_w4.FragConfig(nw=cfg.num_warps, blocks_per_sm=cfg.waves or 4.0)
+            return cuda_w4.w4a16_frag_gemm(x, qw, bias, fc, counters=_counters)
+        cfg = _w4_triton_config(m, n, k, "swapb")
     if cfg is not None and cfg.kernel in ("swap", "swap16", "swapb", "gemv"):
         if not is_w4_g128(qw):
             raise ValueError(f"{cfg.kernel} kernel needs int4 weights with group 128, got {qw.scheme.name}")

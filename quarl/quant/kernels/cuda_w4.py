@@ -1,0 +1,385 @@
+"""W4A16 (int4, groups of 128, fp32 scales) GEMM for decode-sized M, as a CUDA kernel.
+
+Why CUDA and not Triton: at M <= 16 the GEMM only has to stream the packed weight, but
+the Triton kernels plateau at ~1.5 TB/s of the H200's 4.1 (bench/NOTES.md, runs 4-8):
+each 64x128 chunk goes global -> shared -> registers and is unpacked in a layout Triton
+picks. Here the weight is repacked once, offline, into the order in which the
+``mma.sync.m16n8k16`` B fragments sit in registers, so each thread loads its fragments
+with one 16-byte load straight from global memory into a register ring 8 steps deep, and
+unpacks 8 codes with 3 shifts, 4 ``lop3`` and 4 ``fma.bf16x2`` (no shared memory, no
+shuffles). The source is compiled at first use with NVRTC (``torch.cuda._compile_kernel``),
+so nothing is built at install time.
+
+Numerics are those of the Triton small-M kernel: ``(u - z)`` is exact in bf16, each
+group's products are summed by the tensor cores in fp32 and scaled by the fp32 group
+scale, ``acc += s_g * sum_k x_k (u_k - z)``; the split-K partial sums are added in split
+order by the last-arriving block (deterministic).
+
+Repacked ("fragment") layout, built by :func:`repack_w4` from the canonical packed
+weight (:mod:`quarl.quant.reference`). N is padded to a multiple of 64 (a "slab"), Kp to
+128. For slab ``s`` and 16-column step ``kk`` there are 512 bytes; lane ``L`` (``g = L //
+4``, ``t = L % 4``) owns bytes ``16 L .. 16 L + 15``, four little-endian 32-bit words
+``w_i``. Word ``i`` feeds the 8-column tiles ``j = 2 i + h`` (h = 0, 1); its nibble
+``p`` (bits ``4p .. 4p+3``) is the code of weight ``W[64 s + 8 j + g, 16 kk + k]`` with
+``h = (p >> 1) & 1`` and ``k = 2 t + (p >= 4) + 8 (p & 1)``. A 16-bit mask of ``w >> 4q``
+then yields the bf16x2 register of fragment half ``q & 1`` of tile ``2 i + (q >> 1)``.
+Scales are stored transposed, ``[Kp / 128, Np]`` fp32; asymmetric zero points as the bf16x2
+bit pattern of ``-(128 + z)``, ``[Kp / 128, Np]`` uint32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from quarl.quant import reference as ref
+from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.scheme import PACK_K
+
+SLAB = 64  # output columns per warp
+MAX_M = 16  # rows the kernel takes (one m16 tile)
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 lop_q(u32 a) {  // (a & 0x000F000F) | 0x43004300: bf16x2 128 + code
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(0x000F000Fu), "r"(0x43004300u));
+  return r;
+}
+__device__ __forceinline__ u32 sub_z(u32 a, u32 negz) {  // (128 + u) - (128 + z), exact
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(negz));
+  return r;
+}
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldg_w(u32* r, const void* p) {  // streamed once: skip L1
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+}
+__device__ __forceinline__ u32 ldg_x(const void* p) {  // activations: re-read by every warp
+  u32 r;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float ldcg_f(const float* p) {  // other blocks' partials: skip L1
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// grid (Np / 64, split), block NW warps. Block (s, sp) owns the 64 output columns of slab s
+// and groups [sp * gpb, (sp + 1) * gpb); its warps take contiguous shares of those groups
+// and are summed in shared memory.
+template <int NW, bool ASYM>
+__global__ void __launch_bounds__(NW * 32) w4a16_frag(
+    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
+    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
+    float* __restrict__ part, int* __restrict__ counters,
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+  constexpr int ST = 8;  // ring depth (steps of 16 columns in flight per warp) = one group
+  __shared__ float red[NW][16][65];
+  __shared__ int last_flag;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int slab = blockIdx.x, sp = blockIdx.y;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, gb1 = min(G, gb0 + gpb);
+  const int gpw = (gb1 - gb0 + NW - 1) / NW;
+  const int wg0 = min(gb1, gb0 + warp * gpw), wg1 = min(gb1, wg0 + gpw);
+  const int nsteps = (wg1 - wg0) * 8;
+  const int kk0 = wg0 * 8;
+  const size_t KS = (size_t)G * 8;
+  const u32* wp = wq + (((size_t)slab * KS + kk0) * 32 + lane) * 4;
+  const bool row0 = g < M, row1 = g + 8 < M;
+  const u16* xr0 = x + (size_t)g * ldx + 2 * t;
+  const u16* xr1 = x + (size_t)(g + 8) * ldx + 2 * t;
+
+  float acc[8][4];
+  float tmp[8][4];
+  u32 rb[ST][4];
+  u32 ra[ST][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+
+  auto load_stage = [&](u32* b, u32* a, int step) {
+    ldg_w(b, wp + (size_t)step * 128);
+    const int col = (kk0 + step) * 16;
+    const bool c0 = col + 2 * t < K, c1 = col + 2 * t + 8 < K;
+    a[0] = (row0 && c0) ? ldg_x(xr0 + col) : 0u;
+    a[1] = (row1 && c0) ? ldg_x(xr1 + col) : 0u;
+    a[2] = (row0 && c1) ? ldg_x(xr0 + col + 8) : 0u;
+    a[3] = (row1 && c1) ? ldg_x(xr1 + col + 8) : 0u;
+  };
+
+#pragma unroll
+  for (int p = 0; p < ST; ++p)
+    if (p < nsteps) load_stage(rb[p], ra[p], p);
+
+  for (int s0 = 0; s0 < nsteps; s0 += 8) {
+    const int grp = wg0 + (s0 >> 3);
+    float sc[8][2];
+    u32 nz[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
+      sc[j][0] = sp_[0];
+      sc[j][1] = sp_[1];
+      nz[j] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) tmp[j][c] = 0.f;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const int st = p % ST;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 w = rb[st][i];
+        const u32 q0 = lop_q(w), q1 = lop_q(w >> 4), q2 = lop_q(w >> 8), q3 = lop_q(w >> 12);
+        mma16816(tmp[2 * i], ra[st], sub_z(q0, nz[2 * i]), sub_z(q1, nz[2 * i]));
+        mma16816(tmp[2 * i + 1], ra[st], sub_z(q2, nz[2 * i + 1]), sub_z(q3, nz[2 * i + 1]));
+      }
+      const int nxt = s0 + p + ST;
+      if (nxt < nsteps) load_stage(rb[st], ra[st], nxt);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] += tmp[j][0] * sc[j][0];
+      acc[j][1] += tmp[j][1] * sc[j][1];
+      acc[j][2] += tmp[j][2] * sc[j][0];
+      acc[j][3] += tmp[j][3] * sc[j][1];
+    }
+  }
+
+  // sum the warps: fragment (row g / g + 8, cols 8j + 2t, +1) -> red[warp][row][col]
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    red[warp][g][8 * j + 2 * t] = acc[j][0];
+    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+  const int rows = min(M, 16);
+  if (split == 1) {
+    for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+      const int r = e >> 6, c = e & 63, n = n0 + c;
+      if (n >= N) continue;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += red[w][r][c];
+      if (has_bias) v += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(v);
+    }
+    return;
+  }
+  // split-K: store this split's partial, the last block to arrive sums all in split order
+  for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+    const int r = e >> 6, c = e & 63, n = n0 + c;
+    if (n >= N) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) v += red[w][r][c];
+    part[((size_t)sp * M + r) * N + n] = v;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_flag = atomicAdd(counters + slab, 1) == split - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+    const int r = e >> 6, c = e & 63, n = n0 + c;
+    if (n >= N) continue;
+    float v = 0.f;
+    for (int s = 0; s < split; ++s) v += ldcg_f(part + ((size_t)s * M + r) * N + n);
+    if (has_bias) v += from_bf16(bias[n]);
+    out[(size_t)r * ldo + n] = to_bf16(v);
+  }
+  if (threadIdx.x == 0) atomicExch(counters + slab, 0);
+}
+"""
+
+
+class FragWeight(NamedTuple):
+    """The fragment-ordered copy of a w4 g128 weight (see the module docstring)."""
+
+    qdata: torch.Tensor  # 32-bit words (int32 storage) [Np / 64, Kp / 16, 32, 4]
+    scales: torch.Tensor  # fp32 [Kp / 128, Np]
+    negz: torch.Tensor | None  # 32-bit patterns (int32 storage) [Kp / 128, Np], asymmetric only
+
+
+def _lane_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, k) offsets ``[32 lanes, 4 words, 8 nibbles]`` inside a 64 x 16 (slab x step) tile."""
+    lane = torch.arange(32).view(32, 1, 1)
+    i = torch.arange(4).view(1, 4, 1)
+    p = torch.arange(8).view(1, 1, 8)
+    g, t = lane // 4, lane % 4
+    j = 2 * i + ((p >> 1) & 1)
+    n = 8 * j + g
+    k = 2 * t + (p >= 4).long() + 8 * (p & 1)
+    return n.expand(32, 4, 8).to(device), k.expand(32, 4, 8).to(device)
+
+
+def repack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[N, Kp]`` (< 16, Kp % 128 == 0) -> fragment words ``[Np/64, Kp/16, 32, 4]``
+    (32-bit patterns stored as int32)."""
+    n, kp = codes.shape
+    np_ = -(-n // SLAB) * SLAB
+    c = torch.zeros(np_, kp, dtype=torch.int32, device=codes.device)
+    c[:n] = codes.to(torch.int32)
+    tiles = c.view(np_ // SLAB, SLAB, kp // 16, 16).permute(0, 2, 1, 3)  # [S, KS, 64, 16]
+    nmap, kmap = _lane_maps(codes.device)
+    nib = tiles[:, :, nmap, kmap]  # [S, KS, 32, 4, 8]
+    shifts = 4 * torch.arange(8, device=codes.device, dtype=torch.int64)
+    words = (nib.to(torch.int64) << shifts).sum(dim=-1)  # disjoint bits: sum == or
+    return _as_u32(words)
+
+
+def unpack_frag_codes(frag: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`repack_codes` (tests): fragment words -> uint8 codes ``[N, Kp]``."""
+    s, ks = frag.shape[0], frag.shape[1]
+    words = frag.to(torch.int64) & 0xFFFFFFFF
+    shifts = 4 * torch.arange(8, device=frag.device).view(1, 1, 1, 1, 8)
+    nib = (words.unsqueeze(-1) >> shifts) & 0xF  # [S, KS, 32, 4, 8]
+    nmap, kmap = _lane_maps(frag.device)
+    tiles = torch.zeros(s, ks, SLAB, 16, dtype=torch.int64, device=frag.device)
+    tiles[:, :, nmap, kmap] = nib
+    return tiles.permute(0, 2, 1, 3).reshape(s * SLAB, ks * 16)[:n].to(torch.uint8)
+
+
+def repack_w4(qw: QuantizedWeight) -> FragWeight:
+    """The fragment layout of an int4 g128 ``QuantizedWeight`` (pure torch, any device)."""
+    if not (qw.scheme.weight_format == "int" and qw.scheme.weight_bits == 4 and qw.scheme.group_size == PACK_K):
+        raise ValueError(f"fragment layout needs int4 weights with group 128, got {qw.scheme.name}")
+    n = qw.shape[0]
+    np_ = -(-n // SLAB) * SLAB
+    codes = ref.unpack_4bit(qw.qdata)
+    frag = repack_codes(codes)
+    scales = torch.zeros(qw.scales.shape[1], np_, dtype=torch.float32, device=qw.device)
+    scales[:, :n] = qw.scales.t()
+    negz = None
+    if qw.zeros is not None:
+        bits = (0xC300 | qw.zeros.to(torch.int64)) * 0x10001  # bf16x2 of -(128 + z), both halves
+        nz = torch.full((qw.zeros.shape[1], np_), 0xC308C308, dtype=torch.int64, device=qw.device)
+        nz[:, :n] = bits.t()
+        negz = _as_u32(nz)
+    return FragWeight(frag, scales, negz)
+
+
+def _as_u32(v: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> the same bits as a 32-bit tensor (int32 storage)."""
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- cache
+def frag_weight(qw: QuantizedWeight) -> FragWeight:
+    """The fragment copy of ``qw``, cached on its ``qdata`` tensor and rebuilt in place
+    (same storage, so captured CUDA graphs see new weights) when ``qdata`` changed."""
+    key = (qw.qdata._version, qw.scales._version, None if qw.zeros is None else qw.zeros._version)
+    cached = getattr(qw.qdata, "_quarl_frag", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if qw.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the w4 fragment layout is first needed (or stale) inside CUDA-graph capture; "
+            "run the same forward eagerly once before capturing"
+        )
+    fresh = repack_w4(qw)
+    if cached is not None:
+        old = cached[1]
+        for a, b in zip(old, fresh):
+            if a is not None:
+                a.copy_(b)
+        fresh = old
+    qw.qdata._quarl_frag = (key, fresh)
+    return fresh
+
+
+def refresh(qw: QuantizedWeight) -> None:
+    """Rebuild ``qw``'s fragment copy now if one exists (called after in-place loads)."""
+    if getattr(qw.qdata, "_quarl_frag", None) is not None:
+        frag_weight(qw)
+
+
+# ----------------------------------------------------------------------------- launch
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """NVRTC compilation through torch is there and the GPU has mma.sync bf16 (sm80+)."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel(nw: int, asym: bool):
+    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}>"
+    return torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17", "-O3"])
+
+
+class FragConfig(NamedTuple):
+    nw: int = 4  # warps per block (they split the block's groups)
+    blocks_per_sm: float = 4.0  # split K until about this many blocks per SM
+
+
+def pick_split(n: int, groups: int, nw: int, sms: int, blocks_per_sm: float) -> tuple[int, int]:
+    """(split, groups per block): split K until the grid has ~blocks_per_sm x SMs blocks,
+    keeping at least one group per warp."""
+    slabs = -(-n // SLAB)
+    split = max(1, min(-(-int(blocks_per_sm * sms) // slabs), -(-groups // nw)))
+    gpb = -(-groups // split)
+    return -(-groups // gpb), gpb
+
+
+def w4a16_frag_gemm(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: FragConfig = FragConfig(),
+    counters=None,
+) -> torch.Tensor:
+    """``x [M, K] (bf16, M <= 16) @ W.T + bias`` with the fragment kernel."""
+    m, k = x.shape
+    n = qw.shape[0]
+    if m > MAX_M or x.dtype != torch.bfloat16:
+        raise ValueError(f"fragment kernel takes bf16 x with M <= {MAX_M}, got {x.dtype} M={m}")
+    if k % 2 or x.stride(0) % 2 or x.data_ptr() % 4 or x.stride(1) != 1:  # 32-bit loads of column pairs
+        x = torch.nn.functional.pad(x, (0, k % 2)).contiguous()
+    if bias is not None and bias.dtype != torch.bfloat16:
+        bias = bias.to(torch.bfloat16)
+    fw = frag_weight(qw)
+    groups = fw.scales.shape[0]
+    np_ = fw.scales.shape[1]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split, gpb = pick_split(n, groups, cfg.nw, sms, cfg.blocks_per_sm)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    slabs = np_ // SLAB
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, slabs)
+    else:
+        part = cnt = out
+    kern = _kernel(cfg.nw, fw.negz is not None)
+    kern(
+        grid=(slabs, split, 1), block=(cfg.nw * 32, 1, 1),
+        args=[
+            x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
+            bias if bias is not None else out, out, part, cnt,
+            m, n, x.shape[1], x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
+        ],
+    )
+    return out

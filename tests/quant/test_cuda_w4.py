@@ -1,0 +1,121 @@
+"""The fragment layout of the CUDA W4A16 kernel, checked on CPU.
+
+The kernel itself needs a GPU (tests_gpu/test_quant.py runs it against the reference);
+here the layout it reads is checked against the mma.sync.m16n8k16 fragment definition,
+by emulating the kernel's register unpacking in torch.
+"""
+
+import pytest
+import torch
+
+from quarl.quant import get_scheme, quantize_weight, reference_linear
+from quarl.quant import reference as ref
+from quarl.quant.kernels import cuda_w4
+
+
+def _rand_codes(n, kp, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 16, (n, kp), generator=g, dtype=torch.uint8)
+
+
+def test_repack_round_trip_with_padding():
+    codes = _rand_codes(100, 256)  # N not a multiple of the 64-column slab
+    frag = cuda_w4.repack_codes(codes)
+    assert frag.shape == (2, 16, 32, 4) and frag.dtype == torch.int32
+    assert torch.equal(cuda_w4.unpack_frag_codes(frag, 100), codes)
+
+
+def _emulate_fragments(frag: torch.Tensor, n: int) -> torch.Tensor:
+    """Codes [N, Kp] as the kernel's registers see them: word i of lane (g, t), shifted by
+    4q and masked with 0x000F000F, is the bf16x2 register of fragment half q & 1 of tile
+    2i + (q >> 1); mma.m16n8k16's B fragment holds B[2t + 8h][g] (low half) and
+    B[2t + 8h + 1][g] (high half) in register h (PTX ISA, "Matrix fragments for mma.m16n8k16")."""
+    s, ks = frag.shape[:2]
+    words = frag.to(torch.int64) & 0xFFFFFFFF
+    w = torch.full((s * 64, ks * 16), -1, dtype=torch.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(4):
+            for q in range(4):
+                reg = (words[:, :, lane, i] >> (4 * q)) & 0x000F000F
+                lo, hi = reg & 0xF, reg >> 16
+                tile, h = 2 * i + (q >> 1), q & 1
+                col = 8 * tile + g
+                for half, val in ((0, lo), (1, hi)):
+                    k = 2 * t + 8 * h + half
+                    rows = torch.arange(s) * 64 + col
+                    cols = torch.arange(ks) * 16 + k
+                    w[rows[:, None], cols[None, :]] = val
+    assert (w >= 0).all(), "some weight is fed by no register"
+    return w[:n]
+
+
+def test_registers_hold_the_mma_fragments():
+    codes = _rand_codes(70, 128, seed=1)
+    frag = cuda_w4.repack_codes(codes)
+    assert torch.equal(_emulate_fragments(frag, 70), codes.to(torch.int64))
+
+
+def _bf16_bits(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.int16).view(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
+def test_emulated_kernel_math_equals_reference(scheme):
+    """(0x4300 | u) + bf16(-(128 + z)) = u - z exactly, and sum_g s_g sum_k x_k (u - z)
+    over the emulated fragments equals the reference GEMM (float64)."""
+    torch.manual_seed(0)
+    n, k = 70, 200
+    w = torch.randn(n, k)
+    qw = quantize_weight(w, get_scheme(scheme))
+    fw = cuda_w4.repack_w4(qw)
+    codes = _emulate_fragments(fw.qdata, n)  # [N, Kp]
+    kp = codes.shape[1]
+    groups = kp // 128
+    assert fw.scales.shape == (groups, 128) and torch.equal(fw.scales[:, :n], qw.scales.t())
+    biased = _bf16_bits(0x4300 | codes)  # 128 + u
+    if fw.negz is None:
+        negz = torch.full((groups, n), 0xC308C308, dtype=torch.int64)
+    else:
+        negz = fw.negz[:, :n].to(torch.int64) & 0xFFFFFFFF
+        assert torch.equal(negz >> 16, negz & 0xFFFF)  # both halves the same
+    sub = _bf16_bits(negz & 0xFFFF).t().repeat_interleave(128, dim=1)  # [N, Kp]
+    deq_int = biased + sub
+    zeros = qw.zeros.double() if qw.zeros is not None else torch.full((n, groups), 8.0, dtype=torch.float64)
+    assert torch.equal(deq_int, codes.double() - zeros.repeat_interleave(128, dim=1))
+    x = torch.randn(5, k, dtype=torch.float64)
+    xp = torch.nn.functional.pad(x, (0, kp - k))
+    per_group = torch.einsum("mgk,ngk->mng", xp.view(5, groups, 128), deq_int.view(n, groups, 128))
+    y = (per_group * fw.scales[:, :n].t().double()[None]).sum(-1)
+    y_ref = reference_linear(x, qw, None)
+    assert torch.allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_fragment_cache_rebuilds_in_place_after_copy():
+    torch.manual_seed(0)
+    sch = get_scheme("w4a16-asym")
+    qa, qb = quantize_weight(torch.randn(64, 256), sch), quantize_weight(torch.randn(64, 256), sch)
+    target = qa.clone()
+    fw = cuda_w4.frag_weight(target)
+    assert cuda_w4.frag_weight(target) is fw  # cached
+    ptrs = [t.data_ptr() for t in fw if t is not None]
+    target.copy_(qb)  # in-place load: the derived layout must follow, in the same storage
+    fw2 = cuda_w4.frag_weight(target)
+    assert [t.data_ptr() for t in fw2 if t is not None] == ptrs
+    want = cuda_w4.repack_w4(qb)
+    for a, b in zip(fw2, want):
+        assert torch.equal(a, b)
+
+
+def test_repack_rejects_other_formats():
+    qw = quantize_weight(torch.randn(64, 128), get_scheme("w2a16"))
+    with pytest.raises(ValueError, match="int4 weights with group 128"):
+        cuda_w4.repack_w4(qw)
+
+
+def test_split_keeps_a_group_per_warp():
+    # gate/up of a 7B model on 132 SMs: 296 slabs fill the GPU without a split
+    assert cuda_w4.pick_split(18944, 28, 4, 132, 2.0) == (1, 28)
+    split, gpb = cuda_w4.pick_split(3584, 148, 4, 132, 4.0)  # down_proj: split K
+    assert split > 1 and gpb * split >= 148 and gpb * (split - 1) < 148
+    assert cuda_w4.pick_split(512, 2, 4, 132, 4.0) == (1, 2)  # never more splits than groups / warps
