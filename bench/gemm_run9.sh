@@ -19,7 +19,7 @@ for name in ("w4a16", "w4a16-asym"):
     e = reference_linear(x.float(), qw, exact=True)
     print(name, "first call (compile) %.2fs" % (time.time() - t0), "rel err", float((y.float() - e).norm() / e.norm()))
 PY
-cat $OUT/smoke.txt
+cat $OUT/smoke.txt; grep -q "rel err" $OUT/smoke.txt || exit 1
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests_gpu/quant -q -x -p no:cacheprovider -k "frag" > $OUT/tests_frag.txt 2>&1
 tail -5 $OUT/tests_frag.txt
 timeout $(( ${SWEEP_BUDGET:-120} + 60 )) python3 bench/gemm_sweep.py --kinds w4 --budget ${SWEEP_BUDGET:-120} --out $OUT/sweep.json > $OUT/sweep.txt 2>&1

@@ -331,7 +331,7 @@ def available() -> bool:
 @functools.lru_cache(maxsize=8)
 def _kernel(nw: int, asym: bool):
     name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}>"
-    return torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17", "-O3"])
+    return torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17"])
 
 
 class FragConfig(NamedTuple):
