@@ -44,6 +44,7 @@ MAX_M = 16  # rows the kernel takes (one m16 tile)
 _SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ u32 lop_q(u32 a) {  // (a & 0x000F000F) | 0x43004300: bf16x2 128 + code
   u32 r;
@@ -84,13 +85,14 @@ __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32
 // grid (Np / 64, split), block NW warps. Block (s, sp) owns the 64 output columns of slab s
 // and groups [sp * gpb, (sp + 1) * gpb); its warps take contiguous shares of those groups
 // and are summed in shared memory.
-template <int NW, bool ASYM>
+// ST: ring depth in 16-column steps (4, 8 or 16). VAR (probes only, 0 in production):
+// 1 = no activation loads, 2 = no mma (xor the unpacked words), 4 = coherent weight loads.
+template <int NW, bool ASYM, int ST, int VAR>
 __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
     int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
-  constexpr int ST = 8;  // ring depth (steps of 16 columns in flight per warp) = one group
   __shared__ float red[NW][16][65];
   __shared__ int last_flag;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -105,8 +107,10 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   const size_t KS = (size_t)G * 8;
   const u32* wp = wq + (((size_t)slab * KS + kk0) * 32 + lane) * 4;
   const bool row0 = g < M, row1 = g + 8 < M;
-  const u16* xr0 = x + (size_t)g * ldx + 2 * t;
-  const u16* xr1 = x + (size_t)(g + 8) * ldx + 2 * t;
+  // activations as 32-bit words (column pairs); K is even (the launcher pads it)
+  const u32* xw0 = reinterpret_cast<const u32*>(x + (size_t)g * ldx) + t;
+  const u32* xw1 = reinterpret_cast<const u32*>(x + (size_t)(g + 8) * ldx) + t;
+  const int KW = K >> 1;
 
   float acc[8][4];
   float tmp[8][4];
@@ -118,53 +122,73 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
   auto load_stage = [&](u32* b, u32* a, int step) {
-    ldg_w(b, wp + (size_t)step * 128);
-    const int col = (kk0 + step) * 16;
-    const bool c0 = col + 2 * t < K, c1 = col + 2 * t + 8 < K;
-    a[0] = (row0 && c0) ? ldg_x(xr0 + col) : 0u;
-    a[1] = (row1 && c0) ? ldg_x(xr1 + col) : 0u;
-    a[2] = (row0 && c1) ? ldg_x(xr0 + col + 8) : 0u;
-    a[3] = (row1 && c1) ? ldg_x(xr1 + col + 8) : 0u;
+    if (VAR & 4) {
+      const u32x4 v = *reinterpret_cast<const u32x4*>(wp + (size_t)step * 128);
+      b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+    } else {
+      ldg_w(b, wp + (size_t)step * 128);
+    }
+    if (VAR & 1) { a[0] = a[1] = a[2] = a[3] = 0x3F803F80u; return; }
+    const int cw = (kk0 + step) * 8;  // word index of this step's first column pair
+    const bool c0 = cw + t < KW, c1 = cw + t + 4 < KW;
+    a[0] = (row0 && c0) ? ldg_x(xw0 + cw) : 0u;
+    a[1] = (row1 && c0) ? ldg_x(xw1 + cw) : 0u;
+    a[2] = (row0 && c1) ? ldg_x(xw0 + cw + 4) : 0u;
+    a[3] = (row1 && c1) ? ldg_x(xw1 + cw + 4) : 0u;
   };
 
 #pragma unroll
   for (int p = 0; p < ST; ++p)
     if (p < nsteps) load_stage(rb[p], ra[p], p);
 
-  for (int s0 = 0; s0 < nsteps; s0 += 8) {
-    const int grp = wg0 + (s0 >> 3);
-    float sc[8][2];
-    u32 nz[8];
+  // U steps per outer iteration: whole groups (8 steps) and whole turns of the ring
+  constexpr int U = ST > 8 ? ST : 8;
+  float sc[8][2];
+  u32 nz[8];
+  for (int s0 = 0; s0 < nsteps; s0 += U) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
-      sc[j][0] = sp_[0];
-      sc[j][1] = sp_[1];
-      nz[j] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
-    }
+    for (int p = 0; p < U; ++p) {
+      if (U > 8 && p == 8 && s0 + 8 >= nsteps) break;  // odd number of groups left
+      if (p % 8 == 0) {
+        const int grp = wg0 + ((s0 + p) >> 3);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j) {
+          const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
+          sc[j][0] = sp_[0];
+          sc[j][1] = sp_[1];
+          nz[j] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
+        }
 #pragma unroll
-      for (int c = 0; c < 4; ++c) tmp[j][c] = 0.f;
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int p = 0; p < 8; ++p) {
+          for (int c = 0; c < 4; ++c) tmp[j][c] = 0.f;
+      }
       const int st = p % ST;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const u32 w = rb[st][i];
         const u32 q0 = lop_q(w), q1 = lop_q(w >> 4), q2 = lop_q(w >> 8), q3 = lop_q(w >> 12);
-        mma16816(tmp[2 * i], ra[st], sub_z(q0, nz[2 * i]), sub_z(q1, nz[2 * i]));
-        mma16816(tmp[2 * i + 1], ra[st], sub_z(q2, nz[2 * i + 1]), sub_z(q3, nz[2 * i + 1]));
+        if (VAR & 2) {
+          tmp[2 * i][0] = __uint_as_float(__float_as_uint(tmp[2 * i][0]) ^ sub_z(q0, nz[2 * i]) ^ ra[st][0]);
+          tmp[2 * i][1] = __uint_as_float(__float_as_uint(tmp[2 * i][1]) ^ sub_z(q1, nz[2 * i]));
+          tmp[2 * i + 1][0] = __uint_as_float(__float_as_uint(tmp[2 * i + 1][0]) ^ sub_z(q2, nz[2 * i + 1]));
+          tmp[2 * i + 1][1] = __uint_as_float(__float_as_uint(tmp[2 * i + 1][1]) ^ sub_z(q3, nz[2 * i + 1]));
+        } else {
+          mma16816(tmp[2 * i], ra[st], sub_z(q0, nz[2 * i]), sub_z(q1, nz[2 * i]));
+          mma16816(tmp[2 * i + 1], ra[st], sub_z(q2, nz[2 * i + 1]), sub_z(q3, nz[2 * i + 1]));
+        }
       }
       const int nxt = s0 + p + ST;
       if (nxt < nsteps) load_stage(rb[st], ra[st], nxt);
-    }
+      if (p % 8 == 7) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      acc[j][0] += tmp[j][0] * sc[j][0];
-      acc[j][1] += tmp[j][1] * sc[j][1];
-      acc[j][2] += tmp[j][2] * sc[j][0];
-      acc[j][3] += tmp[j][3] * sc[j][1];
+        for (int j = 0; j < 8; ++j) {
+          acc[j][0] += tmp[j][0] * sc[j][0];
+          acc[j][1] += tmp[j][1] * sc[j][1];
+          acc[j][2] += tmp[j][2] * sc[j][0];
+          acc[j][3] += tmp[j][3] * sc[j][1];
+        }
+      }
     }
   }
 
@@ -208,8 +232,16 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
     const int r = e >> 6, c = e & 63, n = n0 + c;
     if (n >= N) continue;
+    // issue 8 loads before adding (in-order issue would otherwise wait for each), sum in
+    // split order
     float v = 0.f;
-    for (int s = 0; s < split; ++s) v += ldcg_f(part + ((size_t)s * M + r) * N + n);
+    for (int s = 0; s < split; s += 8) {
+      float pv[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) pv[u] = s + u < split ? ldcg_f(part + ((size_t)(s + u) * M + r) * N + n) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v += pv[u];
+    }
     if (has_bias) v += from_bf16(bias[n]);
     out[(size_t)r * ldo + n] = to_bf16(v);
   }
@@ -328,15 +360,17 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] >= 8
 
 
-@functools.lru_cache(maxsize=8)
-def _kernel(nw: int, asym: bool):
-    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}>"
+@functools.lru_cache(maxsize=32)
+def _kernel(nw: int, asym: bool, stages: int = 8, variant: int = 0):
+    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}, {stages}, {variant}>"
     return torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17"])
 
 
 class FragConfig(NamedTuple):
     nw: int = 4  # warps per block (they split the block's groups)
     blocks_per_sm: float = 4.0  # split K until about this many blocks per SM
+    stages: int = 8  # ring depth, 16-column steps
+    variant: int = 0  # probes (see the kernel source); 0 = the real GEMM
 
 
 def pick_split(n: int, groups: int, nw: int, sms: int, blocks_per_sm: float) -> tuple[int, int]:
@@ -373,7 +407,7 @@ def w4a16_frag_gemm(
         cnt = counters(x.device, slabs)
     else:
         part = cnt = out
-    kern = _kernel(cfg.nw, fw.negz is not None)
+    kern = _kernel(cfg.nw, fw.negz is not None, cfg.stages, cfg.variant)
     kern(
         grid=(slabs, split, 1), block=(cfg.nw * 32, 1, 1),
         args=[
