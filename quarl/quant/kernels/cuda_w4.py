@@ -44,7 +44,6 @@ MAX_M = 16  # rows the kernel takes (one m16 tile)
 _SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ u32 lop_q(u32 a) {  // (a & 0x000F000F) | 0x43004300: bf16x2 128 + code
   u32 r;
@@ -61,14 +60,24 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void ldg_w(u32* r, const void* p) {  // streamed once: skip L1
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
 }
-__device__ __forceinline__ u32 ldg_x(const void* p) {  // activations: re-read by every warp
-  u32 r;
-  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  return r;
+// 16 bytes global -> shared, bypassing L1; bytes past `valid` (0..16) are zero-filled
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N_>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N_)); }
+__device__ __forceinline__ void lds128(u32* r, u32 addr) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix4(u32* r, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 __device__ __forceinline__ float ldcg_f(const float* p) {  // other blocks' partials: skip L1
   float r;
@@ -84,16 +93,22 @@ __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32
 
 // grid (Np / 64, split), block NW warps. Block (s, sp) owns the 64 output columns of slab s
 // and groups [sp * gpb, (sp + 1) * gpb); its warps take contiguous shares of those groups
-// and are summed in shared memory.
-// ST: ring depth in 16-column steps (4, 8 or 16). VAR (probes only, 0 in production):
-// 1 = no activation loads, 2 = no mma (xor the unpacked words), 4 = coherent weight loads.
-template <int NW, bool ASYM, int ST, int VAR>
+// and are summed in shared memory at the end.
+// Each warp streams its steps (16 columns of K) through its own ring of ST slots in shared
+// memory with cp.async (no register ring: a deep register prefetch runs out of the SM's
+// load scoreboards and of registers, measured 2x slower). Slot layout, 1 KB: the weight
+// fragments (lane L's 16 bytes at 16 L, read back by the same lane), then the activation
+// tile as [2 column halves][16 rows][8 columns] bf16, so that lane L copies row L % 16,
+// half L / 16 to 16 L and ldmatrix.x4 with lane L pointing at 16 L yields the mma A
+// fragment. Rows >= M and columns >= K are zero-filled by cp.async.
+template <int NW, bool ASYM, int ST>
 __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
     int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
-  __shared__ float red[NW][16][65];
+  constexpr int RING = NW * ST * 1024, RED = NW * 16 * 65 * 4;
+  __shared__ __align__(128) unsigned char smem[RING > RED ? RING : RED];
   __shared__ int last_flag;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -106,93 +121,79 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   const int kk0 = wg0 * 8;
   const size_t KS = (size_t)G * 8;
   const u32* wp = wq + (((size_t)slab * KS + kk0) * 32 + lane) * 4;
-  const bool row0 = g < M, row1 = g + 8 < M;
-  // activations as 32-bit words (column pairs); K is even (the launcher pads it)
-  const u32* xw0 = reinterpret_cast<const u32*>(x + (size_t)g * ldx) + t;
-  const u32* xw1 = reinterpret_cast<const u32*>(x + (size_t)(g + 8) * ldx) + t;
-  const int KW = K >> 1;
+  const u32 ring = smem_addr(smem) + warp * ST * 1024;
+  // this lane's activation copy: row lane % 16, columns 8 * (lane / 16) .. + 7 of each step
+  const int xrow = lane & 15, xhalf = lane >> 4;
+  const u16* xp = x + (size_t)(xrow < M ? xrow : 0) * ldx + kk0 * 16 + 8 * xhalf;
+  const int xcol0 = kk0 * 16 + 8 * xhalf;
+
+  auto issue = [&](int step, int slot) {
+    const u32 base = ring + slot * 1024 + 16 * lane;
+    cp_async16(base, wp + (size_t)step * 128, 16);
+    const int left = K - (xcol0 + step * 16);
+    const int valid = xrow < M ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
+    cp_async16(base + 512, valid ? xp + step * 16 : x, valid);
+  };
 
   float acc[8][4];
   float tmp[8][4];
-  u32 rb[ST][4];
-  u32 ra[ST][4];
+  float sc[8][2];
+  u32 nz[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
-  auto load_stage = [&](u32* b, u32* a, int step) {
-    if (VAR & 4) {
-      const u32x4 v = *reinterpret_cast<const u32x4*>(wp + (size_t)step * 128);
-      b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
-    } else {
-      ldg_w(b, wp + (size_t)step * 128);
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (p < nsteps) issue(p, p);
+    cp_commit();
+  }
+  for (int s0 = 0; s0 < nsteps; s0 += 8) {
+    const int grp = wg0 + (s0 >> 3);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
+      sc[j][0] = sp_[0];
+      sc[j][1] = sp_[1];
+      nz[j] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
     }
-    if (VAR & 1) { a[0] = a[1] = a[2] = a[3] = 0x3F803F80u; return; }
-    const int cw = (kk0 + step) * 8;  // word index of this step's first column pair
-    const bool c0 = cw + t < KW, c1 = cw + t + 4 < KW;
-    a[0] = (row0 && c0) ? ldg_x(xw0 + cw) : 0u;
-    a[1] = (row1 && c0) ? ldg_x(xw1 + cw) : 0u;
-    a[2] = (row0 && c1) ? ldg_x(xw0 + cw + 4) : 0u;
-    a[3] = (row1 && c1) ? ldg_x(xw1 + cw + 4) : 0u;
-  };
-
 #pragma unroll
-  for (int p = 0; p < ST; ++p)
-    if (p < nsteps) load_stage(rb[p], ra[p], p);
-
-  // U steps per outer iteration: whole groups (8 steps) and whole turns of the ring
-  constexpr int U = ST > 8 ? ST : 8;
-  float sc[8][2];
-  u32 nz[8];
-  for (int s0 = 0; s0 < nsteps; s0 += U) {
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int p = 0; p < U; ++p) {
-      if (U > 8 && p == 8 && s0 + 8 >= nsteps) break;  // odd number of groups left
-      if (p % 8 == 0) {
-        const int grp = wg0 + ((s0 + p) >> 3);
+      for (int c = 0; c < 4; ++c) tmp[j][c] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
-          sc[j][0] = sp_[0];
-          sc[j][1] = sp_[1];
-          nz[j] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) tmp[j][c] = 0.f;
-      }
-      const int st = p % ST;
+    for (int p = 0; p < 8; ++p) {
+      const int step = s0 + p, slot = p % ST;  // s0 % ST == 0 (ST divides 8)
+      cp_wait<ST - 2>();
+      __syncwarp();
+      u32 b[4], a[4];
+      lds128(b, ring + slot * 1024 + 16 * lane);
+      ldmatrix4(a, ring + slot * 1024 + 512 + 16 * lane);
+      // refill the slot read one step ago (all lanes are past it: __syncwarp above)
+      if (step + ST - 1 < nsteps) issue(step + ST - 1, (p + ST - 1) % ST);
+      cp_commit();
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const u32 w = rb[st][i];
+        const u32 w = b[i];
         const u32 q0 = lop_q(w), q1 = lop_q(w >> 4), q2 = lop_q(w >> 8), q3 = lop_q(w >> 12);
-        if (VAR & 2) {
-          tmp[2 * i][0] = __uint_as_float(__float_as_uint(tmp[2 * i][0]) ^ sub_z(q0, nz[2 * i]) ^ ra[st][0]);
-          tmp[2 * i][1] = __uint_as_float(__float_as_uint(tmp[2 * i][1]) ^ sub_z(q1, nz[2 * i]));
-          tmp[2 * i + 1][0] = __uint_as_float(__float_as_uint(tmp[2 * i + 1][0]) ^ sub_z(q2, nz[2 * i + 1]));
-          tmp[2 * i + 1][1] = __uint_as_float(__float_as_uint(tmp[2 * i + 1][1]) ^ sub_z(q3, nz[2 * i + 1]));
-        } else {
-          mma16816(tmp[2 * i], ra[st], sub_z(q0, nz[2 * i]), sub_z(q1, nz[2 * i]));
-          mma16816(tmp[2 * i + 1], ra[st], sub_z(q2, nz[2 * i + 1]), sub_z(q3, nz[2 * i + 1]));
-        }
-      }
-      const int nxt = s0 + p + ST;
-      if (nxt < nsteps) load_stage(rb[st], ra[st], nxt);
-      if (p % 8 == 7) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc[j][0] += tmp[j][0] * sc[j][0];
-          acc[j][1] += tmp[j][1] * sc[j][1];
-          acc[j][2] += tmp[j][2] * sc[j][0];
-          acc[j][3] += tmp[j][3] * sc[j][1];
-        }
+        mma16816(tmp[2 * i], a, sub_z(q0, nz[2 * i]), sub_z(q1, nz[2 * i]));
+        mma16816(tmp[2 * i + 1], a, sub_z(q2, nz[2 * i + 1]), sub_z(q3, nz[2 * i + 1]));
       }
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] += tmp[j][0] * sc[j][0];
+      acc[j][1] += tmp[j][1] * sc[j][1];
+      acc[j][2] += tmp[j][2] * sc[j][0];
+      acc[j][3] += tmp[j][3] * sc[j][1];
+    }
   }
+  cp_wait<0>();
+  __syncthreads();  // the ring becomes the reduction buffer
 
   // sum the warps: fragment (row g / g + 8, cols 8j + 2t, +1) -> red[warp][row][col]
+  float (*red)[16][65] = reinterpret_cast<float (*)[16][65]>(smem);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     red[warp][g][8 * j + 2 * t] = acc[j][0];
@@ -361,16 +362,15 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(nw: int, asym: bool, stages: int = 8, variant: int = 0):
-    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}, {stages}, {variant}>"
+def _kernel(nw: int, asym: bool, stages: int):
+    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}, {stages}>"
     return torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17"])
 
 
 class FragConfig(NamedTuple):
     nw: int = 4  # warps per block (they split the block's groups)
     blocks_per_sm: float = 4.0  # split K until about this many blocks per SM
-    stages: int = 8  # ring depth, 16-column steps
-    variant: int = 0  # probes (see the kernel source); 0 = the real GEMM
+    stages: int = 4  # cp.async ring slots per warp (2, 4 or 8; nw x stages <= 32: static smem)
 
 
 def pick_split(n: int, groups: int, nw: int, sms: int, blocks_per_sm: float) -> tuple[int, int]:
@@ -391,10 +391,12 @@ def w4a16_frag_gemm(
     n = qw.shape[0]
     if m > MAX_M or x.dtype != torch.bfloat16:
         raise ValueError(f"fragment kernel takes bf16 x with M <= {MAX_M}, got {x.dtype} M={m}")
-    if k % 2 or x.stride(0) % 2 or x.data_ptr() % 4 or x.stride(1) != 1:  # 32-bit loads of column pairs
-        x = torch.nn.functional.pad(x, (0, k % 2)).contiguous()
+    if k % 8 or x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte row copies
+        x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
     if bias is not None and bias.dtype != torch.bfloat16:
         bias = bias.to(torch.bfloat16)
+    if cfg.stages not in (2, 4, 8) or cfg.nw not in (1, 2, 4, 8) or cfg.nw * cfg.stages > 32:
+        raise ValueError(f"fragment kernel: nw in 1/2/4/8, stages in 2/4/8 and nw x stages <= 32 (48 KB of static shared memory); got {cfg}")
     fw = frag_weight(qw)
     groups = fw.scales.shape[0]
     np_ = fw.scales.shape[1]
@@ -407,13 +409,13 @@ def w4a16_frag_gemm(
         cnt = counters(x.device, slabs)
     else:
         part = cnt = out
-    kern = _kernel(cfg.nw, fw.negz is not None, cfg.stages, cfg.variant)
+    kern = _kernel(cfg.nw, fw.negz is not None, cfg.stages)
     kern(
         grid=(slabs, split, 1), block=(cfg.nw * 32, 1, 1),
         args=[
             x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
             bias if bias is not None else out, out, part, cnt,
-            m, n, x.shape[1], x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
+            m, n, k, x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
         ],
     )
     return out

@@ -95,7 +95,7 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
     if m <= cuda_w4.MAX_M and W4_SMALL_KERNEL == "frag":
-        return _env_tweak(TileConfig(16, cuda_w4.SLAB, num_warps=4, waves=4, kernel="frag"), "QUARL_W4_SMALL")
+        return _env_tweak(TileConfig(16, cuda_w4.SLAB, num_warps=4, num_stages=4, waves=4, kernel="frag"), "QUARL_W4_SMALL")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
 
 
@@ -283,7 +283,7 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         cfg = w4_config(m, n, k)
     if cfg is not None and cfg.kernel == "frag":
         if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.MAX_M and cuda_w4.available():
-            fc = cuda_w4.FragConfig(nw=cfg.num_warps, blocks_per_sm=cfg.waves or 4.0)
+            fc = cuda_w4.FragConfig(nw=cfg.num_warps, blocks_per_sm=cfg.waves or 4.0, stages=cfg.num_stages)
             return cuda_w4.w4a16_frag_gemm(x, qw, bias, fc, counters=_counters)
         cfg = _w4_triton_config(m, n, k, "swapb")
     if cfg is not None and cfg.kernel in ("swap", "swap16", "swapb", "gemv"):
