@@ -183,7 +183,7 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     expect = reference_linear(x.float(), qw, bias.float(), exact=True)
     swapb = launch.wo_gemm(x, qw, bias, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
-    for nw, st in ((1, 8), (2, 2), (4, 4), (4, 8), (8, 4)):
+    for nw, st in ((1, 8), (2, 2), (4, 4), (4, 8), (8, 8)):
         for bps in (0.5, 4, 16):
             cfg = cuda_w4.FragConfig(nw=nw, blocks_per_sm=bps, stages=st)
             a = cuda_w4.w4a16_frag_gemm(x, qw, bias, cfg, counters=launch._counters)
