@@ -50,7 +50,7 @@ def _w4_table_run9():
     t = {}
     for m in (16, 1):
         t[m] = [C(16, 64, num_warps=w, num_stages=st, waves=b, kernel="frag")
-                for w, st in ((2, 8), (4, 4), (4, 8), (8, 4)) for b in (1, 2, 4, 8)]
+                for w in (1, 2, 4, 8) for st in (4, 8) for b in (1, 2, 4)]
         t[m] += [C(16, 64, num_warps=4, num_stages=3, waves=8, kernel="swapb")]
     return t
 

@@ -84,6 +84,11 @@ __device__ __forceinline__ float ldcg_f(const float* p) {  // other blocks' part
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
   return r;
 }
+__device__ __forceinline__ float4 ldcg_f4(const float* p) {
+  float4 r;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+  return r;
+}
 __device__ __forceinline__ u16 to_bf16(float v) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
@@ -235,22 +240,51 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  const int rows = min(M, 16), cols = NW * 64, nb = blockIdx.x * NW * 64;
-  for (int e = threadIdx.x; e < rows * cols; e += NW * 32) {
-    const int r = e / cols, n = nb + e % cols;
-    if (n >= N) continue;
-    // issue 8 loads before adding (in-order issue would otherwise wait for each), sum in
-    // split order
-    float v = 0.f;
+  // the block's rows x (NW * 64) outputs as float4 quads; each thread takes 2 quads at a
+  // time and issues up to 16 partial loads before adding (in-order issue would otherwise
+  // wait for every load): the reduction is a few L2 round trips, summed in split order
+  const int rows = min(M, 16), quads = NW * 16, nb = blockIdx.x * NW * 64;
+  const bool vec = (N & 3) == 0;
+  for (int e0 = threadIdx.x; e0 < rows * quads; e0 += 2 * NW * 32) {
+    float4 v[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
     for (int s = 0; s < split; s += 8) {
-      float pv[8];
+      float4 pv[2][8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) pv[u] = s + u < split ? ldcg_f(part + ((size_t)(s + u) * M + r) * N + n) : 0.f;
+      for (int u = 0; u < 2; ++u) {
+        const int e = e0 + u * NW * 32, r = e / quads, n = nb + 4 * (e % quads);
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v += pv[u];
+        for (int k8 = 0; k8 < 8; ++k8) {
+          const float* src = part + ((size_t)(s + k8) * M + r) * N + n;
+          if (e < rows * quads && s + k8 < split && n < N) {
+            if (vec) {
+              pv[u][k8] = ldcg_f4(src);
+            } else {
+              pv[u][k8] = make_float4(ldcg_f(src), n + 1 < N ? ldcg_f(src + 1) : 0.f,
+                                      n + 2 < N ? ldcg_f(src + 2) : 0.f, n + 3 < N ? ldcg_f(src + 3) : 0.f);
+            }
+          } else {
+            pv[u][k8] = make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int k8 = 0; k8 < 8; ++k8) {
+          v[u].x += pv[u][k8].x; v[u].y += pv[u][k8].y; v[u].z += pv[u][k8].z; v[u].w += pv[u][k8].w;
+        }
     }
-    if (has_bias) v += from_bf16(bias[n]);
-    out[(size_t)r * ldo + n] = to_bf16(v);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int e = e0 + u * NW * 32, r = e / quads, n = nb + 4 * (e % quads);
+      if (e >= rows * quads) continue;
+      const float vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (n + h >= N) continue;
+        out[(size_t)r * ldo + n + h] = to_bf16(vv[h] + (has_bias ? from_bf16(bias[n + h]) : 0.f));
+      }
+    }
   }
   if (threadIdx.x == 0) atomicExch(counters + blockIdx.x, 0);
 }
