@@ -113,9 +113,9 @@ def test_repack_rejects_other_formats():
         cuda_w4.repack_w4(qw)
 
 
-def test_split_fills_the_gpu_with_at_most_one_split_per_group():
-    # gate/up of a 7B model on 132 SMs: 74 blocks of 4 slabs -> split K in 2 for ~1 block per SM
-    assert cuda_w4.pick_split(18944, 28, 4, 132, 1.0) == (2, 14)
-    split, gpb = cuda_w4.pick_split(3584, 148, 4, 132, 4.0)  # down_proj: 14 column blocks
-    assert split == 37 and gpb * split >= 148 and gpb * (split - 1) < 148
-    assert cuda_w4.pick_split(512, 2, 4, 132, 4.0) == (2, 1)  # never more splits than groups
+def test_split_keeps_a_group_per_warp():
+    # gate/up of a 7B model on 132 SMs: 296 slabs fill the GPU without a split
+    assert cuda_w4.pick_split(18944, 28, 4, 132, 2.0) == (1, 28)
+    split, gpb = cuda_w4.pick_split(3584, 148, 4, 132, 4.0)  # down_proj: split K
+    assert split > 1 and gpb * split >= 148 and gpb * (split - 1) < 148
+    assert cuda_w4.pick_split(512, 2, 4, 132, 4.0) == (1, 2)  # never more splits than groups / warps

@@ -143,9 +143,10 @@ def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
 
 def test_w4_dispatch_uses_small_m_kernels():
     launch = _launch()
-    for m in (1, 16):  # the CUDA fragment kernel; it falls back to swapb off the GPU
+    for m in (1, launch.FRAG_MAX_M):  # the CUDA fragment kernel; it falls back to swapb off the GPU
         assert launch.w4_config(m, 4608, 3584).kernel == "frag"
-    assert launch.w4_config(64, 4608, 3584).kernel in ("swap", "swap16", "swapb", "gemv")
+    for m in (launch.FRAG_MAX_M + 1, 16, 64):
+        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "swap16", "swapb", "gemv")
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
     with use_backend("triton"):

@@ -183,7 +183,7 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     expect = reference_linear(x.float(), qw, bias.float(), exact=True)
     swapb = launch.wo_gemm(x, qw, bias, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
-    for nw, st in ((1, 8), (2, 2), (4, 4), (4, 8), (8, 8)):
+    for nw, st in ((1, 8), (2, 2), (2, 8), (4, 8), (8, 4)):
         for bps in (0.5, 4, 16):
             cfg = cuda_w4.FragConfig(nw=nw, blocks_per_sm=bps, stages=st)
             a = cuda_w4.w4a16_frag_gemm(x, qw, bias, cfg, counters=launch._counters)
@@ -197,8 +197,8 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
 def test_frag_kernel_is_the_default_at_small_m_and_follows_in_place_loads():
     from quarl.quant.kernels import cuda_w4, launch
 
-    assert launch.w4_config(16, 4096, 4096).kernel == "frag"
-    assert launch.w4_config(17, 4096, 4096).kernel != "frag"
+    assert launch.w4_config(launch.FRAG_MAX_M, 4096, 4096).kernel == "frag"
+    assert launch.w4_config(launch.FRAG_MAX_M + 1, 4096, 4096).kernel != "frag"
     a, b = (torch.nn.Linear(1040, 700, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16-asym")
     x = torch.randn(3, 1040, device="cuda", dtype=torch.bfloat16)

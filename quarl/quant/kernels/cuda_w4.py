@@ -84,11 +84,6 @@ __device__ __forceinline__ float ldcg_f(const float* p) {  // other blocks' part
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
   return r;
 }
-__device__ __forceinline__ float4 ldcg_f4(const float* p) {
-  float4 r;
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ u16 to_bf16(float v) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
@@ -96,53 +91,48 @@ __device__ __forceinline__ u16 to_bf16(float v) {
 }
 __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
 
-// grid (ceil(S / NW), split) with S = Np / 64 slabs, block NW warps. Warp w of block (b, sp)
-// owns the 64 output columns of slab b * NW + w; the block walks groups [sp * gpb,
-// (sp + 1) * gpb) of K in 16-column steps through a ring of ST slots in shared memory
-// filled with cp.async (a register ring ran out of load scoreboards and registers: 2x
-// slower). Slot layout: NW x 512 bytes of weight fragments (warp w's lane L at 512 w + 16 L,
-// read back by that lane), then the activation tile shared by all warps, [2 column halves]
-// [16 rows][8 columns] bf16: lane L of warp 0 copies row L % 16, half L / 16 to 16 L, and
-// ldmatrix.x4 with lane L pointing at 16 L yields the mma A fragment. Rows >= M and columns
-// >= K are zero-filled by cp.async. FLAGS (probes): 1 = read the weight bytes in step-major
-// order (access pattern only, wrong values), 2 = no arithmetic (stream only).
-template <int NW, bool ASYM, int ST, int FLAGS>
+// grid (Np / 64, split), block NW warps. Block (s, sp) owns the 64 output columns of slab s
+// and groups [sp * gpb, (sp + 1) * gpb); its warps take contiguous shares of those groups
+// and are summed in shared memory at the end.
+// Each warp streams its steps (16 columns of K) through its own ring of ST slots in shared
+// memory with cp.async (no register ring: a deep register prefetch runs out of the SM's
+// load scoreboards and of registers, measured 2x slower). Slot layout, 1 KB: the weight
+// fragments (lane L's 16 bytes at 16 L, read back by the same lane), then the activation
+// tile as [2 column halves][16 rows][8 columns] bf16, so that lane L copies row L % 16,
+// half L / 16 to 16 L and ldmatrix.x4 with lane L pointing at 16 L yields the mma A
+// fragment. Rows >= M and columns >= K are zero-filled by cp.async.
+template <int NW, bool ASYM, int ST>
 __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
     int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
-  constexpr int SLOT = NW * 512 + 512;
-  __shared__ __align__(128) unsigned char smem[ST * SLOT];
+  constexpr int RING = NW * ST * 1024, RED = NW * 16 * 65 * 4;
+  __shared__ __align__(128) unsigned char smem[RING > RED ? RING : RED];
   __shared__ int last_flag;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int S = Np / 64;
-  const int slab_raw = blockIdx.x * NW + warp;
-  const bool live = slab_raw < S;
-  const int slab = live ? slab_raw : S - 1;
-  const int sp = blockIdx.y;
+  const int slab = blockIdx.x, sp = blockIdx.y;
   const int n0 = slab * 64;
   const int gb0 = sp * gpb, gb1 = min(G, gb0 + gpb);
-  const int nsteps = (gb1 - gb0) * 8;
-  const int kk0 = gb0 * 8;
+  const int gpw = (gb1 - gb0 + NW - 1) / NW;
+  const int wg0 = min(gb1, gb0 + warp * gpw), wg1 = min(gb1, wg0 + gpw);
+  const int nsteps = (wg1 - wg0) * 8;
+  const int kk0 = wg0 * 8;
   const size_t KS = (size_t)G * 8;
-  const u32* wp = (FLAGS & 1) ? wq + (((size_t)kk0 * S + slab) * 32 + lane) * 4
-                              : wq + (((size_t)slab * KS + kk0) * 32 + lane) * 4;
-  const size_t wstep = (FLAGS & 1) ? (size_t)S * 128 : 128;
-  const u32 ring = smem_addr(smem);
+  const u32* wp = wq + (((size_t)slab * KS + kk0) * 32 + lane) * 4;
+  const u32 ring = smem_addr(smem) + warp * ST * 1024;
+  // this lane's activation copy: row lane % 16, columns 8 * (lane / 16) .. + 7 of each step
   const int xrow = lane & 15, xhalf = lane >> 4;
   const u16* xp = x + (size_t)(xrow < M ? xrow : 0) * ldx + kk0 * 16 + 8 * xhalf;
   const int xcol0 = kk0 * 16 + 8 * xhalf;
 
   auto issue = [&](int step, int slot) {
-    const u32 base = ring + slot * SLOT;
-    cp_async16(base + warp * 512 + 16 * lane, wp + step * wstep, 16);
-    if (warp == 0) {
-      const int left = K - (xcol0 + step * 16);
-      const int valid = xrow < M ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
-      cp_async16(base + NW * 512 + 16 * lane, valid ? xp + step * 16 : x, valid);
-    }
+    const u32 base = ring + slot * 1024 + 16 * lane;
+    cp_async16(base, wp + (size_t)step * 128, 16);
+    const int left = K - (xcol0 + step * 16);
+    const int valid = xrow < M ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
+    cp_async16(base + 512, valid ? xp + step * 16 : x, valid);
   };
 
   float acc[8][4];
@@ -160,7 +150,7 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     cp_commit();
   }
   for (int s0 = 0; s0 < nsteps; s0 += 8) {
-    const int grp = gb0 + (s0 >> 3);
+    const int grp = wg0 + (s0 >> 3);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
@@ -176,16 +166,13 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     for (int p = 0; p < 8; ++p) {
       const int step = s0 + p, slot = p % ST;  // s0 % ST == 0 (ST divides 8)
       cp_wait<ST - 2>();
-      __syncthreads();  // slot `slot` landed for every warp; everyone is done with slot - 1
+      __syncwarp();
       u32 b[4], a[4];
-      lds128(b, ring + slot * SLOT + warp * 512 + 16 * lane);
-      ldmatrix4(a, ring + slot * SLOT + NW * 512 + 16 * lane);
+      lds128(b, ring + slot * 1024 + 16 * lane);
+      ldmatrix4(a, ring + slot * 1024 + 512 + 16 * lane);
+      // refill the slot read one step ago (all lanes are past it: __syncwarp above)
       if (step + ST - 1 < nsteps) issue(step + ST - 1, (p + ST - 1) % ST);
       cp_commit();
-      if (FLAGS & 2) {
-        tmp[0][0] = __uint_as_float(__float_as_uint(tmp[0][0]) ^ b[0] ^ b[1] ^ b[2] ^ b[3] ^ a[0] ^ a[3]);
-        continue;
-      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const u32 w = b[i];
@@ -203,90 +190,63 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
     }
   }
   cp_wait<0>();
+  __syncthreads();  // the ring becomes the reduction buffer
 
-  // fragment (row g / g + 8, cols 8j + 2t, +1) of this warp's slab
-  const bool r0 = g < M, r1 = g + 8 < M;
+  // sum the warps: fragment (row g / g + 8, cols 8j + 2t, +1) -> red[warp][row][col]
+  float (*red)[16][65] = reinterpret_cast<float (*)[16][65]>(smem);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    red[warp][g][8 * j + 2 * t] = acc[j][0];
+    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+  const int rows = min(M, 16);
   if (split == 1) {
-    if (!live) return;
+    for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+      const int r = e >> 6, c = e & 63, n = n0 + c;
+      if (n >= N) continue;
+      float v = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int n = n0 + 8 * j + 2 * t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (n + h >= N) continue;
-        const float bv = has_bias ? from_bf16(bias[n + h]) : 0.f;
-        if (r0) out[(size_t)g * ldo + n + h] = to_bf16(acc[j][h] + bv);
-        if (r1) out[(size_t)(g + 8) * ldo + n + h] = to_bf16(acc[j][2 + h] + bv);
-      }
+      for (int w = 0; w < NW; ++w) v += red[w][r][c];
+      if (has_bias) v += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(v);
     }
     return;
   }
-  // split-K: store this split's partials, the last block to arrive sums all in split order
-  if (live) {
+  // split-K: store this split's partial, the last block to arrive sums all in split order
+  for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+    const int r = e >> 6, c = e & 63, n = n0 + c;
+    if (n >= N) continue;
+    float v = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int n = n0 + 8 * j + 2 * t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (n + h >= N) continue;
-        if (r0) part[((size_t)sp * M + g) * N + n + h] = acc[j][h];
-        if (r1) part[((size_t)sp * M + g + 8) * N + n + h] = acc[j][2 + h];
-      }
-    }
+    for (int w = 0; w < NW; ++w) v += red[w][r][c];
+    part[((size_t)sp * M + r) * N + n] = v;
   }
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last_flag = atomicAdd(counters + blockIdx.x, 1) == split - 1;
+  if (threadIdx.x == 0) last_flag = atomicAdd(counters + slab, 1) == split - 1;
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  // the block's rows x (NW * 64) outputs as float4 quads; each thread takes 2 quads at a
-  // time and issues up to 16 partial loads before adding (in-order issue would otherwise
-  // wait for every load): the reduction is a few L2 round trips, summed in split order
-  const int rows = min(M, 16), quads = NW * 16, nb = blockIdx.x * NW * 64;
-  const bool vec = (N & 3) == 0;
-  for (int e0 = threadIdx.x; e0 < rows * quads; e0 += 2 * NW * 32) {
-    float4 v[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+  for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+    const int r = e >> 6, c = e & 63, n = n0 + c;
+    if (n >= N) continue;
+    // issue 8 loads before adding (in-order issue would otherwise wait for each), sum in
+    // split order
+    float v = 0.f;
     for (int s = 0; s < split; s += 8) {
-      float4 pv[2][8];
+      float pv[8];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int e = e0 + u * NW * 32, r = e / quads, n = nb + 4 * (e % quads);
+      for (int u = 0; u < 8; ++u) pv[u] = s + u < split ? ldcg_f(part + ((size_t)(s + u) * M + r) * N + n) : 0.f;
 #pragma unroll
-        for (int k8 = 0; k8 < 8; ++k8) {
-          const float* src = part + ((size_t)(s + k8) * M + r) * N + n;
-          if (e < rows * quads && s + k8 < split && n < N) {
-            if (vec) {
-              pv[u][k8] = ldcg_f4(src);
-            } else {
-              pv[u][k8] = make_float4(ldcg_f(src), n + 1 < N ? ldcg_f(src + 1) : 0.f,
-                                      n + 2 < N ? ldcg_f(src + 2) : 0.f, n + 3 < N ? ldcg_f(src + 3) : 0.f);
-            }
-          } else {
-            pv[u][k8] = make_float4(0.f, 0.f, 0.f, 0.f);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int k8 = 0; k8 < 8; ++k8) {
-          v[u].x += pv[u][k8].x; v[u].y += pv[u][k8].y; v[u].z += pv[u][k8].z; v[u].w += pv[u][k8].w;
-        }
+      for (int u = 0; u < 8; ++u) v += pv[u];
     }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int e = e0 + u * NW * 32, r = e / quads, n = nb + 4 * (e % quads);
-      if (e >= rows * quads) continue;
-      const float vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        if (n + h >= N) continue;
-        out[(size_t)r * ldo + n + h] = to_bf16(vv[h] + (has_bias ? from_bf16(bias[n + h]) : 0.f));
-      }
-    }
+    if (has_bias) v += from_bf16(bias[n]);
+    out[(size_t)r * ldo + n] = to_bf16(v);
   }
-  if (threadIdx.x == 0) atomicExch(counters + blockIdx.x, 0);
+  if (threadIdx.x == 0) atomicExch(counters + slab, 0);
 }
 """
 
@@ -402,23 +362,22 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(nw: int, asym: bool, stages: int, flags: int = 0):
-    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}, {stages}, {flags}>"
+def _kernel(nw: int, asym: bool, stages: int):
+    name = f"w4a16_frag<{nw}, {'true' if asym else 'false'}, {stages}>"
     return torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17"])
 
 
 class FragConfig(NamedTuple):
-    nw: int = 4  # warps per block, one 64-column slab each (they share the activation tiles)
+    nw: int = 4  # warps per block (they split the block's groups)
     blocks_per_sm: float = 4.0  # split K until about this many blocks per SM
-    stages: int = 4  # cp.async ring slots (2, 4 or 8)
-    flags: int = 0  # probes only (see the kernel source)
+    stages: int = 4  # cp.async ring slots per warp (2, 4 or 8; nw x stages <= 32: static smem)
 
 
 def pick_split(n: int, groups: int, nw: int, sms: int, blocks_per_sm: float) -> tuple[int, int]:
-    """(split, groups per block): blocks own ``nw`` slabs of 64 columns; split K until the
-    grid has ~blocks_per_sm x SMs blocks (at most one split per group)."""
-    col_blocks = -(-n // (SLAB * nw))
-    split = max(1, min(-(-int(blocks_per_sm * sms) // col_blocks), groups))
+    """(split, groups per block): split K until the grid has ~blocks_per_sm x SMs blocks,
+    keeping at least one group per warp."""
+    slabs = -(-n // SLAB)
+    split = max(1, min(-(-int(blocks_per_sm * sms) // slabs), -(-groups // nw)))
     gpb = -(-groups // split)
     return -(-groups // gpb), gpb
 
@@ -436,23 +395,23 @@ def w4a16_frag_gemm(
         x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
     if bias is not None and bias.dtype != torch.bfloat16:
         bias = bias.to(torch.bfloat16)
-    if cfg.stages not in (2, 4, 8) or cfg.nw not in (1, 2, 4, 8):
-        raise ValueError(f"fragment kernel: nw in 1/2/4/8 and stages in 2/4/8; got {cfg}")
+    if cfg.stages not in (2, 4, 8) or cfg.nw not in (1, 2, 4, 8) or cfg.nw * cfg.stages > 32:
+        raise ValueError(f"fragment kernel: nw in 1/2/4/8, stages in 2/4/8 and nw x stages <= 32 (48 KB of static shared memory); got {cfg}")
     fw = frag_weight(qw)
     groups = fw.scales.shape[0]
     np_ = fw.scales.shape[1]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     split, gpb = pick_split(n, groups, cfg.nw, sms, cfg.blocks_per_sm)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    col_blocks = -(-(np_ // SLAB) // cfg.nw)
+    slabs = np_ // SLAB
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, col_blocks)
+        cnt = counters(x.device, slabs)
     else:
         part = cnt = out
-    kern = _kernel(cfg.nw, fw.negz is not None, cfg.stages, cfg.flags)
+    kern = _kernel(cfg.nw, fw.negz is not None, cfg.stages)
     kern(
-        grid=(col_blocks, split, 1), block=(cfg.nw * 32, 1, 1),
+        grid=(slabs, split, 1), block=(cfg.nw * 32, 1, 1),
         args=[
             x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
             bias if bias is not None else out, out, part, cnt,

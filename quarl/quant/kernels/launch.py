@@ -94,8 +94,13 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # with BN 64 / 4 warps / 3 stages and K split to ~8 waves of programs on the big shapes
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
-    if m <= cuda_w4.MAX_M and W4_SMALL_KERNEL == "frag":
-        return _env_tweak(TileConfig(16, cuda_w4.SLAB, num_warps=4, num_stages=4, waves=4, kernel="frag"), "QUARL_W4_SMALL")
+    if m <= FRAG_MAX_M and W4_SMALL_KERNEL == "frag":
+        # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
+        # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
+        # blocks per SM on long K (down), 4 otherwise
+        big = n * k >= 1 << 25
+        cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
+        return _env_tweak(cfg, "QUARL_W4_SMALL")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
 
 
@@ -127,9 +132,12 @@ def _env_tweak(cfg: TileConfig, var: str) -> TileConfig:
 
 # "frag", "swapb", "swap" or "swap16" (QUARL_W4_KERNEL overrides, for A/B runs on the device)
 # (H200 sweep run 6: swapb beats swap16 / swap at every M <= 64 shape; exact, no extra dots;
-# run 9: the CUDA fragment kernel beats swapb at M <= 16). "frag" falls back to "swapb"
+# run 9: the CUDA fragment kernel beats swapb at M = 1). "frag" falls back to "swapb"
 # where it cannot run (no NVRTC, pre-sm80 GPU, fp16 inputs, the Triton interpreter).
 W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "frag")
+# Rows up to which "frag" is used: every warp re-reads the activation tile from L2, which at
+# M = 16 costs as much traffic as the weights (run 9: 0.6-0.9x of swapb there; 1.1-1.3x at M = 1).
+FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
