@@ -335,13 +335,16 @@ def frag_weight(qw: QuantizedWeight) -> FragWeight:
             "the w4 fragment layout is first needed (or stale) inside CUDA-graph capture; "
             "run the same forward eagerly once before capturing"
         )
-    fresh = repack_w4(qw)
-    if cached is not None:
-        old = cached[1]
-        for a, b in zip(old, fresh):
-            if a is not None:
-                a.copy_(b)
-        fresh = old
+    # normal tensors even when first built under inference_mode (the engine generates in
+    # it), so that later in-place loads outside it can refresh them
+    with torch.inference_mode(False), torch.no_grad():
+        fresh = repack_w4(qw)
+        if cached is not None:
+            old = cached[1]
+            for a, b in zip(old, fresh):
+                if a is not None:
+                    a.copy_(b)
+            fresh = old
     qw.qdata._quarl_frag = (key, fresh)
     return fresh
 
