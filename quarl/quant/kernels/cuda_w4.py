@@ -389,7 +389,10 @@ def w4a16_frag_gemm(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: FragConfig = FragConfig(),
     counters=None,
 ) -> torch.Tensor:
-    """``x [M, K] (bf16, M <= 16) @ W.T + bias`` with the fragment kernel."""
+    """``x [M, K] (bf16, M <= 16) @ W.T + bias`` with the fragment kernel. ``counters``:
+    ``device, n -> zeroed int32 buffer`` for the split-K arrivals (launch's by default)."""
+    if counters is None:
+        from quarl.quant.kernels.launch import _counters as counters
     m, k = x.shape
     n = qw.shape[0]
     if m > MAX_M or x.dtype != torch.bfloat16:
