@@ -411,8 +411,25 @@ def _store_tile_nm(
     pid_tile, pid_k, n_split, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """``_store_tile`` for a transposed fp32 tile ``acc [BN, BM]`` (out[m, n] = acc[n, m])."""
-    _store_tile(tl.trans(acc), out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-                pid_tile, pid_k, n_split, IS_SPLIT, HAS_BIAS)
+    omask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    tile_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    optrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * N * M + tile_off, acc, mask=omask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_tile, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            acc = tl.zeros_like(acc)
+            for sp in range(0, n_split):
+                acc += tl.load(part_ptr + sp * N * M + tile_off, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_tile, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
