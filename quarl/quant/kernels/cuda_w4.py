@@ -391,8 +391,9 @@ def w4a16_frag_gemm(
 ) -> torch.Tensor:
     """``x [M, K] (bf16, M <= 16) @ W.T + bias`` with the fragment kernel. ``counters``:
     ``device, n -> zeroed int32 buffer`` for the split-K arrivals (launch's by default)."""
-    if counters is None:
-        from quarl.quant.kernels.launch import _counters as counters
+    from quarl.quant.kernels import launch  # (imports this module)
+
+    counters = counters or launch._counters
     m, k = x.shape
     n = qw.shape[0]
     if m > MAX_M or x.dtype != torch.bfloat16:
@@ -406,7 +407,7 @@ def w4a16_frag_gemm(
     fw = frag_weight(qw)
     groups = fw.scales.shape[0]
     np_ = fw.scales.shape[1]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = launch._num_sms(x.device)
     split, gpb = pick_split(n, groups, cfg.nw, sms, cfg.blocks_per_sm)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     slabs = np_ // SLAB
