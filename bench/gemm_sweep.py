@@ -26,7 +26,7 @@ from quarl.quant.qweight import quantize_weight
 from quarl.quant.reference import reference_linear
 from quarl.quant.scheme import get_scheme
 
-SHAPES = [(lbl, n, k) for lbl, n, k, _ in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
+SHAPES = [(s.label, s.n, s.k) for s in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
 
 def _w4_table():
     """Run-6 sweep: the SUB16 dequant ("swapb") over tile height, warps, stages and forced

@@ -10,15 +10,28 @@ import argparse
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from quarl.quant.bench import ALL_FORMATS, M_VALUES, MODELS
+    from quarl.quant.bench import ALL_FORMATS, M_VALUES, MODELS, SHAPE_SETS
 
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (tokens)")
     p.add_argument("--formats", default=",".join(ALL_FORMATS), help="comma list of scheme names")
+    p.add_argument("--shapes", default=",".join(SHAPE_SETS),
+                   help="comma list of shape sets: modules (q, k, v, o, gate, up, down apart), "
+                        "engine (q/k/v and gate/up fused, as the rollout engine runs them)")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per measurement (median)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p
+
+
+def _shape_sets(spec: str) -> tuple[str, ...]:
+    from quarl.quant.bench import SHAPE_SETS
+
+    sets = tuple(x for x in spec.split(",") if x)
+    bad = [x for x in sets if x not in SHAPE_SETS]
+    if bad or not sets:
+        raise ValueError(f"--shapes: unknown shape set(s) {bad or spec!r}; valid: {', '.join(SHAPE_SETS)}")
+    return sets
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_benchmark(
         models=args.models.split(","), ms=[int(m) for m in args.m.split(",")],
         formats=args.formats.split(","), reps=args.reps, graph=not args.no_graph,
-        partial_path=args.out + ".partial" if args.out else None,
+        partial_path=args.out + ".partial" if args.out else None, sets=_shape_sets(args.shapes),
     )
     print(format_table(result))
     if args.out:

@@ -19,7 +19,7 @@ import os
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +35,42 @@ MODELS: dict[str, dict[str, int]] = {
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
 
 
-def linear_shapes(cfg: dict[str, int]) -> list[tuple[str, int, int, int]]:
-    """(label, N, K, count per decoder layer) of a model's distinct linear shapes."""
+SHAPE_SETS = ("modules", "engine")
+
+
+class Shape(NamedTuple):
+    label: str
+    n: int
+    k: int
+    counts: dict[str, int]  # per decoder layer, in each shape set
+
+
+def linear_shapes(cfg: dict[str, int], sets: tuple[str, ...] = SHAPE_SETS) -> list[Shape]:
+    """A model's distinct linear shapes with how often each runs per decoder layer.
+
+    Two sets: ``modules`` (the seven linears of the checkpoint: q, k, v, o, gate, up,
+    down) and ``engine`` (what the rollout engine runs: q/k/v fused into one
+    ``[q + 2 kv]`` GEMM and gate/up into one ``[2 I]`` GEMM, see quarl.rollout.fused).
+    Shapes of neither requested set are left out.
+    """
     q, kv, h, i = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], cfg["hidden"], cfg["inter"]
-    shapes = [("q_proj", q, h, 1), ("k_proj/v_proj", kv, h, 2), ("o_proj", h, q, 1), ("gate_proj/up_proj", i, h, 2), ("down_proj", h, i, 1)]
+    shapes = [
+        Shape("q_proj", q, h, {"modules": 1}),
+        Shape("qkv_proj (fused)", q + 2 * kv, h, {"engine": 1}),
+        Shape("k_proj/v_proj", kv, h, {"modules": 2}),
+        Shape("o_proj", h, q, {"modules": 1, "engine": 1}),
+        Shape("gate_proj/up_proj", i, h, {"modules": 2}),
+        Shape("gate_up_proj (fused)", 2 * i, h, {"engine": 1}),
+        Shape("down_proj", h, i, {"modules": 1, "engine": 1}),
+    ]
     if q == h:  # q_proj and o_proj share a shape
-        shapes = [("q_proj/o_proj", q, h, 2)] + [s for s in shapes if s[0] not in ("q_proj", "o_proj")]
-    return shapes
+        shapes = [Shape("q_proj/o_proj", q, h, {"modules": 2, "engine": 1})] + [s for s in shapes if s.label not in ("q_proj", "o_proj")]
+    out = []
+    for s in shapes:
+        counts = {k: v for k, v in s.counts.items() if k in sets}
+        if counts:
+            out.append(s._replace(counts=counts))
+    return out
 
 
 @dataclass
@@ -156,7 +185,7 @@ def git_commit() -> str:
 
 def run_benchmark(
     models: list[str], ms: list[int], formats: list[str], reps: int = 20, graph: bool = True, log=print,
-    partial_path: str | None = None,
+    partial_path: str | None = None, sets: tuple[str, ...] = SHAPE_SETS,
 ) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -167,7 +196,7 @@ def run_benchmark(
         formats = ["bf16"] + formats
     rows = []
     for model in models:
-        for label, n, k, count in linear_shapes(MODELS[model]):
+        for label, n, k, counts in linear_shapes(MODELS[model], sets):
             for m in ms:
                 base = None
                 for fmt in formats:
@@ -180,7 +209,7 @@ def run_benchmark(
                         base = t
                     fl = floor_seconds(fmt, m, n, k, ceil)
                     rows.append(dict(
-                        model=model, layer=label, count=count, N=n, K=k, M=m, format=fmt,
+                        model=model, layer=label, counts=counts, N=n, K=k, M=m, format=fmt,
                         ms=t * 1e3, speedup=base / t if base else float("nan"),
                         floor_ms=fl * 1e3, floor_frac=fl / t, error=err,
                     ))
@@ -193,8 +222,9 @@ def run_benchmark(
         git_commit=git_commit(), torch=torch.__version__, triton=_triton_version(), cuda_graphs=graph,
         ceilings=asdict(ceil), formats=formats, rows=rows,
     )
-    result["layer_speedups"] = layer_speedups(rows)
-    result["targets"] = check_targets(rows)
+    result["shape_sets"] = list(sets)
+    result["layer_speedups"] = [x for st in sets for x in layer_speedups(rows, st)]
+    result["targets"] = [x for st in sets for x in check_targets(rows, shape_set=st)]
     return result
 
 
@@ -213,16 +243,19 @@ def _row_line(rows: list[dict]) -> str:
     return f"{r0['model']:>13} {r0['layer']:>17} M={r0['M']:<5} bf16={r0['ms'] * 1e3:8.1f}us {cells}"
 
 
-def layer_speedups(rows: list[dict]) -> list[dict]:
-    """Per model, M and format: time of all linears of one decoder layer vs bf16."""
+def layer_speedups(rows: list[dict], shape_set: str = "modules") -> list[dict]:
+    """Per model, M and format: time of all linears of one decoder layer vs bf16, with the
+    shapes and counts of ``shape_set``."""
     acc: dict[tuple, float] = {}
     for r in rows:
-        key = (r["model"], r["M"], r["format"])
-        acc[key] = acc.get(key, 0.0) + r["ms"] * r["count"]
+        count = r["counts"].get(shape_set, 0)
+        if count:
+            key = (r["model"], r["M"], r["format"])
+            acc[key] = acc.get(key, 0.0) + r["ms"] * count
     out = []
     for (model, m, fmt), t in acc.items():
         base = acc.get((model, m, "bf16"))
-        out.append(dict(model=model, M=m, format=fmt, layer_ms=t, speedup=base / t if base else float("nan")))
+        out.append(dict(model=model, shapes=shape_set, M=m, format=fmt, layer_ms=t, speedup=base / t if base else float("nan")))
     return out
 
 
@@ -234,17 +267,18 @@ TARGETS = (  # (format, predicate on M, min speedup) on the 7B shapes
 )
 
 
-def check_targets(rows: list[dict], model: str = "qwen2.5-7b") -> list[dict]:
+def check_targets(rows: list[dict], model: str = "qwen2.5-7b", shape_set: str = "modules") -> list[dict]:
+    """Each target's geomean and worst speedup over the rows of ``model`` in ``shape_set``."""
     out = []
     for fmt, label, pred, want in TARGETS:
-        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"])]
+        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"]) and r["counts"].get(shape_set)]
         if not got:
             continue
         sp = [r["speedup"] for r in got]
         geo = math.exp(sum(math.log(s) for s in sp) / len(sp)) if all(s > 0 for s in sp) else float("nan")
         worst = min(got, key=lambda r: r["speedup"])
         out.append(dict(
-            format=fmt, where=label, target=want, geomean=geo, min=worst["speedup"],
+            format=fmt, shapes=shape_set, where=label, target=want, geomean=geo, min=worst["speedup"],
             min_at=f"{worst['layer']} M={worst['M']}", met_geomean=geo >= want, met_all=worst["speedup"] >= want,
         ))
     return out
@@ -264,10 +298,11 @@ def format_table(result: dict) -> str:
             f"{r0['model']:>13} {r0['layer']:>17} {r0['M']:>5} {r0['ms'] * 1e3:>8.1f} "
             + " ".join(f"{r['speedup']:>5.2f}x/{r['floor_frac']:.2f}" for r in grp[1:])
         )
-    lines.append("(cells: speedup over bf16 / fraction of the format's floor)")
+    lines.append("(cells: speedup over bf16 / fraction of the format's floor; shape sets: modules = the checkpoint's "
+                 "seven linears, engine = what the rollout engine runs, q/k/v and gate/up fused)")
     for t in result["targets"]:
         ok = "MET" if t["met_all"] else ("met on geomean" if t["met_geomean"] else "MISSED")
-        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x: geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
+        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x ({t['shapes']} shapes): geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
     return "\n".join(lines)
 
 

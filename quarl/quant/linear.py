@@ -67,8 +67,19 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def load_quantized(self, qw: QuantizedWeight) -> None:
-        """Copy published tensors into this module's storage in place."""
+        """Copy published tensors into this module's storage in place.
+
+        When the engine fused this module with its siblings (``quarl.rollout.fused``),
+        its buffers are a row block of the fused weight and what kernels derived from
+        that weight is refreshed for these rows."""
+        owner = getattr(self, "_fused_owner", None)
+        if owner is None:
+            self.qweight.copy_(qw)
+            return
+        fused, row = owner
+        was_fresh = fused.derived_is_fresh()
         self.qweight.copy_(qw)
+        fused.refresh_derived((row, row + self.out_features) if was_fresh else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.quant_linear(x, self.qweight, self.bias)

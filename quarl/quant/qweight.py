@@ -84,11 +84,26 @@ class QuantizedWeight:
             if t.shape != theirs[f].shape:
                 raise ValueError(f"{f}: shape {tuple(theirs[f].shape)} != {tuple(t.shape)}")
             t.copy_(theirs[f])
-        if getattr(self.qdata, "_quarl_frag", None) is not None:  # engine-side derived layout
+        self.refresh_derived()
+        return self
+
+    # Kernels may keep a derived copy of the weight (the w4 fragment layout of
+    # quarl.quant.kernels.cuda_w4, cached on ``qdata``). It is rebuilt in place (same
+    # storage, so CUDA graphs see new weights) by these two after in-place writes.
+    def derived_is_fresh(self) -> bool:
+        """No derived copy, or one made from the current contents."""
+        from quarl.quant.kernels import cuda_w4
+
+        return cuda_w4.is_fresh(self)
+
+    def refresh_derived(self, rows: tuple[int, int] | None = None) -> None:
+        """Rebuild the derived copy if there is one: all of it, or only where it depends on
+        output rows ``rows = (start, stop)`` (valid when nothing else changed since it
+        was last fresh)."""
+        if getattr(self.qdata, "_quarl_frag", None) is not None:
             from quarl.quant.kernels import cuda_w4
 
-            cuda_w4.refresh(self)
-        return self
+            cuda_w4.refresh(self, rows)
 
 
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme | str) -> QuantizedWeight:

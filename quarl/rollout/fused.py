@@ -118,31 +118,102 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return out.view(g.shape)
 
 
-def _concat_as_views(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+class FusedLinear:
+    """One GEMM standing in for several linears that read the same input.
+
+    ``weight`` is the ``[sum N, K]`` buffer (a tensor for plain linears, a
+    ``QuantizedWeight`` for quantized ones) whose row blocks are the modules' own
+    parameters/buffers, so loading a module's weights by name writes straight into it.
+    """
+
+    def __init__(self, weight, bias: torch.Tensor | None, splits: list[int]) -> None:
+        self.weight, self.bias, self.splits = weight, bias, splits
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, torch.Tensor):
+            return F.linear(x, self.weight, self.bias)
+        from quarl.quant import ops
+
+        return ops.quant_linear(x, self.weight, self.bias)
+
+
+def _concat_bias_as_views(mods: list[nn.Module]) -> torch.Tensor | None:
+    if mods[0].bias is None:
+        return None
+    bias = torch.cat([m.bias.detach() for m in mods], 0)
+    row = 0
+    for m in mods:
+        n = m.out_features
+        m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return bias
+
+
+def _concat_as_views(mods: list[nn.Linear]) -> FusedLinear:
     """One ``[sum N, K]`` weight (and bias) whose row blocks become the modules' parameters.
 
     The modules keep their names and shapes, so in-place weight loading writes straight
     into the fused buffer and one GEMM serves them all.
     """
     weight = torch.cat([m.weight.detach() for m in mods], 0)
-    has_bias = mods[0].bias is not None
-    bias = torch.cat([m.bias.detach() for m in mods], 0) if has_bias else None
     row = 0
     for m in mods:
         n = m.out_features
         m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-        if has_bias:
-            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
-    return weight, bias
+    return FusedLinear(weight, _concat_bias_as_views(mods), [m.out_features for m in mods])
+
+
+def _concat_quantized_as_views(mods: list) -> FusedLinear:
+    """The ``QuantLinear`` version: every packed tensor (codes, per-row scales, zero points)
+    is concatenated along N and each module's buffers become views of its row block.
+    The modules are told their fused owner and row offset, so that an in-place load into
+    one of them also refreshes what kernels derive from the fused weight (the w4 fragment
+    copy) for those rows."""
+    from quarl.quant.qweight import QuantizedWeight
+
+    fields = mods[0]._fields
+    tensors = {f: torch.cat([getattr(m, f) for m in mods], 0) for f in fields}
+    total = sum(m.out_features for m in mods)
+    fused = QuantizedWeight(mods[0].scheme, (total, mods[0].in_features), **tensors)
+    group = FusedLinear(fused, _concat_bias_as_views(mods), [m.out_features for m in mods])
+    row = 0
+    for m in mods:
+        n = m.out_features
+        for f in fields:
+            setattr(m, f, tensors[f][row : row + n])
+        m._fused_owner = (fused, row)
+        row += n
+    return group
+
+
+def _fusable(mods: list[nn.Module]) -> str | None:
+    """"plain", "quant" or None (mixed types, schemes, biases, or a per-tensor scale)."""
+    if len({m.bias is None for m in mods}) != 1:
+        return None
+    if all(type(x) is nn.Linear for x in mods):
+        return "plain"
+    from quarl.quant.linear import QuantLinear
+
+    if not all(type(x) is QuantLinear for x in mods):
+        return None
+    first = mods[0]
+    if any(m.scheme != first.scheme or m.in_features != first.in_features for m in mods):
+        return None
+    if "global_scale" in first._fields:  # nvfp4: one tensor scale per module, not per row
+        return None
+    return "quant"
 
 
 def fuse_projections(model: Transformer) -> int:
-    """Back q/k/v and gate/up of each layer by one buffer each (plain linears only).
+    """Back q/k/v and gate/up of each layer by one buffer each.
 
     Decode at rollout batch sizes is launch- and tile-bound on these small GEMMs: one
-    ``[q+k+v]`` and one ``[2 I]`` product per layer replace five. Returns the number of
-    fused groups. Quantized linears are left alone.
+    ``[q+k+v]`` and one ``[2 I]`` product per layer replace five. Plain linears and
+    ``QuantLinear`` groups of one scheme are fused (the quantized formats here keep their
+    scales per output row, so concatenating rows gives the same products); nvfp4 (one
+    tensor scale per module) and mixed groups are left alone. Returns the number of
+    fused groups.
     """
     count = 0
     for layer in model.layers:
@@ -152,9 +223,10 @@ def fuse_projections(model: Transformer) -> int:
             if hasattr(owner, f"_fused_{name}"):
                 count += 1
                 continue
-            if not all(type(x) is nn.Linear for x in mods) or (mods[0].bias is None) != (mods[-1].bias is None):
+            kind = _fusable(mods)
+            if kind is None:
                 continue
-            setattr(owner, f"_fused_{name}", _concat_as_views(mods))
+            setattr(owner, f"_fused_{name}", _concat_as_views(mods) if kind == "plain" else _concat_quantized_as_views(mods))
             count += 1
     return count
 
@@ -178,7 +250,7 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
         a = layer.self_attn
         fused_qkv = getattr(a, "_fused_qkv", None)
         if fused_qkv is not None:
-            qkv = F.linear(h, *fused_qkv)
+            qkv = fused_qkv(h)
             nq, nkv = a.n_heads * a.head_dim, a.n_kv * a.head_dim
             q = qkv[:, :nq].view(b * t, a.n_heads, a.head_dim)
             k = qkv[:, nq : nq + nkv].view(b * t, a.n_kv, a.head_dim)
@@ -198,7 +270,7 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
         mlp = layer.mlp
         fused_gu = getattr(mlp, "_fused_gate_up", None)
         if fused_gu is not None:
-            gu = F.linear(h, *fused_gu)
+            gu = fused_gu(h)
             inter = gu.shape[-1] // 2
             m = mlp.down_proj(silu_mul(gu[:, :inter], gu[:, inter:]))
         else:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from quarl.model.presets import build_random_model
+from quarl.quant import QuantLinear, quantize_weight
+from quarl.quant.kernels import cuda_w4
 from quarl.model.transformer import batch_attention
 from quarl.rollout.fused import fuse_projections, fused_hidden_states
-from quarl.rollout.weights import load_weights_in_place
+from quarl.rollout.weights import load_weights_in_place, quantize_for_engine
 
 
 def test_fused_projections_are_views_and_forward_matches():
@@ -22,7 +25,7 @@ def test_fused_projections_are_views_and_forward_matches():
     ref = copy.deepcopy(model)
     assert fuse_projections(model) == 2 * len(model.layers)
     a = model.layers[0].self_attn
-    w, b = a._fused_qkv
+    w, b = a._fused_qkv.weight, a._fused_qkv.bias
     assert a.k_proj.weight.data_ptr() == w[a.q_proj.out_features :].data_ptr()
     ids = torch.randint(0, 128, (2, 7))
     positions, attn = batch_attention(ids)
@@ -40,3 +43,78 @@ def test_fused_projections_are_views_and_forward_matches():
         torch.testing.assert_close(fused_hidden_states(model, ids, positions, attn),
                                    ref.hidden_states(ids, positions, attn), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w[: a.q_proj.out_features], ref.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a8-int8", "w8a8-fp8"])
+def test_fused_quantized_projections_match_and_load_in_place(scheme):
+    torch.manual_seed(0)
+    master = build_random_model("tiny", seed=2, std=0.2)
+    for layer in master.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            lin.bias = torch.nn.Parameter(0.1 * torch.randn(lin.out_features))
+    model = copy.deepcopy(master)
+    quantize_for_engine(model, scheme)
+    ref = copy.deepcopy(model)
+    assert fuse_projections(model) == 2 * len(model.layers)
+    a = model.layers[0].self_attn
+    fused = a._fused_qkv.weight
+    assert fused.shape == (a.q_proj.out_features + 2 * a.k_proj.out_features, a.q_proj.in_features)
+    assert a.k_proj.qdata.data_ptr() == fused.qdata[a.q_proj.out_features :].data_ptr()
+    assert a.k_proj.scales.data_ptr() == fused.scales[a.q_proj.out_features :].data_ptr()
+    ids = torch.randint(0, 128, (2, 7))
+    positions, attn = batch_attention(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_hidden_states(model, ids, positions, attn),
+                                   ref.hidden_states(ids, positions, attn), rtol=1e-5, atol=1e-5)
+
+    # publish new weights by module name (packed, as QATLinear.publish hands them over)
+    published = {}
+    for name, mod in ref.named_modules():
+        if isinstance(mod, QuantLinear):
+            w = dict(master.named_modules())[name].weight.detach() * -0.7
+            published[name] = quantize_weight(w, mod.scheme)
+            mod.load_quantized(published[name])
+    load_weights_in_place(model, published)
+    with torch.no_grad():
+        got = fused_hidden_states(model, ids, positions, attn)
+        want = ref.hidden_states(ids, positions, attn)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, fused_hidden_states(copy.deepcopy(master), ids, positions, attn))
+
+
+def test_nvfp4_projections_stay_separate():
+    model = build_random_model("tiny", seed=2)
+    quantize_for_engine(model, "nvfp4")  # one fp32 tensor scale per module: rows cannot be concatenated
+    assert fuse_projections(model) == 0
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_loading_one_part_refreshes_the_fused_fragment_copy(asym):
+    """The w4 fragment copy of a fused weight is repacked for the loaded rows only, in the
+    same storage; with rows not on 64-row slab edges and after an outside write too."""
+    torch.manual_seed(0)
+    scheme = "w4a16-asym" if asym else "w4a16"
+    k = 256
+    mods = [QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), scheme) for n in (64, 40, 24)]
+    from quarl.rollout.fused import _concat_quantized_as_views
+
+    fuse_q = _concat_quantized_as_views(mods).weight
+    frag = cuda_w4.frag_weight(fuse_q)
+    ptr = frag.qdata.data_ptr()
+
+    def check():
+        want = cuda_w4.repack_w4(fuse_q)
+        got = cuda_w4.frag_weight(fuse_q)  # must already be fresh: no rebuild here
+        assert got.qdata.data_ptr() == ptr
+        for a, b in zip(got, want):
+            if a is not None:
+                assert torch.equal(a, b)
+
+    for i, mod in enumerate(mods):  # a load into each part, the middle one spans two slabs
+        mod.load_quantized(quantize_weight(torch.randn(mod.out_features, k) * (i + 1), scheme))
+        assert cuda_w4.is_fresh(fuse_q)
+        check()
+    fuse_q.scales.mul_(2.0)  # an outside write: the next load repacks everything
+    assert not cuda_w4.is_fresh(fuse_q)
+    mods[0].load_quantized(quantize_weight(torch.randn(64, k), scheme))
+    check()

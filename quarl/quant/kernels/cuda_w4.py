@@ -323,10 +323,14 @@ def _as_u32(v: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- cache
+def _version_key(qw: QuantizedWeight) -> tuple:
+    return (qw.qdata._version, qw.scales._version, None if qw.zeros is None else qw.zeros._version)
+
+
 def frag_weight(qw: QuantizedWeight) -> FragWeight:
     """The fragment copy of ``qw``, cached on its ``qdata`` tensor and rebuilt in place
     (same storage, so captured CUDA graphs see new weights) when ``qdata`` changed."""
-    key = (qw.qdata._version, qw.scales._version, None if qw.zeros is None else qw.zeros._version)
+    key = _version_key(qw)
     cached = getattr(qw.qdata, "_quarl_frag", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -349,10 +353,35 @@ def frag_weight(qw: QuantizedWeight) -> FragWeight:
     return fresh
 
 
-def refresh(qw: QuantizedWeight) -> None:
-    """Rebuild ``qw``'s fragment copy now if one exists (called after in-place loads)."""
-    if getattr(qw.qdata, "_quarl_frag", None) is not None:
+def is_fresh(qw: QuantizedWeight) -> bool:
+    """No fragment copy cached on ``qw``, or one that matches its current contents."""
+    cached = getattr(qw.qdata, "_quarl_frag", None)
+    return cached is None or cached[0] == _version_key(qw)
+
+
+def refresh(qw: QuantizedWeight, rows: tuple[int, int] | None = None) -> None:
+    """Rebuild ``qw``'s fragment copy now if one exists (called after in-place loads).
+
+    With ``rows = (start, stop)`` only the 64-row slabs covering those output rows are
+    repacked (a fused q/k/v weight loading one of its parts); the caller guarantees the
+    rest of the copy was fresh before the write."""
+    cached = getattr(qw.qdata, "_quarl_frag", None)
+    if cached is None:
+        return
+    if rows is None:
         frag_weight(qw)
+        return
+    s0, s1 = rows[0] // SLAB, -(-rows[1] // SLAB)
+    a, b = s0 * SLAB, min(s1 * SLAB, qw.shape[0])
+    sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]), **{f: t[a:b] for f, t in qw.tensors().items()})
+    fw = cached[1]
+    with torch.inference_mode(False), torch.no_grad():
+        part = repack_w4(sub)
+        fw.qdata[s0:s1].copy_(part.qdata)
+        fw.scales[:, a:b].copy_(part.scales[:, : b - a])
+        if fw.negz is not None:
+            fw.negz[:, a:b].copy_(part.negz[:, : b - a])
+    qw.qdata._quarl_frag = (_version_key(qw), fw)
 
 
 # ----------------------------------------------------------------------------- launch

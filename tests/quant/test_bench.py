@@ -1,0 +1,45 @@
+"""The GEMM benchmark's bookkeeping (shapes, per-layer sums, targets): pure functions, CPU."""
+
+from __future__ import annotations
+
+import math
+
+from quarl.quant.bench import MODELS, check_targets, layer_speedups, linear_shapes
+
+
+def test_shape_sets_of_qwen_7b():
+    shapes = {s.label: s for s in linear_shapes(MODELS["qwen2.5-7b"])}
+    assert (shapes["qkv_proj (fused)"].n, shapes["qkv_proj (fused)"].k) == (3584 + 2 * 512, 3584)
+    assert (shapes["gate_up_proj (fused)"].n, shapes["gate_up_proj (fused)"].k) == (2 * 18944, 3584)
+    # every decoder-layer linear counted once per set: 7 modules, 4 engine GEMMs
+    assert sum(s.counts.get("modules", 0) for s in shapes.values()) == 7
+    assert sum(s.counts.get("engine", 0) for s in shapes.values()) == 4
+    # weights per layer agree between the sets
+    per_set = {st: sum(s.n * s.k * s.counts.get(st, 0) for s in shapes.values()) for st in ("modules", "engine")}
+    assert per_set["modules"] == per_set["engine"]
+    only = linear_shapes(MODELS["qwen2.5-7b"], ("modules",))
+    assert all("fused" not in s.label for s in only) and len(only) == 4
+
+
+def _rows():
+    rows = []
+    # two shapes: A (modules x2), B (engine x1); bf16 2 ms / 4 ms, w4a16 1 ms / 1 ms
+    for label, counts, base in (("A", {"modules": 2}, 2.0), ("B", {"engine": 1}, 4.0)):
+        for m in (1, 64):
+            rows.append(dict(model="qwen2.5-7b", layer=label, counts=counts, M=m, format="bf16", ms=base, speedup=1.0))
+            rows.append(dict(model="qwen2.5-7b", layer=label, counts=counts, M=m, format="w4a16", ms=1.0, speedup=base))
+    return rows
+
+
+def test_layer_speedups_and_targets_per_shape_set():
+    rows = _rows()
+    mod = {(r["M"], r["format"]): r for r in layer_speedups(rows, "modules")}
+    assert mod[(1, "bf16")]["layer_ms"] == 4.0 and mod[(1, "w4a16")]["layer_ms"] == 2.0
+    assert mod[(1, "w4a16")]["speedup"] == 2.0
+    eng = {(r["M"], r["format"]): r for r in layer_speedups(rows, "engine")}
+    assert eng[(64, "w4a16")]["speedup"] == 4.0
+    t_mod = {t["where"]: t for t in check_targets(rows, shape_set="modules")}
+    t_eng = {t["where"]: t for t in check_targets(rows, shape_set="engine")}
+    assert math.isclose(t_mod["M<=16"]["geomean"], 2.0) and not t_mod["M<=16"]["met_geomean"]  # target 2.5x
+    assert math.isclose(t_eng["M<=16"]["geomean"], 4.0) and t_eng["M<=16"]["met_all"]
+    assert t_eng["M=64"]["min_at"] == "B M=64"
