@@ -26,7 +26,7 @@ from quarl.quant.qweight import quantize_weight
 from quarl.quant.reference import reference_linear
 from quarl.quant.scheme import get_scheme
 
-SHAPES = [(s.label, s.n, s.k) for s in bench.linear_shapes(bench.MODELS["qwen2.5-7b"])]
+SHAPES = [(s.label, s.n, s.k) for s in bench.linear_shapes(bench.MODELS["qwen2.5-7b"], ("engine",))]
 
 def _w4_table():
     """Run-6 sweep: the SUB16 dequant ("swapb") over tile height, warps, stages and forced
@@ -56,18 +56,27 @@ def _w4_table_run9():
     return t
 
 
-W4 = _w4_table_run9()
-FP8 = {
-    m: [C(0, 0, kernel="cublas")]
-    + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s, kernel="triton")
-       for bm, bn, bk, w, s, sk in ((128, 128, 128, 8, 3, 0), (64, 128, 128, 4, 4, 0), (128, 256, 128, 8, 3, 1))]
-    for m in (256, 1024)
-}
-INT8 = {
-    m: [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s, sk in ((128, 128, 128, 8, 3, 0), (128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1))]
-    for m in (256, 4096)
-}
+def _run10_tables():
+    """Run-10 sweep, on the engine's shapes (q/k/v and gate/up fused): W8A8 over the
+    Triton GEMM's tiles (fp8 through ``int8_gemm_kernel`` on e4m3) against ``_scaled_mm``
+    at every M the rollout and learner see, and w4a16 at M = 64 (swapb tiles and K split
+    against dequant + cuBLAS)."""
+    mids = [(64, 64, 128, 4, 4, 0), (64, 128, 128, 4, 4, 0), (64, 128, 64, 4, 5, 0), (64, 256, 128, 8, 3, 0),
+            (64, 64, 256, 4, 3, 0), (64, 128, 128, 4, 4, 1)]
+    bigs = [(128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 1),
+            (128, 128, 64, 4, 4, 1), (256, 128, 128, 8, 3, 1)]
+    def tiles(m):
+        return mids if m <= 64 else (mids[:2] + bigs if m <= 256 else bigs)
+    fp8 = {m: [C(0, 0, kernel="cublas")] + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st, kernel="triton")
+                                            for bm, bn, bk, w, st, sk in tiles(m)] for m in (64, 256, 1024, 4096)}
+    int8 = {m: [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st) for bm, bn, bk, w, st, sk in tiles(m)]
+            for m in (64, 256, 1024, 4096)}
+    w4 = {64: [C(64, bn, num_warps=w, num_stages=st, waves=wv, kernel="swapb")
+               for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0.5, 1, 2)] + [C(0, 0, kernel="dequant")]}
+    return w4, fp8, int8
+
+
+W4, FP8, INT8 = _run10_tables()
 SPEC = {"w4": ("w4a16", W4), "fp8": ("w8a8-fp8", FP8), "int8": ("w8a8-int8", INT8)}
 
 

@@ -215,3 +215,40 @@ def test_fused_engine_equals_unfused():
             ref = ref[0, len(p) - 1 :].float().cpu()
             got = torch.tensor(c.logprobs)
             assert (got - ref).abs().max() < 0.1, (engine.runner.fused, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a8-fp8", "w8a8-int8"])
+def test_fused_quantized_engine_takes_published_weights(scheme):
+    """Quantized q/k/v and gate/up run fused (one GEMM each); weights the QAT learner
+    publishes land in the fused buffers (w4: fragment copy refreshed per part) and the
+    decode graphs, replayed at batch 2 (w4: the CUDA fragment kernel), see them."""
+    import copy
+
+    from quarl.learner.logprobs import sequence_logprobs
+    from quarl.quant import QATLinear, quantize_model
+
+    master = _small_model(torch.bfloat16)
+    learner = copy.deepcopy(master)
+    quantize_model(learner, scheme, mode="qat")
+    engine = Engine(copy.deepcopy(master), scheme=scheme, config=EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=100))
+    a = engine.model.layers[0].self_attn
+    assert engine.runner.fused and a._fused_qkv.weight.scheme.name == scheme
+    assert a.v_proj.qdata.data_ptr() == a._fused_qkv.weight.qdata[a.q_proj.out_features + a.k_proj.out_features :].data_ptr()
+    prompts = [[1, 2, 3, 4], [7] * 30]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+
+    def check(out):
+        for p, c in zip(prompts, out):
+            ids = torch.tensor([p + c.token_ids], device=DEV)
+            with torch.no_grad():
+                ref, _ = sequence_logprobs(learner, ids)
+            diff = (torch.tensor(c.logprobs) - ref[0, len(p) - 1 :].float().cpu()).abs().max()
+            assert diff < 0.1, diff
+
+    check(engine.generate(prompts, params))
+    with torch.no_grad():
+        for mod in learner.modules():
+            if isinstance(mod, QATLinear):
+                mod.weight.mul_(-1.3)
+    engine.load_weights({n: m.publish() for n, m in learner.named_modules() if isinstance(m, QATLinear)})
+    check(engine.generate(prompts, params))
