@@ -66,6 +66,28 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     return y.view(*lead, y.shape[-1])
 
 
+def quant_linear_quantized_input(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`quant_linear` for activations already quantized per token (``xq [M, K]``
+    int8 / e4m3 codes, ``sx [M]`` fp32 scales, as ``quantize_activations`` makes them):
+    the same kernel, minus its quantizer. The reference path dequantizes ``xq * sx`` to
+    ``out_dtype`` first, as ``fake_quantize_activations`` does."""
+    if qw.scheme.act_format not in ("int8", "fp8"):
+        raise ValueError(f"{qw.scheme.name} does not quantize activations; call quant_linear")
+    fast = _backend != "reference" and triton_available() and (_backend == "triton" or xq.is_cuda)
+    if fast:
+        from quarl.quant.kernels import launch
+
+        return launch.linear_quantized_input(xq, sx, qw, bias, out_dtype)
+    cdt = torch.float64 if out_dtype == torch.float64 else torch.float32
+    xs = (xq.to(cdt) * sx[:, None].to(cdt)).to(out_dtype).to(cdt)
+    y = xs @ qw.dequantize(cdt).T
+    if bias is not None:
+        y = y + bias.to(cdt)
+    return y.to(out_dtype)
+
+
 def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:
     """``x`` as the GEMM of :func:`quant_linear` sees it, with the same quantizer it uses."""
     if act_format == "none":

@@ -21,11 +21,12 @@ import triton.language as tl
 from torch import nn
 
 from quarl.model.transformer import AttnFn, Transformer
+from quarl.quant.kernels.triton_kernels import act_scale, store_act_codes
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, n_cols, eps, stride_x, stride_r, stride_o,
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, IS_FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -38,26 +39,41 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, st
     var = tl.sum(xf * xf, 0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
-
-
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """``weight * norm(x)`` over the last dim; with ``residual``: ``s = x + residual``
-    is written back into ``residual`` and ``weight * norm(s)`` returned."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    out = torch.empty_like(x2)
-    n = shape[-1]
-    block = triton.next_power_of_2(n)
-    if residual is not None:
-        r2 = residual.view(-1, n)
-        _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, r2, n, eps, x2.stride(0), r2.stride(0), out.stride(0),
-                                        HAS_RES=True, BLOCK=block, num_warps=min(8, max(1, block // 256)))
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if QUANT:  # per-token codes of y (the quantizer of quarl.quant, fused): y never goes to memory
+        yf = y.to(tl.float32)
+        s = act_scale(tl.max(tl.abs(yf), 0), IS_FP8)
+        tl.store(s_ptr + row, s)
+        store_act_codes(out_ptr + row * stride_o + cols, yf, s, mask, IS_FP8)
     else:
-        _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, out, x2, n, eps, x2.stride(0), x2.stride(0), out.stride(0),
-                                        HAS_RES=False, BLOCK=block, num_warps=min(8, max(1, block // 256)))
-    return out.view(shape)
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            quant: str | None = None):
+    """``weight * norm(x)`` over the last dim; with ``residual``: ``s = x + residual``
+    is written back into ``residual`` and ``weight * norm(s)`` returned.
+
+    ``quant="int8" | "fp8"``: instead of the normed rows, their per-token codes and fp32
+    scales ``(q [rows, n], s [rows])``, the very values ``quarl.quant``'s activation
+    quantizer gives for the normed rows (for the W8A8 GEMM that reads them next)."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    rows = x2.shape[0]
+    block = triton.next_power_of_2(n)
+    if quant is None:
+        out = torch.empty_like(x2)
+        out_arg, s = out, out
+    else:
+        out = torch.empty(rows, n, dtype=torch.float8_e4m3fn if quant == "fp8" else torch.int8, device=x.device)
+        s = torch.empty(rows, dtype=torch.float32, device=x.device)
+        out_arg = out.view(torch.uint8) if quant == "fp8" else out
+    r2 = residual.view(-1, n) if residual is not None else x2
+    _rmsnorm_kernel[(rows,)](x2, r2, weight, out_arg, r2, s, n, eps, x2.stride(0), r2.stride(0), out.stride(0),
+                             HAS_RES=residual is not None, BLOCK=block, QUANT=quant is not None, IS_FP8=quant == "fp8",
+                             num_warps=min(8, max(1, block // 256)))
+    return out.view(shape) if quant is None else (out, s)
 
 
 @triton.jit
@@ -96,25 +112,62 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_mul(g_ptrs, u_ptrs, mask, dt: tl.constexpr):
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (s * u).to(dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul(g_ptr + row * stride_g + cols, u_ptr + row * stride_u + cols, mask,
+                                                         out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` with the reference's rounding (g, u ``[..., I]``)."""
+@triton.jit
+def _silu_mul_quant_kernel(g_ptr, u_ptr, q_ptr, s_ptr, n_cols, stride_g, stride_u, stride_q,
+                           BLOCK: tl.constexpr, IS_FP8: tl.constexpr):
+    """One row per program, two passes over column blocks: the row's absolute maximum of
+    ``silu(g) * u``, then its codes (recomputed: g and u are read twice, from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    dt = g_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        m = c0 + offs < n_cols
+        y = _silu_mul(g_ptr + row * stride_g + c0 + offs, u_ptr + row * stride_u + c0 + offs, m, dt)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    s = act_scale(tl.max(amax, 0), IS_FP8)
+    tl.store(s_ptr + row, s)
+    for c0 in range(0, n_cols, BLOCK):
+        m = c0 + offs < n_cols
+        y = _silu_mul(g_ptr + row * stride_g + c0 + offs, u_ptr + row * stride_u + c0 + offs, m, dt)
+        store_act_codes(q_ptr + row * stride_q + c0 + offs, y.to(tl.float32), s, m, IS_FP8)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None):
+    """``silu(g) * u`` with the reference's rounding (g, u ``[..., I]``); with
+    ``quant="int8" | "fp8"`` its per-token codes and scales ``(q [rows, I], s [rows])``
+    (as :func:`rmsnorm`)."""
     n = g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
+    rows = g2.shape[0]
+    if quant is not None:
+        q = torch.empty(rows, n, dtype=torch.float8_e4m3fn if quant == "fp8" else torch.int8, device=g.device)
+        s = torch.empty(rows, dtype=torch.float32, device=g.device)
+        block = min(triton.next_power_of_2(n), 64 if g.device.type != "cuda" else 4096)
+        _silu_mul_quant_kernel[(rows,)](g2, u2, q.view(torch.uint8) if quant == "fp8" else q, s, n,
+                                        g2.stride(0), u2.stride(0), q.stride(0), BLOCK=block,
+                                        IS_FP8=quant == "fp8", num_warps=8 if block >= 2048 else 4)
+        return q, s
     out = torch.empty_like(g2)
     block = 1024
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0),
-                                                            BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0),
+                                                     BLOCK=block, num_warps=4)
     return out.view(g.shape)
 
 
@@ -128,13 +181,24 @@ class FusedLinear:
 
     def __init__(self, weight, bias: torch.Tensor | None, splits: list[int]) -> None:
         self.weight, self.bias, self.splits = weight, bias, splits
+        self.act_format = act_format_of(weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x) -> torch.Tensor:
+        """``x``: the input rows, or ``(codes, scales, out_dtype)`` already quantized for a
+        W8A8 scheme (:func:`rmsnorm` with ``quant=self.act_format``)."""
         if isinstance(self.weight, torch.Tensor):
             return F.linear(x, self.weight, self.bias)
         from quarl.quant import ops
 
+        if isinstance(x, tuple):
+            return ops.quant_linear_quantized_input(*x[:2], self.weight, self.bias, x[2])
         return ops.quant_linear(x, self.weight, self.bias)
+
+
+def act_format_of(weight) -> str | None:
+    """"int8" / "fp8" when a GEMM on ``weight`` quantizes its input per token, else None."""
+    fmt = getattr(getattr(weight, "scheme", None), "act_format", "none")
+    return fmt if fmt in ("int8", "fp8") else None
 
 
 def _concat_bias_as_views(mods: list[nn.Module]) -> torch.Tensor | None:
@@ -236,6 +300,15 @@ def supports_fused(model: Transformer) -> bool:
     return cfg.hidden_act == "silu" and cfg.head_dim % 2 == 0
 
 
+def _norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: FusedLinear | None):
+    """RMSNorm for ``consumer``: plain rows, or ``(codes, scales, dtype)`` for a W8A8 GEMM."""
+    fmt = consumer.act_format if consumer is not None else None
+    if fmt is None:
+        return rmsnorm(x, norm.weight, norm.eps, residual)
+    q, s = rmsnorm(x, norm.weight, norm.eps, residual, quant=fmt)
+    return q, s, x.dtype
+
+
 def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
     """``model.hidden_states`` over the fused kernels (same weights, same rounding steps)."""
     x = model.embed_tokens(input_ids)
@@ -244,11 +317,13 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
     cos, sin = cos.reshape(b * t, -1), sin.reshape(b * t, -1)
     residual = x.reshape(b * t, hidden).clone()
     h = None
+    # W8A8: the per-token quantizer of the fused q/k/v, gate/up and down GEMMs runs inside
+    # the RMSNorm / SiLU-and-mul kernel before them (same codes, one launch fewer each)
     for i, layer in enumerate(model.layers):
-        if h is None:
-            h = rmsnorm(residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        a = layer.self_attn
+        a, mlp = layer.self_attn, layer.mlp
         fused_qkv = getattr(a, "_fused_qkv", None)
+        if h is None:
+            h = _norm(residual, layer.input_layernorm, None, fused_qkv)
         if fused_qkv is not None:
             qkv = fused_qkv(h)
             nq, nkv = a.n_heads * a.head_dim, a.n_kv * a.head_dim
@@ -266,15 +341,24 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
         out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
                    v.reshape(b, t, a.n_kv, a.head_dim))
         o = a.o_proj(out.reshape(b * t, -1))
-        h = rmsnorm(o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
-        mlp = layer.mlp
         fused_gu = getattr(mlp, "_fused_gate_up", None)
+        h = _norm(o, layer.post_attention_layernorm, residual, fused_gu)
         if fused_gu is not None:
             gu = fused_gu(h)
             inter = gu.shape[-1] // 2
-            m = mlp.down_proj(silu_mul(gu[:, :inter], gu[:, inter:]))
+            down_fmt = act_format_of(getattr(mlp.down_proj, "qweight", None))
+            if down_fmt is not None:
+                xq, sx = silu_mul(gu[:, :inter], gu[:, inter:], quant=down_fmt)
+                from quarl.quant import ops
+
+                m = ops.quant_linear_quantized_input(xq, sx, mlp.down_proj.qweight, mlp.down_proj.bias, gu.dtype)
+            else:
+                m = mlp.down_proj(silu_mul(gu[:, :inter], gu[:, inter:]))
         else:
             m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        nxt = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
-        h = rmsnorm(m, nxt.weight, nxt.eps, residual)
+        if i + 1 < len(model.layers):
+            nxt = model.layers[i + 1]
+            h = _norm(m, nxt.input_layernorm, residual, getattr(nxt.self_attn, "_fused_qkv", None))
+        else:
+            h = rmsnorm(m, model.norm.weight, model.norm.eps, residual)
     return h.view(b, t, hidden)

@@ -118,3 +118,32 @@ def test_loading_one_part_refreshes_the_fused_fragment_copy(asym):
     assert not cuda_w4.is_fresh(fuse_q)
     mods[0].load_quantized(quantize_weight(torch.randn(64, k), scheme))
     check()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_silu_with_fused_quantizer_give_the_quantizers_codes(fmt, dtype):
+    """rmsnorm / silu_mul with ``quant=`` return exactly what quarl.quant's per-token
+    quantizer makes of their plain outputs (codes and scales, bit for bit)."""
+    from quarl.quant.kernels import launch
+    from quarl.rollout.fused import rmsnorm, silu_mul
+
+    torch.manual_seed(3)
+    x = (torch.randn(5, 200) * 3).to(dtype)
+    r = torch.randn(5, 200).to(dtype)
+    w = (1 + 0.3 * torch.randn(200)).to(dtype)
+    x[2] = 0  # a zero row: scale 1, codes 0
+    r[2] = 0
+    r1, r2 = r.clone(), r.clone()
+    plain = rmsnorm(x, w, 1e-6, r1)
+    q, s = rmsnorm(x, w, 1e-6, r2, quant=fmt)
+    assert torch.equal(r1, r2)  # residual sum still written
+    q_ref, s_ref = launch.act_quant(plain, fmt)
+    assert torch.equal(s, s_ref) and s[2] == 1.0
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+    g, u = (torch.randn(3, 150) * 2).to(dtype), torch.randn(3, 150).to(dtype)  # 150: several column blocks
+    q, s = silu_mul(g, u, quant=fmt)
+    q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

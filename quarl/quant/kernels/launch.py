@@ -393,23 +393,46 @@ def w4a8_gemm(
 
 
 def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileConfig | None = None) -> torch.Tensor:
-    """Per-token e4m3 activations (Triton quantizer) x per-channel e4m3 weights: either the
-    Triton GEMM (``int8_gemm_kernel`` on e4m3, scales + bias in its epilogue) or row-wise
-    scaled ``torch._scaled_mm`` on CUDA (dequantized matmul where that cannot run)."""
+    """Per-token e4m3 activations (Triton quantizer) x per-channel e4m3 weights."""
     xq, sx = act_quant(x, "fp8")
+    return fp8_gemm_quantized(xq, sx, qw, bias, x.dtype, cfg)
+
+
+def fp8_gemm_quantized(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+    out_dtype: torch.dtype, cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """``(xq @ W.T) * sx * sw + bias`` for e4m3 ``xq [M, K]``: either the Triton GEMM
+    (``int8_gemm_kernel`` on e4m3, scales + bias in its epilogue) or row-wise scaled
+    ``torch._scaled_mm`` on CUDA (dequantized matmul where that cannot run)."""
     n, k = qw.shape
-    m = x.shape[0]
+    m = xq.shape[0]
     cfg = cfg or fp8_config(m, n, k)
     if cfg.kernel == "triton":
-        return int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
-    if x.device.type != "cuda" or n % 16 or k % 16:  # cuBLASLt fp8 needs N, K % 16 == 0
+        return int8_gemm(xq, sx, qw, bias, out_dtype, cfg)
+    if xq.device.type != "cuda" or n % 16 or k % 16:  # cuBLASLt fp8 needs N, K % 16 == 0
         y = (xq.float() * sx[:, None]) @ qw.dequantize(torch.float32).T
-        return (y + bias.float() if bias is not None else y).to(x.dtype)
-    y = torch._scaled_mm(
-        xq, qw.qdata.t(), scale_a=sx[:, None], scale_b=qw.scales[None, :], out_dtype=x.dtype,
-        bias=bias.to(x.dtype) if bias is not None else None,
+        return (y + bias.float() if bias is not None else y).to(out_dtype)
+    return torch._scaled_mm(
+        xq, qw.qdata.t(), scale_a=sx[:, None], scale_b=qw.scales[None, :], out_dtype=out_dtype,
+        bias=bias.to(out_dtype) if bias is not None else None,
     )
-    return y
+
+
+def linear_quantized_input(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The GEMM of a W8A8 / W4A8 scheme on activations already quantized per token:
+    ``act_quant``'s output, or that of a kernel that fused the quantizer into the op
+    before (the engine's RMSNorm and SiLU-and-mul)."""
+    sc = qw.scheme
+    if sc.act_format == "fp8":
+        return fp8_gemm_quantized(xq, sx, qw, bias, out_dtype)
+    if sc.act_format != "int8":
+        raise ValueError(f"{sc.name} does not quantize activations")
+    if sc.packed:
+        return w4a8_gemm(xq, sx, qw, bias, out_dtype)
+    return int8_gemm(xq, sx, qw, bias, out_dtype)
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -417,11 +440,7 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
     sc = qw.scheme
     if not x.is_contiguous():
         x = x.contiguous()
-    if sc.act_format == "fp8":
-        return fp8_gemm(x, qw, bias)
-    if sc.act_format == "int8":
-        xq, sx = act_quant(x, "int8")
-        if sc.packed:
-            return w4a8_gemm(xq, sx, qw, bias, x.dtype)
-        return int8_gemm(xq, sx, qw, bias, x.dtype)
+    if sc.act_format in ("fp8", "int8"):
+        xq, sx = act_quant(x, sc.act_format)
+        return linear_quantized_input(xq, sx, qw, bias, x.dtype)
     return wo_gemm(x, qw, bias)

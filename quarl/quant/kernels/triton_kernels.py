@@ -78,6 +78,27 @@ def e4m3_byte_kernel(v_ptr, q_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def act_scale(amax, IS_FP8: tl.constexpr):
+    """Per-token scale from the row's absolute maximum: ``amax * fp32(1 / qmax)``, 1 for a
+    zero row. A multiply, so torch (which turns division by a scalar into a multiply by
+    its reciprocal on CUDA) and these kernels agree bit for bit."""
+    inv_qmax = 1.0 / 448.0 if IS_FP8 else 1.0 / 127.0
+    return tl.where(amax > 0, amax * inv_qmax, 1.0)
+
+
+@triton.jit
+def store_act_codes(q_ptr, v, s, msk, IS_FP8: tl.constexpr):
+    """Codes of fp32 values ``v`` under scale ``s`` (IEEE division, as the reference):
+    e4m3 bytes (through a uint8 pointer) or int8 clamped to +-127."""
+    t = tl.math.div_rn(v, tl.full(v.shape, 1.0, tl.float32) * s)
+    if IS_FP8:
+        tl.store(q_ptr, _e4m3_byte(t).to(tl.uint8), mask=msk)
+    else:
+        t = tl.minimum(tl.maximum(_rne(t), -127.0), 127.0)
+        tl.store(q_ptr, t.to(tl.int8), mask=msk)
+
+
+@triton.jit
 def act_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -85,9 +106,6 @@ def act_quant_kernel(
     """One row per program. ONE_PASS (BLOCK >= K): the row stays in registers, x is read once."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    # scale = amax * fp32(1 / qmax): a multiply, so torch (which turns division by a
-    # scalar into a multiply by its reciprocal on CUDA) and this kernel agree bit for bit
-    inv_qmax = 1.0 / 448.0 if IS_FP8 else 1.0 / 127.0
     if ONE_PASS:
         msk = offs < K
         v = tl.load(x_ptr + row * stride_xm + offs, mask=msk, other=0.0).to(tl.float32)
@@ -99,18 +117,13 @@ def act_quant_kernel(
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
         a = tl.max(amax, axis=0)
-    s = tl.where(a > 0, a * inv_qmax, 1.0)
+    s = act_scale(a, IS_FP8)
     tl.store(s_ptr + row, s)
     for k0 in range(0, K, BLOCK):
         msk = k0 + offs < K
         if not ONE_PASS:
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
-        t = tl.math.div_rn(v, tl.full([BLOCK], 1.0, tl.float32) * s)
-        if IS_FP8:
-            tl.store(q_ptr + row * stride_qm + k0 + offs, _e4m3_byte(t).to(tl.uint8), mask=msk)
-        else:
-            t = tl.minimum(tl.maximum(_rne(t), -127.0), 127.0)
-            tl.store(q_ptr + row * stride_qm + k0 + offs, t.to(tl.int8), mask=msk)
+        store_act_codes(q_ptr + row * stride_qm + k0 + offs, v, s, msk, IS_FP8)
 
 
 @triton.jit
