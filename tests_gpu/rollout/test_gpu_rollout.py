@@ -237,13 +237,20 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
     prompts = [[1, 2, 3, 4], [7] * 30]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 
+    # The fused RMSNorm / rotary / SiLU kernels differ from the learner's torch ops by ~1 bf16
+    # ulp in some elements; under W8A8 that flips activation codes, so the engine-learner
+    # gap is larger there (H200, this model: max 0.21-0.28, mean 0.03-0.12 nats; the unfused
+    # path matches the learner to 1e-6; bench/results/diag_engine_vs_learner_h200.json).
+    # Stale weights (the update negates them) are off by far more.
+    tol_max, tol_mean = (0.4, 0.15) if "w8a8" in scheme else (0.1, 0.05)
+
     def check(out):
         for p, c in zip(prompts, out):
             ids = torch.tensor([p + c.token_ids], device=DEV)
             with torch.no_grad():
                 ref, _ = sequence_logprobs(learner, ids)
-            diff = (torch.tensor(c.logprobs) - ref[0, len(p) - 1 :].float().cpu()).abs().max()
-            assert diff < 0.1, diff
+            diff = (torch.tensor(c.logprobs) - ref[0, len(p) - 1 :].float().cpu()).abs()
+            assert diff.max() < tol_max and diff.mean() < tol_mean, (diff.max(), diff.mean())
 
     check(engine.generate(prompts, params))
     with torch.no_grad():
@@ -252,3 +259,20 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
                 mod.weight.mul_(-1.3)
     engine.load_weights({n: m.publish() for n, m in learner.named_modules() if isinstance(m, QATLinear)})
     check(engine.generate(prompts, params))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_fused_quantizers_equal_the_quantizer_on_gpu(fmt):
+    from quarl.quant.kernels import launch
+    from quarl.rollout.fused import rmsnorm, silu_mul
+
+    x, r = torch.randn(70, 3584, device=DEV, dtype=torch.bfloat16) * 4, torch.randn(70, 3584, device=DEV, dtype=torch.bfloat16)
+    w = 1 + 0.2 * torch.randn(3584, device=DEV, dtype=torch.bfloat16)
+    r1, r2 = r.clone(), r.clone()
+    q, s = rmsnorm(x, w, 1e-6, r2, quant=fmt)
+    q_ref, s_ref = launch.act_quant(rmsnorm(x, w, 1e-6, r1), fmt)
+    assert torch.equal(r1, r2) and torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    g, u = torch.randn(70, 18944, device=DEV, dtype=torch.bfloat16) * 3, torch.randn(70, 18944, device=DEV, dtype=torch.bfloat16)
+    q, s = silu_mul(g, u, quant=fmt)
+    q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
