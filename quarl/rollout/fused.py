@@ -195,10 +195,18 @@ class FusedLinear:
         return ops.quant_linear(x, self.weight, self.bias)
 
 
+# Activation formats whose quantizer runs inside the engine's RMSNorm / SiLU-and-mul.
+# fp8 only: on the H200 the int8 codes of the fused RMSNorm differed from act_quant's in
+# some elements (equal scales; cause not found, bench/NOTES.md run 10), so int8 keeps
+# the separate quantizer. The CPU tests check both formats under the interpreter.
+FUSED_QUANTIZERS = ("fp8",)
+
+
 def act_format_of(weight) -> str | None:
-    """"int8" / "fp8" when a GEMM on ``weight`` quantizes its input per token, else None."""
+    """The activation format when a GEMM on ``weight`` takes its input quantized by the
+    kernel before it (see ``FUSED_QUANTIZERS``), else None."""
     fmt = getattr(getattr(weight, "scheme", None), "act_format", "none")
-    return fmt if fmt in ("int8", "fp8") else None
+    return fmt if fmt in FUSED_QUANTIZERS else None
 
 
 def _concat_bias_as_views(mods: list[nn.Module]) -> torch.Tensor | None:

@@ -221,7 +221,8 @@ def test_fused_engine_equals_unfused():
 def test_fused_quantized_engine_takes_published_weights(scheme):
     """Quantized q/k/v and gate/up run fused (one GEMM each); weights the QAT learner
     publishes land in the fused buffers (w4: fragment copy refreshed per part) and the
-    decode graphs, replayed at batch 2 (w4: the CUDA fragment kernel), see them."""
+    decode graphs, replayed at batch 2 (w4: the CUDA fragment kernel), see them: the
+    updated engine generates exactly what an engine built from the new weights does."""
     import copy
 
     from quarl.learner.logprobs import sequence_logprobs
@@ -230,38 +231,45 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
     master = _small_model(torch.bfloat16)
     learner = copy.deepcopy(master)
     quantize_model(learner, scheme, mode="qat")
-    engine = Engine(copy.deepcopy(master), scheme=scheme, config=EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=100))
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=100)
+    engine = Engine(copy.deepcopy(master), scheme=scheme, config=cfg)
     a = engine.model.layers[0].self_attn
     assert engine.runner.fused and a._fused_qkv.weight.scheme.name == scheme
     assert a.v_proj.qdata.data_ptr() == a._fused_qkv.weight.qdata[a.q_proj.out_features + a.k_proj.out_features :].data_ptr()
     prompts = [[1, 2, 3, 4], [7] * 30]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 
-    # The fused RMSNorm / rotary / SiLU kernels differ from the learner's torch ops by ~1 bf16
-    # ulp in some elements; under W8A8 that flips activation codes, so the engine-learner
-    # gap is larger there (H200, this model: max 0.21-0.28, mean 0.03-0.12 nats; the unfused
-    # path matches the learner to 1e-6; bench/results/diag_engine_vs_learner_h200.json).
-    # Stale weights (the update negates them) are off by far more.
-    tol_max, tol_mean = (0.4, 0.15) if "w8a8" in scheme else (0.1, 0.05)
-
-    def check(out):
+    def check_learner(out):
+        # weight-only: the engine's log-probs are the learner's up to the fused elementwise
+        # kernels' ~1 bf16 ulp. W8A8 is not compared here: those ulps flip activation codes
+        # and this peaked model amplifies that to 0.2-0.6 nats (bench/diag_w8a8_engine.py).
+        if "w8a8" in scheme:
+            return
         for p, c in zip(prompts, out):
             ids = torch.tensor([p + c.token_ids], device=DEV)
             with torch.no_grad():
                 ref, _ = sequence_logprobs(learner, ids)
             diff = (torch.tensor(c.logprobs) - ref[0, len(p) - 1 :].float().cpu()).abs()
-            assert diff.max() < tol_max and diff.mean() < tol_mean, (diff.max(), diff.mean())
+            assert diff.max() < 0.1 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
-    check(engine.generate(prompts, params))
+    before = engine.generate(prompts, params)
+    check_learner(before)
     with torch.no_grad():
-        for mod in learner.modules():
+        for name, mod in learner.named_modules():
             if isinstance(mod, QATLinear):
                 mod.weight.mul_(-1.3)
+                master.get_submodule(name).weight.mul_(-1.3)
     engine.load_weights({n: m.publish() for n, m in learner.named_modules() if isinstance(m, QATLinear)})
-    check(engine.generate(prompts, params))
+    after = engine.generate(prompts, params)
+    check_learner(after)
+    fresh = Engine(copy.deepcopy(master), scheme=scheme, config=cfg).generate(prompts, params)
+    assert [c.token_ids for c in after] == [c.token_ids for c in fresh]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    for x, y in zip(after, fresh):
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["fp8"])  # the formats of quarl.rollout.fused.FUSED_QUANTIZERS
 def test_fused_quantizers_equal_the_quantizer_on_gpu(fmt):
     from quarl.quant.kernels import launch
     from quarl.rollout.fused import rmsnorm, silu_mul
