@@ -21,6 +21,9 @@ import triton.language as tl
 from torch import nn
 
 from quarl.model.transformer import AttnFn, Transformer
+from quarl.quant import ops
+from quarl.quant.linear import QuantLinear
+from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.kernels.triton_kernels import act_scale, store_act_codes
 
 
@@ -188,8 +191,6 @@ class FusedLinear:
         W8A8 scheme (:func:`rmsnorm` with ``quant=self.act_format``)."""
         if isinstance(self.weight, torch.Tensor):
             return F.linear(x, self.weight, self.bias)
-        from quarl.quant import ops
-
         if isinstance(x, tuple):
             return ops.quant_linear_quantized_input(*x[:2], self.weight, self.bias, x[2])
         return ops.quant_linear(x, self.weight, self.bias)
@@ -242,8 +243,6 @@ def _concat_quantized_as_views(mods: list) -> FusedLinear:
     The modules are told their fused owner and row offset, so that an in-place load into
     one of them also refreshes what kernels derive from the fused weight (the w4 fragment
     copy) for those rows."""
-    from quarl.quant.qweight import QuantizedWeight
-
     fields = mods[0]._fields
     tensors = {f: torch.cat([getattr(m, f) for m in mods], 0) for f in fields}
     total = sum(m.out_features for m in mods)
@@ -265,8 +264,6 @@ def _fusable(mods: list[nn.Module]) -> str | None:
         return None
     if all(type(x) is nn.Linear for x in mods):
         return "plain"
-    from quarl.quant.linear import QuantLinear
-
     if not all(type(x) is QuantLinear for x in mods):
         return None
     first = mods[0]
@@ -357,8 +354,6 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
             down_fmt = act_format_of(getattr(mlp.down_proj, "qweight", None))
             if down_fmt is not None:
                 xq, sx = silu_mul(gu[:, :inter], gu[:, inter:], quant=down_fmt)
-                from quarl.quant import ops
-
                 m = ops.quant_linear_quantized_input(xq, sx, mlp.down_proj.qweight, mlp.down_proj.bias, gu.dtype)
             else:
                 m = mlp.down_proj(silu_mul(gu[:, :inter], gu[:, inter:]))
