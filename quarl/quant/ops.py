@@ -80,12 +80,8 @@ def quant_linear_quantized_input(
         from quarl.quant.kernels import launch
 
         return launch.linear_quantized_input(xq, sx, qw, bias, out_dtype)
-    cdt = torch.float64 if out_dtype == torch.float64 else torch.float32
-    xs = (xq.to(cdt) * sx[:, None].to(cdt)).to(out_dtype).to(cdt)
-    y = xs @ qw.dequantize(cdt).T
-    if bias is not None:
-        y = y + bias.to(cdt)
-    return y.to(out_dtype)
+    xs = ref.dequantize_activations(xq, sx, out_dtype)
+    return ref.reference_linear(xs, qw, bias, quantize_input=False)
 
 
 def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:

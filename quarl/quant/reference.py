@@ -293,8 +293,13 @@ def fake_quantize_activations(x: torch.Tensor, act_format: str) -> torch.Tensor:
     if act_format == "none":
         return x
     q, s = quantize_activations(x, act_format)
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (q.to(cdt) * s[..., None].to(cdt)).to(x.dtype)
+    return dequantize_activations(q, s, x.dtype)
+
+
+def dequantize_activations(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token codes ``q [..., K]`` times scales ``s [...]``, rounded to ``dtype``."""
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(cdt) * s[..., None].to(cdt)).to(dtype)
 
 
 def reference_linear(
@@ -302,14 +307,16 @@ def reference_linear(
     qw,
     bias: torch.Tensor | None = None,
     exact: bool = False,
+    quantize_input: bool = True,
 ) -> torch.Tensor:
     """The GEMM the scheme implies: ``fake_quant(x) @ dequant(W).T + bias``.
 
     ``x [..., K]``; ``qw`` a :class:`~quarl.quant.qweight.QuantizedWeight`. Computed in fp32
-    (fp64 if ``x`` is fp64 or ``exact``), returned in x's dtype.
+    (fp64 if ``x`` is fp64 or ``exact``), returned in x's dtype. ``quantize_input=False``:
+    ``x`` is already what the GEMM sees (dequantized activation codes).
     """
     cdt = torch.float64 if (exact or x.dtype == torch.float64) else torch.float32
-    xs = fake_quantize_activations(x, qw.scheme.act_format).to(cdt)
+    xs = (fake_quantize_activations(x, qw.scheme.act_format) if quantize_input else x).to(cdt)
     y = xs @ qw.dequantize(cdt).T
     if bias is not None:
         y = y + bias.to(cdt)

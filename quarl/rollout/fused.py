@@ -24,6 +24,7 @@ from quarl.model.transformer import AttnFn, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear
 from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.kernels.launch import act_quant_buffers
 from quarl.quant.kernels.triton_kernels import act_scale, store_act_codes
 
 
@@ -69,9 +70,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         out = torch.empty_like(x2)
         out_arg, s = out, out
     else:
-        out = torch.empty(rows, n, dtype=torch.float8_e4m3fn if quant == "fp8" else torch.int8, device=x.device)
-        s = torch.empty(rows, dtype=torch.float32, device=x.device)
-        out_arg = out.view(torch.uint8) if quant == "fp8" else out
+        out, out_arg, s = act_quant_buffers(rows, n, quant, x.device)
     r2 = residual.view(-1, n) if residual is not None else x2
     _rmsnorm_kernel[(rows,)](x2, r2, weight, out_arg, r2, s, n, eps, x2.stride(0), r2.stride(0), out.stride(0),
                              HAS_RES=residual is not None, BLOCK=block, QUANT=quant is not None, IS_FP8=quant == "fp8",
@@ -160,10 +159,9 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None):
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
     rows = g2.shape[0]
     if quant is not None:
-        q = torch.empty(rows, n, dtype=torch.float8_e4m3fn if quant == "fp8" else torch.int8, device=g.device)
-        s = torch.empty(rows, dtype=torch.float32, device=g.device)
+        q, q_arg, s = act_quant_buffers(rows, n, quant, g.device)
         block = min(triton.next_power_of_2(n), 64 if g.device.type != "cuda" else 4096)
-        _silu_mul_quant_kernel[(rows,)](g2, u2, q.view(torch.uint8) if quant == "fp8" else q, s, n,
+        _silu_mul_quant_kernel[(rows,)](g2, u2, q_arg, s, n,
                                         g2.stride(0), u2.stride(0), q.stride(0), BLOCK=block,
                                         IS_FP8=quant == "fp8", num_warps=8 if block >= 2048 else 4)
         return q, s
@@ -182,8 +180,8 @@ class FusedLinear:
     parameters/buffers, so loading a module's weights by name writes straight into it.
     """
 
-    def __init__(self, weight, bias: torch.Tensor | None, splits: list[int]) -> None:
-        self.weight, self.bias, self.splits = weight, bias, splits
+    def __init__(self, weight, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
         self.act_format = act_format_of(weight)
 
     def __call__(self, x) -> torch.Tensor:
@@ -234,7 +232,7 @@ def _concat_as_views(mods: list[nn.Linear]) -> FusedLinear:
         n = m.out_features
         m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
         row += n
-    return FusedLinear(weight, _concat_bias_as_views(mods), [m.out_features for m in mods])
+    return FusedLinear(weight, _concat_bias_as_views(mods))
 
 
 def _concat_quantized_as_views(mods: list) -> FusedLinear:
@@ -247,7 +245,7 @@ def _concat_quantized_as_views(mods: list) -> FusedLinear:
     tensors = {f: torch.cat([getattr(m, f) for m in mods], 0) for f in fields}
     total = sum(m.out_features for m in mods)
     fused = QuantizedWeight(mods[0].scheme, (total, mods[0].in_features), **tensors)
-    group = FusedLinear(fused, _concat_bias_as_views(mods), [m.out_features for m in mods])
+    group = FusedLinear(fused, _concat_bias_as_views(mods))
     row = 0
     for m in mods:
         n = m.out_features

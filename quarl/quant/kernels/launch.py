@@ -217,8 +217,7 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
     """Per-token dynamic quantization ``x [M, K]`` -> ``(q [M, K], scale fp32 [M])``."""
     m, k = x.shape
     fp8 = act_format == "fp8"
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
-    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    q, q_arg, s = act_quant_buffers(m, k, act_format, x.device)
     if m == 0:
         return q, s
     full = triton_next_pow2(k)
@@ -228,9 +227,18 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
     block = min(full, 64 if _interpreting(x) else (full if full <= 8192 else 4096))
     warps = 4 if block <= 2048 else 8
     tk.act_quant_kernel[(m,)](
-        x, q.view(torch.uint8) if fp8 else q, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
+        x, q_arg, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
     )
     return q, s
+
+
+def act_quant_buffers(rows: int, k: int, act_format: str, device: torch.device):
+    """``(q, q_arg, s)``: codes ``[rows, k]`` (int8 / e4m3), the view a kernel writes them
+    through (e4m3 as uint8 bytes) and fp32 scales ``[rows]``."""
+    fp8 = act_format == "fp8"
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=device)
+    s = torch.empty(rows, dtype=torch.float32, device=device)
+    return q, (q.view(torch.uint8) if fp8 else q), s
 
 
 def triton_next_pow2(n: int) -> int:
