@@ -180,15 +180,15 @@ def test_fused_kernels_match_model_forward():
         ref = norm(x + r)
         res = r.clone()
         got = rmsnorm(x, norm.weight, 1e-6, res)
+    # bitwise: launched without FMA contraction, the kernels round where torch rounds
     assert torch.equal(res, x + r)
-    assert (got.float() - ref.float()).abs().max() <= 2 * ref.float().abs().max() * 2**-8
+    assert torch.equal(got, ref)
     q = torch.randn(37, 12, 128, device=DEV, dtype=torch.bfloat16)
     cos, sin = torch.randn(37, 128, device=DEV, dtype=torch.bfloat16), torch.randn(37, 128, device=DEV, dtype=torch.bfloat16)
     ref_rope = apply_rotary(q[None], cos[None], sin[None])[0].float()
-    assert ((rope(q, cos, sin).float() - ref_rope).abs() <= ref_rope.abs() * 2**-7 + 1e-2).all()  # ~1 bf16 ulp
+    assert torch.equal(rope(q, cos, sin).float(), ref_rope)
     g, u = torch.randn(37, 8960, device=DEV, dtype=torch.bfloat16), torch.randn(37, 8960, device=DEV, dtype=torch.bfloat16)
-    diff = (silu_mul(g, u).float() - (F.silu(g) * u).float()).abs().max()
-    assert diff <= 2**-6
+    assert torch.equal(silu_mul(g, u), F.silu(g) * u)
 
 
 def test_fused_engine_equals_unfused():
@@ -242,10 +242,10 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 
     def check_learner(out):
-        # weight-only: the engine's log-probs are the learner's up to the fused elementwise
-        # kernels' ~1 bf16 ulp. W8A8 is not compared here: those ulps flip activation codes
-        # and this peaked model amplifies that to 0.2-0.6 nats (bench/diag_w8a8_engine.py).
-        if "w8a8" in scheme:
+        # fp8 is not compared here: its Triton GEMM at decode M sums in another order than
+        # the learner's at prefill M, which flips activation codes on this peaked model
+        # (0.2-0.3 nats, bench/diag_w8a8_engine.py); int8 sums exactly (1e-6 here)
+        if scheme == "w8a8-fp8":
             return
         for p, c in zip(prompts, out):
             ids = torch.tensor([p + c.token_ids], device=DEV)
@@ -271,7 +271,7 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
         assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["fp8"])  # the formats of quarl.rollout.fused.FUSED_QUANTIZERS
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])  # quarl.rollout.fused.FUSED_QUANTIZERS
 def test_fused_quantizers_equal_the_quantizer_on_gpu(fmt):
     from quarl.quant.kernels import launch
     from quarl.rollout.fused import rmsnorm, silu_mul
