@@ -209,3 +209,52 @@ def test_frag_kernel_is_the_default_at_small_m_and_follows_in_place_loads():
     inf.bias.data.copy_(b.bias)
     expect = reference_linear(x.float(), quantize_weight(b.weight, "w4a16-asym"), b.bias.float(), exact=True)
     _check(inf(x), expect, 5e-3)
+
+
+TILE_CONFIGS = [
+    # (sw, nt, mt, wm, stages): every warp layout the dispatch or the sweep uses
+    (4, 8, 1, 1, 4), (2, 8, 1, 1, 3), (2, 4, 2, 1, 4), (4, 4, 2, 1, 3), (2, 4, 2, 2, 3),
+    (4, 4, 4, 1, 3), (2, 4, 4, 1, 4), (1, 2, 4, 1, 2), (3, 8, 2, 2, 2),
+]
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 64])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944)])
+def test_tile_kernel_configs_match_reference(name, m, shape):
+    """The block-tiled CUDA w4 kernel at every block shape that covers M, with and without
+    the split-K reduction, N not a multiple of 64 (nor of the block's columns), odd K:
+    equal to the float64 reference, to the fragment kernel at M <= 16, and deterministic."""
+    from quarl.quant.kernels import cuda_w4, launch
+
+    n, k = shape
+    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
+    ran = 0
+    for sw, nt, mt, wm, st in TILE_CONFIGS:
+        for bps in (0.25, 2, 8):
+            cfg = cuda_w4.TileKConfig(sw, nt, mt, wm, st, bps)
+            if cfg.rows < m:
+                continue
+            a = cuda_w4.w4a16_tile_gemm(x, qw, bias, cfg, counters=launch._counters)
+            b = cuda_w4.w4a16_tile_gemm(x, qw, bias, cfg, counters=launch._counters)
+            assert torch.equal(a, b), cfg
+            _check(a, expect, 5e-3)
+            if frag is not None:
+                _check(a, frag.float(), 5e-3)
+            ran += 1
+    assert ran >= 6
+
+
+def test_tile_kernel_rejects_what_it_cannot_run():
+    from quarl.quant.kernels import cuda_w4
+
+    qw = quantize_weight(torch.randn(256, 256, device="cuda") * 0.02, "w4a16")
+    x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="covers 32 rows"):
+        cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(2, 4, 2, 1, 3))
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(16, 8, 4, 1, 8))

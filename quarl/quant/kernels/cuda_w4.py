@@ -38,8 +38,9 @@ from quarl.quant import reference as ref
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
-SLAB = 64  # output columns per warp
-MAX_M = 16  # rows the kernel takes (one m16 tile)
+SLAB = 64  # output columns per warp (fragment kernel) / per slab
+MAX_M = 16  # rows the fragment kernel takes (one m16 tile)
+TILE_MAX_M = 64  # rows the block-tiled kernel takes (MT x WM m16 tiles)
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -248,6 +249,193 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   }
   if (threadIdx.x == 0) atomicExch(counters + slab, 0);
 }
+
+// The block-tiled variant for 16 < M <= 64 (and small M where it wins): the block's warps
+// share one activation tile per stage instead of each copying its own.
+// grid (ceil(Np / (64 SW)), split), block NW = SW x (8 / NT) x WM warps. Block (cb, sp) owns
+// slabs cb * SW .. + SW - 1 and groups [sp * gpb, (sp + 1) * gpb). Warp (ws, wh, wm) computes
+// n8 tiles wh * NT .. + NT - 1 of slab ws (words wh * NT / 2 .. of each lane's 16 bytes) for
+// m16 tiles wm * MT .. + MT - 1 over all of the block's groups, so no reduction inside the
+// block. One ring slot (dynamic shared memory) holds one group (128 columns of K): the SW
+// slabs' fragments, 4 KB each, as they lie in global memory, then the activation tile as
+// [MT * WM m16 tiles][8 steps][2 column halves][16 rows][8 columns] bf16, so ldmatrix.x4 with
+// lane L at 16 L of a (tile, step) yields its A fragment. All threads copy with cp.async
+// (rows >= M, columns >= K and slabs >= Np / 64 zero-filled); one barrier per group.
+template <int SW, int NT, int MT, int WM, int ST, bool ASYM>
+__global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
+    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
+    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
+    float* __restrict__ part, int* __restrict__ counters,
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+  constexpr int WH = 8 / NT, NWD = NT / 2, NTH = SW * WH * WM * 32, MTOT = MT * WM;
+  constexpr int WBYTES = SW * 4096, STAGE = WBYTES + MTOT * 4096;
+  extern __shared__ __align__(128) unsigned char dsmem[];
+  __shared__ int last_flag;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp % WM, wh = (warp / WM) % WH, ws = warp / (WM * WH);
+  const int cb = blockIdx.x, sp = blockIdx.y;
+  const int nslabs = Np >> 6;
+  const int slab = cb * SW + ws;
+  const bool live = slab < nslabs;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, ngroups = min(G, gb0 + gpb) - gb0;
+  const size_t KS = (size_t)G * 8;
+  const u32 ring = smem_addr(dsmem);
+
+  auto issue = [&](int grp, int slot) {
+    const u32 sbase = ring + slot * STAGE;
+#pragma unroll
+    for (int c = tid; c < SW * 256; c += NTH) {  // weights: SW x 256 chunks of 16 bytes
+      const int s = c >> 8, off = c & 255, sl = cb * SW + s;
+      const bool ok = sl < nslabs;
+      cp_async16(sbase + s * 4096 + off * 16, ok ? wq + (((size_t)sl * KS + grp * 8) * 32) * 4 + off * 4 : wq, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int c = tid; c < MTOT * 256; c += NTH) {  // activations: MTOT x 16 rows x 16 chunks
+      const int r = c >> 4, q = c & 15;
+      const int col = grp * 128 + q * 8, left = K - col;
+      const int valid = r < M ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
+      const u32 dst = sbase + WBYTES + ((((r >> 4) * 8 + (q >> 1)) * 2 + (q & 1)) * 16 + (r & 15)) * 16;
+      cp_async16(dst, valid ? x + (size_t)r * ldx + col : x, valid);
+    }
+  };
+
+  float acc[MT][NT][4];
+  float tmp[MT][NT][4];
+  float sc[NT][2];
+  u32 nz[NT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][j][c] = 0.f;
+
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (p < ngroups) issue(gb0 + p, p);
+    cp_commit();
+  }
+  for (int gi = 0; gi < ngroups; ++gi) {
+    cp_wait<ST - 2>();
+    __syncthreads();  // group gi landed for every thread; all are past the slot of gi - 1
+    if (gi + ST - 1 < ngroups) issue(gb0 + gi + ST - 1, (gi + ST - 1) % ST);
+    cp_commit();
+    const int grp = gb0 + gi;
+    const u32 sbase = ring + (gi % ST) * STAGE;
+    if (live) {
+#pragma unroll
+      for (int jl = 0; jl < NT; ++jl) {
+        const int j = wh * NT + jl;
+        const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
+        sc[jl][0] = sp_[0];
+        sc[jl][1] = sp_[1];
+        nz[jl] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tmp[mt][j][c] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      u32 b[NWD], a[MT][4];
+      const u32 waddr = sbase + ws * 4096 + s * 512 + 16 * lane + 4 * NWD * wh;
+      if constexpr (NWD == 4) {
+        lds128(b, waddr);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NWD; ++i) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(b[i]) : "r"(waddr + 4 * i));
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldmatrix4(a[mt], sbase + WBYTES + (((wm * MT + mt) * 8 + s) * 2) * 256 + 16 * lane);
+#pragma unroll
+      for (int i = 0; i < NWD; ++i) {
+        const u32 w = b[i];
+        const u32 b0 = sub_z(lop_q(w), nz[2 * i]), b1 = sub_z(lop_q(w >> 4), nz[2 * i]);
+        const u32 b2 = sub_z(lop_q(w >> 8), nz[2 * i + 1]), b3 = sub_z(lop_q(w >> 12), nz[2 * i + 1]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(tmp[mt][2 * i], a[mt], b0, b1);
+          mma16816(tmp[mt][2 * i + 1], a[mt], b2, b3);
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[mt][j][0] += tmp[mt][j][0] * sc[j][0];
+        acc[mt][j][1] += tmp[mt][j][1] * sc[j][1];
+        acc[mt][j][2] += tmp[mt][j][2] * sc[j][0];
+        acc[mt][j][3] += tmp[mt][j][3] * sc[j][1];
+      }
+  }
+  cp_wait<0>();
+
+  // fragment element (mt, j, c): row (wm * MT + mt) * 16 + g + 8 (c >> 1), column n0 + 8 (wh NT + j) + 2 t + (c & 1)
+  if (split == 1) {
+    if (!live) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = (wm * MT + mt) * 16 + g + 8 * (c >> 1), n = n0 + 8 * (wh * NT + j) + 2 * t + (c & 1);
+          if (r >= M || n >= N) continue;
+          float v = acc[mt][j][c];
+          if (has_bias) v += from_bf16(bias[n]);
+          out[(size_t)r * ldo + n] = to_bf16(v);
+        }
+    return;
+  }
+  // split-K: store this split's partial, the last block to arrive sums all in split order
+  if (live) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = (wm * MT + mt) * 16 + g + 8 * (c >> 1), n = n0 + 8 * (wh * NT + j) + 2 * t + (c & 1);
+          if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[mt][j][c];
+        }
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == split - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  if (live) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = (wm * MT + mt) * 16 + g + 8 * (c >> 1), n = n0 + 8 * (wh * NT + j) + 2 * t + (c & 1);
+          if (r >= M || n >= N) continue;
+          const float* pp = part + (size_t)r * N + n;
+          const size_t stride = (size_t)M * N;
+          float v = 0.f;
+          for (int s = 0; s < split; s += 4) {
+            float pv[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) pv[u] = s + u < split ? ldcg_f(pp + (s + u) * stride) : 0.f;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) v += pv[u];
+          }
+          if (has_bias) v += from_bf16(bias[n]);
+          out[(size_t)r * ldo + n] = to_bf16(v);
+        }
+  }
+  if (tid == 0) atomicExch(counters + cb, 0);
+}
 """
 
 
@@ -448,6 +636,102 @@ def w4a16_frag_gemm(
     kern = _kernel(cfg.nw, fw.negz is not None, cfg.stages)
     kern(
         grid=(slabs, split, 1), block=(cfg.nw * 32, 1, 1),
+        args=[
+            x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
+            bias if bias is not None else out, out, part, cnt,
+            m, n, k, x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
+        ],
+    )
+    return out
+
+
+class TileKConfig(NamedTuple):
+    """Block shape of the block-tiled kernel (``w4a16_tile``): SW slabs x (8 / NT) warps
+    along N, WM warps along M, each warp MT m16 tiles x NT n8 tiles; ST ring slots (one
+    group each) in dynamic shared memory."""
+
+    sw: int = 4
+    nt: int = 4
+    mt: int = 4
+    wm: int = 1
+    stages: int = 3
+    blocks_per_sm: float = 2.0  # split K until about this many blocks per SM
+
+    @property
+    def warps(self) -> int:
+        return self.sw * (8 // self.nt) * self.wm
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.mt * self.wm
+
+    def smem_bytes(self) -> int:
+        return self.stages * 4096 * (self.sw + self.mt * self.wm)
+
+
+def tile_config_for(m: int) -> TileKConfig:
+    """Default block shape for ``m`` rows (H200 sweep, bench/results/gemm_sweep_h200_11.json)."""
+    if m <= 16:
+        return TileKConfig(sw=4, nt=8, mt=1, wm=1, stages=4, blocks_per_sm=4.0)
+    if m <= 32:
+        return TileKConfig(sw=2, nt=4, mt=2, wm=1, stages=4, blocks_per_sm=3.0)
+    return TileKConfig(sw=2, nt=4, mt=2, wm=2, stages=3, blocks_per_sm=2.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_kernel(cfg: TileKConfig, asym: bool):
+    name = f"w4a16_tile<{cfg.sw}, {cfg.nt}, {cfg.mt}, {cfg.wm}, {cfg.stages}, {'true' if asym else 'false'}>"
+    kern = torch.cuda._compile_kernel(_SOURCE, name, nvcc_options=["-std=c++17"])
+    kern.set_shared_memory_config(cfg.smem_bytes())
+    return kern
+
+
+def check_tile_config(cfg: TileKConfig, m: int) -> None:
+    if cfg.nt not in (2, 4, 8) or cfg.stages < 2 or cfg.warps * 32 > 1024 or cfg.sw < 1 or cfg.mt < 1 or cfg.wm < 1:
+        raise ValueError(f"block-tiled w4 kernel: NT in 2/4/8, >= 2 stages, <= 32 warps; got {cfg}")
+    if m > cfg.rows:
+        raise ValueError(f"block-tiled w4 kernel: {cfg} covers {cfg.rows} rows, got M={m}")
+    if cfg.smem_bytes() > 227 * 1024:
+        raise ValueError(f"block-tiled w4 kernel: {cfg} needs {cfg.smem_bytes()} bytes of shared memory (> 227 KB)")
+
+
+def w4a16_tile_gemm(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileKConfig | None = None,
+    counters=None,
+) -> torch.Tensor:
+    """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the block-tiled kernel: same fragment
+    layout and numerics as :func:`w4a16_frag_gemm` (per-group fp32 post-scale, split-K
+    partials summed in split order), the activation tile shared by the block's warps."""
+    from quarl.quant.kernels import launch  # (imports this module)
+
+    counters = counters or launch._counters
+    m, k = x.shape
+    n = qw.shape[0]
+    cfg = cfg or tile_config_for(m)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"block-tiled w4 kernel takes bf16 x, got {x.dtype}")
+    check_tile_config(cfg, m)
+    if k % 8 or x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte row copies
+        x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
+    if bias is not None and bias.dtype != torch.bfloat16:
+        bias = bias.to(torch.bfloat16)
+    fw = frag_weight(qw)
+    groups = fw.scales.shape[0]
+    np_ = fw.scales.shape[1]
+    cols = -(-(np_ // SLAB) // cfg.sw)
+    sms = launch._num_sms(x.device)
+    split = max(1, min(-(-int(cfg.blocks_per_sm * sms) // cols), groups))
+    gpb = -(-groups // split)
+    split = -(-groups // gpb)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, cols)
+    else:
+        part = cnt = out
+    kern = _tile_kernel(cfg._replace(blocks_per_sm=0.0), fw.negz is not None)
+    kern(
+        grid=(cols, split, 1), block=(cfg.warps * 32, 1, 1), shared_mem=cfg.smem_bytes(),
         args=[
             x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
             bias if bias is not None else out, out, part, cnt,

@@ -34,7 +34,8 @@ class TileConfig(NamedTuple):
     group_m: int = 8
     post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
     # weight-only: "tiled" (wo_gemm_kernel), "swap" / "swap16" (RAW16) / "swapb" (SUB16) /
-    # "gemv" (int4 g128 only), "frag" (CUDA fragment kernel, int4 g128, bf16, M <= 16), "dequant"
+    # "gemv" (int4 g128 only), "frag" (CUDA fragment kernel, int4 g128, bf16, M <= 16), "tile"
+    # (block-tiled CUDA kernel, int4 g128, bf16, M <= 64; block shape from w4_tile_config), "dequant"
     # (dequantize + cuBLAS); fp8: "triton" (int8_gemm_kernel on e4m3) or "cublas" (_scaled_mm)
     kernel: str = "tiled"
     # > 0: split K until about waves x SMs programs, even when the tiles alone fill the GPU
@@ -101,7 +102,21 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
         big = n * k >= 1 << 25
         cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
         return _env_tweak(cfg, "QUARL_W4_SMALL")
+    if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag":
+        return TileConfig(16 * _cdiv(m, 16), 0, kernel="tile")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
+
+
+def w4_tile_config(m: int, n: int, k: int) -> "cuda_w4.TileKConfig":
+    """Block shape of the block-tiled CUDA w4 kernel (``QUARL_W4_TILE="sw=4,bps=2"`` A/B)."""
+    if "tile" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["tile"](m, n, k)
+    cfg = cuda_w4.tile_config_for(m)
+    spec = os.environ.get("QUARL_W4_TILE", "")
+    if spec:
+        fields = {k: float(v) if k == "blocks_per_sm" else int(v) for k, v in (i.split("=") for i in spec.split(","))}
+        cfg = cfg._replace(**fields)
+    return cfg
 
 
 def _w4_triton_config(m: int, n: int, k: int, kernel: str) -> TileConfig:
@@ -138,6 +153,9 @@ W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "frag")
 # Rows up to which "frag" is used: every warp re-reads the activation tile from L2, which at
 # M = 16 costs as much traffic as the weights (run 9: 0.6-0.9x of swapb there; 1.1-1.3x at M = 1).
 FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
+# Rows up to which the block-tiled CUDA kernel ("tile": the block's warps share one
+# activation tile) is used above FRAG_MAX_M; 0 = the Triton swapb kernel there.
+TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "64")), cuda_w4.TILE_MAX_M)
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
@@ -309,6 +327,10 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.MAX_M and cuda_w4.available():
             fc = cuda_w4.FragConfig(nw=cfg.num_warps, blocks_per_sm=cfg.waves or 4.0, stages=cfg.num_stages)
             return cuda_w4.w4a16_frag_gemm(x, qw, bias, fc, counters=_counters)
+        cfg = _w4_triton_config(m, n, k, "swapb")
+    if cfg is not None and cfg.kernel == "tile":
+        if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.TILE_MAX_M and cuda_w4.available():
+            return cuda_w4.w4a16_tile_gemm(x, qw, bias, w4_tile_config(m, n, k), counters=_counters)
         cfg = _w4_triton_config(m, n, k, "swapb")
     if cfg is not None and cfg.kernel in ("swap", "swap16", "swapb", "gemv"):
         if not is_w4_g128(qw):
