@@ -145,8 +145,10 @@ def test_w4_dispatch_uses_small_m_kernels():
     launch = _launch()
     for m in (1, launch.FRAG_MAX_M):  # the CUDA fragment kernel; it falls back to swapb off the GPU
         assert launch.w4_config(m, 4608, 3584).kernel == "frag"
-    for m in (launch.FRAG_MAX_M + 1, 16, 64):
-        assert launch.w4_config(m, 4608, 3584).kernel in ("swap", "swap16", "swapb", "gemv")
+    for m in (launch.FRAG_MAX_M + 1, 16, 64):  # the block-tiled CUDA kernel (swapb off the GPU)
+        assert launch.w4_config(m, 4608, 3584).kernel == "tile"
+    assert launch.w4_config(65, 4608, 3584).kernel == "dequant"
+    assert launch.w4_config(64, 4608, 3584).bm == 64 and launch.w4_config(17, 4608, 3584).bm == 32
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
     with use_backend("triton"):
