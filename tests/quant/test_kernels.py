@@ -216,9 +216,12 @@ def test_w4_chunks_per_iteration(kernel, name):
 def test_w4_config_env_tweak(monkeypatch):
     launch = _launch()
     monkeypatch.setenv("QUARL_W4_SMALL", "bn=128,num_warps=8,waves=4.0,words=1")
-    cfg = launch.w4_config(16, 4608, 3584)
+    cfg = launch._w4_triton_config(16, 4608, 3584, "swapb")
     assert (cfg.bn, cfg.num_warps, cfg.waves, cfg.words) == (128, 8, 4, True)
-    assert launch.w4_config(64, 4608, 3584).bn == 64  # QUARL_W4_MID unset
+    assert launch._w4_triton_config(64, 4608, 3584, "swapb").bn == 64  # QUARL_W4_MID unset
+    monkeypatch.setenv("QUARL_W4_TILE", "sw=2,blocks_per_sm=3")
+    tile = launch.w4_tile_config(64, 4608, 3584)
+    assert (tile.sw, tile.blocks_per_sm) == (2, 3.0) and tile.rows >= 64
 
 
 def test_act_quant_two_pass_long_rows():
