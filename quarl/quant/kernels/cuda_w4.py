@@ -283,21 +283,42 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
   const size_t KS = (size_t)G * 8;
   const u32 ring = smem_addr(dsmem);
 
+  // this thread's copies, fixed but for the group: CW weight chunks and CA activation chunks
+  // of 16 bytes (chunk c = tid + i * NTH); offsets in bytes from the group's first byte
+  constexpr int CW = (SW * 256 + NTH - 1) / NTH, CA = (MTOT * 256 + NTH - 1) / NTH;
+  const unsigned char* wsrc[CW];
+  u32 wdst[CW];
+  bool wok[CW];
+#pragma unroll
+  for (int i = 0; i < CW; ++i) {
+    const int c = tid + i * NTH, s = c >> 8, off = c & 255, sl = cb * SW + s;
+    wok[i] = c < SW * 256 && sl < nslabs;
+    wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * KS * 512 + off * 16) : 0);
+    wdst[i] = s * 4096 + off * 16;
+  }
+  const unsigned char* asrc[CA];
+  u32 adst[CA];
+  int acol[CA];  // first column of the chunk in group 0; -1: nothing to copy (row >= M)
+#pragma unroll
+  for (int i = 0; i < CA; ++i) {
+    const int c = tid + i * NTH, r = c >> 4, q = c & 15;
+    const bool ok = c < MTOT * 256 && r < M;
+    acol[i] = ok ? q * 8 : -1;
+    asrc[i] = reinterpret_cast<const unsigned char*>(x) + (ok ? ((size_t)r * ldx + q * 8) * 2 : 0);
+    adst[i] = c < MTOT * 256 ? WBYTES + ((((r >> 4) * 8 + (q >> 1)) * 2 + (q & 1)) * 16 + (r & 15)) * 16 : 0;
+  }
+
   auto issue = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
 #pragma unroll
-    for (int c = tid; c < SW * 256; c += NTH) {  // weights: SW x 256 chunks of 16 bytes
-      const int s = c >> 8, off = c & 255, sl = cb * SW + s;
-      const bool ok = sl < nslabs;
-      cp_async16(sbase + s * 4096 + off * 16, ok ? wq + (((size_t)sl * KS + grp * 8) * 32) * 4 + off * 4 : wq, ok ? 16 : 0);
-    }
+    for (int i = 0; i < CW; ++i)  // a slab's group: 4 KB at slab * KS * 512 + grp * 4096
+      if (tid + i * NTH < SW * 256) cp_async16(sbase + wdst[i], wsrc[i] + (wok[i] ? (size_t)grp * 4096 : 0), wok[i] ? 16 : 0);
 #pragma unroll
-    for (int c = tid; c < MTOT * 256; c += NTH) {  // activations: MTOT x 16 rows x 16 chunks
-      const int r = c >> 4, q = c & 15;
-      const int col = grp * 128 + q * 8, left = K - col;
-      const int valid = r < M ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
-      const u32 dst = sbase + WBYTES + ((((r >> 4) * 8 + (q >> 1)) * 2 + (q & 1)) * 16 + (r & 15)) * 16;
-      cp_async16(dst, valid ? x + (size_t)r * ldx + col : x, valid);
+    for (int i = 0; i < CA; ++i) {
+      if (tid + i * NTH >= MTOT * 256) continue;
+      const int left = acol[i] < 0 ? 0 : K - grp * 128 - acol[i];
+      const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+      cp_async16(sbase + adst[i], asrc[i] + (valid ? (size_t)grp * 256 : 0), valid);
     }
   };
 
@@ -411,28 +432,21 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  if (live) {
+  const int cols = min(SW * 64, N - cb * SW * 64);
+  const size_t stride = (size_t)M * N;
+  for (int e = tid; e < M * cols; e += NTH) {
+    const int r = e / cols, n = cb * SW * 64 + e % cols;
+    const float* pp = part + (size_t)r * N + n;
+    float v = 0.f;
+    for (int s = 0; s < split; s += 4) {
+      float pv[4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int u = 0; u < 4; ++u) pv[u] = s + u < split ? ldcg_f(pp + (s + u) * stride) : 0.f;
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int r = (wm * MT + mt) * 16 + g + 8 * (c >> 1), n = n0 + 8 * (wh * NT + j) + 2 * t + (c & 1);
-          if (r >= M || n >= N) continue;
-          const float* pp = part + (size_t)r * N + n;
-          const size_t stride = (size_t)M * N;
-          float v = 0.f;
-          for (int s = 0; s < split; s += 4) {
-            float pv[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) pv[u] = s + u < split ? ldcg_f(pp + (s + u) * stride) : 0.f;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) v += pv[u];
-          }
-          if (has_bias) v += from_bf16(bias[n]);
-          out[(size_t)r * ldo + n] = to_bf16(v);
-        }
+      for (int u = 0; u < 4; ++u) v += pv[u];
+    }
+    if (has_bias) v += from_bf16(bias[n]);
+    out[(size_t)r * ldo + n] = to_bf16(v);
   }
   if (tid == 0) atomicExch(counters + cb, 0);
 }
