@@ -262,13 +262,14 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
 // lane L at 16 L of a (tile, step) yields its A fragment. All threads copy with cp.async
 // (rows >= M, columns >= K and slabs >= Np / 64 zero-filled); one barrier per group.
 template <int SW, int NT, int MT, int WM, int ST, bool ASYM>
-__global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
+__global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW * (8 / NT) * WM <= 8) ? 2 : 1) w4a16_tile(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
     int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
   constexpr int WH = 8 / NT, NWD = NT / 2, NTH = SW * WH * WM * 32, MTOT = MT * WM;
-  constexpr int WBYTES = SW * 4096, STAGE = WBYTES + MTOT * 4096;
+  // slot: weights | activations | scales (SW x 64 fp32) | zero points (SW x 64 u32, ASYM)
+  constexpr int WBYTES = SW * 4096, SBYTES = WBYTES + MTOT * 4096, STAGE = SBYTES + SW * 256 * (ASYM ? 2 : 1);
   extern __shared__ __align__(128) unsigned char dsmem[];
   __shared__ int last_flag;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -286,6 +287,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
   // this thread's copies, fixed but for the group: CW weight chunks and CA activation chunks
   // of 16 bytes (chunk c = tid + i * NTH); offsets in bytes from the group's first byte
   constexpr int CW = (SW * 256 + NTH - 1) / NTH, CA = (MTOT * 256 + NTH - 1) / NTH;
+  constexpr int CS = (SW * 16 * (ASYM ? 2 : 1) + NTH - 1) / NTH;
   const unsigned char* wsrc[CW];
   u32 wdst[CW];
   bool wok[CW];
@@ -320,6 +322,17 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
       const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
       cp_async16(sbase + adst[i], asrc[i] + (valid ? (size_t)grp * 256 : 0), valid);
     }
+    // the group's scales (and zero points) of the block's slabs: 16 chunks of 16 bytes each
+#pragma unroll
+    for (int i = 0; i < CS; ++i) {
+      const int c = tid + i * NTH;
+      if (c >= SW * 16 * (ASYM ? 2 : 1)) continue;
+      const int zp = c >= SW * 16, cc = c - zp * SW * 16, sl = cb * SW + (cc >> 4);
+      const bool ok = sl < nslabs;
+      const void* src = zp ? (const void*)(negz + (size_t)grp * Np + sl * 64 + (cc & 15) * 4)
+                           : (const void*)(scales + (size_t)grp * Np + sl * 64 + (cc & 15) * 4);
+      cp_async16(sbase + SBYTES + c * 16, ok ? src : (const void*)scales, ok ? 16 : 0);
+    }
   };
 
   float acc[MT][NT][4];
@@ -345,14 +358,14 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
     cp_commit();
     const int grp = gb0 + gi;
     const u32 sbase = ring + (gi % ST) * STAGE;
-    if (live) {
 #pragma unroll
-      for (int jl = 0; jl < NT; ++jl) {
-        const int j = wh * NT + jl;
-        const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
-        sc[jl][0] = sp_[0];
-        sc[jl][1] = sp_[1];
-        nz[jl] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
+    for (int jl = 0; jl < NT; ++jl) {
+      const u32 col = ws * 64 + 8 * (wh * NT + jl);
+      asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(sc[jl][0]), "=f"(sc[jl][1]) : "r"(sbase + SBYTES + 4 * (col + 2 * t)));
+      if constexpr (ASYM) {
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(nz[jl]) : "r"(sbase + SBYTES + SW * 256 + 4 * (col + g)));
+      } else {
+        nz[jl] = 0xC308C308u;
       }
     }
 #pragma unroll
@@ -432,21 +445,37 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, 1) w4a16_tile(
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  const int cols = min(SW * 64, N - cb * SW * 64);
+  const int cols = min(SW * 64, N - cb * SW * 64), total = M * cols;
   const size_t stride = (size_t)M * N;
-  for (int e = tid; e < M * cols; e += NTH) {
-    const int r = e / cols, n = cb * SW * 64 + e % cols;
-    const float* pp = part + (size_t)r * N + n;
-    float v = 0.f;
-    for (int s = 0; s < split; s += 4) {
-      float pv[4];
+  for (int e0 = 0; e0 < total; e0 += 8 * NTH) {  // 8 elements per thread, 4 splits per round trip
+    size_t off[8];
+    float v[8];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) pv[u] = s + u < split ? ldcg_f(pp + (s + u) * stride) : 0.f;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v += pv[u];
+    for (int u = 0; u < 8; ++u) {
+      const int e = min(e0 + tid + u * NTH, total - 1);
+      off[u] = (size_t)(e / cols) * N + cb * SW * 64 + e % cols;
+      v[u] = 0.f;
     }
-    if (has_bias) v += from_bf16(bias[n]);
-    out[(size_t)r * ldo + n] = to_bf16(v);
+    for (int s = 0; s < split; s += 4) {
+      float pv[4][8];
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) pv[d][u] = s + d < split ? ldcg_f(part + off[u] + (s + d) * stride) : 0.f;
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] += pv[d][u];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = e0 + tid + u * NTH;
+      if (e >= total) continue;
+      const int r = e / cols, n = cb * SW * 64 + e % cols;
+      float w = v[u];
+      if (has_bias) w += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(w);
+    }
   }
   if (tid == 0) atomicExch(counters + cb, 0);
 }
@@ -680,7 +709,7 @@ class TileKConfig(NamedTuple):
         return 16 * self.mt * self.wm
 
     def smem_bytes(self) -> int:
-        return self.stages * 4096 * (self.sw + self.mt * self.wm)
+        return self.stages * (4096 * (self.sw + self.mt * self.wm) + 512 * self.sw)  # (+ zero points)
 
 
 def tile_config_for(m: int) -> TileKConfig:
