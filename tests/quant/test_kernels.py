@@ -145,10 +145,13 @@ def test_w4_dispatch_uses_small_m_kernels():
     launch = _launch()
     for m in (1, launch.FRAG_MAX_M):  # the CUDA fragment kernel; it falls back to swapb off the GPU
         assert launch.w4_config(m, 4608, 3584).kernel == "frag"
-    for m in (launch.FRAG_MAX_M + 1, 16, 64):  # the block-tiled CUDA kernel (swapb off the GPU)
-        assert launch.w4_config(m, 4608, 3584).kernel == "tile"
+    # the block-tiled CUDA kernel on big weights up to TILE_MAX_M rows (swapb off the GPU)
+    for m in (launch.FRAG_MAX_M + 1, launch.TILE_MAX_M):
+        assert launch.w4_config(m, 37888, 3584).kernel == "tile"
+        assert launch.w4_config(m, 4608, 3584).kernel == "swapb"
+    for m in (launch.TILE_MAX_M + 1, 16, 64):
+        assert launch.w4_config(m, 37888, 3584).kernel == "swapb"
     assert launch.w4_config(65, 4608, 3584).kernel == "dequant"
-    assert launch.w4_config(64, 4608, 3584).bm == 64 and launch.w4_config(17, 4608, 3584).bm == 32
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
     with use_backend("triton"):
@@ -156,6 +159,8 @@ def test_w4_dispatch_uses_small_m_kernels():
         fallback = launch.wo_gemm(x, qw, None, launch.w4_config(5, W4_N, W4_K))
         swapb = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
         assert torch.equal(fallback, swapb)
+        tile = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 0, kernel="tile"))  # CUDA only: swapb here
+        assert torch.equal(tile, launch.wo_gemm(x, qw, None, launch._w4_triton_config(5, W4_N, W4_K, "swapb")))
     with pytest.raises(ValueError):
         launch.wo_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 32, kernel="swap"))
 

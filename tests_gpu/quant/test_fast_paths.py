@@ -213,8 +213,8 @@ def test_frag_kernel_is_the_default_at_small_m_and_follows_in_place_loads():
 
 TILE_CONFIGS = [
     # (sw, nt, mt, wm, stages): every warp layout the dispatch or the sweep uses
-    (4, 8, 1, 1, 4), (2, 8, 1, 1, 3), (2, 4, 2, 1, 4), (4, 4, 2, 1, 3), (2, 4, 2, 2, 3),
-    (4, 4, 4, 1, 3), (2, 4, 4, 1, 4), (1, 2, 4, 1, 2), (3, 8, 2, 2, 2),
+    (4, 4, 1, 1, 4), (4, 8, 1, 1, 4), (2, 8, 1, 1, 3), (4, 4, 2, 1, 4), (4, 4, 2, 1, 3), (2, 4, 2, 2, 6),
+    (4, 4, 4, 1, 5), (2, 4, 4, 1, 4), (1, 2, 4, 1, 2), (3, 8, 2, 2, 2),
 ]
 
 
@@ -247,6 +247,15 @@ def test_tile_kernel_configs_match_reference(name, m, shape):
                 _check(a, frag.float(), 5e-3)
             ran += 1
     assert ran >= 6
+
+
+def test_tile_kernel_is_the_default_on_big_weights_at_m_up_to_8():
+    from quarl.quant.kernels import launch
+
+    qw = quantize_weight(torch.randn(8192, 4096, device="cuda") * 0.02, "w4a16-asym")
+    x = torch.randn(launch.TILE_MAX_M, 4096, device="cuda", dtype=torch.bfloat16)
+    assert launch.w4_config(launch.TILE_MAX_M, 8192, 4096).kernel == "tile"
+    _check(quant_linear(x, qw), reference_linear(x.float(), qw, exact=True), 5e-3)
 
 
 def test_tile_kernel_rejects_what_it_cannot_run():

@@ -73,6 +73,9 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int valid) 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N_>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N_)); }
+__device__ __forceinline__ void sts128_zero(u32 addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};" :: "r"(addr), "r"(0u));
+}
 __device__ __forceinline__ void lds128(u32* r, u32 addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
@@ -310,6 +313,13 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
     adst[i] = c < MTOT * 256 ? WBYTES + ((((r >> 4) * 8 + (q >> 1)) * 2 + (q & 1)) * 16 + (r & 15)) * 16 : 0;
   }
 
+  // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
+  // (the first group's __syncthreads orders these stores before any ldmatrix)
+#pragma unroll
+  for (int i = 0; i < CA; ++i)
+    if (tid + i * NTH < MTOT * 256 && acol[i] < 0)
+      for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + adst[i]);
+
   auto issue = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
 #pragma unroll
@@ -317,10 +327,10 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
       if (tid + i * NTH < SW * 256) cp_async16(sbase + wdst[i], wsrc[i] + (wok[i] ? (size_t)grp * 4096 : 0), wok[i] ? 16 : 0);
 #pragma unroll
     for (int i = 0; i < CA; ++i) {
-      if (tid + i * NTH >= MTOT * 256) continue;
-      const int left = acol[i] < 0 ? 0 : K - grp * 128 - acol[i];
-      const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
-      cp_async16(sbase + adst[i], asrc[i] + (valid ? (size_t)grp * 256 : 0), valid);
+      if (tid + i * NTH >= MTOT * 256 || acol[i] < 0) continue;
+      const int left = K - grp * 128 - acol[i];
+      if (left >= 8) cp_async16(sbase + adst[i], asrc[i] + (size_t)grp * 256, 16);
+      else cp_async16(sbase + adst[i], left > 0 ? asrc[i] + (size_t)grp * 256 : asrc[i], left > 0 ? 2 * left : 0);
     }
     // the group's scales (and zero points) of the block's slabs: 16 chunks of 16 bytes each
 #pragma unroll
@@ -713,12 +723,15 @@ class TileKConfig(NamedTuple):
 
 
 def tile_config_for(m: int) -> TileKConfig:
-    """Default block shape for ``m`` rows (H200 sweep, bench/results/gemm_sweep_h200_11.json)."""
+    """Default block shape for ``m`` rows (H200 sweeps, bench/results/w4_tile_sweep_h200.json:
+    4 slabs x 2 warps of 4 n8 tiles per block, 4 slots, K split to ~2 blocks per SM at
+    M <= 16; the M <= 64 shapes are the sweep's best, still slower than the Triton swapb
+    kernel there, see bench/NOTES.md run 11)."""
     if m <= 16:
-        return TileKConfig(sw=4, nt=8, mt=1, wm=1, stages=4, blocks_per_sm=4.0)
+        return TileKConfig(sw=4, nt=4, mt=1, wm=1, stages=4, blocks_per_sm=2.0)
     if m <= 32:
-        return TileKConfig(sw=2, nt=4, mt=2, wm=1, stages=4, blocks_per_sm=3.0)
-    return TileKConfig(sw=2, nt=4, mt=2, wm=2, stages=3, blocks_per_sm=2.0)
+        return TileKConfig(sw=4, nt=4, mt=2, wm=1, stages=4, blocks_per_sm=1.0)
+    return TileKConfig(sw=2, nt=4, mt=2, wm=2, stages=6, blocks_per_sm=2.0)
 
 
 @functools.lru_cache(maxsize=64)

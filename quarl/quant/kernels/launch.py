@@ -102,7 +102,7 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
         big = n * k >= 1 << 25
         cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
         return _env_tweak(cfg, "QUARL_W4_SMALL")
-    if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag":
+    if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK:
         return TileConfig(16 * _cdiv(m, 16), 0, kernel="tile")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
 
@@ -154,8 +154,12 @@ W4_SMALL_KERNEL = os.environ.get("QUARL_W4_KERNEL", "frag")
 # M = 16 costs as much traffic as the weights (run 9: 0.6-0.9x of swapb there; 1.1-1.3x at M = 1).
 FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 # Rows up to which the block-tiled CUDA kernel ("tile": the block's warps share one
-# activation tile) is used above FRAG_MAX_M; 0 = the Triton swapb kernel there.
-TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "64")), cuda_w4.TILE_MAX_M)
+# activation tile) is used above FRAG_MAX_M, on weights of at least TILE_MIN_NK elements; the
+# Triton swapb kernel elsewhere. H200 sweep run 11 (bench/results/w4_tile_sweep_h200.json):
+# at M = 8 tile beats swapb on gate/up, fused gate_up and down (1.71-2.04x of bf16 vs
+# 1.65-1.88x) and loses on the q/o, qkv and k/v shapes; from M = 16 on swapb wins everywhere.
+TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_MAX_M)
+TILE_MIN_NK = 1 << 25
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
