@@ -25,6 +25,14 @@ weight (:mod:`quarl.quant.reference`). N is padded to a multiple of 64 (a "slab"
 then yields the bf16x2 register of fragment half ``q & 1`` of tile ``2 i + (q >> 1)``.
 Scales are stored transposed, ``[Kp / 128, Np]`` fp32; asymmetric zero points as the bf16x2
 bit pattern of ``-(128 + z)``, ``[Kp / 128, Np]`` uint32.
+
+Two kernels read that layout. ``w4a16_frag`` (M <= 16): every warp streams its own slab
+and K range through a private cp.async ring, activation tile included. ``w4a16_tile``
+(M <= 64): a block owns SW adjacent slabs and a K range; one ring slot holds a whole group
+(the slabs' fragments, the activation tile of all M rows, the group's scales and zero
+points) and is shared by the block's warps, each of which computes MT m16 x NT n8 output
+tiles over the whole range (no reduction inside the block). Same numerics and the same
+split-K rule (partials summed in split order by the last block) in both.
 """
 
 from __future__ import annotations
