@@ -120,3 +120,7 @@ def test_split_keeps_a_group_per_warp():
     split, gpb = cuda_w4.pick_split(3584, 148, 4, 132, 4.0)  # down_proj: split K
     assert split > 1 and gpb * split >= 148 and gpb * (split - 1) < 148
     assert cuda_w4.pick_split(512, 2, 4, 132, 4.0) == (1, 2)  # never more splits than groups / warps
+    # the tile kernel: 4 slabs per block, one group per block at least
+    assert cuda_w4.pick_split(37888, 28, 1, 132, 1.0, 4) == (1, 28)  # 148 column blocks fill the GPU
+    # 18 column blocks: ceil(264 / 18) = 15 splits, rounded to whole groups: 2 each, 14 splits
+    assert cuda_w4.pick_split(4608, 28, 1, 132, 2.0, 4) == (14, 2)

@@ -654,11 +654,12 @@ class FragConfig(NamedTuple):
     stages: int = 4  # cp.async ring slots per warp (2, 4 or 8; nw x stages <= 32: static smem)
 
 
-def pick_split(n: int, groups: int, nw: int, sms: int, blocks_per_sm: float) -> tuple[int, int]:
-    """(split, groups per block): split K until the grid has ~blocks_per_sm x SMs blocks,
-    keeping at least one group per warp."""
-    slabs = -(-n // SLAB)
-    split = max(1, min(-(-int(blocks_per_sm * sms) // slabs), -(-groups // nw)))
+def pick_split(n: int, groups: int, nw: int, sms: int, blocks_per_sm: float, slabs_per_block: int = 1) -> tuple[int, int]:
+    """(split, groups per block): split K until the grid (``ceil(slabs / slabs_per_block)``
+    column blocks x split) has ~blocks_per_sm x SMs blocks, keeping at least ``nw`` groups
+    per block (the fragment kernel's warps split a block's groups; pass 1 for the tile kernel)."""
+    cols = -(-(-(-n // SLAB)) // slabs_per_block)
+    split = max(1, min(-(-int(blocks_per_sm * sms) // cols), -(-groups // nw)))
     gpb = -(-groups // split)
     return -(-groups // gpb), gpb
 
@@ -783,10 +784,7 @@ def w4a16_tile_gemm(
     groups = fw.scales.shape[0]
     np_ = fw.scales.shape[1]
     cols = -(-(np_ // SLAB) // cfg.sw)
-    sms = launch._num_sms(x.device)
-    split = max(1, min(-(-int(cfg.blocks_per_sm * sms) // cols), groups))
-    gpb = -(-groups // split)
-    split = -(-groups // gpb)
+    split, gpb = pick_split(n, groups, 1, launch._num_sms(x.device), cfg.blocks_per_sm, cfg.sw)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
