@@ -108,13 +108,13 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
 
 
 def w4_tile_config(m: int, n: int, k: int) -> "cuda_w4.TileKConfig":
-    """Block shape of the block-tiled CUDA w4 kernel (``QUARL_W4_TILE="sw=4,bps=2"`` A/B)."""
+    """Block shape of the block-tiled CUDA w4 kernel (A/B runs: ``QUARL_W4_TILE="sw=2,blocks_per_sm=4"``)."""
     if "tile" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["tile"](m, n, k)
     cfg = cuda_w4.tile_config_for(m)
     spec = os.environ.get("QUARL_W4_TILE", "")
     if spec:
-        fields = {k: float(v) if k == "blocks_per_sm" else int(v) for k, v in (i.split("=") for i in spec.split(","))}
+        fields = {f: float(v) if f == "blocks_per_sm" else int(v) for f, v in (i.split("=") for i in spec.split(","))}
         cfg = cfg._replace(**fields)
     return cfg
 
@@ -156,8 +156,8 @@ FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 # Rows up to which the block-tiled CUDA kernel ("tile": the block's warps share one
 # activation tile) is used above FRAG_MAX_M, on weights of at least TILE_MIN_NK elements; the
 # Triton swapb kernel elsewhere. H200 sweep run 11 (bench/results/w4_tile_sweep_h200.json):
-# at M = 8 tile beats swapb on gate/up, fused gate_up and down (1.71-2.04x of bf16 vs
-# 1.65-1.88x) and loses on the q/o, qkv and k/v shapes; from M = 16 on swapb wins everywhere.
+# at M = 8 tile beats swapb on fused gate_up and down (2.14x / 1.98x of bf16 vs 1.93x / 1.71x),
+# ties on gate/up (1.70x vs 1.73x) and loses on q/o, qkv and k/v; from M = 16 on swapb wins.
 TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_MAX_M)
 TILE_MIN_NK = 1 << 25
 
