@@ -213,16 +213,22 @@ def act_format_of(weight) -> str | None:
     return fmt if fmt in FUSED_QUANTIZERS else None
 
 
-def _concat_bias_as_views(mods: list[nn.Module]) -> torch.Tensor | None:
-    if mods[0].bias is None:
+def _concat_param_as_views(mods: list[nn.Module], name: str) -> torch.Tensor | None:
+    """Concatenate the modules' parameter ``name`` along dim 0 and make each module's
+    parameter a row-block view of the result (None when the modules have none)."""
+    if getattr(mods[0], name) is None:
         return None
-    bias = torch.cat([m.bias.detach() for m in mods], 0)
+    fused = torch.cat([getattr(m, name).detach() for m in mods], 0)
     row = 0
     for m in mods:
         n = m.out_features
-        m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        setattr(m, name, nn.Parameter(fused[row : row + n], requires_grad=False))
         row += n
-    return bias
+    return fused
+
+
+def _concat_bias_as_views(mods: list[nn.Module]) -> torch.Tensor | None:
+    return _concat_param_as_views(mods, "bias")
 
 
 def _concat_as_views(mods: list[nn.Linear]) -> FusedLinear:
@@ -231,13 +237,7 @@ def _concat_as_views(mods: list[nn.Linear]) -> FusedLinear:
     The modules keep their names and shapes, so in-place weight loading writes straight
     into the fused buffer and one GEMM serves them all.
     """
-    weight = torch.cat([m.weight.detach() for m in mods], 0)
-    row = 0
-    for m in mods:
-        n = m.out_features
-        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-        row += n
-    return FusedLinear(weight, _concat_bias_as_views(mods))
+    return FusedLinear(_concat_param_as_views(mods, "weight"), _concat_bias_as_views(mods))
 
 
 def _concat_quantized_as_views(mods: list) -> FusedLinear:
