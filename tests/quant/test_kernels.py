@@ -35,16 +35,11 @@ def test_act_quant_kernel_matches_reference_codes(act):
 
 def test_e4m3_byte_equals_torch_cast():
     """The kernel's fp32 -> e4m3 byte conversion equals torch's clamp + cast bit for bit on
-    the hard cases: every e4m3 value, every midpoint between neighbours (ties to even),
-    values just off the midpoints, the subnormal range, saturation, +-0, inf and NaN."""
+    the hard cases (the interpreter's path; tests_gpu checks the hardware conversion)."""
     from quarl.quant.kernels import triton_kernels as tk
+    from tests.fp8_cases import e4m3_hard_cases
 
-    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    grid = grid[grid.isfinite()].unique()  # sorted
-    mids = (grid[1:] + grid[:-1]) / 2
-    base = torch.cat([grid, mids, mids.nextafter(torch.tensor(float("inf"))), mids.nextafter(torch.tensor(-float("inf")))])
-    extra = torch.tensor([0.0, 1e-45, 1e-39, 2.0**-10, 2.0**-10 * 1.0001, 2.0**-7, 447.9, 448.0, 456.0, 460.0, 464.0, 500.0, 1e30, float("inf"), float("nan")])
-    v = torch.cat([base, -base, extra, -extra, torch.randn(4000) * torch.logspace(-4, 3, 4000)])
+    v = e4m3_hard_cases()
     q = torch.empty(v.numel(), dtype=torch.uint8)
     tk.e4m3_byte_kernel[(-(-v.numel() // 1024),)](v, q, v.numel(), BLOCK=1024)
     expect = ref.to_e4m3(v).view(torch.uint8)
@@ -79,6 +74,32 @@ def test_int8_gemm_kernel(m, split_k):
     cfg = launch.TileConfig(16, 32, 64, split_k=split_k)
     out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-6
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8"])
+def test_w8a8_tma_kernel(m, name):
+    """The TMA / persistent W8A8 kernel: zero-filled tiles past M, N and K (N = 72 and K = 272
+    are not multiples of the tiles), bias, and fewer programs than tiles (each walks several)."""
+    launch = _launch()
+    n, k = 72, 272
+    qw = quantize_weight(torch.randn(n, k), name)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    xq, sx = launch.act_quant(x, qw.scheme.act_format)
+    expect = reference_linear(x, qw, bias, exact=True)
+    for cfg in (launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma")):
+        out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
+        assert _rel(out, expect) < 1e-6
+
+
+def test_w8a8_tma_falls_back_on_unaligned_rows():
+    """K = 100 rows are not 16-byte aligned (TMA cannot describe them): the pointer kernel runs."""
+    launch = _launch()
+    qw = quantize_weight(torch.randn(24, 100), "w8a8-int8")
+    x = torch.randn(5, 100)
+    xq, sx = launch.act_quant(x, "int8")
+    out = launch.int8_gemm(xq, sx, qw, None, x.dtype, launch.TileConfig(16, 32, 64, kernel="tma"))
+    assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-6
 
 
 @pytest.mark.parametrize("m", MS)

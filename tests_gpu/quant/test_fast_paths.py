@@ -51,6 +51,21 @@ def test_act_quant_codes_equal_reference(act, dtype):
         pytest.fail(f"{int(bad.sum())} codes differ; x/s={v} kernel={q.float()[bad][:8].tolist()} torch={q_ref.float()[bad][:8].tolist()}")
 
 
+def test_e4m3_hardware_conversion_equals_torch_cast():
+    """The GPU quantizers' e4m3 codes come from the hardware conversion: bit for bit torch's
+    clamp + cast on every e4m3 value, midpoint, subnormal, saturation, inf and NaN."""
+    from quarl.quant.kernels import triton_kernels as tk
+    from tests.fp8_cases import e4m3_hard_cases
+
+    assert tk.HW_E4M3
+    v = e4m3_hard_cases("cuda")
+    q = torch.empty(v.numel(), dtype=torch.uint8, device="cuda")
+    tk.e4m3_byte_kernel[(-(-v.numel() // 1024),)](v, q, v.numel(), BLOCK=1024)
+    expect = ref.to_e4m3(v).view(torch.uint8)
+    bad = q != expect
+    assert not bad.any(), (v[bad][:8].tolist(), q[bad][:8].tolist(), expect[bad][:8].tolist())
+
+
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", MS)
@@ -89,16 +104,25 @@ def test_weight_only_configs_and_determinism(name, m):
 
 
 @pytest.mark.parametrize("m", [1, 16, 256, 2048])
-def test_int8_gemm_configs(m):
+@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8"])
+def test_w8a8_gemm_configs(m, name):
+    """Pointer and TMA kernels (int8 and e4m3), N = 4000 not a multiple of any tile, with
+    bias; the TMA kernel's persistent walk (fewer programs than tiles) included."""
     from quarl.quant.kernels import launch
 
-    n, k = 4096, 3584
-    qw = quantize_weight(torch.randn(n, k, device="cuda"), "w8a8-int8")
+    n, k = 4000, 3584
+    qw = quantize_weight(torch.randn(n, k, device="cuda"), name)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    xq, sx = launch.act_quant(x, "int8")
-    expect = reference_linear(x.float(), qw, exact=True)
-    for cfg in (launch.int8_config(m, n, k), launch.TileConfig(128, 128, 64, split_k=1), launch.TileConfig(16, 64, 256, split_k=3)):
-        _check(launch.int8_gemm(xq, sx, qw, None, torch.bfloat16, cfg), expect, 1e-2)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    xq, sx = launch.act_quant(x, qw.scheme.act_format)
+    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    cfgs = [launch.int8_config(m, n, k), launch.TileConfig(128, 128, 64, split_k=1), launch.TileConfig(16, 64, 256, split_k=3)]
+    cfgs += [launch.TileConfig(bm, bn, bk, num_warps=w, num_stages=st, waves=wv, kernel="tma")
+             for bm, bn, bk, w, st, wv in ((128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 2), (128, 256, 128, 8, 3, 0.25))]
+    for cfg in cfgs:
+        out = launch.int8_gemm(xq, sx, qw, bias, torch.bfloat16, cfg)
+        _check(out, expect, 1e-2)
+        assert torch.equal(out, launch.int8_gemm(xq, sx, qw, bias, torch.bfloat16, cfg))
 
 
 @pytest.mark.parametrize("name", FORMATS)

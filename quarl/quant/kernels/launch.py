@@ -36,7 +36,8 @@ class TileConfig(NamedTuple):
     # weight-only: "tiled" (wo_gemm_kernel), "swap" / "swap16" (RAW16) / "swapb" (SUB16) /
     # "gemv" (int4 g128 only), "frag" (CUDA fragment kernel, int4 g128, bf16, M <= 16), "tile"
     # (block-tiled CUDA kernel, int4 g128, bf16, M <= 64; block shape from w4_tile_config), "dequant"
-    # (dequantize + cuBLAS); fp8: "triton" (int8_gemm_kernel on e4m3) or "cublas" (_scaled_mm)
+    # (dequantize + cuBLAS); int8 / fp8: "tiled" (int8_gemm_kernel), "tma" (w8a8_tma_kernel, large M;
+    # waves = resident programs per SM), fp8 also "cublas" (_scaled_mm); fp8's "triton" = "tiled"
     kernel: str = "tiled"
     # > 0: split K until about waves x SMs programs, even when the tiles alone fill the GPU
     # (w4 kernels; short programs, many resident per SM, hide the per-chunk latency chain)
@@ -390,6 +391,8 @@ def int8_gemm(
     m, k = xq.shape
     n = qw.shape[0]
     cfg = cfg or int8_config(m, n, k)
+    if cfg.kernel == "tma" and _tma_ok(xq) and _tma_ok(qw.qdata):
+        return _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg)
     kblocks = _cdiv(k, cfg.bk)
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
     split, per = _pick_split(tiles, kblocks, _num_sms(xq.device), cfg.split_k)
@@ -398,6 +401,29 @@ def int8_gemm(
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
         m, n, k, per, split, xq.stride(0), qw.qdata.stride(0), out.stride(0),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, IS_SPLIT=split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
+        ACC_INT=xq.dtype == torch.int8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and row stride (K % 16 == 0 for 8-bit)."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = xq.shape
+    n = qw.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
+    progs = min(tiles, int(_num_sms(xq.device) * max(cfg.waves, 1)))
+    a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
+    b_desc = TensorDescriptor.from_tensor(qw.qdata, [cfg.bn, cfg.bk])
+    tk.w8a8_tma_kernel[(progs,)](
+        a_desc, b_desc, sx, qw.scales, bias if bias is not None else sx, out, m, n, k, out.stride(0), progs,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
         ACC_INT=xq.dtype == torch.int8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -442,7 +468,7 @@ def fp8_gemm_quantized(
     n, k = qw.shape
     m = xq.shape[0]
     cfg = cfg or fp8_config(m, n, k)
-    if cfg.kernel == "triton":
+    if cfg.kernel != "cublas":
         return int8_gemm(xq, sx, qw, bias, out_dtype, cfg)
     if xq.device.type != "cuda" or n % 16 or k % 16:  # cuBLASLt fp8 needs N, K % 16 == 0
         y = (xq.float() * sx[:, None]) @ qw.dequantize(torch.float32).T
