@@ -1,0 +1,26 @@
+#!/bin/bash
+# Run 12 device calls (W8A8: hardware e4m3 quantizer, TMA GEMM for large M).
+#   bash bench/run12.sh tests,sweep      bash bench/run12.sh bench,b7,gpu
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+PARTS=${1:-tests,sweep}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > $OUT/gpu.txt 2>&1
+if [[ $PARTS == *tests* ]]; then
+  timeout 240 python3 -m pytest tests_gpu/quant/test_fast_paths.py tests_gpu/rollout/test_gpu_rollout.py -q -p no:cacheprovider \
+    -k "e4m3 or act_quant or w8a8 or fused_quantizers or (fast_path and (int8 or fp8)) or qat_forward" > $OUT/tests_w8a8.txt 2>&1
+  grep -E "FAILED|Error|passed|failed" $OUT/tests_w8a8.txt | tail -15
+fi
+if [[ $PARTS == *sweep* ]]; then
+  timeout ${SWEEP_TIMEOUT:-420} python3 bench/w8a8_sweep.py --budget ${SWEEP_BUDGET:-300} --parts ${SWEEP_PARTS:-act,fp8,int8} --out $OUT/w8a8_sweep.json 2>&1 | tee $OUT/w8a8_sweep.txt | grep -v "^ " | tail -60
+fi
+if [[ $PARTS == *bench* ]]; then
+  timeout 300 python3 -m quarl bench gemm --models qwen2.5-7b --shapes modules,engine --out $OUT/gemm_h200.json > $OUT/gemm.txt 2>&1
+  tail -14 $OUT/gemm.txt
+fi
+if [[ $PARTS == *b7* ]]; then
+  bash bench/run_rollout_gpu.sh $OUT b7
+fi
+if [[ $PARTS == *gpu* ]]; then
+  timeout ${TEST_TIMEOUT:-270} python3 -m pytest tests_gpu -q -p no:cacheprovider > $OUT/tests_gpu_full.txt 2>&1
+  grep -E "FAILED|ERROR|passed|failed" $OUT/tests_gpu_full.txt | tail -15
+fi
