@@ -35,6 +35,11 @@ TMA = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4,
        (64, 64, 128, 4, 5, 3), (128, 64, 128, 4, 4, 2), (256, 128, 128, 8, 3, 1), (128, 128, 256, 8, 3, 1)]
 
 
+# act_quant (columns per block, warps): one pass for K = 3584 (4096), two passes below that
+ACT_CFGS = {3584: [(4096, 4), (4096, 16), (2048, 4), (1024, 2), (1024, 4)],
+            18944: [(2048, 4), (8192, 8), (8192, 16), (1024, 4), (32768, 32)]}
+
+
 def candidates(kind: str, m: int) -> list[tuple[str, C | None]]:
     out: list[tuple[str, C | None]] = [("default", None)]
     if kind == "fp8":
@@ -57,10 +62,22 @@ def sweep_act_quant(dev, bw, rows, log):
         for m in MS:
             x = torch.randn(8, m, k, device=dev, dtype=torch.bfloat16)
             for act in ("int8", "fp8"):
-                t = bench.time_per_call([lambda i=i: launch.act_quant(x[i], act) for i in range(8)])
-                nbytes = 3 * m * k + 4 * m
-                rows.append(dict(part="act_quant", act=act, M=m, K=k, us=t * 1e6, eff_TBps=nbytes / t / 1e12, floor_us=nbytes / bw * 1e6))
-                log(f"act_quant {act:4} M={m:<5} K={k:<6} {t * 1e6:7.1f} us  {nbytes / t / 1e12:5.2f} TB/s (floor {nbytes / bw * 1e6:6.1f} us)")
+                for block, warps in [None] + ACT_CFGS[k]:
+                    launch.CONFIG_OVERRIDES.pop("act_quant", None)
+                    if block is not None:
+                        launch.CONFIG_OVERRIDES["act_quant"] = lambda *_a, c=(block, warps): c
+                    q, s = launch.act_quant(x[0], act)
+                    if block is not None and not (torch.equal(q.view(torch.int8), q0.view(torch.int8)) and torch.equal(s, s0)):
+                        log(f"act_quant {act} M={m} K={k} {block}x{warps}: WRONG")
+                        continue
+                    q0, s0 = q, s
+                    t = bench.time_per_call([lambda i=i: launch.act_quant(x[i], act) for i in range(8)])
+                    nbytes = 3 * m * k + 4 * m
+                    cfg = "default" if block is None else f"{block}x{warps}"
+                    rows.append(dict(part="act_quant", act=act, M=m, K=k, cfg=cfg, us=t * 1e6, eff_TBps=nbytes / t / 1e12,
+                                     floor_us=nbytes / bw * 1e6))
+                    log(f"act_quant {act:4} M={m:<5} K={k:<6} {cfg:>9} {t * 1e6:7.1f} us  {nbytes / t / 1e12:5.2f} TB/s (floor {nbytes / bw * 1e6:6.1f} us)")
+                launch.CONFIG_OVERRIDES.pop("act_quant", None)
 
 
 def sweep_gemm(kind, dev, l2, budget, rows, log):

@@ -8,6 +8,13 @@ the rate is the bf16 one for weight-only formats and the fp8 one for W8A8/W4A8. 
 measurement rotates among enough weight/input sets to exceed the L2 cache several
 times, runs them inside a CUDA graph (as the rollout engine does) after warm-up, and
 reports the median per-call time of many replays. Inputs are random normals.
+
+Formats that quantize activations are timed as a standalone ``QuantLinear`` does it
+(quantizer launch + GEMM). In the ``engine`` shape set, the GEMMs whose input the rollout
+engine quantizes inside the op before (qkv and gate_up after its RMSNorm, down after its
+SiLU-and-mul) are timed as the engine runs them instead: the GEMM on codes, plus what
+fusing the quantizer adds to that op (the fused kernel writing codes minus the same
+kernel writing bf16, measured). o_proj keeps its quantizer launch in both sets.
 """
 
 from __future__ import annotations
@@ -166,6 +173,53 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, 
     return [lambda i=i: quant_linear(x[i], qws[i]) for i in range(sets)]
 
 
+# Engine shapes whose input the rollout engine quantizes inside the op before (its fused
+# RMSNorm, or SiLU-and-mul), for W8A8 / W4A8 formats (quarl.rollout.fused): the producer.
+ENGINE_QUANTIZED_INPUT = {"qkv_proj (fused)": "rmsnorm", "gate_up_proj (fused)": "rmsnorm", "down_proj": "silu_mul"}
+
+
+def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str, int], dict[str, int]]:
+    """``(counts of the row timed with the standalone quantizer, counts of the row timed as the
+    engine runs it)``: for a format that quantizes activations, an engine shape in
+    ``ENGINE_QUANTIZED_INPUT`` is timed twice (the module set keeps the quantizer's launch);
+    otherwise one row keeps every count."""
+    if get_scheme(fmt).quantizes_activations and label in ENGINE_QUANTIZED_INPUT and "engine" in counts:
+        return {k: v for k, v in counts.items() if k != "engine"}, {"engine": counts["engine"]}
+    return counts, {}
+
+
+def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0):
+    """As :func:`make_calls`, on activations quantized beforehand: the GEMM alone."""
+    from quarl.quant.kernels import launch
+
+    sc = get_scheme(fmt)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sets = _n_sets(int(n * k * sc.bits_per_weight / 8 + m * k), l2)
+    w = torch.randn(sets * n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+    big = quantize_weight(w, sc)
+    del w
+    qws = [_slice_qw(big, i, n, k) for i in range(sets)]
+    xs = [launch.act_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen), sc.act_format) for _ in range(sets)]
+    return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(sets)]
+
+
+def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torch.device, reps: int, graph: bool) -> float:
+    """What fusing the quantizer costs the op before the GEMM: time of the engine's fused
+    ``producer`` writing codes + scales minus the same kernel writing bf16 (negative when the
+    smaller write makes it faster). ``k`` is the GEMM's K (the producer's row length)."""
+    from quarl.rollout import fused
+
+    x = torch.randn(m, 2 * k if producer == "silu_mul" else k, device=device, dtype=torch.bfloat16)
+    w = torch.ones(k, device=device, dtype=torch.bfloat16)
+
+    def run(quant):
+        if producer == "silu_mul":
+            return lambda: fused.silu_mul(x[:, :k], x[:, k:], quant=quant)
+        return lambda: fused.rmsnorm(x, w, 1e-6, quant=quant)
+
+    return time_per_call([run(act)], reps=reps, graph=graph) - time_per_call([run(None)], reps=reps, graph=graph)
+
+
 def floor_seconds(fmt: str, m: int, n: int, k: int, ceil: Ceilings) -> float:
     sc = get_scheme(fmt)
     nbytes = n * k * sc.bits_per_weight / 8 + 2 * m * k + 2 * m * n
@@ -194,33 +248,54 @@ def run_benchmark(
     log(f"ceilings: {ceil.bandwidth / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops / 1e12:.0f} TFLOP/s, fp8 {ceil.fp8_flops / 1e12:.0f} TFLOP/s")
     if "bf16" not in formats:
         formats = ["bf16"] + formats
-    rows = []
+    rows, engine_rows = [], []
+    extra: dict[tuple, float] = {}
     for model in models:
         for label, n, k, counts in linear_shapes(MODELS[model], sets):
             for m in ms:
                 base = None
                 for fmt in formats:
-                    try:
-                        t = time_per_call(make_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph)
-                        err = None
-                    except Exception as e:  # keep going; the failure is part of the result
-                        t, err = float("nan"), f"{type(e).__name__}: {e}"[:300]
-                    if fmt == "bf16":
-                        base = t
+                    own, fused_in = engine_split(label, counts, fmt)
                     fl = floor_seconds(fmt, m, n, k, ceil)
-                    rows.append(dict(
-                        model=model, layer=label, counts=counts, N=n, K=k, M=m, format=fmt,
-                        ms=t * 1e3, speedup=base / t if base else float("nan"),
-                        floor_ms=fl * 1e3, floor_frac=fl / t, error=err,
-                    ))
+                    for kind, cnt in (("standalone", own), ("engine", fused_in)):
+                        if kind == "engine" and not cnt:
+                            continue
+                        try:
+                            if kind == "standalone":
+                                t = time_per_call(make_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph)
+                            else:
+                                key = (ENGINE_QUANTIZED_INPUT[label], get_scheme(fmt).act_format, m, k)
+                                if key not in extra:
+                                    extra[key] = producer_extra_seconds(*key, device, reps, graph)
+                                t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), reps=reps, graph=graph) + extra[key]
+                            err = None
+                        except Exception as e:  # keep going; the failure is part of the result
+                            t, err = float("nan"), f"{type(e).__name__}: {e}"[:300]
+                        if fmt == "bf16":
+                            base = t
+                        row = dict(
+                            model=model, layer=label, counts=cnt, N=n, K=k, M=m, format=fmt,
+                            ms=t * 1e3, speedup=base / t if base else float("nan"),
+                            floor_ms=fl * 1e3, floor_frac=fl / t, error=err,
+                        )
+                        if kind == "engine":
+                            row.update(input=f"quantized by the fused {ENGINE_QUANTIZED_INPUT[label]}",
+                                       producer_extra_ms=extra.get(key, float("nan")) * 1e3)
+                            engine_rows.append(row)
+                        else:
+                            rows.append(row)
                     torch.cuda.empty_cache()
                 log(_row_line(rows[-len(formats):]))
+                for r in engine_rows:
+                    if r["model"] == model and r["layer"] == label and r["M"] == m:
+                        log(f"{'':>13} {'':>17} {'':<7} {r['format']} as the engine runs it (input {r['input']}): "
+                            f"{r['speedup']:.2f}x")
                 if partial_path:
                     save(dict(device=props.name, ceilings=asdict(ceil), formats=formats, rows=rows), partial_path)
     result = dict(
         device=props.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         git_commit=git_commit(), torch=torch.__version__, triton=_triton_version(), cuda_graphs=graph,
-        ceilings=asdict(ceil), formats=formats, rows=rows,
+        ceilings=asdict(ceil), formats=formats, rows=rows + engine_rows,
     )
     result["shape_sets"] = list(sets)
     result["layer_speedups"] = [x for st in sets for x in layer_speedups(rows, st)]
@@ -290,7 +365,7 @@ def format_table(result: dict) -> str:
     lines.append(f"# ceilings: {c['bandwidth'] / 1e12:.2f} TB/s, bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
     fmts = result["formats"]
     lines.append(f"{'model':>13} {'layer':>17} {'M':>5} {'bf16 us':>8} " + " ".join(f"{f:>10}" for f in fmts[1:]))
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if "input" not in r]
     for i in range(0, len(rows), len(fmts)):
         grp = rows[i : i + len(fmts)]
         r0 = grp[0]
@@ -300,6 +375,13 @@ def format_table(result: dict) -> str:
         )
     lines.append("(cells: speedup over bf16 / fraction of the format's floor; shape sets: modules = the checkpoint's "
                  "seven linears, engine = what the rollout engine runs, q/k/v and gate/up fused)")
+    fused_rows = [r for r in result["rows"] if "input" in r]
+    if fused_rows:
+        lines.append("engine set, W8A8 GEMMs whose input the engine quantizes in the op before (time = GEMM on the codes + "
+                     "what the fused quantizer adds to that op):")
+        for r in fused_rows:
+            lines.append(f"{r['model']:>13} {r['layer']:>17} {r['M']:>5} {r['format']:>10} {r['speedup']:>5.2f}x "
+                         f"(fused quantizer {r['producer_extra_ms'] * 1e3:+.1f} us)")
     for t in result["targets"]:
         ok = "MET" if t["met_all"] else ("met on geomean" if t["met_geomean"] else "MISSED")
         lines.append(f"target {t['format']} {t['where']} >= {t['target']}x ({t['shapes']} shapes): geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")

@@ -43,3 +43,31 @@ def test_layer_speedups_and_targets_per_shape_set():
     assert math.isclose(t_mod["M<=16"]["geomean"], 2.0) and not t_mod["M<=16"]["met_geomean"]  # target 2.5x
     assert math.isclose(t_eng["M<=16"]["geomean"], 4.0) and t_eng["M<=16"]["met_all"]
     assert t_eng["M=64"]["min_at"] == "B M=64"
+
+
+def test_engine_split_times_fused_input_gemms_apart():
+    from quarl.quant.bench import engine_split
+
+    both = {"modules": 1, "engine": 1}
+    # down_proj: the engine's SiLU-and-mul quantizes its input, a module's QuantLinear launches the quantizer
+    assert engine_split("down_proj", both, "w8a8-fp8") == ({"modules": 1}, {"engine": 1})
+    assert engine_split("gate_up_proj (fused)", {"engine": 1}, "w8a8-int8") == ({}, {"engine": 1})
+    # o_proj's input comes from attention: the quantizer launch stays; weight-only formats have none
+    assert engine_split("o_proj", both, "w8a8-fp8") == (both, {})
+    assert engine_split("down_proj", both, "w4a16") == (both, {})
+    assert engine_split("down_proj", both, "bf16") == (both, {})
+
+
+def test_format_table_lists_engine_rows_apart():
+    from quarl.quant.bench import format_table
+
+    def row(fmt, ms, **kw):
+        return dict(model="m", layer="down_proj", counts={"modules": 1}, M=256, format=fmt, ms=ms, speedup=2.0 / ms, floor_frac=0.5, **kw)
+
+    result = dict(device="d", date="t", git_commit="c" * 10, formats=["bf16", "w8a8-fp8"], targets=[],
+                  ceilings=dict(bandwidth=1e12, bf16_flops=1e15, fp8_flops=2e15),
+                  rows=[row("bf16", 2.0), row("w8a8-fp8", 1.6),
+                        row("w8a8-fp8", 1.0, input="quantized by the fused silu_mul", producer_extra_ms=-0.001)])
+    text = format_table(result)
+    assert " 1.25x/0.50" in text  # the standalone row in the main table
+    assert "2.00x (fused quantizer -1.0 us)" in text

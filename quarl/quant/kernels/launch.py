@@ -163,31 +163,47 @@ TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_M
 TILE_MIN_NK = 1 << 25
 
 
+# The TMA kernel's tile for 16 < M <= 64 (and int8 at M <= 512): 64 x 64 x 128, 5 stages, 3
+# programs per SM. H200 run 12 (bench/results/w8a8_sweep_h200.json, GEMM on quantized input):
+# M = 64 q/o 10.4 us and qkv 10.9 us where the pointer kernel's split-K took 13.7 (bf16 10.5 /
+# 11.4); int8 M = 256 q/o 11.5 vs 13.7 and down 44.2 vs 54.1. With K > 8192 (down) and
+# M <= 64 the tiles alone are too few and the pointer kernel's split-K wins (30 vs 40 us).
+_TMA_64 = TileConfig(64, 64, 128, num_warps=4, num_stages=5, waves=3, kernel="tma")
+_TMA_64x128 = TileConfig(64, 128, 128, num_warps=4, num_stages=4, waves=2, kernel="tma")
+_TMA_64_MAX_TILES = 264  # 64 x 64 tiles while ~2 fit per SM (80 KB of stages each) on 132 SMs
+
+
+def _w8a8_small_m(m: int, n: int, k: int, kernel: str) -> TileConfig:
+    if m <= 16:
+        return TileConfig(16, 64, 256, num_warps=4, num_stages=3, kernel=kernel)
+    if k <= 8192:
+        return _TMA_64
+    return TileConfig(64, 64, 128, num_warps=4, num_stages=4, kernel=kernel)
+
+
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
-    """H200 sweep run 10 (bench/results/gemm_sweep_h200_10.json, the engine's 7B shapes): at
-    M <= 64 the Triton GEMM (int8_gemm_kernel on e4m3, 64 x 64 x 128 tiles, 4 stages) beats
-    row-wise ``_scaled_mm`` by 1.3-1.5x on gate/up and down (gate_up M = 64: 45 vs 61 us) and
-    ties it on q/o; from M = 256 on cuBLAS wins or ties everywhere."""
+    """M <= 64: Triton (see ``_w8a8_small_m``; run 10: the pointer kernel beats row-wise
+    ``_scaled_mm`` 1.3-1.5x on gate/up and down, gate_up M = 64 45 vs 61 us). From M = 256 on
+    cuBLAS: no Triton tile beat it by more than 5% in runs 10 and 12 (the TMA kernel is
+    1.3-2x slower than cuBLAS at M >= 1024)."""
     if "fp8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["fp8"](m, n, k)
-    if m <= 16:
-        return TileConfig(16, 64, 256, num_warps=4, num_stages=3, kernel="triton")
     if m <= 64:
-        return TileConfig(64, 64, 128, num_warps=4, num_stages=4, kernel="triton")
+        return _w8a8_small_m(m, n, k, "triton")
     return TileConfig(0, 0, kernel="cublas")
 
 
 def int8_config(m: int, n: int, k: int) -> TileConfig:
-    # From the H200 sweep (bench/results/sweep_h200_1.json): 64-row tiles up to M=256 (split-K
-    # when the grid is short), 128x128x128 / 8 warps / 3 stages from M=1024 on.
+    """M <= 64 as fp8; M <= 512: the TMA kernel, 64 x 64 tiles while they fit in ~2 per SM
+    (q/o, down), else 64 x 128 (qkv 14.5 vs 15.7 us, gate_up 75 vs 78 at M = 256); larger M
+    the pointer kernel, 128 x 128 x 128, 8 warps, 3 stages (sweep_h200_1.json; run 12: no TMA
+    tile beat it by more than 6%)."""
     if "int8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["int8"](m, n, k)
-    if m <= 16:
-        return TileConfig(16, 64, 256, num_warps=4, num_stages=3)
     if m <= 64:
-        return TileConfig(64, 64, 128, num_warps=4, num_stages=4)
-    if m <= 512 and n < 8192:
-        return TileConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=4)
+        return _w8a8_small_m(m, n, k, "tiled")
+    if m <= 512:
+        return _TMA_64 if _cdiv(m, 64) * _cdiv(n, 64) <= _TMA_64_MAX_TILES else _TMA_64x128
     return TileConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)
 
 
@@ -243,16 +259,22 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
     q, q_arg, s = act_quant_buffers(m, k, act_format, x.device)
     if m == 0:
         return q, s
-    full = triton_next_pow2(k)
-    # one pass (row in registers) up to 8192 columns; longer rows (down_proj, K = 18944)
-    # take two passes over 4096-column blocks: a 32768-wide register row spilled (H200
-    # sweep 47a5360: 350 us for 4096 x 18944)
-    block = min(full, 64 if _interpreting(x) else (full if full <= 8192 else 4096))
-    warps = 4 if block <= 2048 else 8
+    block, warps = (min(triton_next_pow2(k), 64), 4) if _interpreting(x) else act_quant_config(m, k)
     tk.act_quant_kernel[(m,)](
         x, q_arg, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
     )
     return q, s
+
+
+def act_quant_config(m: int, k: int) -> tuple[int, int]:
+    """(columns per block, warps) of ``act_quant_kernel``: one pass (row in registers) up to
+    8192 columns; longer rows (down_proj, K = 18944) take two passes over 4096-column blocks
+    (a 32768-wide register row spilled: 350 us for 4096 x 18944, H200 sweep 47a5360)."""
+    if "act_quant" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["act_quant"](m, k)
+    full = triton_next_pow2(k)
+    block = full if full <= 8192 else 4096
+    return block, (4 if block <= 2048 else 8)
 
 
 def act_quant_buffers(rows: int, k: int, act_format: str, device: torch.device):
