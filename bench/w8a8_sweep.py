@@ -62,7 +62,7 @@ def sweep_act_quant(dev, bw, rows, log):
         for m in MS:
             x = torch.randn(8, m, k, device=dev, dtype=torch.bfloat16)
             for act in ("int8", "fp8"):
-                for block, warps in [None] + ACT_CFGS[k]:
+                for block, warps in [(None, None)] + ACT_CFGS[k]:
                     launch.CONFIG_OVERRIDES.pop("act_quant", None)
                     if block is not None:
                         launch.CONFIG_OVERRIDES["act_quant"] = lambda *_a, c=(block, warps): c

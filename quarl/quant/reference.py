@@ -42,7 +42,8 @@ by a contiguous slice of x: no shuffles.
 
 Activations (``act_format``), per token, dynamic, symmetric, computed in fp32:
 ``s_m = max|x_m| * fp32(1/127)`` (int8) or ``* fp32(1/448)`` (fp8), 1 for an all-zero row;
-``q = clamp(round(x / s), -127, 127)`` or ``e4m3(clamp(x / s, +-448))``.
+``q = clamp(round(x * r), -127, 127)`` or ``e4m3(clamp(x * r, +-448))`` with ``r = fp32(1 / s)``
+rounded once per row (vLLM's per-token quantizers multiply by the reciprocal too).
 
 The GEMM each scheme implies is ``y = xq @ wq.T`` with ``xq`` the activations as
 quantized and dequantized (x itself for weight-only formats) and ``wq`` the dequantized
@@ -270,16 +271,20 @@ def dequantize_tensors(
 def quantize_activations(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic quantization of ``x [M, K]``: ``(q [M, K], scale fp32 [M])``.
 
+    ``s = amax(|x_row|) / qmax`` (see ``_safe_scale``), codes ``round(x * fp32(1 / s))``:
+    the reciprocal is rounded once per row and each element is one fp32 product, as in
+    vLLM's per-token quantizers; the kernels do the same, so codes agree bit for bit (an
+    IEEE division per element kept the GPU quantizer instruction-bound).
     ``q`` is int8 for ``"int8"`` and float8_e4m3fn for ``"fp8"``.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     if act_format == "int8":
         s = _safe_scale(amax, INT8_MAX)
-        q = torch.round(xf / s[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        q = torch.round(xf * (1.0 / s)[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     elif act_format == "fp8":
         s = _safe_scale(amax, E4M3_MAX)
-        q = to_e4m3(xf / s[..., None])
+        q = to_e4m3(xf * (1.0 / s)[..., None])
     else:
         raise ValueError(f"unknown act_format {act_format!r}")
     return q, s

@@ -25,7 +25,7 @@ from quarl.quant import ops
 from quarl.quant.linear import QuantLinear
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.kernels.launch import act_quant_buffers
-from quarl.quant.kernels.triton_kernels import act_scale, store_act_codes
+from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, store_act_codes
 
 
 # Launch option of every kernel here: no contraction of a rounded product and an add into
@@ -55,7 +55,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, n_cols, 
         yf = y.to(tl.float32)
         s = act_scale(tl.max(tl.abs(yf), 0), IS_FP8)
         tl.store(s_ptr + row, s)
-        store_act_codes(out_ptr + row * stride_o + cols, yf, s, mask, IS_FP8)
+        store_act_codes(out_ptr + row * stride_o + cols, yf, act_inv_scale(s), mask, IS_FP8)
     else:
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
@@ -152,10 +152,11 @@ def _silu_mul_quant_kernel(g_ptr, u_ptr, q_ptr, s_ptr, n_cols, stride_g, stride_
         amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
     s = act_scale(tl.max(amax, 0), IS_FP8)
     tl.store(s_ptr + row, s)
+    inv_s = act_inv_scale(s)
     for c0 in range(0, n_cols, BLOCK):
         m = c0 + offs < n_cols
         y = _silu_mul(g_ptr + row * stride_g + c0 + offs, u_ptr + row * stride_u + c0 + offs, m, dt)
-        store_act_codes(q_ptr + row * stride_q + c0 + offs, y.to(tl.float32), s, m, IS_FP8)
+        store_act_codes(q_ptr + row * stride_q + c0 + offs, y.to(tl.float32), inv_s, m, IS_FP8)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None):

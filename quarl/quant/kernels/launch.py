@@ -261,7 +261,8 @@ def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Ten
         return q, s
     block, warps = (min(triton_next_pow2(k), 64), 4) if _interpreting(x) else act_quant_config(m, k)
     tk.act_quant_kernel[(m,)](
-        x, q_arg, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps
+        x, q_arg, s, k, x.stride(0), q.stride(0), IS_FP8=fp8, BLOCK=block, ONE_PASS=block >= k, num_warps=warps,
+        enable_fp_fusion=False,  # int8: x * r must round before the rounding add (no FMA), as in torch
     )
     return q, s
 

@@ -28,11 +28,11 @@ Kernels:
   group scale applied to each group's int32 partial, token scale in the epilogue.
 
 Rounding inside kernels uses the fp32 "magic number" trick (``(v + 1.5 * 2^23) - 1.5 *
-2^23`` rounds to nearest even for ``|v| < 2^22``) and IEEE division (``div_rn``), so
-codes equal those of torch's ``round`` and ``/`` in the reference. e4m3 activation codes
-are built as bytes with integer arithmetic (``_e4m3_byte``, a port of torch's own
-fp32 -> e4m3fn conversion) and stored through a uint8 view: no Triton fp8 cast (on the
-H200, Triton's path differed from torch's cast for some elements; see bench/NOTES.md).
+2^23`` rounds to nearest even for ``|v| < 2^22``) and IEEE division (``div_rn``) where the
+reference divides, so codes equal those of torch's ``round`` and ``/``. e4m3 activation
+codes are stored as bytes through a uint8 view: on the GPU from the hardware conversion,
+under the interpreter (whose fp8 cast truncates) built with integer arithmetic
+(``_e4m3_byte``, a port of torch's own fp32 -> e4m3fn conversion); see ``e4m3_code``.
 """
 
 from __future__ import annotations
@@ -110,10 +110,17 @@ def act_scale(amax, IS_FP8: tl.constexpr):
 
 
 @triton.jit
-def store_act_codes(q_ptr, v, s, msk, IS_FP8: tl.constexpr):
-    """Codes of fp32 values ``v`` under scale ``s`` (IEEE division, as the reference):
-    e4m3 bytes (through a uint8 pointer) or int8 clamped to +-127."""
-    t = tl.math.div_rn(v, tl.full(v.shape, 1.0, tl.float32) * s)
+def act_inv_scale(s):
+    """``fp32(1 / s)``, correctly rounded (IEEE division, as torch's ``1.0 / s``), once per row."""
+    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def store_act_codes(q_ptr, v, inv_s, msk, IS_FP8: tl.constexpr):
+    """Codes of fp32 values ``v`` under the row's reciprocal scale ``inv_s`` (one fp32
+    product per element, as the reference): e4m3 bytes (through a uint8 pointer) or int8
+    clamped to +-127."""
+    t = v * inv_s
     if IS_FP8:
         tl.store(q_ptr, e4m3_code(t).to(tl.uint8), mask=msk)
     else:
@@ -142,11 +149,12 @@ def act_quant_kernel(
         a = tl.max(amax, axis=0)
     s = act_scale(a, IS_FP8)
     tl.store(s_ptr + row, s)
+    inv_s = act_inv_scale(s)
     for k0 in range(0, K, BLOCK):
         msk = k0 + offs < K
         if not ONE_PASS:
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
-        store_act_codes(q_ptr + row * stride_qm + k0 + offs, v, s, msk, IS_FP8)
+        store_act_codes(q_ptr + row * stride_qm + k0 + offs, v, inv_s, msk, IS_FP8)
 
 
 @triton.jit
