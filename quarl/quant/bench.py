@@ -298,6 +298,13 @@ def run_benchmark(
         ceilings=asdict(ceil), formats=formats, rows=rows + engine_rows,
     )
     result["shape_sets"] = list(sets)
+    summarize(result)
+    return result
+
+
+def summarize(result: dict) -> dict:
+    """(Re)compute ``layer_speedups`` and ``targets`` of a result from all its rows."""
+    rows, sets = result["rows"], result["shape_sets"]
     result["layer_speedups"] = [x for st in sets for x in layer_speedups(rows, st)]
     result["targets"] = [x for st in sets for x in check_targets(rows, shape_set=st)]
     return result

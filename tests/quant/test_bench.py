@@ -71,3 +71,19 @@ def test_format_table_lists_engine_rows_apart():
     text = format_table(result)
     assert " 1.25x/0.50" in text  # the standalone row in the main table
     assert "2.00x (fused quantizer -1.0 us)" in text
+
+
+def test_summarize_counts_engine_rows():
+    """A W8A8 format's engine-set layer time and targets come from its engine rows (GEMM on
+    fused-quantizer input), not from its standalone rows that the engine never runs."""
+    from quarl.quant.bench import summarize
+
+    def row(layer, counts, fmt, ms, **kw):
+        return dict(model="qwen2.5-7b", layer=layer, counts=counts, M=256, format=fmt, ms=ms, speedup=0.0, **kw)
+
+    rows = [row("o", {"modules": 1, "engine": 1}, "bf16", 1.0), row("o", {"modules": 1, "engine": 1}, "w8a8-fp8", 1.0),
+            row("down", {"modules": 1, "engine": 1}, "bf16", 4.0), row("down", {"modules": 1}, "w8a8-fp8", 4.0),
+            row("down", {"engine": 1}, "w8a8-fp8", 1.0, input="quantized by the fused silu_mul")]
+    out = summarize(dict(rows=rows, shape_sets=["modules", "engine"]))
+    sp = {(r["shapes"], r["format"]): r["speedup"] for r in out["layer_speedups"]}
+    assert sp[("engine", "w8a8-fp8")] == 2.5 and sp[("modules", "w8a8-fp8")] == 1.0
