@@ -166,13 +166,19 @@ def sweep(kind, budget_s, dev, l2, log, rows):
                 rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=repr(cfg) if cfg else "default", us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=err,
                                  eff_TBps=nbytes / t / 1e12))
             launch.CONFIG_OVERRIDES.pop(kind, None)
-            mine = [r for r in rows if r["kind"] == kind and r["M"] == m and r["N"] == n and r["K"] == k and r["us"] == r["us"]]
-            best = min(mine, key=lambda r: r["us"]) if mine else None
-            dflt = next((r for r in mine if r["cfg"] == "default"), None)
-            log(f"{kind} M={m:<5} {lbl:>17} bf16 {base * 1e6:7.1f}us default {dflt['speedup'] if dflt else float('nan'):.2f}x "
-                f"best {best['us'] if best else float('nan'):7.1f}us ({best['speedup'] if best else float('nan'):.2f}x) {best['cfg'] if best else ''}")
+            log_best(rows, kind, m, lbl, n, k, base, log)
             del x, qws, calls
             torch.cuda.empty_cache()
+
+
+def log_best(rows, kind, m, lbl, n, k, base, log):
+    """One line per (kind, M, shape): bf16, the default's speedup and the fastest candidate."""
+    mine = [r for r in rows if r.get("kind") == kind and r["M"] == m and r["N"] == n and r["K"] == k and r["us"] == r["us"]]
+    best = min(mine, key=lambda r: r["us"]) if mine else None
+    dflt = next((r for r in mine if r["cfg"] == "default"), None)
+    nan = float("nan")
+    log(f"{kind} M={m:<5} {lbl:>20} bf16 {base * 1e6:7.1f}us default {dflt['speedup'] if dflt else nan:.2f}x "
+        f"best {best['us'] if best else nan:7.1f}us ({best['speedup'] if best else nan:.2f}x) {best['cfg'] if best else ''}")
 
 
 def main() -> None:

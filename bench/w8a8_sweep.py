@@ -28,6 +28,8 @@ from quarl.quant.kernels.launch import TileConfig as C
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import get_scheme
 
+from gemm_sweep import log_best  # bench/ is the script's directory: sys.path[0]
+
 SHAPES = [(s.label, s.n, s.k) for s in bench.linear_shapes(bench.MODELS["qwen2.5-7b"], ("engine",))]
 MS = (64, 256, 1024, 4096)
 # (bm, bn, bk, warps, stages, resident programs per SM)
@@ -111,11 +113,7 @@ def sweep_gemm(kind, dev, l2, budget, rows, log):
                     t, err = float("nan"), float("nan")
                 rows.append(dict(part="gemm", kind=kind, M=m, layer=lbl, N=n, K=k, cfg=name, us=t * 1e6, bf16_us=base * 1e6,
                                  speedup=base / t, err=err))
-            mine = [r for r in rows if r.get("kind") == kind and r["M"] == m and r["N"] == n and r["us"] == r["us"]]
-            best = min(mine, key=lambda r: r["us"])
-            dflt = next(r for r in mine if r["cfg"] == "default")
-            log(f"{kind} M={m:<5} {lbl:>20} bf16 {base * 1e6:7.1f} default {dflt['us']:7.1f} ({dflt['speedup']:.2f}x) "
-                f"best {best['us']:7.1f} ({best['speedup']:.2f}x) {best['cfg']}")
+            log_best(rows, kind, m, lbl, n, k, base, log)
             del qws, big, xs
             torch.cuda.empty_cache()
 
