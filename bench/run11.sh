@@ -1,6 +1,6 @@
 #!/bin/bash
 # Run 11 device calls (block-tiled CUDA w4 kernel for 16 < M <= 64).
-#   bash bench/run11.sh tile,sweep      bash bench/run11.sh bench,b7,tests
+#   bash bench/run11.sh tile,sweep      bash bench/run11.sh bench,b7,gpu
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 PARTS=${1:-tile,sweep}
@@ -12,14 +12,4 @@ fi
 if [[ $PARTS == *sweep* ]]; then
   QUARL_W4_TILE_MAX_M=0 timeout ${SWEEP_TIMEOUT:-400} python3 bench/w4_tile_sweep.py --budget ${SWEEP_BUDGET:-330} --out $OUT/w4_tile_sweep.json 2>&1 | tee $OUT/w4_tile_sweep.txt | tail -50
 fi
-if [[ $PARTS == *bench* ]]; then
-  timeout 300 python3 -m quarl bench gemm --models qwen2.5-7b --shapes modules,engine --out $OUT/gemm_h200.json > $OUT/gemm.txt 2>&1
-  tail -12 $OUT/gemm.txt
-fi
-if [[ $PARTS == *b7* ]]; then
-  bash bench/run_rollout_gpu.sh $OUT b7
-fi
-if [[ $PARTS == *tests* ]]; then
-  timeout ${TEST_TIMEOUT:-270} python3 -m pytest tests_gpu -q -p no:cacheprovider > $OUT/tests_gpu_full.txt 2>&1
-  grep -E "FAILED|ERROR|passed|failed" $OUT/tests_gpu_full.txt | tail -15
-fi
+source bench/device_parts.sh

@@ -13,14 +13,4 @@ fi
 if [[ $PARTS == *sweep* ]]; then
   timeout ${SWEEP_TIMEOUT:-420} python3 bench/w8a8_sweep.py --budget ${SWEEP_BUDGET:-300} --parts ${SWEEP_PARTS:-act,fp8,int8} --out $OUT/w8a8_sweep.json 2>&1 | tee $OUT/w8a8_sweep.txt | grep -v "^ " | tail -60
 fi
-if [[ $PARTS == *bench* ]]; then
-  timeout 400 python3 -m quarl bench gemm --models qwen2.5-7b --shapes modules,engine --out $OUT/gemm_h200.json > $OUT/gemm.txt 2>&1
-  tail -14 $OUT/gemm.txt
-fi
-if [[ $PARTS == *b7* ]]; then
-  bash bench/run_rollout_gpu.sh $OUT b7
-fi
-if [[ $PARTS == *gpu* ]]; then
-  timeout ${TEST_TIMEOUT:-270} python3 -m pytest tests_gpu -q -p no:cacheprovider > $OUT/tests_gpu_full.txt 2>&1
-  grep -E "FAILED|ERROR|passed|failed" $OUT/tests_gpu_full.txt | tail -15
-fi
+source bench/device_parts.sh
