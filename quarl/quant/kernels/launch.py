@@ -37,7 +37,7 @@ class TileConfig(NamedTuple):
     # "gemv" (int4 g128 only), "frag" (CUDA fragment kernel, int4 g128, bf16, M <= 16), "tile"
     # (block-tiled CUDA kernel, int4 g128, bf16, M <= 64; block shape from w4_tile_config), "dequant"
     # (dequantize + cuBLAS); int8 / fp8: "tiled" (int8_gemm_kernel), "tma" (w8a8_tma_kernel, large M;
-    # waves = resident programs per SM), fp8 also "cublas" (_scaled_mm); fp8's "triton" = "tiled"
+    # waves = resident programs per SM), fp8 also "cublas" (_scaled_mm; any other name runs Triton)
     kernel: str = "tiled"
     # > 0: split K until about waves x SMs programs, even when the tiles alone fill the GPU
     # (w4 kernels; short programs, many resident per SM, hide the per-chunk latency chain)
@@ -173,12 +173,12 @@ _TMA_64x128 = TileConfig(64, 128, 128, num_warps=4, num_stages=4, waves=2, kerne
 _TMA_64_MAX_TILES = 264  # 64 x 64 tiles while ~2 fit per SM (80 KB of stages each) on 132 SMs
 
 
-def _w8a8_small_m(m: int, n: int, k: int, kernel: str) -> TileConfig:
+def _w8a8_small_m(m: int, n: int, k: int) -> TileConfig:
     if m <= 16:
-        return TileConfig(16, 64, 256, num_warps=4, num_stages=3, kernel=kernel)
+        return TileConfig(16, 64, 256, num_warps=4, num_stages=3)
     if k <= 8192:
         return _TMA_64
-    return TileConfig(64, 64, 128, num_warps=4, num_stages=4, kernel=kernel)
+    return TileConfig(64, 64, 128, num_warps=4, num_stages=4)
 
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
@@ -189,7 +189,7 @@ def fp8_config(m: int, n: int, k: int) -> TileConfig:
     if "fp8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["fp8"](m, n, k)
     if m <= 64:
-        return _w8a8_small_m(m, n, k, "triton")
+        return _w8a8_small_m(m, n, k)
     return TileConfig(0, 0, kernel="cublas")
 
 
@@ -201,7 +201,7 @@ def int8_config(m: int, n: int, k: int) -> TileConfig:
     if "int8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["int8"](m, n, k)
     if m <= 64:
-        return _w8a8_small_m(m, n, k, "tiled")
+        return _w8a8_small_m(m, n, k)
     if m <= 512:
         return _TMA_64 if _cdiv(m, 64) * _cdiv(n, 64) <= _TMA_64_MAX_TILES else _TMA_64x128
     return TileConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)

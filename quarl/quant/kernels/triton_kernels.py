@@ -190,9 +190,9 @@ def _store_tile(
 
 
 @triton.jit
-def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped ordering of output tiles so neighbouring programs share weight tiles in L2."""
-    pid = tl.program_id(0)
+def _tile_ids(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering of output tiles so neighbouring programs share weight tiles in L2:
+    ``(pid_m, pid_n)`` of tile number ``pid``."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     per_group = GROUP_M * num_n
@@ -248,7 +248,7 @@ def wo_gemm_kernel(
 ):
     # POST_SCALE (int formats, G % 128 == 0): multiply each chunk's fp32 partial product by
     # its group scale instead of scaling the [128, BN] weight tile: fewer multiplies.
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     NSUB: tl.constexpr = 8 // BITS
     SUB: tl.constexpr = 128 // NSUB
@@ -319,7 +319,7 @@ def int8_gemm_kernel(
     """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias): int8 x int8
     with int32 accumulation, or e4m3 x e4m3 with fp32 accumulation (the dot's result type
     follows the operands)."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -346,11 +346,22 @@ def int8_gemm_kernel(
             # at K = 4096; the H200 engine's log-probs moved 0.2-0.3 nats from the learner's).
             # Promote after every tile of BK products, as cuBLAS does without fast accumulation.
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+    _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
+                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _w8a8_store(
+    acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
+    pid_tile, pid_k, n_split, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """W8A8 epilogue: ``acc * sa[:, None] * sb[None, :]`` (token and channel scales), then
+    :func:`_store_tile`."""
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     _store_tile(y, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+                pid_tile, pid_k, n_split, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -363,15 +374,9 @@ def w8a8_tma_kernel(
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
     copy engine zero-fills past M, N and K, so the loop has no masks or address math) and
     the grid is persistent: ``NUM_PROGS`` programs walk the output tiles in grouped order."""
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
     kblocks = tl.cdiv(K, BK)
-    per_group = GROUP_M * num_n
-    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGS):
-        first_m = (tile // per_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % size_m
-        pid_n = (tile % per_group) // size_m
+    for tile in range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_PROGS):
+        pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
         if ACC_INT:
             acc = tl.zeros([BM, BN], dtype=tl.int32)
         else:
@@ -383,16 +388,8 @@ def w8a8_tma_kernel(
                 acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
             else:  # promote the fp8 MMA accumulator every BK products (see int8_gemm_kernel)
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
-        sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
-        y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=omask)
+        _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, out_ptr, out_ptr, pid_m * BM + tl.arange(0, BM),
+                    pid_n * BN + tl.arange(0, BN), M, N, stride_om, tile, 0, 1, False, HAS_BIAS)
 
 
 @triton.jit
@@ -404,7 +401,7 @@ def w4a8_gemm_kernel(
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """int8 activations x int4 (symmetric, G in {64, 128}) weights; see module docstring."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
