@@ -66,6 +66,10 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     return y.view(*lead, y.shape[-1])
 
 
+def _fast_quantized_input(xq: torch.Tensor) -> bool:
+    return _backend != "reference" and triton_available() and (_backend == "triton" or xq.is_cuda)
+
+
 def quant_linear_quantized_input(
     xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -75,13 +79,26 @@ def quant_linear_quantized_input(
     ``out_dtype`` first, as ``fake_quantize_activations`` does."""
     if qw.scheme.act_format not in ("int8", "fp8"):
         raise ValueError(f"{qw.scheme.name} does not quantize activations; call quant_linear")
-    fast = _backend != "reference" and triton_available() and (_backend == "triton" or xq.is_cuda)
-    if fast:
+    if _fast_quantized_input(xq):
         from quarl.quant.kernels import launch
 
         return launch.linear_quantized_input(xq, sx, qw, bias, out_dtype)
     xs = ref.dequantize_activations(xq, sx, out_dtype)
     return ref.reference_linear(xs, qw, bias, quantize_input=False)
+
+
+def gated_silu_quantized_input(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``silu(g) * u`` of a W8A8 ``[gate; up]`` projection on per-token codes, the SiLU-and-mul
+    fused into the GEMM's epilogue: ``(y [M, N / 2], per-tile row maxima)``, or None where
+    no such kernel applies (reference backend, or a batch size the gated GEMM does not
+    cover): the caller then runs the GEMM and the SiLU-and-mul apart."""
+    if qw.scheme.act_format not in ("int8", "fp8") or qw.scheme.packed or not _fast_quantized_input(xq):
+        return None
+    from quarl.quant.kernels import launch
+
+    return launch.gated_silu_gemm(xq, sx, qw, out_dtype)
 
 
 def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:

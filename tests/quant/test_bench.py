@@ -70,7 +70,7 @@ def test_format_table_lists_engine_rows_apart():
                         row("w8a8-fp8", 1.0, input="quantized by the fused silu_mul", producer_extra_ms=-0.001)])
     text = format_table(result)
     assert " 1.25x/0.50" in text  # the standalone row in the main table
-    assert "2.00x (fused quantizer -1.0 us)" in text
+    assert "2.00x (fused quantizer -1.0 us; input quantized by the fused silu_mul)" in text
 
 
 def test_summarize_counts_engine_rows():
@@ -87,3 +87,30 @@ def test_summarize_counts_engine_rows():
     out = summarize(dict(rows=rows, shape_sets=["modules", "engine"]))
     sp = {(r["shapes"], r["format"]): r["speedup"] for r in out["layer_speedups"]}
     assert sp[("engine", "w8a8-fp8")] == 2.5 and sp[("modules", "w8a8-fp8")] == 1.0
+
+
+def test_engine_rows_of_a_gated_mlp(monkeypatch):
+    """Where the MLP runs the gated gate/up GEMM, its row is the gated GEMM + down's
+    quantizer - the bf16 SiLU-and-mul + the RMSNorm quantizer's extra, and down's row is its
+    GEMM alone; elsewhere each GEMM on codes carries its producer's extra."""
+    from quarl.quant import bench
+
+    cost = {"gemm": 5.0, "gated": 9.0, "silu": 2.0, "norm_extra": 0.5, "silu_extra": 3.0}
+    monkeypatch.setattr(bench, "time_per_call", lambda calls, **kw: calls)
+    monkeypatch.setattr(bench, "make_calls_quantized_input", lambda *a: cost["gemm"])
+    monkeypatch.setattr(bench, "make_calls_gated", lambda *a: cost["gated"])
+    monkeypatch.setattr(bench, "silu_mul_seconds", lambda *a: cost["silu"])
+    monkeypatch.setattr(bench, "producer_extra_seconds",
+                        lambda prod, *a: cost["norm_extra" if prod == "rmsnorm" else "silu_extra"])
+    hidden, inter = 64, 160
+    for gated in (True, False):
+        monkeypatch.setattr(bench, "gated_mlp", lambda fmt, m, h, i: gated and (h, i) == (hidden, inter))
+        extra = {}
+        t_gu, note_gu = bench.engine_row_seconds("gate_up_proj (fused)", "w8a8-fp8", 64, 2 * inter, hidden, None, 0, 1, True, extra)
+        t_down, note_down = bench.engine_row_seconds("down_proj", "w8a8-fp8", 64, hidden, inter, None, 0, 1, True, extra)
+        if gated:
+            assert (t_gu, t_down) == (9.0 - 2.0 + 0.5, 5.0)
+            assert "epilogue" in note_gu["input"] and note_down["producer_extra_ms"] == 0.0
+        else:
+            assert (t_gu, t_down) == (5.0 + 0.5, 5.0 + 3.0)
+            assert note_down["input"] == "quantized by the fused silu_mul"

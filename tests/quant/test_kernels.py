@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quarl.quant import get_scheme, quant_linear, quantize_weight, reference_linear, use_backend
 from quarl.quant import reference as ref
@@ -90,6 +91,34 @@ def test_w8a8_tma_kernel(m, name):
     for cfg in (launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma")):
         out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
         assert _rel(out, expect) < 1e-6
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8"])
+def test_gated_silu_gemm_and_partials_quantizer(m, name):
+    """The gated TMA GEMM on a ``[gate; up]`` weight (I = 40: the last gate tile reads past
+    the gate rows; tiles zero-filled past M and K) returns ``silu(g) * u`` and, per tile, the
+    rows' max |y|; the partials quantizer gives act_quant's codes of y bit for bit."""
+    launch = _launch()
+    inter, k = 40, 272
+    qw = quantize_weight(torch.randn(2 * inter, k), name)
+    x = torch.randn(m, k)
+    fmt = qw.scheme.act_format
+    xq, sx = launch.act_quant(x, fmt)
+    gu = reference_linear(x, qw, exact=True)
+    expect = F.silu(gu[:, :inter]) * gu[:, inter:]
+    for cfg in (launch.TileConfig(16, 16, 64, kernel="tma"), launch.TileConfig(16, 32, 32, group_m=2, waves=0.25, kernel="tma")):
+        y, amax = launch.gated_silu_gemm(xq, sx, qw, x.dtype, cfg)
+        assert y.shape == (m, inter) and amax.shape == (m, -(-inter // cfg.bn))
+        assert _rel(y, expect) < 1e-5
+        assert torch.equal(amax.amax(1), y.abs().amax(1))
+        q, s = launch.act_quant_from_partials(y, amax, fmt)
+        q_ref, s_ref = launch.act_quant(y, fmt)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
+    # a batch size the gated tile does not cover (split-K at M <= 16) and an odd row count
+    assert launch.gated_silu_gemm(xq[:1], sx[:1], qw, x.dtype) is None
+    with pytest.raises(ValueError, match="even number of rows"):
+        launch.gated_silu_gemm(xq, sx, quantize_weight(torch.randn(7, k), name), x.dtype)
 
 
 def test_w8a8_tma_falls_back_on_unaligned_rows():

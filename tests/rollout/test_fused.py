@@ -82,6 +82,33 @@ def test_fused_quantized_projections_match_and_load_in_place(scheme):
     assert not torch.allclose(got, fused_hidden_states(copy.deepcopy(master), ids, positions, attn))
 
 
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
+def test_gated_gate_up_gemm_in_the_fused_forward(scheme, monkeypatch):
+    """At 16 < M <= 64 a W8A8 gate/up runs the gated GEMM (SiLU-and-mul in its epilogue, the
+    down quantizer from its row-max partials): the same hidden states, bit for bit, as the
+    plain GEMM + SiLU-and-mul path, and the model's own forward."""
+    from quarl.quant import ops, use_backend
+
+    model = build_random_model("tiny", seed=4, std=0.2)
+    quantize_for_engine(model, scheme)
+    ref = copy.deepcopy(model)
+    fuse_projections(model)
+    ids = torch.randint(0, 128, (3, 9))  # M = 27
+    positions, attn = batch_attention(ids)
+    ran = []
+    gated = ops.gated_silu_quantized_input
+    monkeypatch.setattr(ops, "gated_silu_quantized_input", lambda *a: ran.append(gated(*a)) or ran[-1])
+    with torch.no_grad(), use_backend("triton"):
+        got = fused_hidden_states(model, ids, positions, attn)
+        assert len(ran) == len(model.layers) and all(r is not None for r in ran)
+        monkeypatch.setattr(ops, "gated_silu_quantized_input", lambda *a: None)
+        plain = fused_hidden_states(model, ids, positions, attn)
+    with torch.no_grad():  # the reference backend (Triton's fp32 sums in another order flip fp8 codes)
+        want = ref.hidden_states(ids, positions, attn)
+    assert torch.equal(got, plain)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_nvfp4_projections_stay_separate():
     model = build_random_model("tiny", seed=2)
     quantize_for_engine(model, "nvfp4")  # one fp32 tensor scale per module: rows cannot be concatenated

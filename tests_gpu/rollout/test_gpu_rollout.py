@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import quarl
+from quarl.quant import quantize_weight
 from quarl.rollout import Engine, EngineConfig, SamplingParams
 from quarl.rollout.attention import torch_decode_attention, torch_prefill_attention
 from quarl.rollout.bench import random_model, shape_config
@@ -286,3 +287,27 @@ def test_fused_quantizers_equal_the_quantizer_on_gpu(fmt):
     q, s = silu_mul(g, u, quant=fmt)
     q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [17, 64, 200])
+@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8"])
+def test_gated_gemm_equals_gemm_then_silu_mul_on_gpu(m, name):
+    """The gated W8A8 GEMM (SiLU-and-mul in the epilogue, I = 1000: the last gate tile reads
+    into the up rows) equals the same TMA GEMM's [g; u] through the SiLU-and-mul kernel bit for
+    bit, its row maxima are exact and the partials quantizer gives act_quant's codes."""
+    from quarl.quant.kernels import launch
+    from quarl.rollout.fused import silu_mul
+
+    inter, k = 1000, 3584
+    qw = quantize_weight(torch.randn(2 * inter, k, device=DEV) * 0.05, name)
+    fmt = qw.scheme.act_format
+    xq, sx = launch.act_quant(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fmt)
+    for cfg in (launch._GATED_64, launch.TileConfig(64, 32, 128, num_stages=4, waves=3, kernel="tma"),
+                launch.TileConfig(128, 64, 128, num_warps=8, num_stages=3, waves=1, kernel="tma")):
+        gu = launch.int8_gemm(xq, sx, qw, None, torch.bfloat16, cfg)
+        y, amax = launch.gated_silu_gemm(xq, sx, qw, torch.bfloat16, cfg)
+        assert torch.equal(y, silu_mul(gu[:, :inter], gu[:, inter:]))
+        assert torch.equal(amax.amax(1), y.float().abs().amax(1))
+        q, s = launch.act_quant_from_partials(y, amax, fmt)
+        q_ref, s_ref = launch.act_quant(y, fmt)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

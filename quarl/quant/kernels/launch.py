@@ -434,22 +434,75 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig) -> torch.Tensor:
+def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig, gated: bool = False):
+    """The TMA kernel; ``gated``: ``qw`` is a ``[gate; up]`` projection and the result is
+    ``(silu(g) * u [M, N / 2], row-max partials fp32 [M, tiles along N / 2])``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = xq.shape
-    n = qw.shape[0]
+    n = qw.shape[0] // 2 if gated else qw.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
+    n_tiles = _cdiv(n, cfg.bn)
+    amax = torch.empty(m, n_tiles, dtype=torch.float32, device=xq.device) if gated else out
+    tiles = _cdiv(m, cfg.bm) * n_tiles
     progs = min(tiles, int(_num_sms(xq.device) * max(cfg.waves, 1)))
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
     b_desc = TensorDescriptor.from_tensor(qw.qdata, [cfg.bn, cfg.bk])
     tk.w8a8_tma_kernel[(progs,)](
-        a_desc, b_desc, sx, qw.scales, bias if bias is not None else sx, out, m, n, k, out.stride(0), progs,
+        a_desc, b_desc, sx, qw.scales, bias if bias is not None else sx, out, amax, m, n, k, out.stride(0), progs,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
-        ACC_INT=xq.dtype == torch.int8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_INT=xq.dtype == torch.int8, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # gated: silu(g) * u must round as the engine's SiLU-and-mul kernel does (no FMA contraction)
+        **({"enable_fp_fusion": False} if gated else {}),
     )
-    return out
+    return (out, amax) if gated else out
+
+
+# The gated kernel's tile (two weight tiles per stage): see gated_config.
+_GATED_64 = TileConfig(64, 64, 128, num_warps=4, num_stages=4, waves=2, kernel="tma")
+
+
+def gated_config(m: int, n: int, k: int, act_format: str) -> TileConfig | None:
+    """Tile of the gated W8A8 GEMM (``[gate; up]`` of ``n`` rows, SiLU-and-mul in the
+    epilogue) at M rows, or None where the plain GEMM's dispatch does not pick the TMA kernel
+    (split-K at M <= 16, cuBLAS for fp8 from M = 128): there the engine runs the plain GEMM
+    and a separate SiLU-and-mul."""
+    if "gated" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["gated"](m, n, k)
+    plain = fp8_config(m, n, k) if act_format == "fp8" else int8_config(m, n, k)
+    return _GATED_64 if plain.kernel == "tma" else None
+
+
+def gated_silu_gemm(
+    xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, out_dtype: torch.dtype, cfg: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``silu(g) * u`` of a W8A8 ``[gate; up]`` projection on quantized input, in one GEMM:
+    ``(y [M, N / 2], row-max partials)`` for :func:`act_quant_from_partials`; None when no
+    gated tile applies (see :func:`gated_config`) or TMA cannot describe the operands."""
+    m, k = xq.shape
+    n = qw.shape[0]
+    if n % 2:
+        raise ValueError(f"a [gate; up] weight has an even number of rows, got {n}")
+    cfg = cfg or gated_config(m, n, k, qw.scheme.act_format)
+    if cfg is None or not (_tma_ok(xq) and _tma_ok(qw.qdata)):
+        return None
+    return _w8a8_tma_gemm(xq, sx, qw, None, out_dtype, cfg, gated=True)
+
+
+def act_quant_from_partials(y: torch.Tensor, amax: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act_quant(y)`` when the kernel that wrote ``y [M, K]`` also wrote its row maxima
+    as partials ``amax [M, P]``: one parallel pass over y (no per-row reduction over K)."""
+    m, k = y.shape
+    q, q_arg, s = act_quant_buffers(m, k, act_format, y.device)
+    if m == 0:
+        return q, s
+    block = 64 if _interpreting(y) else 2048
+    p = amax.shape[1]
+    tk.act_quant_partials_kernel[(m, _cdiv(k, block))](
+        y, amax, q_arg, s, k, p, y.stride(0), q.stride(0), IS_FP8=act_format == "fp8", BLOCK=block,
+        PBLOCK=min(triton_next_pow2(p), 512), num_warps=4, enable_fp_fusion=False,
+    )
+    return q, s
 
 
 def w4a8_gemm(

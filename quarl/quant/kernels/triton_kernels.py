@@ -365,31 +365,102 @@ def _w8a8_store(
 
 
 @triton.jit
+def _w8a8_dot(a, b, acc, BK: tl.constexpr, ACC_INT: tl.constexpr):
+    """``acc + a @ b.T`` for 8-bit tiles ``a [BM, BK]``, ``b [BN, BK]``."""
+    if ACC_INT:
+        return tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    # promote the fp8 MMA accumulator every BK products (see int8_gemm_kernel)
+    return tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
+
+
+@triton.jit
+def silu_mul_value(g, u, dt: tl.constexpr):
+    """``dt(dt(silu(g)) * u)`` for fp32 ``g``, ``u`` holding ``dt`` values: the reference's
+    rounding steps (``quarl.model.transformer``'s SiLU-and-mul in the activation dtype)."""
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
+@triton.jit
+def _gated_store(
+    acc_g, acc_u, sa_ptr, sb_ptr, out_ptr, amax_ptr, offs_m, offs_n, M, N, stride_om, n_tiles, pid_n,
+):
+    """Gated W8A8 epilogue: ``g`` and ``u`` rounded to the output dtype exactly as
+    :func:`_w8a8_store` rounds a plain output, then ``silu(g) * u`` (:func:`silu_mul_value`)
+    stored ``[M, N]``, and the tile's per-row ``max |y|`` stored to ``amax [M, n_tiles]`` at
+    column ``pid_n`` (the per-token quantizer of the next GEMM reduces those partials)."""
+    dt = out_ptr.dtype.element_ty
+    sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+    nmask = offs_n < N
+    sb_g = tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)
+    sb_u = tl.load(sb_ptr + N + offs_n, mask=nmask, other=0.0)
+    g = (acc_g.to(tl.float32) * sa[:, None] * sb_g[None, :]).to(dt).to(tl.float32)
+    u = (acc_u.to(tl.float32) * sa[:, None] * sb_u[None, :]).to(dt).to(tl.float32)
+    y = silu_mul_value(g, u, dt)
+    omask = (offs_m[:, None] < M) & nmask[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
+    amax = tl.max(tl.where(omask, tl.abs(y.to(tl.float32)), 0.0), axis=1)
+    tl.store(amax_ptr + offs_m.to(tl.int64) * n_tiles + pid_n, amax, mask=offs_m < M)
+
+
+@triton.jit
 def w8a8_tma_kernel(
-    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_om, NUM_PROGS,
+    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, amax_ptr, M, N, K, stride_om, NUM_PROGS,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr,
 ):
     """The math of ``int8_gemm_kernel`` (no split-K) for large M: operand tiles come through
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
     copy engine zero-fills past M, N and K, so the loop has no masks or address math) and
-    the grid is persistent: ``NUM_PROGS`` programs walk the output tiles in grouped order."""
+    the grid is persistent: ``NUM_PROGS`` programs walk the output tiles in grouped order.
+
+    GATED (a gate/up projection, no bias): ``b`` is ``[2 N, K]``, gate rows then up rows.
+    A tile computes its N columns of both halves and stores ``silu(g) * u`` through
+    :func:`_gated_store` (``out [M, N]``, row maxima to ``amax_ptr``): the MLP's SiLU-and-mul
+    costs no launch and ``g``, ``u`` never reach memory."""
     kblocks = tl.cdiv(K, BK)
-    for tile in range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_PROGS):
+    n_tiles = tl.cdiv(N, BN)
+    for tile in range(tl.program_id(0), tl.cdiv(M, BM) * n_tiles, NUM_PROGS):
         pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
-        if ACC_INT:
-            acc = tl.zeros([BM, BN], dtype=tl.int32)
-        else:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_dt = tl.int32 if ACC_INT else tl.float32
+        acc = tl.zeros([BM, BN], dtype=acc_dt)
+        acc_u = tl.zeros([BM, BN], dtype=acc_dt)
         for kb in range(0, kblocks):
             a = a_desc.load([pid_m * BM, kb * BK])
-            b = b_desc.load([pid_n * BN, kb * BK])
-            if ACC_INT:
-                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-            else:  # promote the fp8 MMA accumulator every BK products (see int8_gemm_kernel)
-                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
-        _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, out_ptr, out_ptr, pid_m * BM + tl.arange(0, BM),
-                    pid_n * BN + tl.arange(0, BN), M, N, stride_om, tile, 0, 1, False, HAS_BIAS)
+            acc = _w8a8_dot(a, b_desc.load([pid_n * BN, kb * BK]), acc, BK, ACC_INT)
+            if GATED:
+                acc_u = _w8a8_dot(a, b_desc.load([N + pid_n * BN, kb * BK]), acc_u, BK, ACC_INT)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        if GATED:
+            _gated_store(acc, acc_u, sa_ptr, sb_ptr, out_ptr, amax_ptr, offs_m, offs_n, M, N, stride_om, n_tiles, pid_n)
+        else:
+            _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, out_ptr, out_ptr, offs_m, offs_n, M, N, stride_om,
+                        tile, 0, 1, False, HAS_BIAS)
+
+
+@triton.jit
+def act_quant_partials_kernel(
+    y_ptr, amax_ptr, q_ptr, s_ptr, K, P, stride_y, stride_q,
+    IS_FP8: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+):
+    """Per-token codes of ``y [M, K]`` whose row maxima come as partials ``amax [M, P]``
+    (written by the kernel that made ``y``: the gated GEMM or the SiLU-and-mul). Grid
+    ``(M, cdiv(K, BLOCK))``: every program reduces its row's partials (max is exact, so all
+    agree), column block 0 stores the scale. Same codes as ``act_quant_kernel``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, PBLOCK)
+    a = tl.zeros([PBLOCK], dtype=tl.float32)
+    for p0 in range(0, P, PBLOCK):
+        a = tl.maximum(a, tl.load(amax_ptr + row * P + p0 + offs_p, mask=p0 + offs_p < P, other=0.0))
+    s = act_scale(tl.max(a, axis=0), IS_FP8)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + row, s)
+    inv_s = act_inv_scale(s)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    msk = cols < K
+    v = tl.load(y_ptr + row * stride_y + cols, mask=msk, other=0.0).to(tl.float32)
+    store_act_codes(q_ptr + row * stride_q + cols, v, inv_s, msk, IS_FP8)
 
 
 @triton.jit
