@@ -422,9 +422,11 @@ def w8a8_tma_kernel(
     n_tiles = tl.cdiv(N, BN)
     for tile in range(tl.program_id(0), tl.cdiv(M, BM) * n_tiles, NUM_PROGS):
         pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
-        acc_dt = tl.int32 if ACC_INT else tl.float32
-        acc = tl.zeros([BM, BN], dtype=acc_dt)
-        acc_u = tl.zeros([BM, BN], dtype=acc_dt)
+        if ACC_INT:
+            acc = tl.zeros([BM, BN], dtype=tl.int32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros_like(acc)
         for kb in range(0, kblocks):
             a = a_desc.load([pid_m * BM, kb * BK])
             acc = _w8a8_dot(a, b_desc.load([pid_n * BN, kb * BK]), acc, BK, ACC_INT)
