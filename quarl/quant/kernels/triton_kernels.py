@@ -368,9 +368,10 @@ def _w8a8_store(
 def _w8a8_dot(a, b, acc, BK: tl.constexpr, ACC_INT: tl.constexpr):
     """``acc + a @ b.T`` for 8-bit tiles ``a [BM, BK]``, ``b [BN, BK]``."""
     if ACC_INT:
-        return tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    # promote the fp8 MMA accumulator every BK products (see int8_gemm_kernel)
-    return tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
+        acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    else:  # promote the fp8 MMA accumulator every BK products (see int8_gemm_kernel)
+        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
+    return acc
 
 
 @triton.jit
