@@ -302,7 +302,7 @@ def test_gated_gemm_equals_gemm_then_silu_mul_on_gpu(m, name):
     qw = quantize_weight(torch.randn(2 * inter, k, device=DEV) * 0.05, name)
     fmt = qw.scheme.act_format
     xq, sx = launch.act_quant(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fmt)
-    for cfg in (launch._GATED_64, launch.TileConfig(64, 32, 128, num_stages=4, waves=3, kernel="tma"),
+    for cfg in (launch._GATED_FP8, launch._GATED_INT8, launch.TileConfig(64, 32, 128, num_stages=4, waves=3, kernel="tma"),
                 launch.TileConfig(128, 64, 128, num_warps=8, num_stages=3, waves=1, kernel="tma")):
         gu = launch.int8_gemm(xq, sx, qw, None, torch.bfloat16, cfg)
         y, amax = launch.gated_silu_gemm(xq, sx, qw, torch.bfloat16, cfg)

@@ -458,22 +458,30 @@ def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig, gated: bool = F
     return (out, amax) if gated else out
 
 
-# The gated kernel's tile: 64 x 64 (x 2 weight tiles) x 128, 3 stages, 3 programs per SM.
-# H200 run 13 (bench/gated_sweep.py), fp8, 7B gate_up + SiLU-and-mul + down's quantizer at
-# M = 64: 42.3 us, where 4 stages x 2 programs took 51.7, 64 x 32 tiles 47-52, 8 warps 54,
-# BM = 128 75; the plain GEMM + SiLU-and-mul + quantizer 51.3, bf16 GEMM + SiLU-and-mul 76.6.
-_GATED_64 = TileConfig(64, 64, 128, num_warps=4, num_stages=3, waves=3, kernel="tma")
+# Gated kernel tiles (two weight tiles per stage). H200 run 13 (bench/gated_sweep.py,
+# bench/results/gated_sweep_h200.json): 7B gate_up + SiLU-and-mul + down's quantizer, against
+# the plain GEMM + SiLU-and-mul + quantizer and bf16's GEMM + SiLU-and-mul (76 us at M = 64):
+# fp8 M = 64: 64 x 64 x 128, 3 stages, 3 programs per SM 41.9 us (4 stages x 2: 51.3, 64 x 32:
+# 47-52, BM 128: 74-76; plain 50.9); M = 32: 43.2 (plain 57.2).
+# int8 M = 64: 64 x 32 x 128, 4 stages, 3 per SM 45.8 (64 x 64: 51-52; plain 49.9); M = 128:
+# 56.2 (plain 60.8); from M = 256 no gated tile beat the plain path (90.6 vs 90.2 at best).
+_GATED_FP8 = TileConfig(64, 64, 128, num_warps=4, num_stages=3, waves=3, kernel="tma")
+_GATED_INT8 = TileConfig(64, 32, 128, num_warps=4, num_stages=4, waves=3, kernel="tma")
+GATED_INT8_MAX_M = 128
 
 
 def gated_config(m: int, n: int, k: int, act_format: str) -> TileConfig | None:
     """Tile of the gated W8A8 GEMM (``[gate; up]`` of ``n`` rows, SiLU-and-mul in the
-    epilogue) at M rows, or None where the plain GEMM's dispatch does not pick the TMA kernel
-    (split-K at M <= 16, cuBLAS for fp8 from M = 128): there the engine runs the plain GEMM
-    and a separate SiLU-and-mul."""
+    epilogue) at M rows, or None where the engine runs the plain GEMM and a separate
+    SiLU-and-mul: M <= 16 (the plain GEMM splits K, which a non-linear epilogue cannot) and
+    where the plain path measured as fast or faster (fp8 from M = 65: cuBLAS; int8 from 129)."""
     if "gated" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["gated"](m, n, k)
-    plain = fp8_config(m, n, k) if act_format == "fp8" else int8_config(m, n, k)
-    return _GATED_64 if plain.kernel == "tma" else None
+    if m <= 16 or k > 8192:
+        return None
+    if act_format == "fp8":
+        return _GATED_FP8 if m <= 64 else None
+    return _GATED_INT8 if m <= GATED_INT8_MAX_M else None
 
 
 def gated_silu_gemm(
