@@ -1,5 +1,5 @@
-"""Run-12 sweep (GPU only): the W8A8 activation quantizer and the TMA GEMM on the engine's
-7B shapes.
+"""Run-12/13 sweep (GPU only): the W8A8 activation quantizer and the TMA GEMM on the engine's
+7B shapes (run 13 added split-K candidates, TMA and pointer, at M = 128-512).
 
 1. ``act_quant`` alone (per-token int8 / e4m3 codes, the hardware e4m3 conversion since run
    12) at M = 64 ... 4096 for K = 3584 and 18944, with its effective bandwidth (bf16 read +
@@ -36,6 +36,10 @@ MS = (64, 256, 1024, 4096)
 TMA = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1), (64, 128, 128, 4, 4, 2),
        (64, 64, 128, 4, 5, 3), (128, 64, 128, 4, 4, 2), (256, 128, 128, 8, 3, 1), (128, 128, 256, 8, 3, 1)]
 
+# (bm, bn, bk, warps, stages, resident programs per SM, K splits)
+TMA_SPLIT = [(128, 128, 128, 8, 4, 1, 2), (128, 128, 128, 8, 4, 1, 3), (128, 128, 128, 8, 4, 1, 4),
+             (128, 128, 128, 4, 4, 1, 2), (64, 128, 128, 4, 4, 2, 2), (128, 64, 128, 4, 4, 2, 2), (128, 256, 128, 8, 3, 1, 4)]
+
 
 # act_quant (columns per block, warps): one pass for K = 3584 (4096), two passes below that
 ACT_CFGS = {3584: [(4096, 4), (4096, 16), (2048, 4), (1024, 2), (1024, 4)],
@@ -50,6 +54,12 @@ def candidates(kind: str, m: int) -> list[tuple[str, C | None]]:
         if m <= 64 and bm > 64:
             continue
         out.append((f"tma {bm}x{bn}x{bk} w{w} s{st} p{wv}", C(bm, bn, bk, num_warps=w, num_stages=st, waves=wv, kernel="tma")))
+    if 128 <= m <= 512:  # run 13: split K over 128 x 128 tiles (too few tiles to fill the GPU at these M)
+        for bm, bn, bk, w, st, wv, sp in TMA_SPLIT:
+            out.append((f"tma split{sp} {bm}x{bn}x{bk} w{w} s{st} p{wv}",
+                        C(bm, bn, bk, split_k=sp, num_warps=w, num_stages=st, waves=wv, kernel="tma")))
+        for sp in (2, 4):
+            out.append((f"ptr split{sp} 128x128x128 w8 s3", C(128, 128, 128, split_k=sp, num_warps=8, num_stages=3)))
     return out
 
 
@@ -82,11 +92,11 @@ def sweep_act_quant(dev, bw, rows, log):
                 launch.CONFIG_OVERRIDES.pop("act_quant", None)
 
 
-def sweep_gemm(kind, dev, l2, budget, rows, log):
+def sweep_gemm(kind, dev, l2, budget, rows, log, ms=MS):
     fmt = {"fp8": "w8a8-fp8", "int8": "w8a8-int8"}[kind]
     sc = get_scheme(fmt)
     t0 = time.time()
-    for m in MS:
+    for m in ms:
         for lbl, n, k in SHAPES:
             if time.time() - t0 > budget:
                 log(f"{kind}: budget spent")
@@ -123,6 +133,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--parts", default="act,fp8,int8")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="GEMM rows to sweep")
     args = ap.parse_args()
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -144,7 +155,7 @@ def main() -> None:
         save()
     kinds = [p for p in parts if p in ("fp8", "int8")]
     for kind in kinds:
-        sweep_gemm(kind, dev, l2, args.budget / max(len(kinds), 1), rows, log)
+        sweep_gemm(kind, dev, l2, args.budget / max(len(kinds), 1), rows, log, tuple(map(int, args.ms.split(","))))
         save()
 
 

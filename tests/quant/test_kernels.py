@@ -88,7 +88,8 @@ def test_w8a8_tma_kernel(m, name):
     x, bias = torch.randn(m, k), torch.randn(n)
     xq, sx = launch.act_quant(x, qw.scheme.act_format)
     expect = reference_linear(x, qw, bias, exact=True)
-    for cfg in (launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma")):
+    for cfg in (launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma"),
+                launch.TileConfig(16, 32, 32, split_k=3, waves=0.5, kernel="tma")):  # K split in 3: 9 blocks of 32
         out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
         assert _rel(out, expect) < 1e-6
 
@@ -117,6 +118,8 @@ def test_gated_silu_gemm_and_partials_quantizer(m, name):
         assert torch.equal(s, s_ref) and torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
     # a batch size the gated tile does not cover (split-K at M <= 16) and an odd row count
     assert launch.gated_silu_gemm(xq[:1], sx[:1], qw, x.dtype) is None
+    with pytest.raises(ValueError, match="cannot split K"):
+        launch.gated_silu_gemm(xq, sx, qw, x.dtype, launch.TileConfig(16, 16, 64, split_k=2, kernel="tma"))
     with pytest.raises(ValueError, match="even number of rows"):
         launch.gated_silu_gemm(xq, sx, quantize_weight(torch.randn(7, k), name), x.dtype)
 

@@ -28,7 +28,7 @@ class TileConfig(NamedTuple):
     bm: int
     bn: int
     bk: int = 128  # int8 GEMM only; sub-byte kernels always walk 128-column chunks
-    split_k: int = 0  # 0 = pick to fill the GPU
+    split_k: int = 0  # 0 = pick to fill the GPU ("tma": 0 or 1 = no split)
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
@@ -436,22 +436,30 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig, gated: bool = False):
     """The TMA kernel; ``gated``: ``qw`` is a ``[gate; up]`` projection and the result is
-    ``(silu(g) * u [M, N / 2], row-max partials fp32 [M, tiles along N / 2])``."""
+    ``(silu(g) * u [M, N / 2], row-max partials fp32 [M, tiles along N / 2])``. ``cfg.split_k
+    > 1`` splits K (plain GEMM only: the gated epilogue is not linear)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = xq.shape
     n = qw.shape[0] // 2 if gated else qw.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     n_tiles = _cdiv(n, cfg.bn)
-    amax = torch.empty(m, n_tiles, dtype=torch.float32, device=xq.device) if gated else out
     tiles = _cdiv(m, cfg.bm) * n_tiles
-    progs = min(tiles, int(_num_sms(xq.device) * max(cfg.waves, 1)))
+    kblocks = _cdiv(k, cfg.bk)
+    per = _cdiv(kblocks, max(cfg.split_k, 1))
+    split = _cdiv(kblocks, per)
+    if gated and split > 1:
+        raise ValueError("the gated W8A8 GEMM cannot split K (its SiLU-and-mul epilogue needs whole sums)")
+    out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
+    amax = torch.empty(m, n_tiles, dtype=torch.float32, device=xq.device) if gated else out
+    progs = min(tiles * split, int(_num_sms(xq.device) * max(cfg.waves, 1)))
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
     b_desc = TensorDescriptor.from_tensor(qw.qdata, [cfg.bn, cfg.bk])
     tk.w8a8_tma_kernel[(progs,)](
-        a_desc, b_desc, sx, qw.scales, bias if bias is not None else sx, out, amax, m, n, k, out.stride(0), progs,
+        a_desc, b_desc, sx, qw.scales, bias if bias is not None else sx, out, amax, part, cnt,
+        m, n, k, out.stride(0), progs, per, split,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
-        ACC_INT=xq.dtype == torch.int8, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_INT=xq.dtype == torch.int8, GATED=gated, IS_SPLIT=split > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         # gated: silu(g) * u must round as the engine's SiLU-and-mul kernel does (no FMA contraction)
         **({"enable_fp_fusion": False} if gated else {}),
     )

@@ -406,14 +406,18 @@ def _gated_store(
 
 @triton.jit
 def w8a8_tma_kernel(
-    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, amax_ptr, M, N, K, stride_om, NUM_PROGS,
+    a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, amax_ptr, part_ptr, cnt_ptr,
+    M, N, K, stride_om, NUM_PROGS, KBLOCKS_PER_SPLIT, N_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
     """The math of ``int8_gemm_kernel`` (no split-K) for large M: operand tiles come through
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
     copy engine zero-fills past M, N and K, so the loop has no masks or address math) and
     the grid is persistent: ``NUM_PROGS`` programs walk the output tiles in grouped order.
+    IS_SPLIT: each tile's K range is cut into ``N_SPLIT`` work items (adjacent in the walk),
+    summed through ``_store_tile``'s partials as in ``int8_gemm_kernel`` (M = 128-512: too few
+    tiles of 128 x 128 to fill the GPU, and smaller tiles re-read the operands from L2).
 
     GATED (a gate/up projection, no bias): ``b`` is ``[2 N, K]``, gate rows then up rows.
     A tile computes its N columns of both halves and stores ``silu(g) * u`` through
@@ -421,14 +425,16 @@ def w8a8_tma_kernel(
     costs no launch and ``g``, ``u`` never reach memory."""
     kblocks = tl.cdiv(K, BK)
     n_tiles = tl.cdiv(N, BN)
-    for tile in range(tl.program_id(0), tl.cdiv(M, BM) * n_tiles, NUM_PROGS):
+    for item in range(tl.program_id(0), tl.cdiv(M, BM) * n_tiles * N_SPLIT, NUM_PROGS):
+        tile = item // N_SPLIT
+        pid_k = item % N_SPLIT
         pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
         if ACC_INT:
             acc = tl.zeros([BM, BN], dtype=tl.int32)
         else:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros_like(acc)
-        for kb in range(0, kblocks):
+        for kb in range(pid_k * KBLOCKS_PER_SPLIT, tl.minimum((pid_k + 1) * KBLOCKS_PER_SPLIT, kblocks)):
             a = a_desc.load([pid_m * BM, kb * BK])
             acc = _w8a8_dot(a, b_desc.load([pid_n * BN, kb * BK]), acc, BK, ACC_INT)
             if GATED:
@@ -438,8 +444,8 @@ def w8a8_tma_kernel(
         if GATED:
             _gated_store(acc, acc_u, sa_ptr, sb_ptr, out_ptr, amax_ptr, offs_m, offs_n, M, N, stride_om, n_tiles, pid_n)
         else:
-            _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, out_ptr, out_ptr, offs_m, offs_n, M, N, stride_om,
-                        tile, 0, 1, False, HAS_BIAS)
+            _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
+                        tile, pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
