@@ -171,6 +171,10 @@ TILE_MIN_NK = 1 << 25
 _TMA_64 = TileConfig(64, 64, 128, num_warps=4, num_stages=5, waves=3, kernel="tma")
 _TMA_64x128 = TileConfig(64, 128, 128, num_warps=4, num_stages=4, waves=2, kernel="tma")
 _TMA_64_MAX_TILES = 264  # 64 x 64 tiles while ~2 fit per SM (80 KB of stages each) on 132 SMs
+# K > 8192 (down_proj) at 64 < M <= 256: K split in 2 over 64 x 128 tiles. H200 run 13
+# (bench/results/w8a8_split_sweep_h200.json), 7B down_proj: fp8 M = 128 37.3 us and M = 256
+# 42.7 where cuBLAS took 47.6 / 47.6 (bf16 45.0 / 55.8); int8 38.4 / 42.5 vs 40.8 / 44.4.
+_TMA_SPLIT = TileConfig(64, 128, 128, split_k=2, num_warps=4, num_stages=4, waves=2, kernel="tma")
 
 
 def _w8a8_small_m(m: int, n: int, k: int) -> TileConfig:
@@ -183,18 +187,24 @@ def _w8a8_small_m(m: int, n: int, k: int) -> TileConfig:
 
 def fp8_config(m: int, n: int, k: int) -> TileConfig:
     """M <= 64: Triton (see ``_w8a8_small_m``; run 10: the pointer kernel beats row-wise
-    ``_scaled_mm`` 1.3-1.5x on gate/up and down, gate_up M = 64 45 vs 61 us). From M = 256 on
-    cuBLAS: no Triton tile beat it by more than 5% in runs 10 and 12 (the TMA kernel is
-    1.3-2x slower than cuBLAS at M >= 1024)."""
+    ``_scaled_mm`` 1.3-1.5x on gate/up and down, gate_up M = 64 45 vs 61 us). Up to M = 256:
+    the TMA kernel with K split in 2 for K > 8192 (``_TMA_SPLIT``), 64 x 64 tiles while they
+    are few (q/o M = 256: 12.1 vs 13.0 us, qkv M = 128: 12.0 vs 13.2; run 13); else cuBLAS:
+    no Triton tile beat it by more than 5% in runs 10, 12 and 13 (the TMA kernel is 1.3-2x
+    slower than cuBLAS at M >= 1024)."""
     if "fp8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["fp8"](m, n, k)
     if m <= 64:
         return _w8a8_small_m(m, n, k)
+    if m <= 256 and k > 8192:
+        return _TMA_SPLIT
+    if m <= 256 and _cdiv(m, 64) * _cdiv(n, 64) <= _TMA_64_MAX_TILES:
+        return _TMA_64
     return TileConfig(0, 0, kernel="cublas")
 
 
 def int8_config(m: int, n: int, k: int) -> TileConfig:
-    """M <= 64 as fp8; M <= 512: the TMA kernel, 64 x 64 tiles while they fit in ~2 per SM
+    """M <= 64 as fp8; K > 8192 up to M = 256 ``_TMA_SPLIT``; M <= 512: the TMA kernel, 64 x 64 tiles while they fit in ~2 per SM
     (q/o, down), else 64 x 128 (qkv 14.5 vs 15.7 us, gate_up 75 vs 78 at M = 256); larger M
     the pointer kernel, 128 x 128 x 128, 8 warps, 3 stages (sweep_h200_1.json; run 12: no TMA
     tile beat it by more than 6%)."""
@@ -202,6 +212,8 @@ def int8_config(m: int, n: int, k: int) -> TileConfig:
         return CONFIG_OVERRIDES["int8"](m, n, k)
     if m <= 64:
         return _w8a8_small_m(m, n, k)
+    if m <= 256 and k > 8192:
+        return _TMA_SPLIT
     if m <= 512:
         return _TMA_64 if _cdiv(m, 64) * _cdiv(n, 64) <= _TMA_64_MAX_TILES else _TMA_64x128
     return TileConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)
