@@ -4,12 +4,7 @@
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 PARTS=${1:-tests,sweep}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > $OUT/gpu.txt 2>&1
-if [[ $PARTS == *tests* ]]; then
-  timeout 240 python3 -m pytest tests_gpu/quant/test_fast_paths.py tests_gpu/rollout/test_gpu_rollout.py -q -p no:cacheprovider \
-    -k "e4m3 or act_quant or w8a8 or fused_quantizers or (fast_path and (int8 or fp8)) or qat_forward or dispatch" > $OUT/tests_w8a8.txt 2>&1
-  grep -E "FAILED|Error|passed|failed" $OUT/tests_w8a8.txt | tail -15
-fi
+TESTS_K="e4m3 or act_quant or w8a8 or fused_quantizers or (fast_path and (int8 or fp8)) or qat_forward or dispatch" TESTS_OUT=tests_w8a8.txt
 if [[ $PARTS == *sweep* ]]; then
   timeout ${SWEEP_TIMEOUT:-420} python3 bench/w8a8_sweep.py --budget ${SWEEP_BUDGET:-300} --parts ${SWEEP_PARTS:-act,fp8,int8} --out $OUT/w8a8_sweep.json 2>&1 | tee $OUT/w8a8_sweep.txt | grep -v "^ " | tail -60
 fi

@@ -4,12 +4,7 @@
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 PARTS=${1:-tests,sweep}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > $OUT/gpu.txt 2>&1
-if [[ $PARTS == *tests* ]]; then
-  timeout 240 python3 -m pytest tests_gpu/quant/test_fast_paths.py tests_gpu/rollout/test_gpu_rollout.py -q -p no:cacheprovider \
-    -k "gated or w8a8 or fused or act_quant" > $OUT/tests_gated.txt 2>&1
-  grep -E "FAILED|Error|passed|failed" $OUT/tests_gated.txt | tail -15
-fi
+TESTS_K="gated or w8a8 or fused or act_quant" TESTS_OUT=tests_gated.txt
 if [[ $PARTS == *sweep* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/gated_sweep.py --out $OUT/gated_sweep.json ${SWEEP_MS:+--ms $SWEEP_MS} 2>&1 | tee $OUT/gated_sweep.txt | tail -80
 fi
