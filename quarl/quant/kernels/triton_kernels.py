@@ -19,8 +19,11 @@ Kernels:
   launch, deterministic. That is the small-M (decode) path.
 * ``dequant_kernel``: packed weight -> bf16 ``[N, K]`` for the large-M path (cuBLAS GEMM).
 * ``int8_gemm_kernel``: W8A8 int8 x int8 -> int32 (or e4m3 x e4m3 -> fp32) with both
-  scales fused in the epilogue; ``w8a8_tma_kernel`` the same for large M, with TMA
-  operand loads and a persistent grid.
+  scales fused in the epilogue; ``w8a8_tma_kernel`` the same with TMA operand loads, a
+  persistent grid and optional split-K, or GATED: a ``[gate; up]`` projection whose epilogue
+  applies SiLU-and-mul and writes per-tile row maxima.
+* ``act_quant_partials_kernel``: per-token codes of a tensor whose row maxima another kernel
+  wrote as partials (the gated GEMM, the engine's SiLU-and-mul): one parallel pass.
 * ``w4_swap_kernel`` / ``w4_gemv_kernel``: int4 g128 weight-only GEMMs for small M (see
   their docstrings): weight tile K-contiguous, exponent-trick dequant, swapped tensor-core
   dot (weights as the A operand) or a CUDA-core broadcast GEMV.
