@@ -289,10 +289,9 @@ def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict
         return extra[key]
 
     inter, hidden = (n // 2, k) if label == "gate_up_proj (fused)" else (k, n)
-    gemm_calls = make_calls_quantized_input
     if gated_mlp(fmt, m, hidden, inter) and label in ("gate_up_proj (fused)", "down_proj"):
         if label == "down_proj":
-            t = time_per_call(gemm_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph)
+            t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), reps=reps, graph=graph)
             return t, dict(input="quantized by the gated gate/up GEMM's row quantizer (counted in that row)", producer_extra_ms=0.0)
         norm = cached(("rmsnorm", act, m, k), lambda: producer_extra_seconds("rmsnorm", act, m, k, device, reps, graph))
         silu = cached(("silu_bf16", m, inter), lambda: silu_mul_seconds(m, inter, device, reps, graph))
@@ -301,7 +300,7 @@ def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict
                              "included, the bf16 SiLU-and-mul subtracted", producer_extra_ms=(norm - silu) * 1e3)
     key = (ENGINE_QUANTIZED_INPUT[label], act, m, k)
     add = cached(key, lambda: producer_extra_seconds(*key, device, reps, graph))
-    t = time_per_call(gemm_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph) + add
+    t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), reps=reps, graph=graph) + add
     return t, dict(input=f"quantized by the fused {ENGINE_QUANTIZED_INPUT[label]}", producer_extra_ms=add * 1e3)
 
 
