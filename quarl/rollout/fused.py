@@ -163,7 +163,7 @@ def silu_mul_for(fused_gu: "FusedLinear", h, quant: str | None):
     rows, or (``quant`` set: down_proj quantizes its input) ``(codes, scales)``. A W8A8
     gate/up on quantized input (``h`` a tuple) runs the gated GEMM (SiLU-and-mul in its
     epilogue) where its dispatch allows; otherwise the GEMM, then :func:`silu_mul`."""
-    if quant is not None and isinstance(h, tuple) and fused_gu.bias is None and fused_gu.act_format is not None:
+    if quant is not None and isinstance(h, tuple) and fused_gu.bias is None:
         gated = ops.gated_silu_quantized_input(h[0], h[1], fused_gu.weight, h[2])
         if gated is not None:
             return act_quant_from_partials(*gated, quant)

@@ -341,16 +341,33 @@ def int8_gemm_kernel(
         ks = kb * BK + offs_k
         a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
         b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
-        if ACC_INT:  # triton 3.6 wants out_dtype to match an int32 accumulator
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        else:
-            # e4m3: Hopper's fp8 MMA keeps a narrow (~14-bit) accumulator, and Triton's sm90
-            # default never promotes it to fp32 over the whole K loop (~1-2% relative error
-            # at K = 4096; the H200 engine's log-probs moved 0.2-0.3 nats from the learner's).
-            # Promote after every tile of BK products, as cuBLAS does without fast accumulation.
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+        acc = _w8a8_dot(a, b, acc, BK, ACC_INT)
     _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
                 tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _w8a8_dot(a, b, acc, BK: tl.constexpr, ACC_INT: tl.constexpr):
+    """``acc + a @ b`` for 8-bit tiles ``a [BM, BK]``, ``b [BK, BN]``: int32 accumulation
+    (triton 3.6 wants ``out_dtype`` to match an int32 accumulator), or fp32 for e4m3.
+
+    e4m3: Hopper's fp8 MMA keeps a narrow (~14-bit) accumulator, and Triton's sm90 default
+    never promotes it to fp32 over the whole K loop (~1-2% relative error at K = 4096; the
+    H200 engine's log-probs moved 0.2-0.3 nats from the learner's). Promote after every tile
+    of BK products, as cuBLAS does without fast accumulation."""
+    if ACC_INT:
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    else:
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+    return acc
+
+
+@triton.jit
+def _w8a8_scaled(acc, sa, sb_ptr, offs_n, N):
+    """``acc * sa[:, None] * sb[None, :]`` in fp32: token scales ``sa`` (loaded) times the
+    channel scales at ``offs_n``."""
+    sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+    return acc.to(tl.float32) * sa[:, None] * sb[None, :]
 
 
 @triton.jit
@@ -361,20 +378,9 @@ def _w8a8_store(
     """W8A8 epilogue: ``acc * sa[:, None] * sb[None, :]`` (token and channel scales), then
     :func:`_store_tile`."""
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
-    sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
-    y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    y = _w8a8_scaled(acc, sa, sb_ptr, offs_n, N)
     _store_tile(y, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
                 pid_tile, pid_k, n_split, IS_SPLIT, HAS_BIAS)
-
-
-@triton.jit
-def _w8a8_dot(a, b, acc, BK: tl.constexpr, ACC_INT: tl.constexpr):
-    """``acc + a @ b.T`` for 8-bit tiles ``a [BM, BK]``, ``b [BN, BK]``."""
-    if ACC_INT:
-        acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    else:  # promote the fp8 MMA accumulator every BK products (see int8_gemm_kernel)
-        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BK)
-    return acc
 
 
 @triton.jit
@@ -395,13 +401,10 @@ def _gated_store(
     column ``pid_n`` (the per-token quantizer of the next GEMM reduces those partials)."""
     dt = out_ptr.dtype.element_ty
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
-    nmask = offs_n < N
-    sb_g = tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)
-    sb_u = tl.load(sb_ptr + N + offs_n, mask=nmask, other=0.0)
-    g = (acc_g.to(tl.float32) * sa[:, None] * sb_g[None, :]).to(dt).to(tl.float32)
-    u = (acc_u.to(tl.float32) * sa[:, None] * sb_u[None, :]).to(dt).to(tl.float32)
+    g = _w8a8_scaled(acc_g, sa, sb_ptr, offs_n, N).to(dt).to(tl.float32)
+    u = _w8a8_scaled(acc_u, sa, sb_ptr + N, offs_n, N).to(dt).to(tl.float32)
     y = silu_mul_value(g, u, dt)
-    omask = (offs_m[:, None] < M) & nmask[None, :]
+    omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
     amax = tl.max(tl.where(omask, tl.abs(y.to(tl.float32)), 0.0), axis=1)
     tl.store(amax_ptr + offs_m.to(tl.int64) * n_tiles + pid_n, amax, mask=offs_m < M)
@@ -436,12 +439,13 @@ def w8a8_tma_kernel(
             acc = tl.zeros([BM, BN], dtype=tl.int32)
         else:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros_like(acc)
+        if GATED:
+            acc_u = tl.zeros_like(acc)
         for kb in range(pid_k * KBLOCKS_PER_SPLIT, tl.minimum((pid_k + 1) * KBLOCKS_PER_SPLIT, kblocks)):
             a = a_desc.load([pid_m * BM, kb * BK])
-            acc = _w8a8_dot(a, b_desc.load([pid_n * BN, kb * BK]), acc, BK, ACC_INT)
+            acc = _w8a8_dot(a, b_desc.load([pid_n * BN, kb * BK]).T, acc, BK, ACC_INT)
             if GATED:
-                acc_u = _w8a8_dot(a, b_desc.load([N + pid_n * BN, kb * BK]), acc_u, BK, ACC_INT)
+                acc_u = _w8a8_dot(a, b_desc.load([N + pid_n * BN, kb * BK]).T, acc_u, BK, ACC_INT)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         if GATED:
