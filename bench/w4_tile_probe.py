@@ -51,7 +51,7 @@ def launch_variant(kern, cfg, x, qw):
     fw = cuda_w4.frag_weight(qw)
     groups, np_ = fw.scales.shape
     cols = -(-(np_ // 64) // cfg.sw)
-    sms = launch._num_sms(x.device)
+    sms = launch.num_sms(x.device)
     split = max(1, min(-(-int(cfg.blocks_per_sm * sms) // cols), groups))
     gpb = -(-groups // split)
     split = -(-groups // gpb)

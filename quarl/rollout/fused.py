@@ -24,6 +24,7 @@ from quarl.model.transformer import AttnFn, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear
 from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.kernels import launch
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
 from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, silu_mul_value, store_act_codes
 
@@ -137,15 +138,71 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u
         tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(y.to(tl.float32)), axis=0))
 
 
+@triton.jit
+def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols, stride_g, stride_u, stride_q,
+                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr):
+    """Persistent SiLU-and-mul + per-token quantizer for many rows: program ``p`` takes rows
+    ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
+    ``y`` to the program's own scratch row ``y_ptr[p]`` and keeps the running ``max |y|``;
+    pass 2 reads ``y`` back from that scratch row, which was just written and is reused for
+    every row, so it stays in L2: DRAM sees g and u read once and the codes written once
+    (the two-kernel path also writes ``y`` out and reads it back)."""
+    pid = tl.program_id(0)
+    dt = y_ptr.dtype.element_ty
+    scratch = y_ptr + pid.to(tl.int64) * n_cols
+    offs = tl.arange(0, BLOCK)
+    for row in range(pid, rows, tl.num_programs(0)):
+        r = tl.full([], row, tl.int64)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + offs
+            m = cols < n_cols
+            g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            y = silu_mul_value(g, u, dt)
+            tl.store(scratch + cols, y, mask=m)
+            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        s = act_scale(tl.max(amax, axis=0), IS_FP8)
+        tl.store(s_ptr + r, s)
+        inv_s = act_inv_scale(s)
+        tl.debug_barrier()  # the row's y, written by all threads, is read back by others
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + offs
+            m = cols < n_cols
+            v = tl.load(scratch + cols, mask=m, other=0.0).to(tl.float32)
+            store_act_codes(q_ptr + r * stride_q + cols, v, inv_s, m, IS_FP8)
+        tl.debug_barrier()  # every thread is done reading before the next row overwrites it
+
+
+# Rows from which silu_mul(quant=) runs the persistent one-pass kernel on the GPU, its
+# programs per SM, columns per block and warps (H200 sweep: bench/silu_quant_sweep.py).
+SILU_QUANT_ROWS_MIN = 512
+SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=2048, num_warps=4)
+
+
+def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int):
+    rows, n = g2.shape
+    q, q_arg, s = act_quant_buffers(rows, n, quant, g2.device)
+    progs = min(rows, per_sm * launch.num_sms(g2.device))
+    scratch = torch.empty(progs, n, dtype=g2.dtype, device=g2.device)
+    _silu_mul_quant_rows_kernel[(progs,)](g2, u2, scratch, q_arg, s, rows, n, g2.stride(0), u2.stride(0), q.stride(0),
+                                          IS_FP8=quant == "fp8", BLOCK=block, num_warps=num_warps, **NO_FMA)
+    return q, s
+
+
 def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None):
     """``silu(g) * u`` with the reference's rounding (g, u ``[..., I]``); with
     ``quant="int8" | "fp8"`` its per-token codes and scales ``(q [rows, I], s [rows])``
-    (as :func:`rmsnorm`): the SiLU-and-mul writes ``y`` and per-block row maxima, then a
-    parallel pass quantizes ``y`` (a one-kernel version, one program per row reading g and u
-    twice, had only 64 programs at decode batch 64: 7 us over the plain op at I = 18944)."""
+    (as :func:`rmsnorm`). Up to ``SILU_QUANT_ROWS_MIN`` rows the SiLU-and-mul writes ``y``
+    and per-block row maxima, then a parallel pass quantizes ``y`` (a one-kernel version,
+    one program per row reading g and u twice, had only 64 programs at decode batch 64:
+    7 us over the plain op at I = 18944); from there on (prefill, the learner's batches)
+    the persistent :func:`_silu_mul_quant_rows_kernel` keeps ``y`` in L2."""
     n = g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
     rows = g2.shape[0]
+    if quant is not None and rows >= SILU_QUANT_ROWS_MIN and g.device.type == "cuda":
+        return _silu_mul_quant_rows(g2, u2, quant, **SILU_QUANT_ROWS_CONFIG)
     out = torch.empty_like(g2)
     block = 1024 if g.device.type == "cuda" else 64
     grid = (rows, triton.cdiv(n, block))

@@ -174,3 +174,22 @@ def test_norm_and_silu_with_fused_quantizer_give_the_quantizers_codes(fmt, dtype
     q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_persistent_silu_mul_quantizer_gives_the_quantizers_codes(fmt, dtype):
+    """The many-rows path of ``silu_mul(quant=)`` (one persistent program per few rows, y
+    through a reused scratch row): codes and scales equal ``act_quant(silu_mul(g, u))`` bit
+    for bit, with programs that take several rows and rows spanning several column blocks."""
+    from quarl.quant.kernels import launch
+    from quarl.rollout.fused import _silu_mul_quant_rows, silu_mul
+
+    torch.manual_seed(4)
+    g, u = (torch.randn(11, 150) * 3).to(dtype), torch.randn(11, 150).to(dtype)
+    g[5] = 0  # a zero row: scale 1, codes 0
+    q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
+    for per_sm in (1, 2):  # 4 and 8 programs for 11 rows (the CPU counts 4 SMs)
+        q, s = _silu_mul_quant_rows(g, u, fmt, per_sm=per_sm, block=64, num_warps=4)
+        assert torch.equal(s, s_ref) and s[5] == 1.0
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

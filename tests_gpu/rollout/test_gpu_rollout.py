@@ -283,10 +283,15 @@ def test_fused_quantizers_equal_the_quantizer_on_gpu(fmt):
     q, s = rmsnorm(x, w, 1e-6, r2, quant=fmt)
     q_ref, s_ref = launch.act_quant(rmsnorm(x, w, 1e-6, r1), fmt)
     assert torch.equal(r1, r2) and torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    g, u = torch.randn(70, 18944, device=DEV, dtype=torch.bfloat16) * 3, torch.randn(70, 18944, device=DEV, dtype=torch.bfloat16)
-    q, s = silu_mul(g, u, quant=fmt)
-    q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
-    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # 70 rows: SiLU-and-mul + partials quantizer; 1300 / 4096 rows: the persistent kernel
+    # (programs taking several rows, a scratch row reused); 3000 columns: a partial block
+    for rows, cols in ((70, 18944), (1300, 18944), (4096, 18944), (1300, 3000)):
+        g = torch.randn(rows, cols, device=DEV, dtype=torch.bfloat16) * 3
+        u = torch.randn(rows, cols, device=DEV, dtype=torch.bfloat16)
+        g[rows // 2] = 0  # a zero row: scale 1
+        q, s = silu_mul(g, u, quant=fmt)
+        q_ref, s_ref = launch.act_quant(silu_mul(g, u), fmt)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (rows, cols)
 
 
 @pytest.mark.parametrize("m", [17, 64, 200])

@@ -686,7 +686,7 @@ def w4a16_frag_gemm(
     fw = frag_weight(qw)
     groups = fw.scales.shape[0]
     np_ = fw.scales.shape[1]
-    sms = launch._num_sms(x.device)
+    sms = launch.num_sms(x.device)
     split, gpb = pick_split(n, groups, cfg.nw, sms, cfg.blocks_per_sm)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     slabs = np_ // SLAB
@@ -784,7 +784,7 @@ def w4a16_tile_gemm(
     groups = fw.scales.shape[0]
     np_ = fw.scales.shape[1]
     cols = -(-(np_ // SLAB) // cfg.sw)
-    split, gpb = pick_split(n, groups, 1, launch._num_sms(x.device), cfg.blocks_per_sm, cfg.sw)
+    split, gpb = pick_split(n, groups, 1, launch.num_sms(x.device), cfg.blocks_per_sm, cfg.sw)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)

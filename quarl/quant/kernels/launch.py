@@ -54,7 +54,7 @@ CONFIG_OVERRIDES: dict[str, object] = {}
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -330,11 +330,11 @@ def w4_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     n_tiles, m_tiles = _cdiv(n, cfg.bn), _cdiv(m, bm)
     tiles = n_tiles * m_tiles
     if cfg.waves > 0:  # ~waves x SMs programs, >= 2 chunks each
-        split = max(1, min(round(cfg.waves * _num_sms(x.device) / tiles), nchunk // 2))
+        split = max(1, min(round(cfg.waves * num_sms(x.device) / tiles), nchunk // 2))
         per = _cdiv(nchunk, split)
         split = _cdiv(nchunk, per)
     else:
-        split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
+        split, per = _pick_split(tiles, nchunk, num_sms(x.device), cfg.split_k)
     if cfg.cpi > 1:  # whole unrolled iterations per split
         per = _cdiv(per, cfg.cpi) * cfg.cpi
         split = _cdiv(nchunk, per)
@@ -383,7 +383,7 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
     cfg = cfg or wo_config(m, n, k)
     nchunk = qw.qdata.shape[1] * 8 // qw.scheme.weight_bits // PACK_K
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
-    split, per = _pick_split(tiles, nchunk, _num_sms(x.device), cfg.split_k)
+    split, per = _pick_split(tiles, nchunk, num_sms(x.device), cfg.split_k)
     scales = qw.scales.view(torch.uint8) if qw.scales.dtype == torch.float8_e4m3fn else qw.scales
     zeros = qw.zeros if qw.zeros is not None else scales
     gs = qw.global_scale if qw.global_scale is not None else scales
@@ -430,7 +430,7 @@ def int8_gemm(
         return _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg)
     kblocks = _cdiv(k, cfg.bk)
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
-    split, per = _pick_split(tiles, kblocks, _num_sms(xq.device), cfg.split_k)
+    split, per = _pick_split(tiles, kblocks, num_sms(xq.device), cfg.split_k)
     out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
     tk.int8_gemm_kernel[(tiles, split)](
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
@@ -463,7 +463,7 @@ def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig, gated: bool = F
         raise ValueError("the gated W8A8 GEMM cannot split K (its SiLU-and-mul epilogue needs whole sums)")
     out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
     amax = torch.empty(m, n_tiles, dtype=torch.float32, device=xq.device) if gated else out
-    progs = min(tiles * split, int(_num_sms(xq.device) * max(cfg.waves, 1)))
+    progs = min(tiles * split, int(num_sms(xq.device) * max(cfg.waves, 1)))
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
     b_desc = TensorDescriptor.from_tensor(qw.qdata, [cfg.bn, cfg.bk])
     tk.w8a8_tma_kernel[(progs,)](
@@ -547,7 +547,7 @@ def w4a8_gemm(
     cfg = cfg or w4a8_config(m, n, k)
     nchunk = qw.qdata.shape[1] * 2 // PACK_K
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
-    split, per = _pick_split(tiles, nchunk, _num_sms(xq.device), cfg.split_k)
+    split, per = _pick_split(tiles, nchunk, num_sms(xq.device), cfg.split_k)
     out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
     tk.w4a8_gemm_kernel[(tiles, split)](
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
