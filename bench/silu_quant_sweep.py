@@ -26,10 +26,10 @@ from quarl.quant import bench
 from quarl.quant.kernels import launch
 from quarl.rollout import fused
 
-MS = (256, 512, 1024, 2048, 4096)
+MS = (512, 1024, 4096)
 # (programs per SM, block, warps)
-PERSISTENT = [(2, 2048, 4), (4, 2048, 4), (8, 2048, 4), (2, 4096, 8), (4, 4096, 8), (4, 1024, 4), (8, 1024, 4),
-              (16, 1024, 4), (2, 2048, 8)]
+PERSISTENT = [(4, 4096, 8, 0), (4, 4096, 8, 1), (4, 4096, 8, 2), (2, 4096, 8, 1), (2, 4096, 8, 2), (8, 2048, 4, 1),
+              (8, 2048, 4, 2), (16, 1024, 4, 1), (16, 1024, 4, 2), (4, 4096, 16, 1), (8, 4096, 8, 1), (2, 8192, 16, 1)]
 
 
 def main() -> None:
@@ -65,8 +65,8 @@ def main() -> None:
                 return launch.act_quant_from_partials(y, amax, fmt)
 
             cands = [("two kernels", two)] + [
-                (f"persistent p{p} b{b} w{w}", lambda i, p=p, b=b, w=w: fused._silu_mul_quant_rows(g[i], u[i], fmt, p, b, w))
-                for p, b, w in PERSISTENT]
+                (f"persistent p{p} b{b} w{w} h{h}", lambda i, p=p, b=b, w=w, h=h: fused._silu_mul_quant_rows(g[i], u[i], fmt, p, b, w, h))
+                for p, b, w, h in PERSISTENT]
             for name, fn in cands:
                 try:
                     q, s = fn(0)

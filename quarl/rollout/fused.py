@@ -140,7 +140,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u
 
 @triton.jit
 def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols, stride_g, stride_u, stride_q,
-                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr):
+                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr, HINT: tl.constexpr = 0):
     """Persistent SiLU-and-mul + per-token quantizer for many rows: program ``p`` takes rows
     ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
     ``y`` to the program's own scratch row ``y_ptr[p]`` and keeps the running ``max |y|``;
@@ -157,10 +157,17 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + offs
             m = cols < n_cols
-            g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if HINT == 1:
+                g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, cache_modifier=".cs").to(tl.float32)
+                u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, cache_modifier=".cs").to(tl.float32)
+            else:
+                g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             y = silu_mul_value(g, u, dt)
-            tl.store(scratch + cols, y, mask=m)
+            if HINT == 2:
+                tl.store(scratch + cols, y, mask=m, eviction_policy="evict_last")
+            else:
+                tl.store(scratch + cols, y, mask=m)
             amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
         s = act_scale(tl.max(amax, axis=0), IS_FP8)
         tl.store(s_ptr + r, s)
@@ -180,13 +187,13 @@ SILU_QUANT_ROWS_MIN = 512
 SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=2048, num_warps=4)
 
 
-def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int):
+def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int, hint: int = 0):
     rows, n = g2.shape
     q, q_arg, s = act_quant_buffers(rows, n, quant, g2.device)
     progs = min(rows, per_sm * launch.num_sms(g2.device))
     scratch = torch.empty(progs, n, dtype=g2.dtype, device=g2.device)
     _silu_mul_quant_rows_kernel[(progs,)](g2, u2, scratch, q_arg, s, rows, n, g2.stride(0), u2.stride(0), q.stride(0),
-                                          IS_FP8=quant == "fp8", BLOCK=block, num_warps=num_warps, **NO_FMA)
+                                          IS_FP8=quant == "fp8", BLOCK=block, HINT=hint, num_warps=num_warps, **NO_FMA)
     return q, s
 
 
