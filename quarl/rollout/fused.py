@@ -157,12 +157,8 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + offs
             m = cols < n_cols
-            if HINT == 1:
-                g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, cache_modifier=".cs").to(tl.float32)
-                u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, cache_modifier=".cs").to(tl.float32)
-            else:
-                g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             y = silu_mul_value(g, u, dt)
             if HINT == 2:
                 tl.store(scratch + cols, y, mask=m, eviction_policy="evict_last")
