@@ -140,13 +140,13 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u
 
 @triton.jit
 def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols, stride_g, stride_u, stride_q,
-                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr, HINT: tl.constexpr = 0):
+                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr):
     """Persistent SiLU-and-mul + per-token quantizer for many rows: program ``p`` takes rows
     ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
-    ``y`` to the program's own scratch row ``y_ptr[p]`` and keeps the running ``max |y|``;
-    pass 2 reads ``y`` back from that scratch row, which was just written and is reused for
-    every row, so it stays in L2: DRAM sees g and u read once and the codes written once
-    (the two-kernel path also writes ``y`` out and reads it back)."""
+    ``y`` to the program's own scratch row ``y_ptr[p]`` (marked evict-last) and keeps the
+    running ``max |y|``; pass 2 reads ``y`` back from that scratch row, just written and
+    reused for every row, so mostly from L2 (the two-kernel path writes all of ``y`` out and
+    reads it back in a second launch)."""
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     scratch = y_ptr + pid.to(tl.int64) * n_cols
@@ -160,10 +160,7 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
             g = tl.load(g_ptr + r * stride_g + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             u = tl.load(u_ptr + r * stride_u + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             y = silu_mul_value(g, u, dt)
-            if HINT == 2:
-                tl.store(scratch + cols, y, mask=m, eviction_policy="evict_last")
-            else:
-                tl.store(scratch + cols, y, mask=m)
+            tl.store(scratch + cols, y, mask=m, eviction_policy="evict_last")
             amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
         s = act_scale(tl.max(amax, axis=0), IS_FP8)
         tl.store(s_ptr + r, s)
@@ -177,19 +174,23 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
         tl.debug_barrier()  # every thread is done reading before the next row overwrites it
 
 
-# Rows from which silu_mul(quant=) runs the persistent one-pass kernel on the GPU, its
-# programs per SM, columns per block and warps (H200 sweep: bench/silu_quant_sweep.py).
+# Rows from which silu_mul(quant=) runs the persistent kernel on the GPU, its programs per
+# SM, columns per block and warps (H200 sweeps, bench/results/silu_quant_sweep_h200*.json,
+# I = 18944: 4 x 16 warps fill an SM; extra over the bf16 SiLU-and-mul at 1024 / 4096 rows
+# fp8 +14.5 / +48 us, int8 +9.7 / +29 us, vs +20.5 / +76 and +17 / +62 for the two-kernel
+# path; at 256 rows the two-kernel path is as fast). The scratch rows do not fully stay
+# in L2 (it moves more than g, u and the codes), but the extra launch and pass are gone.
 SILU_QUANT_ROWS_MIN = 512
-SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=2048, num_warps=4)
+SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=4096, num_warps=16)
 
 
-def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int, hint: int = 0):
+def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int):
     rows, n = g2.shape
     q, q_arg, s = act_quant_buffers(rows, n, quant, g2.device)
     progs = min(rows, per_sm * launch.num_sms(g2.device))
     scratch = torch.empty(progs, n, dtype=g2.dtype, device=g2.device)
     _silu_mul_quant_rows_kernel[(progs,)](g2, u2, scratch, q_arg, s, rows, n, g2.stride(0), u2.stride(0), q.stride(0),
-                                          IS_FP8=quant == "fp8", BLOCK=block, HINT=hint, num_warps=num_warps, **NO_FMA)
+                                          IS_FP8=quant == "fp8", BLOCK=block, num_warps=num_warps, **NO_FMA)
     return q, s
 
 
