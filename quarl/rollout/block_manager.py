@@ -62,17 +62,20 @@ class BlockManager:
         seq.block_table = []
         seq.table_epoch += 1
 
-    def _needs_block(self, seq: Sequence) -> bool:
-        position = len(seq) - 1  # the token the next decode step writes
+    def needs_block(self, seq: Sequence, position: int | None = None) -> bool:
+        """Whether writing ``position`` (default ``len(seq) - 1``, the token the next decode
+        step writes) takes a free block: a new one, or a private copy of a shared one."""
+        position = len(seq) - 1 if position is None else position
         index = position // self.block_size
         return index >= len(seq.block_table) or self.ref_counts[seq.block_table[index]] > 1
 
     def can_append(self, seq: Sequence) -> bool:
-        return not self._needs_block(seq) or self.num_free_blocks > 0
+        return not self.needs_block(seq) or self.num_free_blocks > 0
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make the block of position ``len(seq) - 1`` private; returns a CoW copy if any."""
-        index = (len(seq) - 1) // self.block_size
+    def append_slot(self, seq: Sequence, position: int | None = None) -> tuple[int, int] | None:
+        """Make the block of ``position`` (default ``len(seq) - 1``) private; returns a CoW
+        copy if any. Idempotent: a second call for the same position changes nothing."""
+        index = (len(seq) - 1 if position is None else position) // self.block_size
         if index >= len(seq.block_table):
             assert index == len(seq.block_table), (seq, index)
             seq.block_table.append(self._take())

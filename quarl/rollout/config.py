@@ -27,6 +27,7 @@ class EngineConfig:
     fused_kernels: bool = True  # Triton backend: fused norm/rotary/SiLU kernels (quarl.rollout.fused)
     tune_decode: bool = True  # on GPU, time a few decode-attention tilings at start-up and keep the best
     share_prompt: bool = True  # the n samples of a prompt share its prefill and KV blocks
+    lookahead: bool = True  # plan decode step t + 1 on the host while the GPU runs step t
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:

@@ -52,6 +52,7 @@ class GenerateStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    planned_steps: int = 0  # decode steps whose inputs were prepared while the step before ran
     decode_batch_sizes: list[int] = field(default_factory=list)
     decode_step_s: list[float] = field(default_factory=list)
 
@@ -99,6 +100,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(0x5EED)
         self.stats = GenerateStats()
+        self._planned_batch = None
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -123,11 +125,26 @@ class Engine:
                 self.scheduler.add(unit)
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_token_ids))
         preempt0 = self.scheduler.num_preemptions
+        planned = None  # the decode step planned while the previous one ran (Scheduler.lookahead)
         while not self.scheduler.is_finished():
             t0 = time.perf_counter()
-            batch = self.scheduler.schedule()
-            token_ids, logprobs = self.runner.step(batch.is_prefill, batch.groups, batch.block_copies)
-            self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
+            batch = planned or self.scheduler.schedule()
+            stats.planned_steps += planned is not None
+            planned = None
+            if batch.is_prefill:
+                token_ids, logprobs = self.runner.step(True, batch.groups, batch.block_copies)
+            else:
+                if batch is not self._planned_batch:
+                    self.runner.prepare_decode(batch.seqs, batch.block_copies)
+                self.runner.launch_decode()
+                # while the GPU runs this step: plan the next one (blocks, inputs)
+                self._planned_batch = self.scheduler.lookahead(batch) if self.config.lookahead else None
+                if self._planned_batch is not None:
+                    self.runner.prepare_decode(self._planned_batch.seqs, self._planned_batch.block_copies, ahead=1)
+                token_ids, logprobs = self.runner.collect_decode()
+            finished = self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
+            if not batch.is_prefill and not finished:
+                planned = self._planned_batch  # the plan holds: same sequences, one token longer
             dt = time.perf_counter() - t0
             if batch.is_prefill:
                 stats.prefill_steps += 1

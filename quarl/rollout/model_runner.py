@@ -274,6 +274,8 @@ class ModelRunner:
         self._host_out = torch.zeros(2, max_bs, dtype=torch.float64, pin_memory=pin)
         self._dev_tokens = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self._dev_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)
+        self._inputs_sent: torch.cuda.Event | None = None  # the planned inputs left the host buffers
+        self._outputs_ready: torch.cuda.Event | None = None
 
     def _decode_context(self, n: int, splits: int, host_lens: list[int] | None = None) -> StepContext:
         return StepContext(
@@ -288,13 +290,16 @@ class ModelRunner:
             decode_warps=self.decode_tiling[1],
         )
 
-    def _fill_decode_inputs(self, seqs: list[Sequence], padded: int, splits: int, keys: np.ndarray) -> int:
-        """Write the step's inputs into the host buffers for rows ``[0, padded)``; returns the table width."""
+    def _fill_decode_inputs(self, seqs: list[Sequence], padded: int, splits: int, keys: np.ndarray, ahead: int) -> int:
+        """Write the step's inputs into the host buffers for rows ``[0, padded)``; returns the
+        table width. ``ahead = 1``: the step after the one in flight (each sequence one token
+        longer than now; the input ids then come from the device, :meth:`launch_decode`)."""
         n, bs = len(seqs), self.block_size
-        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-        self._h_ids[:n] = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n) + ahead
+        if not ahead:
+            self._h_ids[:n] = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
         self._h_pos[:n] = lens - 1
-        last = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
+        last = np.fromiter((s.block_table[(len(s) + ahead - 1) // bs] for s in seqs), dtype=np.int64, count=n)
         self._h_slots[:n] = last * bs + (lens - 1) % bs
         self._h_ctx[:n] = lens
         self._h_seed[:n] = row_seeds(keys, lens)
@@ -319,18 +324,37 @@ class ModelRunner:
             self._row_owner[i] = None
         return width
 
-    @torch.inference_mode()
-    def _decode(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    def prepare_decode(self, seqs: list[Sequence], block_copies: list[tuple[int, int]], ahead: int = 0) -> None:
+        """Plan a decode step of ``seqs``: its copy-on-write block copies go on the stream
+        and its inputs into the host buffers. ``ahead = 1``: it is the step after the one in
+        flight, planned while the GPU runs that one (``Scheduler.lookahead``); the host
+        buffers are rewritten only once the step in flight has taken its inputs from them."""
         n = len(seqs)
+        self.kv.copy_blocks(block_copies)
         if n > self._bs_cap:
             self._make_decode_buffers(n)
+        if self._inputs_sent is not None:
+            self._inputs_sent.synchronize()
         use_graph = bool(self.graphs) and n <= max(self.graphs)
         padded = min(b for b in self.graphs if b >= n) if use_graph else n
         splits = self.graphs[padded][2] if use_graph else self._num_splits(n)
         rows = self.sampler.rows_for(seqs)
-        self._fill_decode_inputs(seqs, padded, splits, rows.keys)
+        self._fill_decode_inputs(seqs, padded, splits, rows.keys, ahead)
+        self._plan = (n, padded, use_graph, splits, rows, bool(ahead))
+
+    @torch.inference_mode()
+    def launch_decode(self) -> None:
+        """Send the planned step's inputs (planned ahead: the last step's sampled tokens,
+        still on the device, are its input ids), run it and sample, without waiting; the
+        tokens and log-probs come back with :meth:`collect_decode`."""
+        n, padded, use_graph, splits, rows, ahead = self._plan
         self._dev_ints.copy_(self._host_ints, non_blocking=True)
         self._d_tables[:padded].copy_(self._host_tables[:padded], non_blocking=True)
+        if self.is_cuda:
+            self._inputs_sent = torch.cuda.Event()
+            self._inputs_sent.record()
+        if ahead:
+            self._d_ids[:n].copy_(self._dev_tokens[:n])
         if use_graph:
             graph, out, _ = self.graphs[padded]
             graph.replay()
@@ -346,7 +370,15 @@ class ModelRunner:
         host[0].copy_(tokens, non_blocking=True)
         host[1].copy_(logprobs, non_blocking=True)
         if self.is_cuda:
-            torch.cuda.current_stream().synchronize()
+            self._outputs_ready = torch.cuda.Event()
+            self._outputs_ready.record()
+
+    def collect_decode(self) -> tuple[list[int], list[float]]:
+        """Wait for the launched step; its sampled tokens and log-probs."""
+        n = self._plan[0]
+        if self.is_cuda:
+            self._outputs_ready.synchronize()
+        host = self._host_out[:, :n]
         return host[0].long().tolist(), host[1].tolist()
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -383,9 +415,11 @@ class ModelRunner:
     ) -> tuple[list[int], list[float]]:
         """Run one scheduled step and sample the next token of every group member."""
         assert self.kv is not None, "KV cache released; call reallocate_kv_cache() first"
-        self.kv.copy_blocks(block_copies)
         if not is_prefill:
-            return self._decode([g[0] for g in groups])
+            self.prepare_decode([g[0] for g in groups], block_copies)
+            self.launch_decode()
+            return self.collect_decode()
+        self.kv.copy_blocks(block_copies)
         members = [s for g in groups for s in g]
         with torch.inference_mode():
             logits = self._prefill_logits([g[0] for g in groups])

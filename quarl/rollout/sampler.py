@@ -146,7 +146,8 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, out: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits ``[R, V]`` (any float dtype); ``out`` optional (tokens, logprobs) buffers."""
+        """logits ``[R, V]`` (any float dtype); ``out`` optional (tokens, logprobs) buffers,
+        which then hold the result (the engine feeds the tokens back as the next input ids)."""
         rows = batch.rows
         if self.use_triton:
             from quarl.rollout.kernels import gumbel_sample
@@ -162,6 +163,10 @@ class Sampler:
             gumbel_sample(logits, rows.inv_temp, batch.row_seed, rows.noise, tokens, logprobs, lse)
         else:
             tokens, logprobs, lse = sample_reference(logits, rows.inv_temp, batch.row_seed, rows.noise)
+            if out is not None:
+                out[0].copy_(tokens)
+                out[1].copy_(logprobs)
+                tokens, logprobs = out
         if rows.truncated_rows:
             self._sample_truncated(logits, batch, tokens, logprobs, lse)
         return tokens, logprobs

@@ -107,6 +107,30 @@ class Scheduler:
         self.running.extend(scheduled)
         return ScheduledBatch(False, [[s] for s in scheduled], copies)
 
+    def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``batch`` (a decode step launched, its tokens not sampled
+        yet), planned while the GPU runs it: every sequence gets one more token and none
+        stops, so the next step runs the same sequences in the same order, each writing
+        position ``len(seq)``; its blocks are taken now (``append_slot`` at that position,
+        which ``schedule`` later repeats as a no-op if the plan is dropped). ``None`` where
+        the next step cannot be planned this way: groups wait for a prefill, a sequence
+        reaches its length limit with this token, or the cache lacks a block (preemption).
+        If a sampled token turns out to be a stop token, the engine drops the plan and
+        schedules normally."""
+        if batch.is_prefill or self.waiting or len(batch.groups) != len(self.running):
+            return None
+        seqs = batch.seqs
+        bm = self.block_manager
+        need = 0
+        for seq in seqs:
+            if seq.num_generated + 1 >= seq.params.max_new_tokens or len(seq) + 1 >= self.max_model_len:
+                return None
+            need += bm.needs_block(seq, len(seq))
+        if need > bm.num_free_blocks:
+            return None
+        copies = [c for c in (bm.append_slot(seq, len(seq)) for seq in seqs) if c is not None]
+        return ScheduledBatch(False, [[s] for s in seqs], copies)
+
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.free(seq)
