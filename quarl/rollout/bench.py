@@ -136,7 +136,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
         "decode_step_ms_mean": 1e3 * st.decode_s / max(st.decode_steps, 1),
         "decode_step_ms_median": 1e3 * steps[len(steps) // 2] if steps else 0.0,
         "last_step_graph_replay_ms": replay_ms, "decode_tiling": list(engine.runner.decode_tiling),
-        "decode_tuning_ms": engine.runner.decode_tuning_ms, "fused_kernels": engine.runner.fused,
+        "decode_tuning_ms": engine.runner.decode_tuning_ms, "decode_tuning_table": engine.runner.decode_tuning_table, "fused_kernels": engine.runner.fused,
         "kv_blocks": engine.runner.num_blocks, "weight_bytes_per_step": step_weight_bytes(engine.model),
         **fl,
     }

@@ -50,6 +50,7 @@ class ModelRunner:
         model.rotary.auto_grow = False
         self.decode_tiling = (64, 4, 4)  # (BLOCK_N, num_warps, programs per SM) of the decode kernel
         self.decode_tuning_ms = 0.0
+        self.decode_tuning_table: dict[str, float] = {}  # "BLOCK_Nxwarpsxper_sm" -> median ms
         self.fused = False
         if self.backend == "triton" and config.fused_kernels:
             from quarl.rollout.fused import fuse_projections, supports_fused
@@ -191,27 +192,34 @@ class ModelRunner:
         q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
         lens = torch.randint(ctx_len // 2, ctx_len + 1, (batch,), device=self.device)
         out = torch.empty_like(q)
-        best = None
+        calls = {}
         for per_sm in (2, 4, 8):
             splits = self._num_splits(batch, per_sm)
             split_len = torch.tensor([self._split_len(ctx_len, splits)], device=self.device)
             po = torch.empty(batch, hq, splits, self.head_dim, device=self.device)
             pl = torch.empty(batch, hq, splits, device=self.device)
             for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
-                def call():
+                def call(block_n=block_n, warps=warps, splits=splits, split_len=split_len, po=po, pl=pl):
                     kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, split_len, out, po, pl,
                                                    splits, self.head_dim**-0.5, block_n, warps)
-                call()
-                torch.cuda.synchronize()
+                call()  # compile
+                calls[(block_n, warps, per_sm)] = call
+        torch.cuda.synchronize()
+        # Rounds over all candidates, median per candidate: one-shot timings picked tilings
+        # 7% apart in step time from run to run (bench/NOTES.md, run 14).
+        times: dict[tuple[int, int, int], list[float]] = {c: [] for c in calls}
+        for _ in range(7):
+            for cand, call in calls.items():
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(10):
+                for _ in range(5):
                     call()
                 end.record()
-                torch.cuda.synchronize()
-                t = start.elapsed_time(end) / 10
-                if best is None or t < best[0]:
-                    best = (t, (block_n, warps, per_sm))
+                end.synchronize()
+                times[cand].append(start.elapsed_time(end) / 5)
+        medians = {cand: sorted(t)[len(t) // 2] for cand, t in times.items()}
+        self.decode_tuning_table = {"x".join(map(str, c)): round(m, 5) for c, m in sorted(medians.items(), key=lambda i: i[1])}
+        best = min((m, cand) for cand, m in medians.items())
         self.decode_tiling = best[1]
         self.decode_tuning_ms = best[0]
         self.kv.data.zero_()
