@@ -84,14 +84,9 @@ def main() -> None:
                     y, amax = launch.gated_silu_gemm(*xs[i], qws[i], torch.bfloat16, cfg)
                     return launch.act_quant_from_partials(y, amax, sc.act_format)
 
-                try:
-                    q, s = gated(0)
-                    if not (torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)):
-                        raise RuntimeError("codes differ from the plain path")
-                    t = bench.time_per_call([lambda i=i: gated(i) for i in range(sets)])
-                except Exception as e:  # noqa: BLE001 - a failing candidate is a result
-                    print(f"M={m:<4} {fmt} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    t = float("nan")
+                t, err = bench.time_checked_codes(gated, (q0, s0), sets)
+                if err:
+                    print(f"M={m:<4} {fmt} {name}: {err}", flush=True)
                 rows.append(dict(M=m, fmt=fmt, cfg=name, us=t * 1e6, bf16_us=t_bf16 * 1e6, plain_us=t_plain * 1e6))
                 print(f"M={m:<4} {fmt} {name:32} {t * 1e6:8.1f} us ({t_bf16 / t:.2f}x bf16, {t_plain / t:.2f}x plain)", flush=True)
             del big, qws, xs

@@ -145,8 +145,8 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
     ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
     ``y`` to the program's own scratch row ``y_ptr[p]`` (marked evict-last) and keeps the
     running ``max |y|``; pass 2 reads ``y`` back from that scratch row, just written and
-    reused for every row, so mostly from L2 (the two-kernel path writes all of ``y`` out and
-    reads it back in a second launch)."""
+    reused for every row, and writes the codes. One launch and one grid instead of two; the
+    H200 sweeps show the scratch rows do not all stay in L2 (bench/NOTES.md, run 14)."""
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     scratch = y_ptr + pid.to(tl.int64) * n_cols
@@ -194,18 +194,21 @@ def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm:
     return q, s
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None):
+def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None, persistent: bool | None = None):
     """``silu(g) * u`` with the reference's rounding (g, u ``[..., I]``); with
     ``quant="int8" | "fp8"`` its per-token codes and scales ``(q [rows, I], s [rows])``
-    (as :func:`rmsnorm`). Up to ``SILU_QUANT_ROWS_MIN`` rows the SiLU-and-mul writes ``y``
-    and per-block row maxima, then a parallel pass quantizes ``y`` (a one-kernel version,
-    one program per row reading g and u twice, had only 64 programs at decode batch 64:
-    7 us over the plain op at I = 18944); from there on (prefill, the learner's batches)
-    the persistent :func:`_silu_mul_quant_rows_kernel` keeps ``y`` in L2."""
+    (as :func:`rmsnorm`). Below ``SILU_QUANT_ROWS_MIN`` rows (or ``persistent=False``) the
+    SiLU-and-mul writes ``y`` and per-block row maxima, then a parallel pass quantizes
+    ``y`` (a one-kernel version, one program per row reading g and u twice, had only 64
+    programs at decode batch 64: 7 us over the plain op at I = 18944); from there on
+    (prefill, the learner's batches) the persistent :func:`_silu_mul_quant_rows_kernel`
+    does both in one launch (GPU only)."""
     n = g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
     rows = g2.shape[0]
-    if quant is not None and rows >= SILU_QUANT_ROWS_MIN and g.device.type == "cuda":
+    if persistent is None:
+        persistent = rows >= SILU_QUANT_ROWS_MIN and g.device.type == "cuda"
+    if quant is not None and persistent:
         return _silu_mul_quant_rows(g2, u2, quant, **SILU_QUANT_ROWS_CONFIG)
     out = torch.empty_like(g2)
     block = 1024 if g.device.type == "cuda" else 64
