@@ -100,7 +100,6 @@ class Engine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(0x5EED)
         self.stats = GenerateStats()
-        self._planned_batch = None
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -130,21 +129,20 @@ class Engine:
             t0 = time.perf_counter()
             batch = planned or self.scheduler.schedule()
             stats.planned_steps += planned is not None
-            planned = None
+            following = None
             if batch.is_prefill:
                 token_ids, logprobs = self.runner.step(True, batch.groups, batch.block_copies)
             else:
-                if batch is not self._planned_batch:
+                if planned is None:
                     self.runner.prepare_decode(batch.seqs, batch.block_copies)
                 self.runner.launch_decode()
-                # while the GPU runs this step: plan the next one (blocks, inputs)
-                self._planned_batch = self.scheduler.lookahead(batch) if self.config.lookahead else None
-                if self._planned_batch is not None:
-                    self.runner.prepare_decode(self._planned_batch.seqs, self._planned_batch.block_copies, ahead=1)
+                # while the GPU runs this step, plan the next one (its blocks and inputs)
+                following = self.scheduler.lookahead(batch) if self.config.lookahead else None
+                if following is not None:
+                    self.runner.prepare_decode(following.seqs, following.block_copies, ahead=1)
                 token_ids, logprobs = self.runner.collect_decode()
             finished = self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
-            if not batch.is_prefill and not finished:
-                planned = self._planned_batch  # the plan holds: same sequences, one token longer
+            planned = following if not finished else None  # a stop token voids the plan
             dt = time.perf_counter() - t0
             if batch.is_prefill:
                 stats.prefill_steps += 1
