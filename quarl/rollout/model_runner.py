@@ -205,8 +205,8 @@ class ModelRunner:
                 call()  # compile
                 calls[(block_n, warps, per_sm)] = call
         torch.cuda.synchronize()
-        # Rounds over all candidates, median per candidate: one-shot timings picked tilings
-        # 7% apart in step time from run to run (bench/NOTES.md, run 14).
+        # Rounds over all candidates, median per candidate: the tilings are within a few % of
+        # each other, so a single timing each picked among them at random (bench/NOTES.md, run 14).
         times: dict[tuple[int, int, int], list[float]] = {c: [] for c in calls}
         for _ in range(7):
             for cand, call in calls.items():
