@@ -190,7 +190,6 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, 
 # Engine shapes whose input the rollout engine quantizes inside the op before (its fused
 # RMSNorm, or SiLU-and-mul), for W8A8 / W4A8 formats (quarl.rollout.fused): the producer.
 ENGINE_QUANTIZED_INPUT = {"qkv_proj (fused)": "rmsnorm", "gate_up_proj (fused)": "rmsnorm", "down_proj": "silu_mul"}
-FUSED_ACT = ("int8", "fp8")
 
 
 def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -203,8 +202,8 @@ def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str
     return counts, {}
 
 
-def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0):
-    """As :func:`make_calls`, on activations quantized beforehand: the GEMM alone."""
+def _quantized_operands(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int):
+    """Rotating sets of (weight of format ``fmt``, activations already quantized per token)."""
     from quarl.quant.kernels import launch
 
     sc = get_scheme(fmt)
@@ -215,7 +214,15 @@ def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.d
     del w
     qws = [_slice_qw(big, i, n, k) for i in range(sets)]
     xs = [launch.act_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen), sc.act_format) for _ in range(sets)]
-    return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(sets)]
+    return qws, xs
+
+
+def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0):
+    """As :func:`make_calls`, on activations quantized beforehand: the GEMM alone."""
+    from quarl.quant.kernels import launch
+
+    qws, xs = _quantized_operands(fmt, m, n, k, device, l2, seed)
+    return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(len(qws))]
 
 
 def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torch.device, reps: int, graph: bool) -> float:
@@ -239,9 +246,10 @@ def gated_mlp(fmt: str, m: int, hidden: int, inter: int) -> bool:
     """Whether the engine runs the MLP's gate/up of format ``fmt`` at M rows as the gated W8A8
     GEMM (SiLU-and-mul in its epilogue; ``launch.gated_config``)."""
     from quarl.quant.kernels import launch
+    from quarl.rollout.fused import FUSED_QUANTIZERS
 
     sc = get_scheme(fmt)
-    return sc.act_format in FUSED_ACT and not sc.packed and launch.gated_config(m, 2 * inter, hidden, sc.act_format) is not None
+    return sc.act_format in FUSED_QUANTIZERS and not sc.packed and launch.gated_config(m, 2 * inter, hidden, sc.act_format) is not None
 
 
 def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0):
@@ -249,18 +257,14 @@ def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2:
     SiLU-and-mul in its epilogue, then down_proj's per-token quantizer from its row maxima."""
     from quarl.quant.kernels import launch
 
-    sc = get_scheme(fmt)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    sets = _n_sets(int(n * k + m * k), l2)
-    big = quantize_weight(torch.randn(sets * n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02, sc)
-    qws = [_slice_qw(big, i, n, k) for i in range(sets)]
-    xs = [launch.act_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen), sc.act_format) for _ in range(sets)]
+    act = get_scheme(fmt).act_format
+    qws, xs = _quantized_operands(fmt, m, n, k, device, l2, seed)
 
     def call(i):
         y, amax = launch.gated_silu_gemm(*xs[i], qws[i], torch.bfloat16)
-        return launch.act_quant_from_partials(y, amax, sc.act_format)
+        return launch.act_quant_from_partials(y, amax, act)
 
-    return [lambda i=i: call(i) for i in range(sets)]
+    return [lambda i=i: call(i) for i in range(len(qws))]
 
 
 def silu_mul_seconds(m: int, inter: int, device: torch.device, reps: int, graph: bool) -> float:

@@ -284,17 +284,13 @@ def _concat_param_as_views(mods: list[nn.Module], name: str) -> torch.Tensor | N
     return fused
 
 
-def _concat_bias_as_views(mods: list[nn.Module]) -> torch.Tensor | None:
-    return _concat_param_as_views(mods, "bias")
-
-
 def _concat_as_views(mods: list[nn.Linear]) -> FusedLinear:
     """One ``[sum N, K]`` weight (and bias) whose row blocks become the modules' parameters.
 
     The modules keep their names and shapes, so in-place weight loading writes straight
     into the fused buffer and one GEMM serves them all.
     """
-    return FusedLinear(_concat_param_as_views(mods, "weight"), _concat_bias_as_views(mods))
+    return FusedLinear(_concat_param_as_views(mods, "weight"), _concat_param_as_views(mods, "bias"))
 
 
 def _concat_quantized_as_views(mods: list) -> FusedLinear:
@@ -307,7 +303,7 @@ def _concat_quantized_as_views(mods: list) -> FusedLinear:
     tensors = {f: torch.cat([getattr(m, f) for m in mods], 0) for f in fields}
     total = sum(m.out_features for m in mods)
     fused = QuantizedWeight(mods[0].scheme, (total, mods[0].in_features), **tensors)
-    group = FusedLinear(fused, _concat_bias_as_views(mods))
+    group = FusedLinear(fused, _concat_param_as_views(mods, "bias"))
     row = 0
     for m in mods:
         n = m.out_features

@@ -282,8 +282,9 @@ class ModelRunner:
         self._host_out = torch.zeros(2, max_bs, dtype=torch.float64, pin_memory=pin)
         self._dev_tokens = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self._dev_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)
-        self._inputs_sent: torch.cuda.Event | None = None  # the planned inputs left the host buffers
-        self._outputs_ready: torch.cuda.Event | None = None
+        # recorded each decode step: its inputs left the host buffers / its outputs reached them
+        self._inputs_sent = torch.cuda.Event() if self.is_cuda else None
+        self._outputs_ready = torch.cuda.Event() if self.is_cuda else None
 
     def _decode_context(self, n: int, splits: int, host_lens: list[int] | None = None) -> StepContext:
         return StepContext(
@@ -341,7 +342,7 @@ class ModelRunner:
         self.kv.copy_blocks(block_copies)
         if n > self._bs_cap:
             self._make_decode_buffers(n)
-        if self._inputs_sent is not None:
+        if self.is_cuda:
             self._inputs_sent.synchronize()
         use_graph = bool(self.graphs) and n <= max(self.graphs)
         padded = min(b for b in self.graphs if b >= n) if use_graph else n
@@ -359,7 +360,6 @@ class ModelRunner:
         self._dev_ints.copy_(self._host_ints, non_blocking=True)
         self._d_tables[:padded].copy_(self._host_tables[:padded], non_blocking=True)
         if self.is_cuda:
-            self._inputs_sent = torch.cuda.Event()
             self._inputs_sent.record()
         if ahead:
             self._d_ids[:n].copy_(self._dev_tokens[:n])
@@ -378,7 +378,6 @@ class ModelRunner:
         host[0].copy_(tokens, non_blocking=True)
         host[1].copy_(logprobs, non_blocking=True)
         if self.is_cuda:
-            self._outputs_ready = torch.cuda.Event()
             self._outputs_ready.record()
 
     def collect_decode(self) -> tuple[list[int], list[float]]:

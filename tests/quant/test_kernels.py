@@ -224,7 +224,7 @@ def test_fp8_triton_gemm_kernel(m):
     qw = quantize_weight(torch.randn(N, K), "w8a8-fp8")
     x, bias = torch.randn(m, K), torch.randn(N)
     cfg = launch.TileConfig(16, 32, 64, split_k=2, kernel="triton")
-    out = launch.fp8_gemm(x, qw, bias, cfg)
+    out = launch.fp8_gemm_quantized(*launch.act_quant(x, "fp8"), qw, bias, x.dtype, cfg)
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-5
 
 

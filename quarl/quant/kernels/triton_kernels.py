@@ -417,7 +417,7 @@ def w8a8_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
-    """The math of ``int8_gemm_kernel`` (no split-K) for large M: operand tiles come through
+    """The math of ``int8_gemm_kernel`` for large M: operand tiles come through
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
     copy engine zero-fills past M, N and K, so the loop has no masks or address math) and
     the grid is persistent: ``NUM_PROGS`` programs walk the output tiles in grouped order.
