@@ -87,8 +87,8 @@ class QuantizedWeight:
         self.refresh_derived()
         return self
 
-    # Kernels may keep a derived copy of the weight (the w4 fragment layout of
-    # quarl.quant.kernels.cuda_w4, cached on ``qdata``). It is rebuilt in place (same
+    # Kernels may keep derived copies of the weight (the w4 fragment and wgmma layouts of
+    # quarl.quant.kernels.cuda_w4, cached on ``qdata``). They are rebuilt in place (same
     # storage, so CUDA graphs see new weights) by these two after in-place writes.
     def derived_is_fresh(self) -> bool:
         """No derived copy, or one made from the current contents."""
@@ -97,10 +97,10 @@ class QuantizedWeight:
         return cuda_w4.is_fresh(self)
 
     def refresh_derived(self, rows: tuple[int, int] | None = None) -> None:
-        """Rebuild the derived copy if there is one: all of it, or only where it depends on
+        """Rebuild the derived copies if there are any: all of each, or only where it depends on
         output rows ``rows = (start, stop)`` (valid when nothing else changed since it
         was last fresh)."""
-        if getattr(self.qdata, "_quarl_frag", None) is not None:
+        if any(getattr(self.qdata, f"_quarl_{lay}", None) is not None for lay in ("frag", "wgmma")):
             from quarl.quant.kernels import cuda_w4
 
             cuda_w4.refresh(self, rows)

@@ -497,6 +497,199 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
   }
   if (tid == 0) atomicExch(counters + cb, 0);
 }
+
+// ----------------------------------------------------------------------------- wgmma (sm90a)
+// W4A16 for 8 < M <= 64 on Hopper: the dequantized weight is the register A operand of
+// wgmma.m64nNk16 (64 weight rows per warpgroup on the MMA's M side), the activation tile
+// (N = NTOK tokens) the B operand, read by the tensor cores straight from shared memory.
+// grid (ceil(Np / (64 NWG)), split), block NWG warpgroups. Block (cb, sp) owns slabs cb * NWG ..
+// + NWG - 1 (one per warpgroup) and groups [sp * gpb, (sp + 1) * gpb). A ring slot (dynamic
+// shared memory, 1024-aligned) holds one group: the activation tile as two 64-column atoms
+// of NTOK rows x 128 bytes in the 128-byte swizzled K-major layout wgmma reads (16-byte chunk
+// c of row r at r * 128 + ((c ^ (r % 8)) << 4)), then the slabs' weight words
+// ([warp][half][lane][4 words], word i of half h = step 4 h + i, see wgmma_words), filled by
+// all threads with cp.async (rows >= M and columns >= K zero-filled); one barrier per group.
+// Per group each warpgroup unpacks its 8 steps (4 registers each), issues 8 wgmmas into a
+// fresh fp32 tile, waits and adds it scaled by the group scale (the numerics of w4a16_frag).
+__device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
+  // K-major operand, 128-byte swizzle, 8-row core groups 1024 bytes apart
+  return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
+__device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
+//WGMMA_WRAPPERS//
+
+template <int NWG, int NTOK, int ST, bool ASYM>
+__global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
+    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
+    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
+    float* __restrict__ part, int* __restrict__ counters,
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+  constexpr int NTH = NWG * 128, NACC = NTOK / 2;
+  constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
+  extern __shared__ unsigned char dsmem[];
+  __shared__ int last_flag;
+  const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int g = lane >> 2, t = lane & 3;
+  const int cb = blockIdx.x, sp = blockIdx.y;
+  const int nslabs = Np >> 6;
+  const int slab = cb * NWG + wg;
+  const bool live = slab < nslabs;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, ngroups = min(G, gb0 + gpb) - gb0;
+  const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
+
+  // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight chunks
+  constexpr int CX = (NTOK * 16 + NTH - 1) / NTH, CW = (NWG * 256 + NTH - 1) / NTH;
+  const unsigned char* xsrc[CX];
+  u32 xdst[CX];
+  int xcol[CX];  // first column in group 0; -1: zero-fill only (row >= M) or no chunk
+#pragma unroll
+  for (int i = 0; i < CX; ++i) {
+    const int c = tid + i * NTH, r = c >> 4, q = c & 15;
+    const bool ok = c < NTOK * 16 && r < M;
+    xcol[i] = ok ? q * 8 : -1;
+    xsrc[i] = reinterpret_cast<const unsigned char*>(x) + (ok ? ((size_t)r * ldx + q * 8) * 2 : 0);
+    xdst[i] = (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
+  }
+  const unsigned char* wsrc[CW];
+  u32 wdst[CW];
+  bool wok[CW];
+#pragma unroll
+  for (int i = 0; i < CW; ++i) {
+    const int c = tid + i * NTH, j = c >> 8, off = c & 255, sl = cb * NWG + j;
+    wok[i] = c < NWG * 256 && sl < nslabs;
+    wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
+    wdst[i] = XBYTES + j * 4096 + off * 16;
+  }
+  auto issue = [&](int grp, int slot) {
+    const u32 sbase = ring + slot * STAGE;
+#pragma unroll
+    for (int i = 0; i < CX; ++i) {
+      if (tid + i * NTH >= NTOK * 16) continue;
+      const int left = xcol[i] < 0 ? 0 : K - grp * 128 - xcol[i];
+      const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+      cp_async16(sbase + xdst[i], valid ? xsrc[i] + (size_t)grp * 256 : reinterpret_cast<const unsigned char*>(x), valid);
+    }
+#pragma unroll
+    for (int i = 0; i < CW; ++i)
+      if (tid + i * NTH < NWG * 256)
+        cp_async16(sbase + wdst[i], wsrc[i] + (wok[i] ? (size_t)grp * 4096 : 0), wok[i] ? 16 : 0);
+  };
+
+  float acc[NACC], tmp[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = tmp[i] = 0.f;
+  const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
+  const size_t srow = live ? (size_t)row0 : 0;
+
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (p < ngroups) issue(gb0 + p, p);
+    cp_commit();
+  }
+  for (int gi = 0; gi < ngroups; ++gi) {
+    const int grp = gb0 + gi;
+    const float s0 = scales[(size_t)grp * Np + srow], s1 = scales[(size_t)grp * Np + srow + 8];
+    const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
+    const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
+    cp_wait<ST - 2>();
+    proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
+    __syncthreads();  // group gi landed for every thread; all are past the slot of gi - 1
+    if (gi + ST - 1 < ngroups) issue(gb0 + gi + ST - 1, (gi + ST - 1) % ST);
+    cp_commit();
+    const u32 sbase = ring + (gi % ST) * STAGE;
+    u32 w[8], a[8][4];
+    lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
+    lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      a[s][0] = sub_z(lop_q(w[s]), z0);         // row g,     columns 2t, 2t + 1
+      a[s][1] = sub_z(lop_q(w[s] >> 8), z1);    // row g + 8
+      a[s][2] = sub_z(lop_q(w[s] >> 4), z0);    // row g,     columns 2t + 8, 2t + 9
+      a[s][3] = sub_z(lop_q(w[s] >> 12), z1);   // row g + 8
+    }
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+      wgmma_bf16<NTOK>(tmp, a[s], desc_sw128(sbase + (s >> 2) * (NTOK * 128) + (s & 3) * 32), s > 0);
+    wg_commit();
+    wg_wait0();
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) keep_f(tmp[i]);
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) keep_r(a[s][c]);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
+  }
+  cp_wait<0>();
+
+  // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
+  if (split == 1) {
+    if (!live) return;
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (r >= M || n >= N) continue;
+      float v = acc[i];
+      if (has_bias) v += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(v);
+    }
+    return;
+  }
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == split - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  const int cols = min(NWG * 64, N - cb * NWG * 64), total = M * cols;
+  const size_t stride = (size_t)M * N;
+  for (int e0 = 0; e0 < total; e0 += 8 * NTH) {  // 8 elements per thread, 4 splits per round trip
+    size_t off[8];
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = min(e0 + tid + u * NTH, total - 1);
+      off[u] = (size_t)(e / cols) * N + cb * NWG * 64 + e % cols;
+      v[u] = 0.f;
+    }
+    for (int s = 0; s < split; s += 4) {
+      float pv[4][8];
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) pv[d][u] = s + d < split ? ldcg_f(part + off[u] + (s + d) * stride) : 0.f;
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] += pv[d][u];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = e0 + tid + u * NTH;
+      if (e >= total) continue;
+      const int r = e / cols, n = cb * NWG * 64 + e % cols;
+      float w2 = v[u];
+      if (has_bias) w2 += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(w2);
+    }
+  }
+  if (tid == 0) atomicExch(counters + cb, 0);
+}
 """
 
 
@@ -547,14 +740,37 @@ def unpack_frag_codes(frag: torch.Tensor, n: int) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3).reshape(s * SLAB, ks * 16)[:n].to(torch.uint8)
 
 
-def repack_w4(qw: QuantizedWeight) -> FragWeight:
-    """The fragment layout of an int4 g128 ``QuantizedWeight`` (pure torch, any device)."""
+def wgmma_words(frag: torch.Tensor) -> torch.Tensor:
+    """Fragment words ``[S, KS, 32 lanes, 4]`` -> the wgmma kernel's order ``[S, KS / 8, 4
+    warps, 2 halves, 32 lanes, 4]``: the same words, those warp ``w`` of a warpgroup unpacks
+    (word ``w`` of each lane: rows ``16 w + g`` and ``16 w + 8 + g`` of the slab, the wgmma A
+    fragment of that warp) brought together, four steps (``4 h .. 4 h + 3``) per 16 bytes."""
+    s, ks = frag.shape[:2]
+    return frag.reshape(s, ks // 8, 2, 4, 32, 4).permute(0, 1, 5, 2, 4, 3).contiguous()
+
+
+def unwgmma_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`wgmma_words`."""
+    s, groups = words.shape[:2]
+    return words.permute(0, 1, 3, 5, 4, 2).reshape(s, groups * 8, 32, 4).contiguous()
+
+
+LAYOUTS = ("frag", "wgmma")
+
+
+def repack_w4(qw: QuantizedWeight, layout: str = "frag") -> FragWeight:
+    """The ``layout`` ("frag" or "wgmma", see :func:`wgmma_words`) copy of an int4 g128
+    ``QuantizedWeight`` (pure torch, any device)."""
     if not (qw.scheme.weight_format == "int" and qw.scheme.weight_bits == 4 and qw.scheme.group_size == PACK_K):
         raise ValueError(f"fragment layout needs int4 weights with group 128, got {qw.scheme.name}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown w4 layout {layout!r}; one of {LAYOUTS}")
     n = qw.shape[0]
     np_ = -(-n // SLAB) * SLAB
     codes = ref.unpack_4bit(qw.qdata)
     frag = repack_codes(codes)
+    if layout == "wgmma":
+        frag = wgmma_words(frag)
     scales = torch.zeros(qw.scales.shape[1], np_, dtype=torch.float32, device=qw.device)
     scales[:, :n] = qw.scales.t()
     negz = None
@@ -576,61 +792,64 @@ def _version_key(qw: QuantizedWeight) -> tuple:
     return (qw.qdata._version, qw.scales._version, None if qw.zeros is None else qw.zeros._version)
 
 
-def frag_weight(qw: QuantizedWeight) -> FragWeight:
-    """The fragment copy of ``qw``, cached on its ``qdata`` tensor and rebuilt in place
+def frag_weight(qw: QuantizedWeight, layout: str = "frag") -> FragWeight:
+    """The ``layout`` copy of ``qw``, cached on its ``qdata`` tensor and rebuilt in place
     (same storage, so captured CUDA graphs see new weights) when ``qdata`` changed."""
+    attr = f"_quarl_{layout}"
     key = _version_key(qw)
-    cached = getattr(qw.qdata, "_quarl_frag", None)
+    cached = getattr(qw.qdata, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     if qw.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "the w4 fragment layout is first needed (or stale) inside CUDA-graph capture; "
+            f"the w4 {layout} layout is first needed (or stale) inside CUDA-graph capture; "
             "run the same forward eagerly once before capturing"
         )
     # normal tensors even when first built under inference_mode (the engine generates in
     # it), so that later in-place loads outside it can refresh them
     with torch.inference_mode(False), torch.no_grad():
-        fresh = repack_w4(qw)
+        fresh = repack_w4(qw, layout)
         if cached is not None:
             old = cached[1]
             for a, b in zip(old, fresh):
                 if a is not None:
                     a.copy_(b)
             fresh = old
-    qw.qdata._quarl_frag = (key, fresh)
+    setattr(qw.qdata, attr, (key, fresh))
     return fresh
 
 
 def is_fresh(qw: QuantizedWeight) -> bool:
-    """No fragment copy cached on ``qw``, or one that matches its current contents."""
-    cached = getattr(qw.qdata, "_quarl_frag", None)
-    return cached is None or cached[0] == _version_key(qw)
+    """No repacked copy cached on ``qw``, or only ones that match its current contents."""
+    key = _version_key(qw)
+    return all(getattr(qw.qdata, f"_quarl_{lay}", (key,))[0] == key for lay in LAYOUTS)
 
 
 def refresh(qw: QuantizedWeight, rows: tuple[int, int] | None = None) -> None:
-    """Rebuild ``qw``'s fragment copy now if one exists (called after in-place loads).
+    """Rebuild ``qw``'s repacked copies now, those that exist (called after in-place loads).
 
     With ``rows = (start, stop)`` only the 64-row slabs covering those output rows are
     repacked (a fused q/k/v weight loading one of its parts); the caller guarantees the
-    rest of the copy was fresh before the write."""
-    cached = getattr(qw.qdata, "_quarl_frag", None)
-    if cached is None:
-        return
-    if rows is None:
-        frag_weight(qw)
-        return
-    s0, s1 = rows[0] // SLAB, -(-rows[1] // SLAB)
-    a, b = s0 * SLAB, min(s1 * SLAB, qw.shape[0])
-    sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]), **{f: t[a:b] for f, t in qw.tensors().items()})
-    fw = cached[1]
-    with torch.inference_mode(False), torch.no_grad():
-        part = repack_w4(sub)
-        fw.qdata[s0:s1].copy_(part.qdata)
-        fw.scales[:, a:b].copy_(part.scales[:, : b - a])
-        if fw.negz is not None:
-            fw.negz[:, a:b].copy_(part.negz[:, : b - a])
-    qw.qdata._quarl_frag = (_version_key(qw), fw)
+    rest of each copy was fresh before the write."""
+    for layout in LAYOUTS:
+        attr = f"_quarl_{layout}"
+        cached = getattr(qw.qdata, attr, None)
+        if cached is None:
+            continue
+        if rows is None:
+            frag_weight(qw, layout)
+            continue
+        s0, s1 = rows[0] // SLAB, -(-rows[1] // SLAB)
+        a, b = s0 * SLAB, min(s1 * SLAB, qw.shape[0])
+        sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]), **{f: t[a:b] for f, t in qw.tensors().items()})
+        fw = cached[1]
+        with torch.inference_mode(False), torch.no_grad():
+            part = repack_w4(sub, layout)
+            fw.qdata[s0:s1].copy_(part.qdata)
+            fw.scales[:, a:b].copy_(part.scales[:, : b - a])
+            if fw.negz is not None:
+                fw.negz[:, a:b].copy_(part.negz[:, : b - a])
+        setattr(qw.qdata, attr, (_version_key(qw), fw))
 
 
 # ----------------------------------------------------------------------------- launch
@@ -794,6 +1013,114 @@ def w4a16_tile_gemm(
     kern = _tile_kernel(cfg._replace(blocks_per_sm=0.0), fw.negz is not None)
     kern(
         grid=(cols, split, 1), block=(cfg.warps * 32, 1, 1), shared_mem=cfg.smem_bytes(),
+        args=[
+            x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
+            bias if bias is not None else out, out, part, cnt,
+            m, n, k, x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
+        ],
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- wgmma (sm90a)
+WGMMA_TOKENS = (8, 16, 32, 64)  # wgmma N sides compiled: M is padded up to the next one
+
+
+def _wgmma_wrappers() -> str:
+    """``wgmma_bf16<N>``: one ``wgmma.mma_async.m64nNk16`` (bf16, fp32 accumulation, A from
+    registers, B through a shared-memory descriptor; ``acc == 0`` overwrites D)."""
+    out = ["template <int N_> __device__ __forceinline__ void wgmma_bf16(float* d, const u32* a, unsigned long long desc, int acc);"]
+    for n in WGMMA_TOKENS:
+        nd = n // 2
+        dregs = ", ".join(f"%{i}" for i in range(nd))
+        aregs = ", ".join(f"%{nd + i}" for i in range(4))
+        outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+        out.append(
+            f"template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, const u32* a, unsigned long long desc, int acc) {{\n"
+            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"\n'
+            f'    "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{dregs}}}, {{{aregs}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n"\n'
+            f"    : {outs}\n"
+            f'    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));\n}}'
+        )
+    return "\n".join(out)
+
+
+class WgConfig(NamedTuple):
+    """Block shape of the wgmma kernel (``w4a16_wgmma``): NWG warpgroups (one 64-row slab
+    each) sharing the activation tile; ``stages`` ring slots of one group each."""
+
+    nwg: int = 2
+    stages: int = 4
+    blocks_per_sm: float = 1.0  # split K until about this many blocks per SM
+
+    def smem_bytes(self, ntok: int) -> int:
+        return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
+
+
+@functools.lru_cache(maxsize=1)
+def wgmma_available() -> bool:
+    """NVRTC through torch and a Hopper GPU (sm_90a: wgmma)."""
+    return available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def wgmma_tokens(m: int) -> int:
+    for n in WGMMA_TOKENS:
+        if m <= n:
+            return n
+    raise ValueError(f"wgmma w4 kernel takes M <= {WGMMA_TOKENS[-1]}, got M={m}")
+
+
+@functools.lru_cache(maxsize=64)
+def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int):
+    name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {'true' if asym else 'false'}>"
+    src = _SOURCE.replace("//WGMMA_WRAPPERS//", _wgmma_wrappers())
+    kern = torch.cuda._compile_kernel(src, name, compute_capability="90a", nvcc_options=["-std=c++17"])
+    kern.set_shared_memory_config(smem)
+    return kern
+
+
+def check_wgmma_config(cfg: WgConfig, m: int) -> None:
+    if cfg.nwg not in (1, 2, 3, 4) or cfg.stages < 2 or cfg.blocks_per_sm <= 0:
+        raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 2 stages, blocks_per_sm > 0; got {cfg}")
+    if cfg.smem_bytes(wgmma_tokens(m)) > 227 * 1024:
+        raise ValueError(f"wgmma w4 kernel: {cfg} needs {cfg.smem_bytes(wgmma_tokens(m))} bytes of shared memory at M={m} (> 227 KB)")
+
+
+def w4a16_wgmma_gemm(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig = WgConfig(),
+    counters=None,
+) -> torch.Tensor:
+    """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the wgmma kernel (Hopper): same
+    fragment words (reordered, :func:`wgmma_words`) and numerics as :func:`w4a16_frag_gemm`
+    (per-group fp32 post-scale, split-K partials summed in split order)."""
+    from quarl.quant.kernels import launch  # (imports this module)
+
+    counters = counters or launch._counters
+    m, k = x.shape
+    n = qw.shape[0]
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"wgmma w4 kernel takes bf16 x, got {x.dtype}")
+    check_wgmma_config(cfg, m)
+    ntok = wgmma_tokens(m)
+    if k % 8 or x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte row copies
+        x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
+    if bias is not None and bias.dtype != torch.bfloat16:
+        bias = bias.to(torch.bfloat16)
+    fw = frag_weight(qw, "wgmma")
+    groups = fw.scales.shape[0]
+    np_ = fw.scales.shape[1]
+    cols = -(-(np_ // SLAB) // cfg.nwg)
+    split, gpb = pick_split(n, groups, 1, launch.num_sms(x.device), cfg.blocks_per_sm, cfg.nwg)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, cols)
+    else:
+        part = cnt = out
+    smem = cfg.smem_bytes(ntok)
+    kern = _wgmma_kernel(cfg.nwg, ntok, cfg.stages, fw.negz is not None, smem)
+    kern(
+        grid=(cols, split, 1), block=(cfg.nwg * 128, 1, 1), shared_mem=smem,
         args=[
             x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
             bias if bias is not None else out, out, part, cnt,
