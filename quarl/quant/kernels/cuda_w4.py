@@ -509,8 +509,10 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
 // c of row r at r * 128 + ((c ^ (r % 8)) << 4)), then the slabs' weight words
 // ([warp][half][lane][4 words], word i of half h = step 4 h + i, see wgmma_words), filled by
 // all threads with cp.async (rows >= M and columns >= K zero-filled); one barrier per group.
-// Per group each warpgroup unpacks its 8 steps (4 registers each), issues 8 wgmmas into a
-// fresh fp32 tile, waits and adds it scaled by the group scale (the numerics of w4a16_frag).
+// Per group each warpgroup unpacks its 8 steps (4 registers each) and issues 8 wgmmas into a
+// fresh fp32 tile; while they run it adds the previous group's tile, scaled by that group's
+// scale, to the accumulator (two tiles in turn; the numerics of w4a16_frag). Slots are
+// refilled two groups behind (ST >= 3), once the wgmmas that read them are done.
 __device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
   // K-major operand, 128-byte swizzle, 8-row core groups 1024 bytes apart
   return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
@@ -518,6 +520,7 @@ __device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
@@ -581,29 +584,32 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
         cp_async16(sbase + wdst[i], wsrc[i] + (wok[i] ? (size_t)grp * 4096 : 0), wok[i] ? 16 : 0);
   };
 
-  float acc[NACC], tmp[NACC];
+  // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
+  // write would make the compiler copy them between wgmma and wait (ptxas then serializes)
+  float acc[NACC], t0[NACC], t1[NACC];
 #pragma unroll
-  for (int i = 0; i < NACC; ++i) acc[i] = tmp[i] = 0.f;
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  u32 a0[8][4], a1[8][4];
+  float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;  // scales of the group in t0 / t1
   const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
   const size_t srow = live ? (size_t)row0 : 0;
 
-#pragma unroll
-  for (int p = 0; p < ST - 1; ++p) {
-    if (p < ngroups) issue(gb0 + p, p);
-    cp_commit();
-  }
-  for (int gi = 0; gi < ngroups; ++gi) {
+  // Group gi: wait for its slot, refill the slot of gi - 2 (its wgmmas finished before the
+  // barrier: every warpgroup waited for them in gi - 1), unpack the 8 steps into `a` and
+  // issue their wgmmas into `tmp` (not waited for: the caller folds gi - 1 meanwhile).
+  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], float& s0, float& s1) {
     const int grp = gb0 + gi;
-    const float s0 = scales[(size_t)grp * Np + srow], s1 = scales[(size_t)grp * Np + srow + 8];
+    s0 = scales[(size_t)grp * Np + srow];
+    s1 = scales[(size_t)grp * Np + srow + 8];
     const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
     const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
-    cp_wait<ST - 2>();
+    cp_wait<ST - 3>();
     proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
-    __syncthreads();  // group gi landed for every thread; all are past the slot of gi - 1
-    if (gi + ST - 1 < ngroups) issue(gb0 + gi + ST - 1, (gi + ST - 1) % ST);
+    __syncthreads();
+    if (gi + ST - 2 < ngroups) issue(gb0 + gi + ST - 2, (gi + ST - 2) % ST);
     cp_commit();
     const u32 sbase = ring + (gi % ST) * STAGE;
-    u32 w[8], a[8][4];
+    u32 w[8];
     lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
     lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
 #pragma unroll
@@ -618,7 +624,10 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
     for (int s = 0; s < 8; ++s)
       wgmma_bf16<NTOK>(tmp, a[s], desc_sw128(sbase + (s >> 2) * (NTOK * 128) + (s & 3) * 32), s > 0);
     wg_commit();
-    wg_wait0();
+  };
+  // after the wait for its wgmmas: acc += tmp x the group scale of each row; `a` stays
+  // live (and unmodified) until here, as wgmma reads registers asynchronously
+  auto fold = [&](u32 (&a)[8][4], float (&tmp)[NACC], float s0, float s1) {
 #pragma unroll
     for (int i = 0; i < NACC; ++i) keep_f(tmp[i]);
 #pragma unroll
@@ -627,6 +636,34 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
       for (int c = 0; c < 4; ++c) keep_r(a[s][c]);
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
+  };
+
+#pragma unroll
+  for (int p = 0; p < ST - 2; ++p) {
+    if (p < ngroups) issue(gb0 + p, p);
+    cp_commit();
+  }
+  // steady state: stage one group, fold the one before (peeled so that every wait retires
+  // a known group: ptxas then keeps the wgmmas asynchronous)
+  stage(0, a0, t0, s00, s01);  // (every block has >= 1 group)
+  int gi = 1;
+  for (; gi + 1 < ngroups; gi += 2) {
+    stage(gi, a1, t1, s10, s11);
+    wg_wait1();
+    fold(a0, t0, s00, s01);
+    stage(gi + 1, a0, t0, s00, s01);
+    wg_wait1();
+    fold(a1, t1, s10, s11);
+  }
+  if (gi < ngroups) {
+    stage(gi, a1, t1, s10, s11);
+    wg_wait1();
+    fold(a0, t0, s00, s01);
+    wg_wait0();
+    fold(a1, t1, s10, s11);
+  } else {
+    wg_wait0();
+    fold(a0, t0, s00, s01);
   }
   cp_wait<0>();
 
@@ -1080,8 +1117,8 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int):
 
 
 def check_wgmma_config(cfg: WgConfig, m: int) -> None:
-    if cfg.nwg not in (1, 2, 3, 4) or cfg.stages < 2 or cfg.blocks_per_sm <= 0:
-        raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 2 stages, blocks_per_sm > 0; got {cfg}")
+    if cfg.nwg not in (1, 2, 3, 4) or cfg.stages < 3 or cfg.blocks_per_sm <= 0:
+        raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0; got {cfg}")
     if cfg.smem_bytes(wgmma_tokens(m)) > 227 * 1024:
         raise ValueError(f"wgmma w4 kernel: {cfg} needs {cfg.smem_bytes(wgmma_tokens(m))} bytes of shared memory at M={m} (> 227 KB)")
 
