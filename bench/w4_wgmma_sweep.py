@@ -29,7 +29,7 @@ _spec.loader.exec_module(_tile)
 calls_for = _tile.calls_for
 
 CANDIDATES = [(1, 3), (1, 4), (2, 3), (2, 4), (2, 6)]
-BPS = (1, 2, 4)
+BPS = tuple(float(v) for v in __import__("os").environ.get("BPS", "1,2,4").split(","))
 
 
 def rel(a, b):
