@@ -28,7 +28,8 @@ _tile = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tile)
 calls_for = _tile.calls_for
 
-CANDIDATES = [(1, 3), (1, 4), (2, 3), (2, 4), (2, 6)]
+CANDIDATES = [tuple(int(v) for v in c.split(",")) for c in __import__("os").environ.get(
+    "WGMMA_CANDIDATES", "1,3;1,4;2,3;2,4;2,6").split(";")]
 BPS = tuple(float(v) for v in __import__("os").environ.get("BPS", "1,2,4").split(","))
 
 

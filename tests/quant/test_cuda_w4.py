@@ -124,3 +124,70 @@ def test_split_keeps_a_group_per_warp():
     assert cuda_w4.pick_split(37888, 28, 1, 132, 1.0, 4) == (1, 28)  # 148 column blocks fill the GPU
     # 18 column blocks: ceil(264 / 18) = 15 splits, rounded to whole groups: 2 each, 14 splits
     assert cuda_w4.pick_split(4608, 28, 1, 132, 2.0, 4) == (14, 2)
+
+
+def test_wgmma_words_round_trip():
+    frag = cuda_w4.repack_codes(_rand_codes(130, 384, seed=2))
+    words = cuda_w4.wgmma_words(frag)
+    assert words.shape == (3, 3, 4, 2, 32, 4)
+    assert torch.equal(cuda_w4.unwgmma_words(words), frag)
+
+
+def _emulate_wgmma_fragments(words: torch.Tensor, n: int) -> torch.Tensor:
+    """Codes [N, Kp] as the wgmma kernel's registers see them. Warp w of the warpgroup holds
+    rows 16 w .. 16 w + 15 of the 64 x 16 A tile of step kk, with the m16n8k16 A layout
+    (PTX ISA, "wgmma register fragments"): register r of lane (g, t) holds A[g + 8 (r & 1)]
+    [2 t + 8 (r >> 1)] (low half) and the next column (high half). The kernel takes word
+    4 h + i = kk of its 32 bytes and makes registers 0, 1, 2, 3 from shifts 0, 8, 4, 12."""
+    s, groups = words.shape[:2]
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    w = torch.full((s * 64, groups * 128), -1, dtype=torch.int64)
+    shift = {0: 0, 1: 8, 2: 4, 3: 12}
+    for warp in range(4):
+        for h in range(2):
+            for i in range(4):
+                kk = 4 * h + i
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for r in range(4):
+                        reg = (u[:, :, warp, h, lane, i] >> shift[r]) & 0x000F000F  # [S, G]
+                        row = 16 * warp + g + 8 * (r & 1)
+                        for half, val in ((0, reg & 0xF), (1, reg >> 16)):
+                            col = 16 * kk + 2 * t + 8 * (r >> 1) + half
+                            rows = torch.arange(s) * 64 + row
+                            cols = torch.arange(groups) * 128 + col
+                            w[rows[:, None], cols[None, :]] = val
+    assert (w >= 0).all(), "some weight is fed by no register"
+    return w[:n]
+
+
+def test_wgmma_registers_hold_the_wgmma_a_fragments():
+    codes = _rand_codes(70, 256, seed=3)
+    words = cuda_w4.wgmma_words(cuda_w4.repack_codes(codes))
+    assert torch.equal(_emulate_wgmma_fragments(words, 70), codes.to(torch.int64))
+
+
+def test_both_layouts_follow_in_place_loads_and_row_refreshes():
+    torch.manual_seed(1)
+    sch = get_scheme("w4a16-asym")
+    qa, qb = quantize_weight(torch.randn(192, 256), sch), quantize_weight(torch.randn(192, 256), sch)
+    target = qa.clone()
+    copies = {lay: cuda_w4.frag_weight(target, lay) for lay in cuda_w4.LAYOUTS}
+    assert not torch.equal(copies["frag"].qdata.flatten()[:8], copies["wgmma"].qdata.flatten()[:8])
+    # a part of the rows is loaded (as a fused q/k/v weight loads q): slabs 1..2 only
+    for f, t in target.tensors().items():
+        t[64:192].copy_(qb.tensors()[f][64:192])
+    assert not target.derived_is_fresh()
+    target.refresh_derived(rows=(64, 192))
+    assert target.derived_is_fresh()
+    mixed = qa.clone()
+    for f, t in mixed.tensors().items():
+        t[64:192].copy_(qb.tensors()[f][64:192])
+    for lay, fw in copies.items():
+        want = cuda_w4.repack_w4(mixed, lay)
+        got = cuda_w4.frag_weight(target, lay)
+        assert got.qdata.data_ptr() == fw.qdata.data_ptr()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), lay
+    with pytest.raises(ValueError, match="unknown w4 layout"):
+        cuda_w4.repack_w4(qa, "marlin")

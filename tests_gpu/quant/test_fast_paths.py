@@ -292,3 +292,64 @@ def test_tile_kernel_rejects_what_it_cannot_run():
         cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(2, 4, 2, 1, 3))
     with pytest.raises(ValueError, match="shared memory"):
         cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(16, 8, 4, 1, 8))
+
+
+WGMMA_CONFIGS = [(1, 3), (1, 4), (2, 4), (2, 6), (3, 3)]
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944)])
+def test_wgmma_kernel_configs_match_reference(name, m, shape):
+    """The wgmma w4 kernel (Hopper) at several block shapes, with and without the split-K
+    reduction, every wgmma N it compiles (M padded to 8 / 16 / 32 / 64), N not a multiple
+    of 64 nor of the block's columns, odd K: equal to the float64 reference, to the
+    fragment kernel at M <= 16, and deterministic."""
+    from quarl.quant.kernels import cuda_w4, launch
+
+    assert cuda_w4.wgmma_available()
+    n, k = shape
+    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
+    for nwg, st in WGMMA_CONFIGS:
+        for bps in (0.25, 2, 8):
+            cfg = cuda_w4.WgConfig(nwg, st, bps)
+            a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
+            b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
+            assert torch.equal(a, b), cfg
+            _check(a, expect, 5e-3)
+            if frag is not None:
+                _check(a, frag.float(), 5e-3)
+
+
+def test_wgmma_kernel_is_the_default_on_gate_up_sized_weights_and_follows_loads():
+    from quarl.quant.kernels import launch
+
+    assert launch.w4_config(8, 37888, 3584).kernel == "wgmma"
+    assert launch.w4_config(16, 18944, 3584).kernel == "wgmma"
+    assert launch.w4_config(8, 3584, 18944).kernel == "tile"  # down: K > WGMMA_MAX_K
+    assert launch.w4_config(16, 3584, 3584).kernel == "swapb"
+    a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    inf = QuantLinear.from_linear(a, "w4a16")
+    x = torch.randn(12, 4096, device="cuda", dtype=torch.bfloat16)
+    _check(inf(x), reference_linear(x.float(), quantize_weight(a.weight, "w4a16"), a.bias.float(), exact=True), 5e-3)
+    words = inf.qdata._quarl_wgmma[1]
+    inf.load_quantized(quantize_weight(b.weight, "w4a16"))
+    inf.bias.data.copy_(b.bias)
+    assert inf.qdata._quarl_wgmma[1].qdata.data_ptr() == words.qdata.data_ptr()
+    _check(inf(x), reference_linear(x.float(), quantize_weight(b.weight, "w4a16"), b.bias.float(), exact=True), 5e-3)
+
+
+def test_wgmma_kernel_rejects_what_it_cannot_run():
+    from quarl.quant.kernels import cuda_w4
+
+    qw = quantize_weight(torch.randn(256, 256, device="cuda") * 0.02, "w4a16")
+    with pytest.raises(ValueError, match="M <= 64"):
+        cuda_w4.w4a16_wgmma_gemm(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), qw, None)
+    with pytest.raises(ValueError, match=">= 3 stages"):
+        cuda_w4.w4a16_wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(1, 2))
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda_w4.w4a16_wgmma_gemm(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(4, 8))

@@ -604,9 +604,7 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
     const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
     const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
     cp_wait<ST - 3>();
-#ifndef NO_PROXY_FENCE
     proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
-#endif
     __syncthreads();
     if (gi + ST - 2 < ngroups) issue(gb0 + gi + ST - 2, (gi + ST - 2) % ST);
     cp_commit();
@@ -1113,9 +1111,7 @@ def wgmma_tokens(m: int) -> int:
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int):
     name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {'true' if asym else 'false'}>"
     src = _SOURCE.replace("//WGMMA_WRAPPERS//", _wgmma_wrappers())
-    import os
-    extra = os.environ.get("QUARL_WGMMA_OPTS", "").split()
-    kern = torch.cuda._compile_kernel(src, name, compute_capability="90a", nvcc_options=["-std=c++17", *extra])
+    kern = torch.cuda._compile_kernel(src, name, compute_capability="90a", nvcc_options=["-std=c++17"])
     kern.set_shared_memory_config(smem)
     return kern
 

@@ -103,6 +103,8 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
         big = n * k >= 1 << 25
         cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
         return _env_tweak(cfg, "QUARL_W4_SMALL")
+    if FRAG_MAX_M < m <= WGMMA_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK and k <= WGMMA_MAX_K and cuda_w4.wgmma_available():
+        return TileConfig(m, 0, kernel="wgmma")
     if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK:
         return TileConfig(16 * _cdiv(m, 16), 0, kernel="tile")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
@@ -161,6 +163,18 @@ FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 # ties on gate/up (1.70x vs 1.73x) and loses on q/o, qkv and k/v; from M = 16 on swapb wins.
 TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_MAX_M)
 TILE_MIN_NK = 1 << 25
+# On Hopper, the wgmma kernel ("wgmma": dequantized weights as the register A operand of
+# wgmma, the activation tile read from shared memory) above FRAG_MAX_M up to WGMMA_MAX_M rows
+# on weights of >= TILE_MIN_NK elements with K <= WGMMA_MAX_K (gate/up, not down). H200
+# (bench/results/w4_wgmma_sweep_h200_2.json, block (1 warpgroup, 4 slots, ~2 blocks per SM)):
+# M = 8 fused gate_up 2.28x of bf16 (tile 1.77x), gate/up 2.14x (1.62x); M = 16 gate_up 1.80-1.89x
+# (swapb 1.66-1.71x), gate/up 1.74-1.78x (1.68-1.70x); down loses at M = 16 (1.58-1.63x vs 1.67-1.70x),
+# ties at M = 8 (1.98x vs 1.99x), and q/o, qkv, k/v lose at both. At M = 32 and 64 it loses
+# everywhere: 246 registers, 2 warps per scheduler, 4.5 cycles per issued instruction
+# (bench/results/w4_wgmma_ncu_h200.txt), see bench/NOTES.md run 15.
+WGMMA_MAX_M = int(os.environ.get("QUARL_W4_WGMMA_MAX_M", "16"))
+WGMMA_MAX_K = 8192
+WGMMA_CONFIG = cuda_w4.WgConfig(nwg=1, stages=4, blocks_per_sm=2.0)
 
 
 # The TMA kernel's tile for 16 < M <= 64 (and int8 at M <= 512): 64 x 64 x 128, 5 stages, 3
@@ -367,6 +381,10 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.MAX_M and cuda_w4.available():
             fc = cuda_w4.FragConfig(nw=cfg.num_warps, blocks_per_sm=cfg.waves or 4.0, stages=cfg.num_stages)
             return cuda_w4.w4a16_frag_gemm(x, qw, bias, fc, counters=_counters)
+        cfg = _w4_triton_config(m, n, k, "swapb")
+    if cfg is not None and cfg.kernel == "wgmma":
+        if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.WGMMA_TOKENS[-1] and cuda_w4.wgmma_available():
+            return cuda_w4.w4a16_wgmma_gemm(x, qw, bias, WGMMA_CONFIG, counters=_counters)
         cfg = _w4_triton_config(m, n, k, "swapb")
     if cfg is not None and cfg.kernel == "tile":
         if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.TILE_MAX_M and cuda_w4.available():
