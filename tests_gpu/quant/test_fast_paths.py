@@ -277,9 +277,10 @@ def test_tile_kernel_configs_match_reference(name, m, shape):
 def test_tile_kernel_is_the_default_on_big_weights_at_m_up_to_8():
     from quarl.quant.kernels import launch
 
-    qw = quantize_weight(torch.randn(8192, 4096, device="cuda") * 0.02, "w4a16-asym")
-    x = torch.randn(launch.TILE_MAX_M, 4096, device="cuda", dtype=torch.bfloat16)
-    assert launch.w4_config(launch.TILE_MAX_M, 8192, 4096).kernel == "tile"
+    # (on Hopper the wgmma kernel takes big weights with K <= 8192: a down_proj-like shape here)
+    qw = quantize_weight(torch.randn(4096, 12288, device="cuda") * 0.02, "w4a16-asym")
+    x = torch.randn(launch.TILE_MAX_M, 12288, device="cuda", dtype=torch.bfloat16)
+    assert launch.w4_config(launch.TILE_MAX_M, 4096, 12288).kernel == "tile"
     _check(quant_linear(x, qw), reference_linear(x.float(), qw, exact=True), 5e-3)
 
 
@@ -328,8 +329,10 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
 def test_wgmma_kernel_is_the_default_on_gate_up_sized_weights_and_follows_loads():
     from quarl.quant.kernels import launch
 
+    assert launch.w4_config(1, 37888, 3584).kernel == "wgmma"
     assert launch.w4_config(8, 37888, 3584).kernel == "wgmma"
     assert launch.w4_config(16, 18944, 3584).kernel == "wgmma"
+    assert launch.w4_config(1, 3584, 18944).kernel == "frag"
     assert launch.w4_config(8, 3584, 18944).kernel == "tile"  # down: K > WGMMA_MAX_K
     assert launch.w4_config(16, 3584, 3584).kernel == "swapb"
     a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))

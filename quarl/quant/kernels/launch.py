@@ -96,6 +96,8 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # with BN 64 / 4 warps / 3 stages and K split to ~8 waves of programs on the big shapes
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
+    if m <= WGMMA_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK and k <= WGMMA_MAX_K and cuda_w4.wgmma_available():
+        return TileConfig(m, 0, kernel="wgmma")
     if m <= FRAG_MAX_M and W4_SMALL_KERNEL == "frag":
         # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
         # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
@@ -103,8 +105,6 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
         big = n * k >= 1 << 25
         cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
         return _env_tweak(cfg, "QUARL_W4_SMALL")
-    if FRAG_MAX_M < m <= WGMMA_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK and k <= WGMMA_MAX_K and cuda_w4.wgmma_available():
-        return TileConfig(m, 0, kernel="wgmma")
     if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK:
         return TileConfig(16 * _cdiv(m, 16), 0, kernel="tile")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
@@ -164,13 +164,15 @@ FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_MAX_M)
 TILE_MIN_NK = 1 << 25
 # On Hopper, the wgmma kernel ("wgmma": dequantized weights as the register A operand of
-# wgmma, the activation tile read from shared memory) above FRAG_MAX_M up to WGMMA_MAX_M rows
-# on weights of >= TILE_MIN_NK elements with K <= WGMMA_MAX_K (gate/up, not down). H200
-# (bench/results/w4_wgmma_sweep_h200_2.json, block (1 warpgroup, 4 slots, ~2 blocks per SM)):
-# M = 8 fused gate_up 2.28x of bf16 (tile 1.77x), gate/up 2.14x (1.62x); M = 16 gate_up 1.80-1.89x
-# (swapb 1.66-1.71x), gate/up 1.74-1.78x (1.68-1.70x); down loses at M = 16 (1.58-1.63x vs 1.67-1.70x),
-# ties at M = 8 (1.98x vs 1.99x), and q/o, qkv, k/v lose at both. At M = 32 and 64 it loses
-# everywhere: 246 registers, 2 warps per scheduler, 4.5 cycles per issued instruction
+# wgmma, the activation tile read from shared memory) up to WGMMA_MAX_M rows on weights of
+# >= TILE_MIN_NK elements with K <= WGMMA_MAX_K (gate/up, not down), in place of frag / tile /
+# swapb. H200, block (1 warpgroup, 4 slots, ~2 blocks per SM), speedup over bf16 in the same
+# run (bench/results/w4_wgmma_sweep_h200_small_m.json and _2.json): fused gate_up M = 1 / 4 / 8 /
+# 16: 2.63x / 2.65x / 2.45-2.58x / 1.89-2.07x where frag / frag / tile / swapb gave 2.10x / 1.66x /
+# 1.77x / 1.66-1.71x; gate/up 2.25x / 2.24x / 2.14-2.23x / 1.74-1.78x (2.02x / 1.59x / 1.62x /
+# 1.68-1.70x). down: 1.97x at M = 1 against frag's 2.21x, a tie at 4 and 8, 1.58-1.63x against
+# swapb's 1.67-1.70x at 16; q/o, qkv and k/v lose at every M. At M = 32 and 64 it loses on every
+# shape: 246 registers, 2 warps per scheduler, 4.5 cycles per issued instruction
 # (bench/results/w4_wgmma_ncu_h200.txt), see bench/NOTES.md run 15.
 WGMMA_MAX_M = int(os.environ.get("QUARL_W4_WGMMA_MAX_M", "16"))
 WGMMA_MAX_K = 8192
