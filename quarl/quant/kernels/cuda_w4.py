@@ -261,6 +261,56 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   if (threadIdx.x == 0) atomicExch(counters + slab, 0);
 }
 
+// Split-K, after this block stored its partial sums in part[sp]: the last block to arrive for
+// column block cb sums the splits in split order (+ bias) into out's columns c0 .. c0 + cols - 1
+// and resets the counter. 8 elements per thread, 4 splits per round trip.
+template <int NTH>
+__device__ __forceinline__ void splitk_finish(
+    const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
+    int M, int N, int ldo, int split, int has_bias) {
+  __shared__ int last_flag;
+  const int tid = threadIdx.x;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == split - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  const int total = M * cols;
+  const size_t stride = (size_t)M * N;
+  for (int e0 = 0; e0 < total; e0 += 8 * NTH) {
+    size_t off[8];
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = min(e0 + tid + u * NTH, total - 1);
+      off[u] = (size_t)(e / cols) * N + c0 + e % cols;
+      v[u] = 0.f;
+    }
+    for (int s = 0; s < split; s += 4) {
+      float pv[4][8];
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) pv[d][u] = s + d < split ? ldcg_f(part + off[u] + (s + d) * stride) : 0.f;
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] += pv[d][u];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = e0 + tid + u * NTH;
+      if (e >= total) continue;
+      const int r = e / cols, n = c0 + e % cols;
+      float w = v[u];
+      if (has_bias) w += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(w);
+    }
+  }
+  if (tid == 0) atomicExch(counters + cb, 0);
+}
+
 // The block-tiled variant for 16 < M <= 64 (and small M where it wins): the block's warps
 // share one activation tile per stage instead of each copying its own.
 // grid (ceil(Np / (64 SW)), split), block NW = SW x (8 / NT) x WM warps. Block (cb, sp) owns
@@ -282,7 +332,6 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
   // slot: weights | activations | scales (SW x 64 fp32) | zero points (SW x 64 u32, ASYM)
   constexpr int WBYTES = SW * 4096, SBYTES = WBYTES + MTOT * 4096, STAGE = SBYTES + SW * 256 * (ASYM ? 2 : 1);
   extern __shared__ __align__(128) unsigned char dsmem[];
-  __shared__ int last_flag;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp % WM, wh = (warp / WM) % WH, ws = warp / (WM * WH);
@@ -457,45 +506,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
           if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[mt][j][c];
         }
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == split - 1;
-  __syncthreads();
-  if (!last_flag) return;
-  __threadfence();
-  const int cols = min(SW * 64, N - cb * SW * 64), total = M * cols;
-  const size_t stride = (size_t)M * N;
-  for (int e0 = 0; e0 < total; e0 += 8 * NTH) {  // 8 elements per thread, 4 splits per round trip
-    size_t off[8];
-    float v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = min(e0 + tid + u * NTH, total - 1);
-      off[u] = (size_t)(e / cols) * N + cb * SW * 64 + e % cols;
-      v[u] = 0.f;
-    }
-    for (int s = 0; s < split; s += 4) {
-      float pv[4][8];
-#pragma unroll
-      for (int d = 0; d < 4; ++d)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) pv[d][u] = s + d < split ? ldcg_f(part + off[u] + (s + d) * stride) : 0.f;
-#pragma unroll
-      for (int d = 0; d < 4; ++d)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] += pv[d][u];
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + tid + u * NTH;
-      if (e >= total) continue;
-      const int r = e / cols, n = cb * SW * 64 + e % cols;
-      float w = v[u];
-      if (has_bias) w += from_bf16(bias[n]);
-      out[(size_t)r * ldo + n] = to_bf16(w);
-    }
-  }
-  if (tid == 0) atomicExch(counters + cb, 0);
+  splitk_finish<NTH>(part, out, bias, counters, cb, cb * SW * 64, min(SW * 64, N - cb * SW * 64), M, N, ldo, split, has_bias);
 }
 
 // ----------------------------------------------------------------------------- wgmma (sm90a)
@@ -535,7 +546,6 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
   extern __shared__ unsigned char dsmem[];
-  __shared__ int last_flag;
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, t = lane & 3;
   const int cb = blockIdx.x, sp = blockIdx.y;
@@ -687,45 +697,7 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
       if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == split - 1;
-  __syncthreads();
-  if (!last_flag) return;
-  __threadfence();
-  const int cols = min(NWG * 64, N - cb * NWG * 64), total = M * cols;
-  const size_t stride = (size_t)M * N;
-  for (int e0 = 0; e0 < total; e0 += 8 * NTH) {  // 8 elements per thread, 4 splits per round trip
-    size_t off[8];
-    float v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = min(e0 + tid + u * NTH, total - 1);
-      off[u] = (size_t)(e / cols) * N + cb * NWG * 64 + e % cols;
-      v[u] = 0.f;
-    }
-    for (int s = 0; s < split; s += 4) {
-      float pv[4][8];
-#pragma unroll
-      for (int d = 0; d < 4; ++d)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) pv[d][u] = s + d < split ? ldcg_f(part + off[u] + (s + d) * stride) : 0.f;
-#pragma unroll
-      for (int d = 0; d < 4; ++d)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] += pv[d][u];
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + tid + u * NTH;
-      if (e >= total) continue;
-      const int r = e / cols, n = cb * NWG * 64 + e % cols;
-      float w2 = v[u];
-      if (has_bias) w2 += from_bf16(bias[n]);
-      out[(size_t)r * ldo + n] = to_bf16(w2);
-    }
-  }
-  if (tid == 0) atomicExch(counters + cb, 0);
+  splitk_finish<NTH>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, split, has_bias);
 }
 """
 
