@@ -988,40 +988,30 @@ def check_tile_config(cfg: TileKConfig, m: int) -> None:
         raise ValueError(f"block-tiled w4 kernel: {cfg} needs {cfg.smem_bytes()} bytes of shared memory (> 227 KB)")
 
 
-def w4a16_tile_gemm(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileKConfig | None = None,
-    counters=None,
-) -> torch.Tensor:
-    """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the block-tiled kernel: same fragment
-    layout and numerics as :func:`w4a16_frag_gemm` (per-group fp32 post-scale, split-K
-    partials summed in split order), the activation tile shared by the block's warps."""
+def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int, blocks_per_sm: float,
+                    threads: int, smem: int, counters) -> torch.Tensor:
+    """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
+    wgmma kernels: same arguments, same split-K rule). ``make_kernel(asym)`` -> the kernel."""
     from quarl.quant.kernels import launch  # (imports this module)
 
-    counters = counters or launch._counters
     m, k = x.shape
     n = qw.shape[0]
-    cfg = cfg or tile_config_for(m)
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"block-tiled w4 kernel takes bf16 x, got {x.dtype}")
-    check_tile_config(cfg, m)
     if k % 8 or x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte row copies
         x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
     if bias is not None and bias.dtype != torch.bfloat16:
         bias = bias.to(torch.bfloat16)
-    fw = frag_weight(qw)
-    groups = fw.scales.shape[0]
-    np_ = fw.scales.shape[1]
-    cols = -(-(np_ // SLAB) // cfg.sw)
-    split, gpb = pick_split(n, groups, 1, launch.num_sms(x.device), cfg.blocks_per_sm, cfg.sw)
+    fw = frag_weight(qw, layout)
+    groups, np_ = fw.scales.shape
+    cols = -(-(np_ // SLAB) // slabs_per_block)
+    split, gpb = pick_split(n, groups, 1, launch.num_sms(x.device), blocks_per_sm, slabs_per_block)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, cols)
+        cnt = (counters or launch._counters)(x.device, cols)
     else:
         part = cnt = out
-    kern = _tile_kernel(cfg._replace(blocks_per_sm=0.0), fw.negz is not None)
-    kern(
-        grid=(cols, split, 1), block=(cfg.warps * 32, 1, 1), shared_mem=cfg.smem_bytes(),
+    make_kernel(fw.negz is not None)(
+        grid=(cols, split, 1), block=(threads, 1, 1), shared_mem=smem,
         args=[
             x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
             bias if bias is not None else out, out, part, cnt,
@@ -1029,6 +1019,24 @@ def w4a16_tile_gemm(
         ],
     )
     return out
+
+
+def w4a16_tile_gemm(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileKConfig | None = None,
+    counters=None,
+) -> torch.Tensor:
+    """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the block-tiled kernel: same fragment
+    layout and numerics as :func:`w4a16_frag_gemm` (per-group fp32 post-scale, split-K
+    partials summed in split order), the activation tile shared by the block's warps."""
+    m = x.shape[0]
+    cfg = cfg or tile_config_for(m)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"block-tiled w4 kernel takes bf16 x, got {x.dtype}")
+    check_tile_config(cfg, m)
+    return _launch_blocked(
+        lambda asym: _tile_kernel(cfg._replace(blocks_per_sm=0.0), asym), x, qw, bias, "frag",
+        cfg.sw, cfg.blocks_per_sm, cfg.warps * 32, cfg.smem_bytes(), counters,
+    )
 
 
 # ----------------------------------------------------------------------------- wgmma (sm90a)
@@ -1102,38 +1110,13 @@ def w4a16_wgmma_gemm(
     """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the wgmma kernel (Hopper): same
     fragment words (reordered, :func:`wgmma_words`) and numerics as :func:`w4a16_frag_gemm`
     (per-group fp32 post-scale, split-K partials summed in split order)."""
-    from quarl.quant.kernels import launch  # (imports this module)
-
-    counters = counters or launch._counters
-    m, k = x.shape
-    n = qw.shape[0]
+    m = x.shape[0]
     if x.dtype != torch.bfloat16:
         raise ValueError(f"wgmma w4 kernel takes bf16 x, got {x.dtype}")
     check_wgmma_config(cfg, m)
     ntok = wgmma_tokens(m)
-    if k % 8 or x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte row copies
-        x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
-    if bias is not None and bias.dtype != torch.bfloat16:
-        bias = bias.to(torch.bfloat16)
-    fw = frag_weight(qw, "wgmma")
-    groups = fw.scales.shape[0]
-    np_ = fw.scales.shape[1]
-    cols = -(-(np_ // SLAB) // cfg.nwg)
-    split, gpb = pick_split(n, groups, 1, launch.num_sms(x.device), cfg.blocks_per_sm, cfg.nwg)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, cols)
-    else:
-        part = cnt = out
     smem = cfg.smem_bytes(ntok)
-    kern = _wgmma_kernel(cfg.nwg, ntok, cfg.stages, fw.negz is not None, smem)
-    kern(
-        grid=(cols, split, 1), block=(cfg.nwg * 128, 1, 1), shared_mem=smem,
-        args=[
-            x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
-            bias if bias is not None else out, out, part, cnt,
-            m, n, k, x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
-        ],
+    return _launch_blocked(
+        lambda asym: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem), x, qw, bias, "wgmma",
+        cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters,
     )
-    return out
