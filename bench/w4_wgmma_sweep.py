@@ -116,9 +116,6 @@ def main():
     for m in sorted({r["M"] for r in rows}):
         sel = [r for r in rows if r["M"] == m and "engine" in r["counts"]]
         layers = {r["layer"] for r in sel}
-        def geo(pred):
-            ts = [r for r in sel if pred(r["cfg"])]
-            return ts
         bf = {r["layer"]: r["us"] for r in sel if r["cfg"] == "bf16"}
         de = {r["layer"]: r["us"] for r in sel if r["cfg"].startswith("default")}
         best = {}
