@@ -43,21 +43,15 @@ def calls_for(m, n, k, l2, seed=0):
     return x, qws, bf16, default
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="8,16,32,48,64")
-    ap.add_argument("--budget", type=float, default=300.0, help="seconds; stops sweeping after")
-    args = ap.parse_args()
-    t0 = time.time()
-    props = torch.cuda.get_device_properties(0)
-    l2 = props.L2_cache_size
+def sweep(ms, budget, t0, configs, gemm, label) -> list[dict]:
+    """bf16, the default dispatch and ``gemm(x, qw, None, cfg)`` for each ``cfg`` in
+    ``configs(m)`` on the 7B shapes at each M (rows of us); stops after ``budget`` seconds."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     shapes = linear_shapes(MODELS["qwen2.5-7b"])
     rows = []
-    for m in [int(v) for v in args.ms.split(",")]:
-        cands = CANDIDATES[16 if m <= 16 else 32 if m <= 32 else 64]
+    for m in ms:
         for s in shapes:
-            if time.time() - t0 > args.budget:
+            if time.time() - t0 > budget:
                 break
             x, qws, bf16, default = calls_for(m, s.n, s.k, l2)
             base = dict(layer=s.label, n=s.n, k=s.k, M=m, counts=s.counts)
@@ -67,22 +61,37 @@ def main():
             rows.append(dict(base, cfg="bf16", us=t_bf16))
             rows.append(dict(base, cfg=f"default:{cfg_def.kernel}", us=t_def))
             best = (math.inf, None)
-            for c in cands:
-                for bps in BPS:
-                    cfg = cuda_w4.TileKConfig(*c, float(bps))
-                    calls = [lambda i=i, cfg=cfg: cuda_w4.w4a16_tile_gemm(x[i], qws[i], None, cfg) for i in range(len(qws))]
-                    try:
-                        t = time_per_call(calls) * 1e6
-                    except Exception as e:  # a config the device cannot launch: record, go on
-                        print(f"  {s.label} M={m} {cfg}: {type(e).__name__}: {e}")
-                        t = math.nan
-                    rows.append(dict(base, cfg=repr(tuple(cfg)), us=t))
-                    if t < best[0]:
-                        best = (t, cfg)
+            for cfg in configs(m):
+                calls = [lambda i=i, cfg=cfg: gemm(x[i], qws[i], None, cfg) for i in range(len(qws))]
+                try:
+                    t = time_per_call(calls) * 1e6
+                except Exception as e:  # a config the device cannot launch: record, go on
+                    print(f"  {s.label} M={m} {cfg}: {type(e).__name__}: {e}")
+                    t = math.nan
+                rows.append(dict(base, cfg=repr(tuple(cfg)), us=t))
+                if t < best[0]:
+                    best = (t, cfg)
             print(f"{s.label:>22} M={m:3d} bf16 {t_bf16:7.1f}us default({cfg_def.kernel}) {t_bf16 / t_def:5.2f}x "
-                  f"best tile {t_bf16 / best[0]:5.2f}x {tuple(best[1])}", flush=True)
+                  f"best {label} {t_bf16 / best[0]:5.2f}x {tuple(best[1])}", flush=True)
             del x, qws, bf16, default
             torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="8,16,32,48,64")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds; stops sweeping after")
+    args = ap.parse_args()
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+
+    def configs(m):
+        cands = CANDIDATES[16 if m <= 16 else 32 if m <= 32 else 64]
+        return [cuda_w4.TileKConfig(*c, float(bps)) for c in cands for bps in BPS]
+
+    rows = sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_tile_gemm, "tile")
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, rows=rows), open(args.out, "w"), indent=1)
     # best single config per M bucket (geomean over the engine shapes)

@@ -16,8 +16,8 @@ import time
 import torch
 
 from quarl.quant import reference_linear
-from quarl.quant.bench import MODELS, git_commit, linear_shapes, time_per_call
-from quarl.quant.kernels import cuda_w4, launch
+from quarl.quant.bench import git_commit
+from quarl.quant.kernels import cuda_w4
 from quarl.quant.qweight import quantize_weight
 
 import importlib.util
@@ -26,7 +26,6 @@ import pathlib
 _spec = importlib.util.spec_from_file_location("w4_tile_sweep", pathlib.Path(__file__).with_name("w4_tile_sweep.py"))
 _tile = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tile)
-calls_for = _tile.calls_for
 
 CANDIDATES = [tuple(int(v) for v in c.split(",")) for c in __import__("os").environ.get(
     "WGMMA_CANDIDATES", "1,3;1,4;2,3;2,4;2,6").split(";")]
@@ -64,41 +63,6 @@ def check() -> list[dict]:
     return rows
 
 
-def sweep(ms, budget, t0) -> list[dict]:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    shapes = linear_shapes(MODELS["qwen2.5-7b"])
-    rows = []
-    for m in ms:
-        for s in shapes:
-            if time.time() - t0 > budget:
-                break
-            x, qws, bf16, default = calls_for(m, s.n, s.k, l2)
-            base = dict(layer=s.label, n=s.n, k=s.k, M=m, counts=s.counts)
-            t_bf16 = time_per_call(bf16) * 1e6
-            t_def = time_per_call(default) * 1e6
-            cfg_def = launch.w4_config(m, s.n, s.k)
-            rows.append(dict(base, cfg="bf16", us=t_bf16))
-            rows.append(dict(base, cfg=f"default:{cfg_def.kernel}", us=t_def))
-            best = (math.inf, None)
-            for c in CANDIDATES:
-                for bps in BPS:
-                    cfg = cuda_w4.WgConfig(*c, float(bps))
-                    calls = [lambda i=i, cfg=cfg: cuda_w4.w4a16_wgmma_gemm(x[i], qws[i], None, cfg) for i in range(len(qws))]
-                    try:
-                        t = time_per_call(calls) * 1e6
-                    except Exception as e:
-                        print(f"  {s.label} M={m} {cfg}: {type(e).__name__}: {e}")
-                        t = math.nan
-                    rows.append(dict(base, cfg=repr(tuple(cfg)), us=t))
-                    if t < best[0]:
-                        best = (t, cfg)
-            print(f"{s.label:>22} M={m:3d} bf16 {t_bf16:7.1f}us default({cfg_def.kernel}) {t_bf16 / t_def:5.2f}x "
-                  f"best wgmma {t_bf16 / best[0]:5.2f}x {tuple(best[1])}", flush=True)
-            del x, qws, bf16, default
-            torch.cuda.empty_cache()
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -110,7 +74,8 @@ def main():
     props = torch.cuda.get_device_properties(0)
     checks = [] if args.skip_check else check()
     ok = all(r["err"] < 5e-3 and r["det"] for r in checks)
-    rows = sweep([int(v) for v in args.ms.split(",")], args.budget, t0) if ok else []
+    configs = lambda m: [cuda_w4.WgConfig(*c, bps) for c in CANDIDATES for bps in BPS]
+    rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_wgmma_gemm, "wgmma") if ok else []
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, checks=checks, rows=rows), open(args.out, "w"), indent=1)
     for m in sorted({r["M"] for r in rows}):
