@@ -579,19 +579,31 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
     wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
     wdst[i] = XBYTES + j * 4096 + off * 16;
   }
+  // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
+  // (the first group's barrier orders these stores before any wgmma reads them)
+#pragma unroll
+  for (int i = 0; i < CX; ++i)
+    if (tid + i * NTH < NTOK * 16 && xcol[i] < 0)
+      for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + xdst[i]);
   auto issue = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
+    const size_t xoff = (size_t)grp * 256, woff = (size_t)grp * 4096;
+    if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
 #pragma unroll
-    for (int i = 0; i < CX; ++i) {
-      if (tid + i * NTH >= NTOK * 16) continue;
-      const int left = xcol[i] < 0 ? 0 : K - grp * 128 - xcol[i];
-      const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
-      cp_async16(sbase + xdst[i], valid ? xsrc[i] + (size_t)grp * 256 : reinterpret_cast<const unsigned char*>(x), valid);
+      for (int i = 0; i < CX; ++i)
+        if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xsrc[i] + xoff, 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < CX; ++i) {
+        if (tid + i * NTH >= NTOK * 16 || xcol[i] < 0) continue;
+        const int left = K - grp * 128 - xcol[i];
+        const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+        cp_async16(sbase + xdst[i], valid ? xsrc[i] + xoff : reinterpret_cast<const unsigned char*>(x), valid);
+      }
     }
 #pragma unroll
     for (int i = 0; i < CW; ++i)
-      if (tid + i * NTH < NWG * 256)
-        cp_async16(sbase + wdst[i], wsrc[i] + (wok[i] ? (size_t)grp * 4096 : 0), wok[i] ? 16 : 0);
+      if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wsrc[i] + woff, 16);
   };
 
   // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
