@@ -295,7 +295,7 @@ def test_tile_kernel_rejects_what_it_cannot_run():
         cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(16, 8, 4, 1, 8))
 
 
-WGMMA_CONFIGS = [(1, 3, False), (2, 4, False), (3, 3, False), (1, 3, True), (2, 6, True), (3, 4, True)]
+WGMMA_CONFIGS = [(1, 3, False), (1, 4, False), (2, 4, False), (2, 6, False), (3, 3, False), (1, 3, True), (2, 4, True), (2, 6, True), (3, 3, True)]
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])

@@ -780,9 +780,8 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
 // slots; NWG consumer warpgroups (the freed registers) only unpack, issue wgmmas and fold,
 // each at its own pace (no block-wide barrier in the loop). Slot handshake through
 // mbarriers: full[s] (128 producer arrivals) and empty[s] (NWG x 128 consumer arrivals). A
-// producer thread releases a slot LAG = ST - 2 groups after issuing it (so up to LAG groups
-// are in flight), once its own cp.async group has landed and a proxy fence has made the bytes
-// visible to wgmma.
+// producer thread releases a slot LAG groups after issuing it, once its own cp.async group has
+// landed and a proxy fence has made the bytes visible to wgmma.
 __device__ __forceinline__ void mbar_init(u32 a, u32 n) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory");
 }
@@ -803,14 +802,14 @@ __global__ void __launch_bounds__(NWG * 128 + 128, NWG == 1 ? 2 : 1) w4a16_wgws(
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
     int M, int N, int K, int ldx, int ldo, int Np, int G, int W, int P, int has_bias) {
-  constexpr int NTH = NWG * 128, NACC = NTOK / 2, TW = NWG * 64, LAG = ST - 2;
+  constexpr int NTH = NWG * 128, NACC = NTOK / 2, TW = NWG * 64, LAG = 2;
   // registers a thread: R at launch (the launch bounds: 2 blocks per SM with one consumer
   // warpgroup, else 1), then 40 for the producer and CREG (<= 240) for the consumers
   constexpr int R = (65536 / ((NWG == 1 ? 2 : 1) * (NTH + 128))) & ~7;
   constexpr int CREGS = ((R * (NTH + 128) - 128 * 40) / NTH) & ~7;
   constexpr int CREG = CREGS > 240 ? 240 : CREGS;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
-  static_assert(ST >= 3, "the producer releases a slot ST - 2 groups after issuing it");
+  static_assert(ST > LAG, "the ring must hold more slots than the producer's release lag");
   extern __shared__ unsigned char dsmem[];
   __shared__ __align__(8) unsigned long long bars[2 * ST];
   const int tid = threadIdx.x, lane = tid & 31;
