@@ -74,7 +74,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     checks = [] if args.skip_check else check()
     ok = all(r["err"] < 5e-3 and r["det"] for r in checks)
-    configs = lambda m: [cuda_w4.WgConfig(*c[:2], bps, *map(bool, c[2:])) for c in CANDIDATES for bps in BPS]
+    configs = lambda m: [cuda_w4.WgConfig(*c, bps) for c in CANDIDATES for bps in BPS]
     rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_wgmma_gemm, "wgmma") if ok else []
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, checks=checks, rows=rows), open(args.out, "w"), indent=1)

@@ -551,23 +551,17 @@ __device__ __forceinline__ int sk_owner(int item, int W, int P) {  // the block 
 __device__ __forceinline__ int sk_slot(int c, int cb, int G, int W, int P) {
   return 2 * c + (sk_begin(c, W, P) / G == cb ? 0 : 1);
 }
-template <int NTH, int BAR>
-__device__ __forceinline__ void bar_sync() {
-  if constexpr (BAR == 0) __syncthreads();
-  else asm volatile("bar.sync %0, %1;" :: "n"(BAR), "n"(NTH) : "memory");
-}
-// the finish of a column block after this block stored its partial; the NTH threads that
-// call it synchronize through barrier BAR (0: the whole block)
-template <int NTH, int BAR>
+template <int NTH>
 __device__ __forceinline__ void streamk_finish(
-    int tid, const float* part, u16* out, const u16* bias, int* counters, int cb, int TW,
+    const float* part, u16* out, const u16* bias, int* counters, int cb, int TW,
     int M, int N, int ldo, int G, int W, int P, int has_bias) {
   __shared__ int last_flag;
+  const int tid = threadIdx.x;
   const int c0 = sk_owner(cb * G, W, P), nsplit = sk_owner(cb * G + G - 1, W, P) - c0 + 1;
   __threadfence();
-  bar_sync<NTH, BAR>();
+  __syncthreads();
   if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == nsplit - 1;
-  bar_sync<NTH, BAR>();
+  __syncthreads();
   if (!last_flag) return;
   __threadfence();
   const int col0 = cb * TW, cols = min(TW, N - col0), total = M * cols;
@@ -772,213 +766,7 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
         if (r < M && n < N) dst[r * TW + n - cb * TW] = acc[i];
       }
     }
-    streamk_finish<NTH, 0>(tid, part, out, bias, counters, cb, TW, M, N, ldo, G, W, P, has_bias);
-  }
-}
-// The warp-specialized variant: a producer warpgroup (40 registers a thread, setmaxnreg)
-// copies every group (activation tile and the NWG slabs' words, cp.async) into a ring of ST
-// slots; NWG consumer warpgroups (the freed registers) only unpack, issue wgmmas and fold,
-// each at its own pace (no block-wide barrier in the loop). Slot handshake through
-// mbarriers: full[s] (128 producer arrivals) and empty[s] (NWG x 128 consumer arrivals). A
-// producer thread releases a slot LAG groups after issuing it, once its own cp.async group has
-// landed and a proxy fence has made the bytes visible to wgmma.
-__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 a) {
-  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" :: "r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
-  u32 done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
-  } while (!done);
-}
-
-template <int NWG, int NTOK, int ST, bool ASYM>
-__global__ void __launch_bounds__(NWG * 128 + 128, NWG == 1 ? 2 : 1) w4a16_wgws(
-    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
-    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
-    float* __restrict__ part, int* __restrict__ counters,
-    int M, int N, int K, int ldx, int ldo, int Np, int G, int W, int P, int has_bias) {
-  constexpr int NTH = NWG * 128, NACC = NTOK / 2, TW = NWG * 64, LAG = 2;
-  // registers a thread: R at launch (the launch bounds: 2 blocks per SM with one consumer
-  // warpgroup, else 1), then 40 for the producer and CREG (<= 240) for the consumers
-  constexpr int R = (65536 / ((NWG == 1 ? 2 : 1) * (NTH + 128))) & ~7;
-  constexpr int CREGS = ((R * (NTH + 128) - 128 * 40) / NTH) & ~7;
-  constexpr int CREG = CREGS > 240 ? 240 : CREGS;
-  constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
-  static_assert(ST > LAG, "the ring must hold more slots than the producer's release lag");
-  extern __shared__ unsigned char dsmem[];
-  __shared__ __align__(8) unsigned long long bars[2 * ST];
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int nslabs = Np >> 6;
-  const int c = blockIdx.x, begin = sk_begin(c, W, P), end = sk_begin(c + 1, W, P);
-  const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
-  const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * ST;
-
-  if (tid == 0)
-    for (int p = 0; p < ST; ++p) {
-      mbar_init(full0 + 8 * p, 128);
-      mbar_init(empty0 + 8 * p, NTH);
-    }
-  // activation rows >= M are never copied: zeroed once in every slot
-  for (int ch = tid; ch < NTOK * 16; ch += NTH + 128) {
-    const int r = ch >> 4, q = ch & 15;
-    if (r >= M)
-      for (int p = 0; p < ST; ++p)
-        sts128_zero(ring + p * STAGE + (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4));
-  }
-  __syncthreads();
-
-  if (tid < 128) {  // ------------------------------------------------ producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    // thread's activation chunks: rows tid / 16 + 8 i, 16-byte column chunk tid % 16
-    constexpr int CXL = (NTOK + 7) / 8, CWL = NWG * 2;
-    const int q = tid & 15, r0 = tid >> 4;
-    const unsigned char* xrow = reinterpret_cast<const unsigned char*>(x) + ((size_t)r0 * ldx + q * 8) * 2;
-    const size_t xstep = (size_t)8 * ldx * 2;
-    int qn = 0;  // groups issued
-    for (int it = begin; it < end;) {
-      const int cb = it / G, gb0 = it - cb * G, ngroups = min(G - gb0, end - it);
-      it += ngroups;
-      for (int gi = 0; gi < ngroups; ++gi, ++qn) {
-        const int grp = gb0 + gi, slot = qn % ST;
-        if (qn >= ST) mbar_wait(empty0 + 8 * slot, ((qn / ST) - 1) & 1);
-        const u32 sbase = ring + slot * STAGE;
-        const int left = K - grp * 128 - q * 8;
-        const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
-#pragma unroll
-        for (int i = 0; i < CXL; ++i) {
-          const int r = r0 + 8 * i;
-          if (r < M && r < NTOK)
-            cp_async16(sbase + (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4),
-                       valid ? xrow + i * xstep + (size_t)grp * 256 : reinterpret_cast<const unsigned char*>(x), valid);
-        }
-#pragma unroll
-        for (int i = 0; i < CWL; ++i) {
-          const int j = i >> 1, off = tid + 128 * (i & 1), sl = cb * NWG + j;
-          if (sl < nslabs)
-            cp_async16(sbase + XBYTES + j * 4096 + off * 16,
-                       reinterpret_cast<const unsigned char*>(wq) + ((size_t)sl * G + grp) * 4096 + off * 16, 16);
-        }
-        cp_commit();
-        if (qn >= LAG) {
-          cp_wait<LAG>();
-          proxy_fence();
-          mbar_arrive(full0 + 8 * ((qn - LAG) % ST));
-        }
-      }
-    }
-    cp_wait<0>();
-    proxy_fence();
-    for (int d = max(qn - LAG, 0); d < qn; ++d) mbar_arrive(full0 + 8 * (d % ST));
-    return;
-  }
-
-  // ------------------------------------------------------------------ consumer warpgroups
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CREG));
-  const int warp = (tid >> 5) & 3, wg = (tid >> 7) - 1;
-  const int g = lane >> 2, t = lane & 3;
-  int qn = 0;  // groups consumed
-  for (int it = begin; it < end;) {
-    const int cb = it / G, gb0 = it - cb * G, ngroups = min(G - gb0, end - it);
-    it += ngroups;
-    const int slab = cb * NWG + wg;
-    const bool live = slab < nslabs;
-    const int n0 = slab * 64;
-    float acc[NACC], t0[NACC], t1[NACC];
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-    u32 a0[8][4], a1[8][4];
-    float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;
-    const int row0 = n0 + 16 * warp + g;
-    const size_t srow = live ? (size_t)row0 : 0;
-
-    // group gi (the qn-th of this block): wait for its slot, unpack, issue its wgmmas into `tmp`
-    auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], float& s0, float& s1) {
-      const int grp = gb0 + gi, slot = qn % ST;
-      s0 = scales[(size_t)grp * Np + srow];
-      s1 = scales[(size_t)grp * Np + srow + 8];
-      const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
-      const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
-      mbar_wait(full0 + 8 * slot, (qn / ST) & 1);
-      const u32 sbase = ring + slot * STAGE;
-      u32 w[8];
-      lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
-      lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        a[s][0] = sub_z(lop_q(w[s]), z0);
-        a[s][1] = sub_z(lop_q(w[s] >> 8), z1);
-        a[s][2] = sub_z(lop_q(w[s] >> 4), z0);
-        a[s][3] = sub_z(lop_q(w[s] >> 12), z1);
-      }
-      wg_fence();
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        wgmma_bf16<NTOK>(tmp, a[s], desc_sw128(sbase + (s >> 2) * (NTOK * 128) + (s & 3) * 32), s > 0);
-      wg_commit();
-      ++qn;
-    };
-    // after the wait for the wgmmas of the group before the last staged one: release its
-    // slot, acc += tmp x the group scale of each row
-    auto fold = [&](u32 (&a)[8][4], float (&tmp)[NACC], float s0, float s1, int done) {
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) keep_f(tmp[i]);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) keep_r(a[s][cc]);
-      mbar_arrive(empty0 + 8 * (done % ST));
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
-    };
-
-    stage(0, a0, t0, s00, s01);
-    int gi = 1;
-    for (; gi + 1 < ngroups; gi += 2) {
-      stage(gi, a1, t1, s10, s11);
-      wg_wait1();
-      fold(a0, t0, s00, s01, qn - 2);
-      stage(gi + 1, a0, t0, s00, s01);
-      wg_wait1();
-      fold(a1, t1, s10, s11, qn - 2);
-    }
-    if (gi < ngroups) {
-      stage(gi, a1, t1, s10, s11);
-      wg_wait1();
-      fold(a0, t0, s00, s01, qn - 2);
-      wg_wait0();
-      fold(a1, t1, s10, s11, qn - 1);
-    } else {
-      wg_wait0();
-      fold(a0, t0, s00, s01, qn - 1);
-    }
-
-    if (ngroups == G) {
-      if (live) {
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) {
-          const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
-          if (r >= M || n >= N) continue;
-          float v = acc[i];
-          if (has_bias) v += from_bf16(bias[n]);
-          out[(size_t)r * ldo + n] = to_bf16(v);
-        }
-      }
-      continue;
-    }
-    if (live) {
-      float* dst = part + (size_t)sk_slot(c, cb, G, W, P) * M * TW;
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) {
-        const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
-        if (r < M && n < N) dst[r * TW + n - cb * TW] = acc[i];
-      }
-    }
-    streamk_finish<NTH, 1>(tid - 128, part, out, bias, counters, cb, TW, M, N, ldo, G, W, P, has_bias);
+    streamk_finish<NTH>(part, out, bias, counters, cb, TW, M, N, ldo, G, W, P, has_bias);
   }
 }
 """
@@ -1350,8 +1138,7 @@ class WgConfig(NamedTuple):
 
     nwg: int = 2
     stages: int = 4
-    blocks_per_sm: float = 1.0  # persistent grid: about this many blocks per SM
-    ws: bool = False  # warp-specialized (w4a16_wgws: + a producer warpgroup, mbarriers)
+    blocks_per_sm: float = 1.0  # split K until about this many blocks per SM
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -1371,8 +1158,8 @@ def wgmma_tokens(m: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, ws: bool = False):
-    name = f"{'w4a16_wgws' if ws else 'w4a16_wgmma'}<{nwg}, {ntok}, {stages}, {'true' if asym else 'false'}>"
+def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int):
+    name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {'true' if asym else 'false'}>"
     src = _SOURCE.replace("//WGMMA_WRAPPERS//", _wgmma_wrappers())
     kern = torch.cuda._compile_kernel(src, name, compute_capability="90a", nvcc_options=["-std=c++17"])
     kern.set_shared_memory_config(smem)
@@ -1417,8 +1204,8 @@ def w4a16_wgmma_gemm(
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = torch.empty(2 * grid, m, cfg.nwg * SLAB, dtype=torch.float32, device=x.device)
     cnt = (counters or launch._counters)(x.device, cols)
-    _wgmma_kernel(cfg.nwg, ntok, cfg.stages, fw.negz is not None, smem, cfg.ws)(
-        grid=(grid, 1, 1), block=((cfg.nwg + cfg.ws) * 128, 1, 1), shared_mem=smem,
+    _wgmma_kernel(cfg.nwg, ntok, cfg.stages, fw.negz is not None, smem)(
+        grid=(grid, 1, 1), block=(cfg.nwg * 128, 1, 1), shared_mem=smem,
         args=[
             x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
             bias if bias is not None else out, out, part, cnt,
