@@ -510,16 +510,16 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
 }
 
 // ----------------------------------------------------------------------------- wgmma (sm90a)
-// W4A16 on Hopper: the dequantized weight is the register A operand of wgmma.m64nNk16 (64
-// weight rows per warpgroup on the MMA's M side), the activation tile (N = NTOK tokens) the B
-// operand, read by the tensor cores straight from shared memory. Column block cb is NWG
-// slabs (one per warpgroup, 64 NWG output columns); the persistent grid of P blocks walks the
-// (column block, group) items stream-K (see streamk_finish). A ring slot (dynamic shared
-// memory, 1024-aligned) holds one group: the activation tile as two 64-column atoms of NTOK
-// rows x 128 bytes in the 128-byte swizzled K-major layout wgmma reads (16-byte chunk c of row
-// r at r * 128 + ((c ^ (r % 8)) << 4)), then the slabs' weight words ([warp][half][lane][4
-// words], word i of half h = step 4 h + i, see wgmma_words), filled by all threads with
-// cp.async (columns >= K zero-filled; activation rows >= M zeroed once); one barrier per group.
+// W4A16 for 8 < M <= 64 on Hopper: the dequantized weight is the register A operand of
+// wgmma.m64nNk16 (64 weight rows per warpgroup on the MMA's M side), the activation tile
+// (N = NTOK tokens) the B operand, read by the tensor cores straight from shared memory.
+// grid (ceil(Np / (64 NWG)), split), block NWG warpgroups. Block (cb, sp) owns slabs cb * NWG ..
+// + NWG - 1 (one per warpgroup) and groups [sp * gpb, (sp + 1) * gpb). A ring slot (dynamic
+// shared memory, 1024-aligned) holds one group: the activation tile as two 64-column atoms
+// of NTOK rows x 128 bytes in the 128-byte swizzled K-major layout wgmma reads (16-byte chunk
+// c of row r at r * 128 + ((c ^ (r % 8)) << 4)), then the slabs' weight words
+// ([warp][half][lane][4 words], word i of half h = step 4 h + i, see wgmma_words), filled by
+// all threads with cp.async (rows >= M and columns >= K zero-filled); one barrier per group.
 // Per group each warpgroup unpacks its 8 steps (4 registers each) and issues 8 wgmmas into a
 // fresh fp32 tile; while they run it adds the previous group's tile, scaled by that group's
 // scale, to the accumulator (two tiles in turn; the numerics of w4a16_frag). Slots are
@@ -537,237 +537,179 @@ __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: 
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
 //WGMMA_WRAPPERS//
 
-// Stream-K: the work is the list of (column block, group) items, column block major, W =
-// blocks x G; the P persistent blocks take equal contiguous ranges of it, [c W / P, (c + 1)
-// W / P). A range is cut into segments, one per column block it touches; a segment holding
-// all G groups of its column block stores the output, the others (at most the first and the
-// last of a range) store fp32 partials and the last of a column block's contributors to
-// arrive adds them in block order (deterministic) and stores the output.
-__device__ __forceinline__ int sk_begin(int c, int W, int P) { return (int)((long long)c * W / P); }
-__device__ __forceinline__ int sk_owner(int item, int W, int P) {  // the block whose range holds item
-  return (int)(((long long)(item + 1) * P - 1) / W);
-}
-// partial slot of block c for column block cb: 0 if cb is the first one c touches, else 1
-__device__ __forceinline__ int sk_slot(int c, int cb, int G, int W, int P) {
-  return 2 * c + (sk_begin(c, W, P) / G == cb ? 0 : 1);
-}
-template <int NTH>
-__device__ __forceinline__ void streamk_finish(
-    const float* part, u16* out, const u16* bias, int* counters, int cb, int TW,
-    int M, int N, int ldo, int G, int W, int P, int has_bias) {
-  __shared__ int last_flag;
-  const int tid = threadIdx.x;
-  const int c0 = sk_owner(cb * G, W, P), nsplit = sk_owner(cb * G + G - 1, W, P) - c0 + 1;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == nsplit - 1;
-  __syncthreads();
-  if (!last_flag) return;
-  __threadfence();
-  const int col0 = cb * TW, cols = min(TW, N - col0), total = M * cols;
-  for (int e0 = 0; e0 < total; e0 += 4 * NTH) {
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int k = 0; k < nsplit; ++k) {
-      const float* src = part + (size_t)sk_slot(c0 + k, cb, G, W, P) * M * TW;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = min(e0 + tid + u * NTH, total - 1);
-        v[u] += ldcg_f(src + (e / cols) * TW + e % cols);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int e = e0 + tid + u * NTH;
-      if (e >= total) continue;
-      const int n = col0 + e % cols;
-      float w = v[u];
-      if (has_bias) w += from_bf16(bias[n]);
-      out[(size_t)(e / cols) * ldo + n] = to_bf16(w);
-    }
-  }
-  if (tid == 0) atomicExch(counters + cb, 0);
-}
-
 template <int NWG, int NTOK, int ST, bool ASYM>
 __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
-    int M, int N, int K, int ldx, int ldo, int Np, int G, int W, int P, int has_bias) {
-  constexpr int NTH = NWG * 128, NACC = NTOK / 2, TW = NWG * 64;
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+  constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, t = lane & 3;
+  const int cb = blockIdx.x, sp = blockIdx.y;
   const int nslabs = Np >> 6;
-  const int c = blockIdx.x, begin = sk_begin(c, W, P), end = sk_begin(c + 1, W, P);
+  const int slab = cb * NWG + wg;
+  const bool live = slab < nslabs;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, ngroups = min(G, gb0 + gpb) - gb0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
 
-  // this thread's activation chunks (row c / 16, chunk c % 16; the same in every segment)
+  // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight chunks
   constexpr int CX = (NTOK * 16 + NTH - 1) / NTH, CW = (NWG * 256 + NTH - 1) / NTH;
   const unsigned char* xsrc[CX];
   u32 xdst[CX];
   int xcol[CX];  // first column in group 0; -1: zero-fill only (row >= M) or no chunk
 #pragma unroll
   for (int i = 0; i < CX; ++i) {
-    const int ch = tid + i * NTH, r = ch >> 4, q = ch & 15;
-    const bool ok = ch < NTOK * 16 && r < M;
+    const int c = tid + i * NTH, r = c >> 4, q = c & 15;
+    const bool ok = c < NTOK * 16 && r < M;
     xcol[i] = ok ? q * 8 : -1;
     xsrc[i] = reinterpret_cast<const unsigned char*>(x) + (ok ? ((size_t)r * ldx + q * 8) * 2 : 0);
     xdst[i] = (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
   }
+  const unsigned char* wsrc[CW];
+  u32 wdst[CW];
+  bool wok[CW];
+#pragma unroll
+  for (int i = 0; i < CW; ++i) {
+    const int c = tid + i * NTH, j = c >> 8, off = c & 255, sl = cb * NWG + j;
+    wok[i] = c < NWG * 256 && sl < nslabs;
+    wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
+    wdst[i] = XBYTES + j * 4096 + off * 16;
+  }
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
-  // (the first segment's barriers order these stores before any wgmma reads them)
+  // (the first group's barrier orders these stores before any wgmma reads them)
 #pragma unroll
   for (int i = 0; i < CX; ++i)
     if (tid + i * NTH < NTOK * 16 && xcol[i] < 0)
       for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + xdst[i]);
-
-  for (int it = begin; it < end;) {
-    const int cb = it / G, gb0 = it - cb * G, ngroups = min(G - gb0, end - it);
-    it += ngroups;
-    const int slab = cb * NWG + wg;
-    const bool live = slab < nslabs;
-    const int n0 = slab * 64;
-    const unsigned char* wsrc[CW];
-    u32 wdst[CW];
-    bool wok[CW];
+  auto issue = [&](int grp, int slot) {
+    const u32 sbase = ring + slot * STAGE;
+    const size_t xoff = (size_t)grp * 256, woff = (size_t)grp * 4096;
+    if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
 #pragma unroll
-    for (int i = 0; i < CW; ++i) {
-      const int ch = tid + i * NTH, j = ch >> 8, off = ch & 255, sl = cb * NWG + j;
-      wok[i] = ch < NWG * 256 && sl < nslabs;
-      wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
-      wdst[i] = XBYTES + j * 4096 + off * 16;
-    }
-    auto issue = [&](int grp, int slot) {
-      const u32 sbase = ring + slot * STAGE;
-      const size_t xoff = (size_t)grp * 256, woff = (size_t)grp * 4096;
-      if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
-#pragma unroll
-        for (int i = 0; i < CX; ++i)
-          if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xsrc[i] + xoff, 16);
-      } else {
-#pragma unroll
-        for (int i = 0; i < CX; ++i) {
-          if (tid + i * NTH >= NTOK * 16 || xcol[i] < 0) continue;
-          const int left = K - grp * 128 - xcol[i];
-          const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
-          cp_async16(sbase + xdst[i], valid ? xsrc[i] + xoff : reinterpret_cast<const unsigned char*>(x), valid);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < CW; ++i)
-        if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wsrc[i] + woff, 16);
-    };
-
-    // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
-    // write would make the compiler copy them between wgmma and wait (ptxas then serializes)
-    float acc[NACC], t0[NACC], t1[NACC];
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-    u32 a0[8][4], a1[8][4];
-    float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;  // scales of the group in t0 / t1
-    const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
-    const size_t srow = live ? (size_t)row0 : 0;
-
-    // Group gi: wait for its slot, refill the slot of gi - 2 (its wgmmas finished before the
-    // barrier: every warpgroup waited for them in gi - 1), unpack the 8 steps into `a` and
-    // issue their wgmmas into `tmp` (not waited for: the caller folds gi - 1 meanwhile).
-    auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], float& s0, float& s1) {
-      const int grp = gb0 + gi;
-      s0 = scales[(size_t)grp * Np + srow];
-      s1 = scales[(size_t)grp * Np + srow + 8];
-      const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
-      const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
-      cp_wait<ST - 3>();
-      proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
-      __syncthreads();
-      if (gi + ST - 2 < ngroups) issue(gb0 + gi + ST - 2, (gi + ST - 2) % ST);
-      cp_commit();
-      const u32 sbase = ring + (gi % ST) * STAGE;
-      u32 w[8];
-      lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
-      lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        a[s][0] = sub_z(lop_q(w[s]), z0);         // row g,     columns 2t, 2t + 1
-        a[s][1] = sub_z(lop_q(w[s] >> 8), z1);    // row g + 8
-        a[s][2] = sub_z(lop_q(w[s] >> 4), z0);    // row g,     columns 2t + 8, 2t + 9
-        a[s][3] = sub_z(lop_q(w[s] >> 12), z1);   // row g + 8
-      }
-      wg_fence();
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        wgmma_bf16<NTOK>(tmp, a[s], desc_sw128(sbase + (s >> 2) * (NTOK * 128) + (s & 3) * 32), s > 0);
-      wg_commit();
-    };
-    // after the wait for its wgmmas: acc += tmp x the group scale of each row; `a` stays
-    // live (and unmodified) until here, as wgmma reads registers asynchronously
-    auto fold = [&](u32 (&a)[8][4], float (&tmp)[NACC], float s0, float s1) {
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) keep_f(tmp[i]);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) keep_r(a[s][cc]);
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
-    };
-
-    __syncthreads();  // every warpgroup is done with the ring (the previous segment's wgmmas)
-#pragma unroll
-    for (int p = 0; p < ST - 2; ++p) {
-      if (p < ngroups) issue(gb0 + p, p);
-      cp_commit();
-    }
-    // steady state: stage one group, fold the one before (peeled so that every wait retires
-    // a known group: ptxas then keeps the wgmmas asynchronous)
-    stage(0, a0, t0, s00, s01);  // (every segment has >= 1 group)
-    int gi = 1;
-    for (; gi + 1 < ngroups; gi += 2) {
-      stage(gi, a1, t1, s10, s11);
-      wg_wait1();
-      fold(a0, t0, s00, s01);
-      stage(gi + 1, a0, t0, s00, s01);
-      wg_wait1();
-      fold(a1, t1, s10, s11);
-    }
-    if (gi < ngroups) {
-      stage(gi, a1, t1, s10, s11);
-      wg_wait1();
-      fold(a0, t0, s00, s01);
-      wg_wait0();
-      fold(a1, t1, s10, s11);
+      for (int i = 0; i < CX; ++i)
+        if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xsrc[i] + xoff, 16);
     } else {
-      wg_wait0();
-      fold(a0, t0, s00, s01);
+#pragma unroll
+      for (int i = 0; i < CX; ++i) {
+        if (tid + i * NTH >= NTOK * 16 || xcol[i] < 0) continue;
+        const int left = K - grp * 128 - xcol[i];
+        const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+        cp_async16(sbase + xdst[i], valid ? xsrc[i] + xoff : reinterpret_cast<const unsigned char*>(x), valid);
+      }
     }
-    cp_wait<0>();
+#pragma unroll
+    for (int i = 0; i < CW; ++i)
+      if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wsrc[i] + woff, 16);
+  };
 
-    // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
-    if (ngroups == G) {  // the whole column block: store
-      if (live) {
+  // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
+  // write would make the compiler copy them between wgmma and wait (ptxas then serializes)
+  float acc[NACC], t0[NACC], t1[NACC];
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) {
-          const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
-          if (r >= M || n >= N) continue;
-          float v = acc[i];
-          if (has_bias) v += from_bf16(bias[n]);
-          out[(size_t)r * ldo + n] = to_bf16(v);
-        }
-      }
-      continue;
-    }
-    if (live) {
-      float* dst = part + (size_t)sk_slot(c, cb, G, W, P) * M * TW;
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  u32 a0[8][4], a1[8][4];
+  float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;  // scales of the group in t0 / t1
+  const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
+  const size_t srow = live ? (size_t)row0 : 0;
+
+  // Group gi: wait for its slot, refill the slot of gi - 2 (its wgmmas finished before the
+  // barrier: every warpgroup waited for them in gi - 1), unpack the 8 steps into `a` and
+  // issue their wgmmas into `tmp` (not waited for: the caller folds gi - 1 meanwhile).
+  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], float& s0, float& s1) {
+    const int grp = gb0 + gi;
+    s0 = scales[(size_t)grp * Np + srow];
+    s1 = scales[(size_t)grp * Np + srow + 8];
+    const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
+    const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
+    cp_wait<ST - 3>();
+    proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
+    __syncthreads();
+    if (gi + ST - 2 < ngroups) issue(gb0 + gi + ST - 2, (gi + ST - 2) % ST);
+    cp_commit();
+    const u32 sbase = ring + (gi % ST) * STAGE;
+    u32 w[8];
+    lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
+    lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
 #pragma unroll
-      for (int i = 0; i < NACC; ++i) {
-        const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
-        if (r < M && n < N) dst[r * TW + n - cb * TW] = acc[i];
-      }
+    for (int s = 0; s < 8; ++s) {
+      a[s][0] = sub_z(lop_q(w[s]), z0);         // row g,     columns 2t, 2t + 1
+      a[s][1] = sub_z(lop_q(w[s] >> 8), z1);    // row g + 8
+      a[s][2] = sub_z(lop_q(w[s] >> 4), z0);    // row g,     columns 2t + 8, 2t + 9
+      a[s][3] = sub_z(lop_q(w[s] >> 12), z1);   // row g + 8
     }
-    streamk_finish<NTH>(part, out, bias, counters, cb, TW, M, N, ldo, G, W, P, has_bias);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+      wgmma_bf16<NTOK>(tmp, a[s], desc_sw128(sbase + (s >> 2) * (NTOK * 128) + (s & 3) * 32), s > 0);
+    wg_commit();
+  };
+  // after the wait for its wgmmas: acc += tmp x the group scale of each row; `a` stays
+  // live (and unmodified) until here, as wgmma reads registers asynchronously
+  auto fold = [&](u32 (&a)[8][4], float (&tmp)[NACC], float s0, float s1) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) keep_f(tmp[i]);
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) keep_r(a[s][c]);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
+  };
+
+#pragma unroll
+  for (int p = 0; p < ST - 2; ++p) {
+    if (p < ngroups) issue(gb0 + p, p);
+    cp_commit();
   }
+  // steady state: stage one group, fold the one before (peeled so that every wait retires
+  // a known group: ptxas then keeps the wgmmas asynchronous)
+  stage(0, a0, t0, s00, s01);  // (every block has >= 1 group)
+  int gi = 1;
+  for (; gi + 1 < ngroups; gi += 2) {
+    stage(gi, a1, t1, s10, s11);
+    wg_wait1();
+    fold(a0, t0, s00, s01);
+    stage(gi + 1, a0, t0, s00, s01);
+    wg_wait1();
+    fold(a1, t1, s10, s11);
+  }
+  if (gi < ngroups) {
+    stage(gi, a1, t1, s10, s11);
+    wg_wait1();
+    fold(a0, t0, s00, s01);
+    wg_wait0();
+    fold(a1, t1, s10, s11);
+  } else {
+    wg_wait0();
+    fold(a0, t0, s00, s01);
+  }
+  cp_wait<0>();
+
+  // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
+  if (split == 1) {
+    if (!live) return;
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (r >= M || n >= N) continue;
+      float v = acc[i];
+      if (has_bias) v += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(v);
+    }
+    return;
+  }
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
+    }
+  }
+  splitk_finish<NTH>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, split, has_bias);
 }
 """
 
@@ -1060,8 +1002,8 @@ def check_tile_config(cfg: TileKConfig, m: int) -> None:
 
 def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int, blocks_per_sm: float,
                     threads: int, smem: int, counters) -> torch.Tensor:
-    """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile
-    kernel's split-K rule). ``make_kernel(asym)`` -> the kernel."""
+    """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
+    wgmma kernels: same arguments, same split-K rule). ``make_kernel(asym)`` -> the kernel."""
     from quarl.quant.kernels import launch  # (imports this module)
 
     m, k = x.shape
@@ -1179,37 +1121,14 @@ def w4a16_wgmma_gemm(
 ) -> torch.Tensor:
     """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the wgmma kernel (Hopper): same
     fragment words (reordered, :func:`wgmma_words`) and numerics as :func:`w4a16_frag_gemm`
-    (per-group fp32 post-scale). Persistent grid of ``blocks_per_sm`` x SMs blocks (at most
-    one per work item) walking the (column block, group) items stream-K; the partials of a
-    column block shared by several blocks are summed in block order (deterministic for a
-    given grid)."""
-    from quarl.quant.kernels import launch  # (imports this module)
-
-    m, k = x.shape
+    (per-group fp32 post-scale, split-K partials summed in split order)."""
+    m = x.shape[0]
     if x.dtype != torch.bfloat16:
         raise ValueError(f"wgmma w4 kernel takes bf16 x, got {x.dtype}")
     check_wgmma_config(cfg, m)
     ntok = wgmma_tokens(m)
     smem = cfg.smem_bytes(ntok)
-    if k % 8 or x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte row copies
-        x = torch.nn.functional.pad(x, (0, -k % 8)).contiguous()
-    if bias is not None and bias.dtype != torch.bfloat16:
-        bias = bias.to(torch.bfloat16)
-    fw = frag_weight(qw, "wgmma")
-    groups, np_ = fw.scales.shape
-    n = qw.shape[0]
-    cols = -(-(np_ // SLAB) // cfg.nwg)
-    work = cols * groups
-    grid = max(1, min(work, round(cfg.blocks_per_sm * launch.num_sms(x.device))))
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    part = torch.empty(2 * grid, m, cfg.nwg * SLAB, dtype=torch.float32, device=x.device)
-    cnt = (counters or launch._counters)(x.device, cols)
-    _wgmma_kernel(cfg.nwg, ntok, cfg.stages, fw.negz is not None, smem)(
-        grid=(grid, 1, 1), block=(cfg.nwg * 128, 1, 1), shared_mem=smem,
-        args=[
-            x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
-            bias if bias is not None else out, out, part, cnt,
-            m, n, k, x.stride(0), out.stride(0), np_, groups, work, grid, int(bias is not None),
-        ],
+    return _launch_blocked(
+        lambda asym: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem), x, qw, bias, "wgmma",
+        cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters,
     )
-    return out
