@@ -84,6 +84,15 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ void sts128_zero(u32 addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};" :: "r"(addr), "r"(0u));
 }
+// activation chunks this thread never copies (col < 0: rows >= M) zeroed once in all ST
+// slots (chunk i is the thread's if tid + i NTH < limit)
+template <int C, int NTH, int ST>
+__device__ __forceinline__ void zero_skipped_chunks(u32 ring, u32 stage, int tid, int limit, const u32 (&dst)[C], const int (&col)[C]) {
+#pragma unroll
+  for (int i = 0; i < C; ++i)
+    if (tid + i * NTH < limit && col[i] < 0)
+      for (int p = 0; p < ST; ++p) sts128_zero(ring + p * stage + dst[i]);
+}
 __device__ __forceinline__ void lds128(u32* r, u32 addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
@@ -372,10 +381,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
 
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's __syncthreads orders these stores before any ldmatrix)
-#pragma unroll
-  for (int i = 0; i < CA; ++i)
-    if (tid + i * NTH < MTOT * 256 && acol[i] < 0)
-      for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + adst[i]);
+  zero_skipped_chunks<CA, NTH, ST>(ring, STAGE, tid, MTOT * 256, adst, acol);
 
   auto issue = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
@@ -581,10 +587,7 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
   }
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's barrier orders these stores before any wgmma reads them)
-#pragma unroll
-  for (int i = 0; i < CX; ++i)
-    if (tid + i * NTH < NTOK * 16 && xcol[i] < 0)
-      for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + xdst[i]);
+  zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
   auto issue = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
     const size_t xoff = (size_t)grp * 256, woff = (size_t)grp * 4096;
