@@ -84,6 +84,20 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ void sts128_zero(u32 addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};" :: "r"(addr), "r"(0u));
 }
+// this thread's 16-byte weight chunks for a block of S slabs (chunk i: c = tid + i NTH, slab
+// c / 256, byte 16 (c % 256) of the slab's 4 KB per group): group-0 source, ring offset from
+// `base`, and whether the chunk is the thread's and its slab exists
+template <int C, int NTH, int S>
+__device__ __forceinline__ void weight_chunks(const u32* wq, int tid, int cb, int nslabs, int G, u32 base,
+                                              const unsigned char* (&src)[C], u32 (&dst)[C], bool (&ok)[C]) {
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    const int c = tid + i * NTH, s = c >> 8, off = c & 255, sl = cb * S + s;
+    ok[i] = c < S * 256 && sl < nslabs;
+    src[i] = reinterpret_cast<const unsigned char*>(wq) + (ok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
+    dst[i] = base + s * 4096 + off * 16;
+  }
+}
 // activation chunks this thread never copies (col < 0: rows >= M) zeroed once in all ST
 // slots (chunk i is the thread's if tid + i NTH < limit)
 template <int C, int NTH, int ST>
@@ -360,13 +374,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
   const unsigned char* wsrc[CW];
   u32 wdst[CW];
   bool wok[CW];
-#pragma unroll
-  for (int i = 0; i < CW; ++i) {
-    const int c = tid + i * NTH, s = c >> 8, off = c & 255, sl = cb * SW + s;
-    wok[i] = c < SW * 256 && sl < nslabs;
-    wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * KS * 512 + off * 16) : 0);
-    wdst[i] = s * 4096 + off * 16;
-  }
+  weight_chunks<CW, NTH, SW>(wq, tid, cb, nslabs, G, 0, wsrc, wdst, wok);
   const unsigned char* asrc[CA];
   u32 adst[CA];
   int acol[CA];  // first column of the chunk in group 0; -1: nothing to copy (row >= M)
@@ -578,13 +586,7 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
   const unsigned char* wsrc[CW];
   u32 wdst[CW];
   bool wok[CW];
-#pragma unroll
-  for (int i = 0; i < CW; ++i) {
-    const int c = tid + i * NTH, j = c >> 8, off = c & 255, sl = cb * NWG + j;
-    wok[i] = c < NWG * 256 && sl < nslabs;
-    wsrc[i] = reinterpret_cast<const unsigned char*>(wq) + (wok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
-    wdst[i] = XBYTES + j * 4096 + off * 16;
-  }
+  weight_chunks<CW, NTH, NWG>(wq, tid, cb, nslabs, G, XBYTES, wsrc, wdst, wok);
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's barrier orders these stores before any wgmma reads them)
   zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
