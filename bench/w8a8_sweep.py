@@ -40,6 +40,12 @@ TMA = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4,
 TMA_SPLIT = [(128, 128, 128, 8, 4, 1, 2), (128, 128, 128, 8, 4, 1, 3), (128, 128, 128, 8, 4, 1, 4),
              (128, 128, 128, 4, 4, 1, 2), (64, 128, 128, 4, 4, 2, 2), (128, 64, 128, 4, 4, 2, 2), (128, 256, 128, 8, 3, 1, 4)]
 
+# run 17: (bm, bn, bk, warps, stages, resident programs per SM) with the tail split, and
+# (..., split_k) with Triton's warp-specialized item loop
+TMA_TAIL = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1), (64, 128, 128, 4, 4, 2),
+            (128, 64, 128, 4, 4, 2)]
+TMA_WS = [(128, 128, 128, 8, 4, 1, 1), (128, 128, 128, 8, 4, 1, -1), (128, 256, 128, 8, 3, 1, -1), (64, 128, 128, 4, 4, 2, -1)]
+
 
 # act_quant (columns per block, warps): one pass for K = 3584 (4096), two passes below that
 ACT_CFGS = {3584: [(4096, 4), (4096, 16), (2048, 4), (1024, 2), (1024, 4)],
@@ -60,6 +66,13 @@ def candidates(kind: str, m: int) -> list[tuple[str, C | None]]:
                         C(bm, bn, bk, split_k=sp, num_warps=w, num_stages=st, waves=wv, kernel="tma")))
         for sp in (2, 4):
             out.append((f"ptr split{sp} 128x128x128 w8 s3", C(128, 128, 128, split_k=sp, num_warps=8, num_stages=3)))
+    if m >= 256:  # run 17: tail split (whole tiles for the full waves, the partial wave split along K)
+        for bm, bn, bk, w, st, wv in TMA_TAIL:
+            out.append((f"tma tail {bm}x{bn}x{bk} w{w} s{st} p{wv}",
+                        C(bm, bn, bk, split_k=-1, num_warps=w, num_stages=st, waves=wv, kernel="tma")))
+        for bm, bn, bk, w, st, wv, sk in TMA_WS:
+            out.append((f"tma ws{' tail' if sk < 0 else ''} {bm}x{bn}x{bk} w{w} s{st} p{wv}",
+                        C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st, waves=wv, kernel="tma", ws=True)))
     return out
 
 

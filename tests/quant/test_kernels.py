@@ -88,8 +88,13 @@ def test_w8a8_tma_kernel(m, name):
     x, bias = torch.randn(m, k), torch.randn(n)
     xq, sx = launch.act_quant(x, qw.scheme.act_format)
     expect = reference_linear(x, qw, bias, exact=True)
-    for cfg in (launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma"),
-                launch.TileConfig(16, 32, 32, split_k=3, waves=0.5, kernel="tma")):  # K split in 3: 9 blocks of 32
+    tail = [launch.TileConfig(16, bn, 32, split_k=-1, waves=1, kernel="tma") for bn in (16, 32)]
+    # the tail split runs: tiles of a partial last wave (4 slots on CPU) split, others whole
+    works = [launch._tma_work(-(-m // 16) * -(-n // c.bn), 9, 4, -1) for c in tail]
+    assert any(split > 1 and whole > 0 for whole, split, _ in works)
+    assert any(split > 1 for _, split, _ in works)
+    for cfg in [launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma"),
+                launch.TileConfig(16, 32, 32, split_k=3, waves=0.5, kernel="tma")] + tail:  # K split in 3: 9 blocks of 32
         out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
         assert _rel(out, expect) < 1e-6
 
@@ -122,6 +127,18 @@ def test_gated_silu_gemm_and_partials_quantizer(m, name):
         launch.gated_silu_gemm(xq, sx, qw, x.dtype, launch.TileConfig(16, 16, 64, split_k=2, kernel="tma"))
     with pytest.raises(ValueError, match="even number of rows"):
         launch.gated_silu_gemm(xq, sx, quantize_weight(torch.randn(7, k), name), x.dtype)
+
+
+def test_tma_work_items():
+    """Tail split: the full waves stay whole, the partial wave's tiles split to fill the slots
+    (>= 2 K blocks per split); fixed split; no split."""
+    work = _launch()._tma_work
+    assert work(288, 28, 132, -1) == (264, 5, 6)  # 7B qkv, M = 1024, 128 x 128: 24 tail tiles x 5
+    assert work(56, 28, 132, -1) == (0, 2, 14)  # one partial wave only: every tile split
+    assert work(264, 28, 132, -1) == (264, 1, 28)  # full waves: nothing to split
+    assert work(224, 28, 132, -1) == (224, 1, 28)  # a tail of 92 tiles: splitting it cannot help
+    assert work(5, 3, 8, -1) == (5, 1, 3)  # 3 K blocks: no split leaves >= 2 per part
+    assert work(56, 28, 132, 3) == (0, 3, 10) and work(56, 28, 132, 1) == (56, 1, 28)
 
 
 def test_w8a8_tma_falls_back_on_unaligned_rows():

@@ -28,7 +28,7 @@ class TileConfig(NamedTuple):
     bm: int
     bn: int
     bk: int = 128  # int8 GEMM only; sub-byte kernels always walk 128-column chunks
-    split_k: int = 0  # 0 = pick to fill the GPU ("tma": 0 or 1 = no split)
+    split_k: int = 0  # 0 = pick to fill the GPU ("tma": 0 or 1 = no split, < 0 = tail split, see _tma_work)
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
@@ -44,6 +44,7 @@ class TileConfig(NamedTuple):
     waves: float = 0
     cpi: int = 1  # w4 swap kernels: 128-column chunks per (unrolled) loop iteration
     words: bool = False  # swapb: read the packed weight as int32 words (WORDS)
+    ws: bool = False  # tma: Triton warp specialization of the persistent item loop
 
 
 # Rows of M at or above which weight-only formats dequantize + cuBLAS (None = never).
@@ -461,6 +462,26 @@ def int8_gemm(
     return out
 
 
+def _tma_work(tiles: int, kblocks: int, slots: int, split_k: int) -> tuple[int, int, int]:
+    """Work items of ``w8a8_tma_kernel`` on ``slots`` resident programs: (tiles done whole,
+    K splits of each other tile, K blocks per split).
+
+    ``split_k > 1``: every tile split in about that many parts. ``split_k < 0`` (tail split):
+    the tiles of the full waves whole, the ``r`` tiles of the last, partial wave split in
+    ``slots // r`` parts (>= 2 K blocks each), so that wave runs as one short full wave
+    instead of ``r`` programs with the rest of the GPU idle (7B qkv at M = 1024: 288 tiles of
+    128 x 128, 132 SMs: 264 whole, 24 split in 5). Else every tile whole."""
+    if split_k < 0:
+        whole = tiles - tiles % slots
+        split = min(slots // (tiles - whole), kblocks // 2) if tiles > whole else 1
+    else:
+        whole, split = (0, split_k) if split_k > 1 else (tiles, 1)
+    if split <= 1:
+        return tiles, 1, kblocks
+    per = _cdiv(kblocks, split)
+    return whole, _cdiv(kblocks, per), per
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor needs a 16-byte aligned base and row stride (K % 16 == 0 for 8-bit)."""
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -477,20 +498,24 @@ def _w8a8_tma_gemm(xq, sx, qw, bias, out_dtype, cfg: TileConfig, gated: bool = F
     n_tiles = _cdiv(n, cfg.bn)
     tiles = _cdiv(m, cfg.bm) * n_tiles
     kblocks = _cdiv(k, cfg.bk)
-    per = _cdiv(kblocks, max(cfg.split_k, 1))
-    split = _cdiv(kblocks, per)
+    slots = int(num_sms(xq.device) * max(cfg.waves, 1))
+    whole, split, per = _tma_work(tiles, kblocks, slots, cfg.split_k)
     if gated and split > 1:
         raise ValueError("the gated W8A8 GEMM cannot split K (its SiLU-and-mul epilogue needs whole sums)")
-    out, part, cnt = _outputs(m, n, split, tiles, out_dtype, xq.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    part = cnt = out
+    if split > 1:  # compact partials of the split tiles (see w8a8_tma_kernel)
+        part = torch.empty(split * (tiles - whole) * cfg.bm * cfg.bn, dtype=torch.float32, device=xq.device)
+        cnt = _counters(xq.device, tiles)
     amax = torch.empty(m, n_tiles, dtype=torch.float32, device=xq.device) if gated else out
-    progs = min(tiles * split, int(num_sms(xq.device) * max(cfg.waves, 1)))
+    progs = min(whole + (tiles - whole) * split, slots)
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
     b_desc = TensorDescriptor.from_tensor(qw.qdata, [cfg.bn, cfg.bk])
     tk.w8a8_tma_kernel[(progs,)](
         a_desc, b_desc, sx, qw.scales, bias if bias is not None else sx, out, amax, part, cnt,
-        m, n, k, out.stride(0), progs, per, split,
+        m, n, k, out.stride(0), progs, per, split, whole,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
-        ACC_INT=xq.dtype == torch.int8, GATED=gated, IS_SPLIT=split > 1, num_warps=cfg.num_warps,
+        ACC_INT=xq.dtype == torch.int8, GATED=gated, IS_SPLIT=split > 1, WS=cfg.ws, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # gated: silu(g) * u must round as the engine's SiLU-and-mul kernel does (no FMA contraction)
         **({"enable_fp_fusion": False} if gated else {}),

@@ -161,27 +161,34 @@ def act_quant_kernel(
 
 
 @triton.jit
+def _dense_parts(offs_m, offs_n, M, N):
+    """Partials layout ``part [n_split, M, N]``: (offsets of a tile's elements inside one
+    split's slab, the slab size), for :func:`_store_tile`."""
+    return offs_m[:, None].to(tl.int64) * N + offs_n[None, :], N * M
+
+
+@triton.jit
 def _store_tile(
     acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-    pid_tile, pid_k, n_split, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    pid_tile, pid_k, n_split, part_off, split_stride, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Write an fp32 tile (+ bias) as the output dtype.
 
-    Split-K: each split stores its partial sum to ``part [n_split, M, N]`` (fp32), then
+    Split-K: each split stores its partial sum to ``part_ptr + pid_k * split_stride +
+    part_off`` (fp32; :func:`_dense_parts` or the TMA kernel's compact tail layout), then
     bumps the tile's counter; the split that arrives last adds the partials in split
     order (so the result does not depend on arrival order: deterministic), writes the
     output and resets the counter for the next launch (CUDA-graph replays included).
     """
     omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tile_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if IS_SPLIT:
-        tl.store(part_ptr + pid_k * N * M + tile_off, acc, mask=omask)
+        tl.store(part_ptr + pid_k * split_stride + part_off, acc, mask=omask)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_tile, 1, sem="acq_rel")
         if arrived == n_split - 1:
             acc = tl.zeros_like(acc)
             for sp in range(0, n_split):
-                acc += tl.load(part_ptr + sp * N * M + tile_off, mask=omask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(part_ptr + sp * split_stride + part_off, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
@@ -307,8 +314,9 @@ def wo_gemm_kernel(
                 ks = k_first + offs_j
                 x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
                 acc += tl.dot(x, w)
+    part_off, split_stride = _dense_parts(offs_m, offs_n, M, N)
     _store_tile(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+                tl.program_id(0), pid_k, N_SPLIT, part_off, split_stride, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -342,8 +350,9 @@ def int8_gemm_kernel(
         a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
         b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
         acc = _w8a8_dot(a, b, acc, BK, ACC_INT)
+    part_off, split_stride = _dense_parts(offs_m, offs_n, M, N)
     _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
-                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+                tl.program_id(0), pid_k, N_SPLIT, part_off, split_stride, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -373,14 +382,14 @@ def _w8a8_scaled(acc, sa, sb_ptr, offs_n, N):
 @triton.jit
 def _w8a8_store(
     acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
-    pid_tile, pid_k, n_split, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    pid_tile, pid_k, n_split, part_off, split_stride, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """W8A8 epilogue: ``acc * sa[:, None] * sb[None, :]`` (token and channel scales), then
     :func:`_store_tile`."""
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = _w8a8_scaled(acc, sa, sb_ptr, offs_n, N)
     _store_tile(y, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-                pid_tile, pid_k, n_split, IS_SPLIT, HAS_BIAS)
+                pid_tile, pid_k, n_split, part_off, split_stride, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -413,27 +422,41 @@ def _gated_store(
 @triton.jit
 def w8a8_tma_kernel(
     a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, amax_ptr, part_ptr, cnt_ptr,
-    M, N, K, stride_om, NUM_PROGS, KBLOCKS_PER_SPLIT, N_SPLIT,
+    M, N, K, stride_om, NUM_PROGS, KBLOCKS_PER_SPLIT, N_SPLIT, T_WHOLE,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr, IS_SPLIT: tl.constexpr,
+    WS: tl.constexpr = False,
 ):
     """The math of ``int8_gemm_kernel`` for large M: operand tiles come through
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
     copy engine zero-fills past M, N and K, so the loop has no masks or address math) and
-    the grid is persistent: ``NUM_PROGS`` programs walk the output tiles in grouped order.
-    IS_SPLIT: each tile's K range is cut into ``N_SPLIT`` work items (adjacent in the walk),
-    summed through ``_store_tile``'s partials as in ``int8_gemm_kernel`` (M = 128-512: too few
-    tiles of 128 x 128 to fill the GPU, and smaller tiles re-read the operands from L2).
+    the grid is persistent: ``NUM_PROGS`` programs walk the work items in grouped tile order.
 
-    GATED (a gate/up projection, no bias): ``b`` is ``[2 N, K]``, gate rows then up rows.
-    A tile computes its N columns of both halves and stores ``silu(g) * u`` through
+    Work items: the first ``T_WHOLE`` tiles whole, then each remaining tile cut along K into
+    ``N_SPLIT`` items (adjacent in the walk) whose partials are summed through
+    ``_store_tile`` (compact layout ``part [N_SPLIT, tiles - T_WHOLE, BM, BN]``). Without
+    IS_SPLIT every tile is whole. ``T_WHOLE = 0`` splits every tile (M = 128-512: too few
+    tiles of 128 x 128 to fill the GPU, and smaller tiles re-read the operands from L2);
+    ``T_WHOLE`` = the tiles of the full waves splits only the last, partial wave (the
+    data-parallel + stream-K hybrid: at M = 1024, 7B qkv has 288 tiles of 128 x 128 for
+    132 SMs, so a whole-tile grid leaves the third wave 82% idle).
+
+    GATED (a gate/up projection, no bias, no split): ``b`` is ``[2 N, K]``, gate rows then up
+    rows. A tile computes its N columns of both halves and stores ``silu(g) * u`` through
     :func:`_gated_store` (``out [M, N]``, row maxima to ``amax_ptr``): the MLP's SiLU-and-mul
-    costs no launch and ``g``, ``u`` never reach memory."""
+    costs no launch and ``g``, ``u`` never reach memory. WS: Triton's warp specialization of
+    the item loop (loads in a producer warp)."""
     kblocks = tl.cdiv(K, BK)
     n_tiles = tl.cdiv(N, BN)
-    for item in range(tl.program_id(0), tl.cdiv(M, BM) * n_tiles * N_SPLIT, NUM_PROGS):
-        tile = item // N_SPLIT
-        pid_k = item % N_SPLIT
+    tiles = tl.cdiv(M, BM) * n_tiles
+    n_items = T_WHOLE + (tiles - T_WHOLE) * N_SPLIT
+    for item in tl.range(tl.program_id(0), n_items, NUM_PROGS, warp_specialize=WS):
+        in_tail = item >= T_WHOLE
+        tail = tl.maximum(item - T_WHOLE, 0)
+        tile = tl.where(in_tail, T_WHOLE + tail // N_SPLIT, item)
+        pid_k = tail % N_SPLIT
+        kb_lo = pid_k * KBLOCKS_PER_SPLIT
+        kb_hi = tl.where(in_tail, tl.minimum(kb_lo + KBLOCKS_PER_SPLIT, kblocks), kblocks)
         pid_m, pid_n = _tile_ids(tile, M, N, BM, BN, GROUP_M)
         if ACC_INT:
             acc = tl.zeros([BM, BN], dtype=tl.int32)
@@ -441,7 +464,7 @@ def w8a8_tma_kernel(
             acc = tl.zeros([BM, BN], dtype=tl.float32)
         if GATED:
             acc_u = tl.zeros_like(acc)
-        for kb in range(pid_k * KBLOCKS_PER_SPLIT, tl.minimum((pid_k + 1) * KBLOCKS_PER_SPLIT, kblocks)):
+        for kb in range(kb_lo, kb_hi):
             a = a_desc.load([pid_m * BM, kb * BK])
             acc = _w8a8_dot(a, b_desc.load([pid_n * BN, kb * BK]).T, acc, BK, ACC_INT)
             if GATED:
@@ -451,8 +474,19 @@ def w8a8_tma_kernel(
         if GATED:
             _gated_store(acc, acc_u, sa_ptr, sb_ptr, out_ptr, amax_ptr, offs_m, offs_n, M, N, stride_om, n_tiles, pid_n)
         else:
-            _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
-                        tile, pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+            # compact partials of tail tile (tile - T_WHOLE); unused by whole tiles
+            part_off = (tile - T_WHOLE).to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            split_stride = (tiles - T_WHOLE).to(tl.int64) * (BM * BN)
+            if IS_SPLIT:
+                if in_tail:
+                    _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N,
+                                stride_om, tile, pid_k, N_SPLIT, part_off, split_stride, True, HAS_BIAS)
+                else:
+                    _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N,
+                                stride_om, tile, pid_k, N_SPLIT, part_off, split_stride, False, HAS_BIAS)
+            else:
+                _w8a8_store(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om,
+                            tile, pid_k, N_SPLIT, part_off, split_stride, False, HAS_BIAS)
 
 
 @triton.jit
@@ -518,8 +552,9 @@ def w4a8_gemm_kernel(
             acc += tl.dot(a_hi, w_hi, out_dtype=tl.int32).to(tl.float32) * s_hi[None, :]
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = acc * sa[:, None]
+    part_off, split_stride = _dense_parts(offs_m, offs_n, M, N)
     _store_tile(y, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-                tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+                tl.program_id(0), pid_k, N_SPLIT, part_off, split_stride, IS_SPLIT, HAS_BIAS)
 
 
 @triton.jit
