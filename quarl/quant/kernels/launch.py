@@ -220,11 +220,21 @@ def fp8_config(m: int, n: int, k: int) -> TileConfig:
     return TileConfig(0, 0, kernel="cublas")
 
 
+# int8 at M >= 2048 (run 17, H100, bench/results/w8a8_sweep_h100_run17.json, GEMM on quantized
+# input, M = 4096; H200 run 12 in brackets): wide layers (gate_up) 256 x 128 tiles 961 vs 1114 us
+# for the pointer kernel (968 vs 1032); K > 8192 (down) 128 x 256 tiles with the tail split 444
+# vs 498 (no tail split 484; H200 no tail split 488 vs 485). Measured at M = 1024 and 4096 only:
+# at 1024 the pointer kernel stays ahead (down 110 vs 121 us).
+_TMA_WIDE = TileConfig(256, 128, 128, num_warps=8, num_stages=3, waves=1, kernel="tma")
+_TMA_LONG_K = TileConfig(128, 256, 128, split_k=-1, num_warps=8, num_stages=3, waves=1, kernel="tma")
+
+
 def int8_config(m: int, n: int, k: int) -> TileConfig:
     """M <= 64 as fp8; K > 8192 up to M = 256 ``_TMA_SPLIT``; M <= 512: the TMA kernel, 64 x 64 tiles while they fit in ~2 per SM
-    (q/o, down), else 64 x 128 (qkv 14.5 vs 15.7 us, gate_up 75 vs 78 at M = 256); larger M
-    the pointer kernel, 128 x 128 x 128, 8 warps, 3 stages (sweep_h200_1.json; run 12: no TMA
-    tile beat it by more than 6%)."""
+    (q/o, down), else 64 x 128 (qkv 14.5 vs 15.7 us, gate_up 75 vs 78 at M = 256); M >= 2048
+    with N >= 16384 or K > 8192: the TMA kernel's ``_TMA_WIDE`` / ``_TMA_LONG_K``; else the
+    pointer kernel, 128 x 128 x 128, 8 warps, 3 stages (sweep_h200_1.json; run 12: no TMA
+    tile beat it by more than 6% at M = 1024)."""
     if "int8" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["int8"](m, n, k)
     if m <= 64:
@@ -233,6 +243,10 @@ def int8_config(m: int, n: int, k: int) -> TileConfig:
         return _TMA_SPLIT
     if m <= 512:
         return _TMA_64 if _cdiv(m, 64) * _cdiv(n, 64) <= _TMA_64_MAX_TILES else _TMA_64x128
+    if m >= 2048 and k > 8192:
+        return _TMA_LONG_K
+    if m >= 2048 and n >= 16384:
+        return _TMA_WIDE
     return TileConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)
 
 
