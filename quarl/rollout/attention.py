@@ -48,8 +48,6 @@ class StepContext:
 class PagedAttention:
     """``attn(layer_idx, q, k, v) -> out`` over a paged KV cache for one step."""
 
-    quantizes_output = True  # takes ``quant=`` (see __call__); quarl.rollout.fused asks
-
     def __init__(self, cache: KVCache, ctx: StepContext, backend: str) -> None:
         self.cache = cache
         self.ctx = ctx

@@ -399,9 +399,8 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
             q = rmsnorm(q, a.q_norm.weight, a.q_norm.eps)
             k = rmsnorm(k, a.k_norm.weight, a.k_norm.eps)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        # W8A8 o_proj: an attention that can (PagedAttention's decode kernels) quantizes its
-        # output rows and hands back (codes, scales, dtype)
-        o_fmt = act_format_of(getattr(a.o_proj, "qweight", None)) if getattr(attn, "quantizes_output", False) else None
+        # W8A8 o_proj: the decode attention kernels quantize their output rows (tuple back)
+        o_fmt = act_format_of(getattr(a.o_proj, "qweight", None))
         out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
                    v.reshape(b, t, a.n_kv, a.head_dim), **({"quant": o_fmt} if o_fmt else {}))
         if isinstance(out, tuple):
