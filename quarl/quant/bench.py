@@ -12,11 +12,9 @@ reports the median per-call time of many replays. Inputs are random normals.
 Formats that quantize activations are timed as a standalone ``QuantLinear`` does it
 (quantizer launch + GEMM). In the ``engine`` shape set, the GEMMs whose input the rollout
 engine quantizes inside the op before (qkv and gate_up after its RMSNorm, down after its
-SiLU-and-mul, o_proj after its decode attention) are timed as the engine runs them
-instead: the GEMM on codes, plus what fusing the quantizer adds to that op (the fused
-kernel writing codes minus the same kernel writing bf16 only, measured; for o_proj the
-decode attention at batch M over 256 cached tokens). A prefill step's o_proj still
-launches the quantizer.
+SiLU-and-mul) are timed as the engine runs them instead: the GEMM on codes, plus what
+fusing the quantizer adds to that op (the fused kernel writing codes minus the same
+kernel writing bf16, measured). o_proj keeps its quantizer launch in both sets.
 """
 
 from __future__ import annotations
@@ -190,11 +188,8 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, 
 
 
 # Engine shapes whose input the rollout engine quantizes inside the op before (its fused
-# RMSNorm, SiLU-and-mul, or decode attention), for W8A8 / W4A8 formats (quarl.rollout.fused):
-# the producer. "q_proj/o_proj"'s engine count is o_proj's (q runs in the fused qkv GEMM).
-ENGINE_QUANTIZED_INPUT = {"qkv_proj (fused)": "rmsnorm", "gate_up_proj (fused)": "rmsnorm", "down_proj": "silu_mul",
-                          "o_proj": "attention", "q_proj/o_proj": "attention"}
-DECODE_CONTEXT = 256  # cached tokens per sequence when timing the decode attention's quantizer
+# RMSNorm, or SiLU-and-mul), for W8A8 / W4A8 formats (quarl.rollout.fused): the producer.
+ENGINE_QUANTIZED_INPUT = {"qkv_proj (fused)": "rmsnorm", "gate_up_proj (fused)": "rmsnorm", "down_proj": "silu_mul"}
 
 
 def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -230,18 +225,12 @@ def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.d
     return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(len(qws))]
 
 
-def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torch.device, reps: int, graph: bool,
-                           heads: tuple[int, int, int] | None = None) -> float:
+def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torch.device, reps: int, graph: bool) -> float:
     """What fusing the quantizer costs the op before the GEMM: time of the engine's fused
     ``producer`` writing codes + scales minus the same kernel writing bf16 (negative when the
-    smaller write makes it faster). ``k`` is the GEMM's K (the producer's row length);
-    ``heads`` = (query heads, KV heads, head dim) for the attention producer."""
+    smaller write makes it faster). ``k`` is the GEMM's K (the producer's row length)."""
     from quarl.rollout import fused
 
-    if producer == "attention":
-        if heads is None:
-            raise ValueError("the attention producer needs the model's heads")
-        return _decode_attention_extra_seconds(act, m, heads, device, reps, graph)
     x = torch.randn(m, 2 * k if producer == "silu_mul" else k, device=device, dtype=torch.bfloat16)
     w = torch.ones(k, device=device, dtype=torch.bfloat16)
 
@@ -250,39 +239,6 @@ def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torc
             return lambda: fused.silu_mul(x[:, :k], x[:, k:], quant=quant)
         return lambda: fused.rmsnorm(x, w, 1e-6, quant=quant)
 
-    return time_per_call([run(act)], reps=reps, graph=graph) - time_per_call([run(None)], reps=reps, graph=graph)
-
-
-def _decode_attention_extra_seconds(act: str, m: int, heads: tuple[int, int, int], device: torch.device, reps: int,
-                                    graph: bool) -> float:
-    """The engine's decode attention (batch ``m``, ``DECODE_CONTEXT`` tokens each, the
-    engine's split count) quantizing its output for o_proj, minus the same call without."""
-    from quarl.quant.kernels import launch
-    from quarl.rollout import kernels
-
-    hq, hkv, d = heads
-    page, ctx = 16, DECODE_CONTEXT
-    nb = ctx // page
-    gen = torch.Generator(device=device).manual_seed(0)
-    k_cache = torch.randn(m * nb, page, hkv, d, device=device, dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(m * nb, page, hkv, d, device=device, dtype=torch.bfloat16, generator=gen)
-    tables = torch.randperm(m * nb, device=device, generator=gen).view(m, nb).to(torch.int32)
-    lens = torch.full((m,), ctx, dtype=torch.int32, device=device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(-(-4 * sms // (m * hkv)), 16, -(-ctx // 128)))  # as the engine's model runner
-    split_len = torch.tensor([-(-(-(-ctx // splits)) // 128) * 128], dtype=torch.int32, device=device)
-    q = torch.randn(m, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
-    out = torch.empty_like(q)
-    po = torch.empty(m, hq, splits, d, device=device) if splits > 1 else None
-    pl = torch.empty(m, hq, splits, device=device) if splits > 1 else None
-    _, codes, scales = launch.act_quant_buffers(m, hq * d, act, device)
-
-    def run(quant):
-        kw = dict(quant=quant, codes=codes, scales=scales) if quant else {}
-        return lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, split_len, out, po, pl, splits,
-                                                      d**-0.5, **kw)
-
-    run(act)()  # the row counters exist before graph capture
     return time_per_call([run(act)], reps=reps, graph=graph) - time_per_call([run(None)], reps=reps, graph=graph)
 
 
@@ -336,7 +292,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict, heads=None) -> tuple[float, dict]:
+def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict) -> tuple[float, dict]:
     """Time of an engine-set W8A8 GEMM as the engine runs it, and what the row says about its
     input. In general: the GEMM on codes plus what the fused quantizer adds to the op before
     (``producer_extra_seconds``, cached in ``extra``). Where the MLP runs the gated gate/up
@@ -361,7 +317,7 @@ def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict
         return t, dict(input="quantized by the fused rmsnorm; SiLU-and-mul in the GEMM epilogue, down's quantizer "
                              "included, the bf16 SiLU-and-mul subtracted", producer_extra_ms=(norm - silu) * 1e3)
     key = (ENGINE_QUANTIZED_INPUT[label], act, m, k)
-    add = cached(key, lambda: producer_extra_seconds(*key, device, reps, graph, heads))
+    add = cached(key, lambda: producer_extra_seconds(*key, device, reps, graph))
     t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), reps=reps, graph=graph) + add
     return t, dict(input=f"quantized by the fused {ENGINE_QUANTIZED_INPUT[label]}", producer_extra_ms=add * 1e3)
 
@@ -393,9 +349,7 @@ def run_benchmark(
                             if kind == "standalone":
                                 t = time_per_call(make_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph)
                             else:
-                                cfg = MODELS[model]
-                                t, note = engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra,
-                                                             (cfg["heads"], cfg["kv_heads"], cfg["head_dim"]))
+                                t, note = engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra)
                             err = None
                         except Exception as e:  # keep going; the failure is part of the result
                             t, err = float("nan"), f"{type(e).__name__}: {e}"[:300]

@@ -53,11 +53,7 @@ class PagedAttention:
         self.ctx = ctx
         self.backend = backend
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: str | None = None):
-        """``out [B, T, Hq, D]``; with ``quant`` ("int8" / "fp8": o_proj takes W8A8 input) the
-        Triton decode path returns ``(codes [B, Hq * D], scales [B], dtype)`` instead, quantized
-        inside the attention kernels (``kernels.paged_decode_attention``); prefill and the
-        torch backend return ``out`` (the caller quantizes)."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, t, hq, d = q.shape
         hkv = k.shape[2]
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
@@ -75,9 +71,7 @@ class PagedAttention:
                     self.ctx.context_lens, self.ctx.max_seqlen_q, scale,
                 )
             else:
-                out = self._triton_decode(q_flat, k_cache, v_cache, scale, quant)
-                if quant is not None:
-                    return out
+                out = self._triton_decode(q_flat, k_cache, v_cache, scale)
         elif self.ctx.is_prefill:
             out = torch_prefill_attention(
                 q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.host_cu_seqlens_q,
@@ -89,27 +83,20 @@ class PagedAttention:
             )
         return out.view(b, t, hq, d)
 
-    def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                       quant: str | None = None):
-        from quarl.quant.kernels.launch import act_quant_buffers
+    def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         from quarl.rollout import kernels
 
         b, hq, d = q.shape
         splits = self.ctx.num_splits
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
         part_out = part_lse = None
         if splits > 1:
             part_out = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-        codes = codes_arg = scales = None
-        if quant is not None:
-            codes, codes_arg, scales = act_quant_buffers(b, hq * d, quant, q.device)
-        out = kernels.paged_decode_attention(
+        return kernels.paged_decode_attention(
             q, k_cache, v_cache, self.ctx.block_tables, self.ctx.context_lens, self.ctx.split_len,
             out, part_out, part_lse, splits, scale, self.ctx.decode_block_n, self.ctx.decode_warps,
-            quant=quant, codes=codes_arg, scales=scales,
         )
-        return out if quant is None else (codes, scales, q.dtype)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

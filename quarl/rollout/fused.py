@@ -399,14 +399,9 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
             q = rmsnorm(q, a.q_norm.weight, a.q_norm.eps)
             k = rmsnorm(k, a.k_norm.weight, a.k_norm.eps)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        # W8A8 o_proj: the decode attention kernels quantize their output rows (tuple back)
-        o_fmt = act_format_of(getattr(a.o_proj, "qweight", None))
         out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
-                   v.reshape(b, t, a.n_kv, a.head_dim), **({"quant": o_fmt} if o_fmt else {}))
-        if isinstance(out, tuple):
-            o = ops.quant_linear_quantized_input(*out[:2], a.o_proj.qweight, a.o_proj.bias, out[2])
-        else:
-            o = a.o_proj(out.reshape(b * t, -1))
+                   v.reshape(b, t, a.n_kv, a.head_dim))
+        o = a.o_proj(out.reshape(b * t, -1))
         fused_gu = getattr(mlp, "_fused_gate_up", None)
         h = _norm(o, layer.post_attention_layernorm, residual, fused_gu)
         if fused_gu is not None:

@@ -23,41 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, store_act_codes
-
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _quantize_row_if_last(row_ptr, n_cols, cnt_ptr, n_programs, q_row_ptr, s_ptr,
-                          IS_FP8: tl.constexpr, BLOCK: tl.constexpr):
-    """Fused per-token quantizer of the attention output (o_proj's W8A8 input).
-
-    Each of the ``n_programs`` programs that wrote part of one token's output row (its
-    heads) bumps the row's counter after its stores; the one that arrives last reads the
-    whole row back (``row_ptr``, ``n_cols`` contiguous values) and writes act_quant's codes
-    and scale of it (same helpers, same rounding: bit-identical codes), then resets the
-    counter for the next launch, as split-K's ``_store_tile`` does."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    if arrived == n_programs - 1:
-        cols = tl.arange(0, BLOCK)
-        msk = cols < n_cols
-        v = tl.load(row_ptr + cols, mask=msk, other=0.0, cache_modifier=".cg").to(tl.float32)
-        sc = act_scale(tl.max(tl.abs(v), 0), IS_FP8)
-        tl.store(s_ptr, sc)
-        store_act_codes(q_row_ptr + cols, v, act_inv_scale(sc), msk, IS_FP8)
-        tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, qk_scale, codes_ptr, scales_ptr, cnt_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    QUANT: tl.constexpr = False, IS_FP8: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 16,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -102,10 +77,6 @@ def _paged_decode_kernel(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty), mask=o_mask,
         )
-        if QUANT:  # rows contiguous: stride_oh == HEAD_DIM
-            n_cols = tl.num_programs(1) * GROUP * HEAD_DIM
-            _quantize_row_if_last(out_ptr + b * stride_ob, n_cols, cnt_ptr + b, tl.num_programs(1),
-                                  codes_ptr + b * n_cols, scales_ptr + b, IS_FP8, BLOCK_ROW)
     else:
         # part_out [B, Hq, NUM_SPLITS, HEAD_DIM], part_lse [B, Hq, NUM_SPLITS], contiguous
         hq = tl.num_programs(1) * GROUP
@@ -117,9 +88,8 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, codes_ptr, scales_ptr, cnt_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    QUANT: tl.constexpr = False, IS_FP8: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 16,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -138,10 +108,6 @@ def _decode_reduce_kernel(
     )
     out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    if QUANT:  # rows contiguous: stride_oh == HEAD_DIM
-        n_cols = hq * HEAD_DIM
-        _quantize_row_if_last(out_ptr + b * stride_ob, n_cols, cnt_ptr + b, hq,
-                              codes_ptr + b * n_cols, scales_ptr + b, IS_FP8, BLOCK_ROW)
 
 
 @triton.jit
@@ -217,9 +183,6 @@ def paged_decode_attention(
     scale: float,
     block_n: int = 64,
     num_warps: int = 4,
-    quant: str | None = None,
-    codes: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context.
 
@@ -228,15 +191,7 @@ def paged_decode_attention(
     one included, already in the cache); split_len ``[1]`` int32 tokens per split
     (a multiple of 64); out ``[B, Hq, D]``; part_out ``[B, Hq, S, D]`` and part_lse
     ``[B, Hq, S]`` float32 scratch when ``num_splits > 1``.
-
-    ``quant`` ("int8" / "fp8", o_proj's W8A8 input): also writes the per-token codes of
-    each output row (``out`` contiguous) to ``codes [B, Hq * D]`` (the view a kernel writes,
-    see ``act_quant_buffers``) and scales to ``scales [B]``, equal to ``act_quant(out)``'s
-    bit for bit: the last program to finish a row quantizes it (``_quantize_row_if_last``),
-    so the quantizer costs no launch. int8 launches without FMA contraction (as act_quant).
     """
-    from quarl.quant.kernels import launch
-
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -245,30 +200,19 @@ def paged_decode_attention(
         assert part_out is not None and part_lse is not None
     else:
         part_out = part_lse = out
-    qkw = {}
-    if quant is not None:
-        if not (out.is_contiguous() and codes is not None and scales is not None):
-            raise ValueError("the fused o_proj quantizer needs a contiguous out and codes / scales buffers")
-        cnt = launch._counters(q.device, b)
-        qkw = dict(QUANT=True, IS_FP8=quant == "fp8", BLOCK_ROW=triton.next_power_of_2(hq * d))
-        if quant == "int8":
-            qkw["enable_fp_fusion"] = False
-    else:
-        codes = scales = cnt = out
     _paged_decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, split_len, out, part_out, part_lse, scale * LOG2E,
-        codes, scales, cnt,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=2, **(qkw if num_splits == 1 else {}),
+        num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(b, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), codes, scales, cnt,
+            part_out, part_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4, **qkw,
+            num_warps=4,
         )
     return out
 

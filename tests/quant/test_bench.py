@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from quarl.quant.bench import MODELS, check_targets, layer_speedups, linear_shapes
 
 
@@ -54,10 +52,8 @@ def test_engine_split_times_fused_input_gemms_apart():
     # down_proj: the engine's SiLU-and-mul quantizes its input, a module's QuantLinear launches the quantizer
     assert engine_split("down_proj", both, "w8a8-fp8") == ({"modules": 1}, {"engine": 1})
     assert engine_split("gate_up_proj (fused)", {"engine": 1}, "w8a8-int8") == ({}, {"engine": 1})
-    # o_proj: the engine's decode attention quantizes its output; weight-only formats have no quantizer
-    assert engine_split("o_proj", both, "w8a8-fp8") == ({"modules": 1}, {"engine": 1})
-    assert engine_split("q_proj/o_proj", {"modules": 2, "engine": 1}, "w8a8-int8") == ({"modules": 2}, {"engine": 1})
-    assert engine_split("k_proj/v_proj", {"modules": 2}, "w8a8-int8") == ({"modules": 2}, {})
+    # o_proj's input comes from attention: the quantizer launch stays; weight-only formats have none
+    assert engine_split("o_proj", both, "w8a8-fp8") == (both, {})
     assert engine_split("down_proj", both, "w4a16") == (both, {})
     assert engine_split("down_proj", both, "bf16") == (both, {})
 
@@ -118,18 +114,3 @@ def test_engine_rows_of_a_gated_mlp(monkeypatch):
         else:
             assert (t_gu, t_down) == (5.0 + 0.5, 5.0 + 3.0)
             assert note_down["input"] == "quantized by the fused silu_mul"
-
-
-def test_engine_row_of_o_proj_carries_the_attention_quantizer(monkeypatch):
-    """o_proj's engine row: its GEMM on codes + what quantizing costs the decode attention,
-    measured with the model's heads (the producer needs them)."""
-    from quarl.quant import bench
-
-    seen = []
-    monkeypatch.setattr(bench, "time_per_call", lambda calls, **kw: calls)
-    monkeypatch.setattr(bench, "make_calls_quantized_input", lambda *a: 5.0)
-    monkeypatch.setattr(bench, "_decode_attention_extra_seconds", lambda act, m, heads, *a: seen.append(heads) or 0.25)
-    t, note = bench.engine_row_seconds("q_proj/o_proj", "w8a8-int8", 256, 3584, 3584, None, 0, 1, True, {}, (28, 4, 128))
-    assert t == 5.25 and seen == [(28, 4, 128)] and note["input"] == "quantized by the fused attention"
-    with pytest.raises(ValueError, match="needs the model's heads"):
-        bench.engine_row_seconds("o_proj", "w8a8-int8", 256, 3584, 3584, None, 0, 1, True, {})

@@ -43,38 +43,6 @@ def test_paged_decode_matches_reference(hq, hkv, d, page, splits):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode_fused_quantizer_equals_act_quant(fmt, splits):
-    """o_proj's W8A8 input quantized inside the decode kernels (the last program of a row
-    quantizes it): codes and scales equal act_quant of the same output bit for bit, the
-    output itself is unchanged, and the row counters are back at zero (graph replays)."""
-    from quarl.quant.kernels import launch
-    from quarl.rollout.kernels import paged_decode_attention
-
-    lens, hq, hkv, d, page = [1, 70, 13, 130, 40], 6, 2, 12, 8
-    k_cache, v_cache, tables = _paged_cache(lens, page, hkv, d, torch.bfloat16)
-    q = torch.randn(len(lens), hq, d, dtype=torch.bfloat16) * 3
-    q[3] = 0  # uniform attention over V: a plain row
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    split_len = torch.tensor([-(-(-(-max(lens) // splits)) // 64) * 64], dtype=torch.int32)
-    part_out = torch.empty(len(lens), hq, splits, d) if splits > 1 else None
-    part_lse = torch.empty(len(lens), hq, splits) if splits > 1 else None
-    args = (q, k_cache, v_cache, tables, ctx, split_len)
-    plain = torch.empty_like(q)
-    paged_decode_attention(*args, plain, part_out, part_lse, splits, d**-0.5)
-    out = torch.empty_like(q)
-    codes, codes_arg, scales = launch.act_quant_buffers(len(lens), hq * d, fmt, q.device)
-    paged_decode_attention(*args, out, part_out, part_lse, splits, d**-0.5, quant=fmt, codes=codes_arg, scales=scales)
-    torch.testing.assert_close(out, plain, atol=1e-2, rtol=1e-2)  # int8: launched without FMA contraction
-    q_ref, s_ref = launch.act_quant(out.reshape(len(lens), -1), fmt)
-    assert torch.equal(scales, s_ref)
-    assert torch.equal(codes.view(torch.int8), q_ref.view(torch.int8))
-    assert not launch._counters(q.device, len(lens))[: len(lens)].any()
-    with pytest.raises(ValueError, match="contiguous out"):
-        paged_decode_attention(*args, out, part_out, part_lse, splits, d**-0.5, quant=fmt)
-
-
 @pytest.mark.parametrize("hq,hkv,d,page", [(4, 2, 16, 4), (6, 2, 12, 8), (4, 1, 32, 16)])
 def test_paged_prefill_and_extend_match_reference(hq, hkv, d, page):
     from quarl.rollout.kernels import paged_prefill_attention

@@ -57,35 +57,6 @@ def test_decode_kernel_vs_fp32_reference(hq, hkv, d, splits):
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_fused_o_proj_quantizer_on_gpu(fmt, splits):
-    """7B heads, 256 rows: the codes / scales the decode kernels write (last program of a
-    row quantizes it, across real concurrent programs) equal act_quant of the output bit for
-    bit, twice in a row (the row counters reset), and the output matches the plain kernel."""
-    from quarl.quant.kernels import launch
-    from quarl.rollout.kernels import paged_decode_attention
-
-    hq, hkv, d, b = 28, 4, 128, 256
-    lens = torch.randint(1, 700, (b,)).tolist()
-    k, v, tables = _paged(lens, 16, hkv, d, torch.bfloat16)
-    q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    split_len = torch.tensor([-(-(-(-max(lens) // splits)) // 64) * 64], dtype=torch.int32, device=DEV)
-    po = torch.empty(b, hq, splits, d, device=DEV) if splits > 1 else None
-    pl = torch.empty(b, hq, splits, device=DEV) if splits > 1 else None
-    args = (q, k, v, tables, ctx, split_len)
-    plain = torch.empty_like(q)
-    paged_decode_attention(*args, plain, po, pl, splits, d**-0.5)
-    for _ in range(2):
-        out = torch.empty_like(q)
-        codes, codes_arg, scales = launch.act_quant_buffers(b, hq * d, fmt, q.device)
-        paged_decode_attention(*args, out, po, pl, splits, d**-0.5, quant=fmt, codes=codes_arg, scales=scales)
-        assert _rel(out, plain) < 1e-3
-        q_ref, s_ref = launch.act_quant(out.view(b, -1), fmt)
-        assert torch.equal(scales, s_ref) and torch.equal(codes.view(torch.uint8), q_ref.view(torch.uint8))
-
-
 @pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (28, 4, 128), (8, 8, 64), (4, 1, 96)])
 def test_prefill_extend_kernel_vs_fp32_reference(hq, hkv, d):
     from quarl.rollout.kernels import paged_prefill_attention
