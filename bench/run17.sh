@@ -10,6 +10,24 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 if [[ $PARTS == *tests* ]]; then
   timeout 200 python3 -m pytest tests_gpu/quant/test_fast_paths.py -q -x -k "w8a8 or int8 or fp8" 2>&1 | tail -4
+  timeout 200 python3 -m pytest tests_gpu/rollout -q > $OUT/rollout_gpu_tests_${LABEL}.txt 2>&1
+  grep -E "FAILED|Error|passed|failed" $OUT/rollout_gpu_tests_${LABEL}.txt | tail -12
+fi
+if [[ $PARTS == *ab* ]]; then  # old checkout in .carry/old (carry it), interleaved with this one
+  for lbl in old new old new; do
+    if [[ $lbl == old ]]; then P=.carry/old; else P=.; fi
+    PYTHONPATH=$P timeout 150 python3 bench/ab_w8a8.py --label $lbl --ms ${AB_MS:-256,1024,4096} --out $OUT/ab_${LABEL}.jsonl > /dev/null 2>&1 || echo "ab $lbl failed"
+  done
+  python3 - $OUT/ab_${LABEL}.jsonl <<'PY'
+import json, sys, collections
+rows = [json.loads(l) for l in open(sys.argv[1])]
+g = collections.defaultdict(list)
+for r in rows:
+    g[(r["M"], r["layer"], r["format"], r["label"])].append(r["us"])
+for (m, layer, fmt, lbl) in sorted(k for k in g if k[3] == "new"):
+    old, new = g[(m, layer, fmt, "old")], g[(m, layer, fmt, "new")]
+    print(f"{fmt:10} M={m:<5} {layer:22} old {' '.join(f'{x:7.1f}' for x in old)}  new {' '.join(f'{x:7.1f}' for x in new)} us")
+PY
 fi
 if [[ $PARTS == *sweep* ]]; then
   timeout ${SWEEP_TIMEOUT:-420} python3 bench/w8a8_sweep.py --out $OUT/w8a8_sweep_${LABEL}.json --parts ${KINDS:-int8,fp8} \
