@@ -122,7 +122,8 @@ def test_w8a8_gemm_configs(m, name):
     cfgs += [launch.TileConfig(128, 128, 128, split_k=sp, num_warps=8, num_stages=4, waves=wv, kernel="tma") for sp, wv in ((3, 1), (4, 0.5))]
     # tail split (M = 2048 on 39 slots: 507 tiles whole, 5 split in 7), warp-specialized loop
     cfgs += [launch.TileConfig(128, 128, 128, split_k=-1, num_warps=8, num_stages=4, waves=0.3, kernel="tma"),
-             launch.TileConfig(128, 128, 128, split_k=-1, num_warps=8, num_stages=4, waves=1, kernel="tma", ws=True)]
+             launch.TileConfig(128, 128, 128, split_k=-1, num_warps=8, num_stages=4, waves=1, kernel="tma", ws=True),
+             launch._TMA_WIDE, launch._TMA_LONG_K]  # int8_config's large-M tiles
     for cfg in cfgs:
         out = launch.int8_gemm(xq, sx, qw, bias, torch.bfloat16, cfg)
         _check(out, expect, 1e-2)
