@@ -27,6 +27,15 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def _w4_case(n: int, k: int, m: int, name: str):
+    """A random ``[n, k]`` weight of scheme ``name``, bf16 input ``[m, k]`` and bias, and the
+    exact reference output (the w4 CUDA kernel tests)."""
+    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return qw, x, bias, reference_linear(x.float(), qw, bias.float(), exact=True)
+
+
 def _check(out, expect, tol):
     assert out.isfinite().all()
     assert _rel(out, expect) < tol, _rel(out, expect)
@@ -207,10 +216,7 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
 
     assert cuda_w4.available()
     n, k = shape
-    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    qw, x, bias, expect = _w4_case(n, k, m, name)
     swapb = launch.wo_gemm(x, qw, bias, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
     for nw, st in ((1, 8), (2, 2), (2, 8), (4, 8), (8, 4)):
         for bps in (0.5, 4, 16):
@@ -224,7 +230,7 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
 
 
 def test_frag_kernel_is_the_default_at_small_m_and_follows_in_place_loads():
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import launch
 
     assert launch.w4_config(launch.FRAG_MAX_M, 4096, 4096).kernel == "frag"
     assert launch.w4_config(launch.FRAG_MAX_M + 1, 4096, 4096).kernel != "frag"
@@ -257,10 +263,7 @@ def test_tile_kernel_configs_match_reference(name, m, shape):
     from quarl.quant.kernels import cuda_w4, launch
 
     n, k = shape
-    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    qw, x, bias, expect = _w4_case(n, k, m, name)
     frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
     ran = 0
     for sw, nt, mt, wm, st in TILE_CONFIGS:
@@ -314,10 +317,7 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
 
     assert cuda_w4.wgmma_available()
     n, k = shape
-    qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    expect = reference_linear(x.float(), qw, bias.float(), exact=True)
+    qw, x, bias, expect = _w4_case(n, k, m, name)
     frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
     for nwg, st in WGMMA_CONFIGS:
         for bps in (0.25, 2, 8):
