@@ -46,9 +46,9 @@ def check() -> list[dict]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
                 expect = reference_linear(x.float(), qw, bias.float(), exact=True)
-                for nwg, st in ((1, 3), (2, 4), (2, 6)):
+                for nwg, st, single, minb in ((1, 3, False, 1), (2, 6, False, 1), (1, 3, True, 4), (4, 4, True, 1)):
                     for bps in (0.25, 2, 8):
-                        cfg = cuda_w4.WgConfig(nwg, st, bps)
+                        cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb)
                         a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
                         b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
                         e = rel(a, expect)
@@ -74,7 +74,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     checks = [] if args.skip_check else check()
     ok = all(r["err"] < 5e-3 and r["det"] for r in checks)
-    configs = lambda m: [cuda_w4.WgConfig(*c, bps) for c in CANDIDATES for bps in BPS]
+    # a candidate "nwg,stages[,single,minb]" is swept at every BPS
+    configs = lambda m: [cuda_w4.WgConfig(*c[:2], bps, *(bool(v) if i == 0 else v for i, v in enumerate(c[2:])))
+                         for c in CANDIDATES for bps in BPS]
     rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_wgmma_gemm, "wgmma") if ok else []
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, checks=checks, rows=rows), open(args.out, "w"), indent=1)

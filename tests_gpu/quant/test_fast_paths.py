@@ -302,7 +302,9 @@ def test_tile_kernel_rejects_what_it_cannot_run():
         cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(16, 8, 4, 1, 8))
 
 
-WGMMA_CONFIGS = [(1, 3), (1, 4), (2, 4), (2, 6), (3, 3)]
+# (nwg, stages, single, minb): double-buffered folds, and single-tile ones at up to 4 blocks per SM
+WGMMA_CONFIGS = [(1, 3, False, 1), (1, 4, False, 1), (2, 4, False, 1), (2, 6, False, 1), (3, 3, False, 1),
+                 (1, 3, True, 4), (2, 4, True, 2), (4, 4, True, 1)]
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
@@ -319,9 +321,9 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
     n, k = shape
     qw, x, bias, expect = _w4_case(n, k, m, name)
     frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
-    for nwg, st in WGMMA_CONFIGS:
+    for nwg, st, single, minb in WGMMA_CONFIGS:
         for bps in (0.25, 2, 8):
-            cfg = cuda_w4.WgConfig(nwg, st, bps)
+            cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb)
             a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
             b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
             assert torch.equal(a, b), cfg
@@ -360,3 +362,5 @@ def test_wgmma_kernel_rejects_what_it_cannot_run():
         cuda_w4.w4a16_wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(1, 2))
     with pytest.raises(ValueError, match="shared memory"):
         cuda_w4.w4a16_wgmma_gemm(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(4, 8))
+    with pytest.raises(ValueError, match="minb x nwg"):
+        cuda_w4.w4a16_wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(4, 3, 1.0, True, 5))

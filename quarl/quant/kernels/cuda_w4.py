@@ -551,8 +551,8 @@ __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: 
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
 //WGMMA_WRAPPERS//
 
-template <int NWG, int NTOK, int ST, bool ASYM>
-__global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
+__global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
@@ -670,6 +670,15 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
     if (p < ngroups) issue(gb0 + p, p);
     cp_commit();
   }
+  if (SINGLE) {
+    // one tile: wait for each group's wgmmas before folding it (about half the registers,
+    // so more blocks per SM hide the latency the double-buffered loop hides with ILP)
+    for (int gi = 0; gi < ngroups; ++gi) {
+      stage(gi, a0, t0, s00, s01);
+      wg_wait0();
+      fold(a0, t0, s00, s01);
+    }
+  } else {
   // steady state: stage one group, fold the one before (peeled so that every wait retires
   // a known group: ptxas then keeps the wgmmas asynchronous)
   stage(0, a0, t0, s00, s01);  // (every block has >= 1 group)
@@ -691,6 +700,7 @@ __global__ void __launch_bounds__(NWG * 128) w4a16_wgmma(
   } else {
     wg_wait0();
     fold(a0, t0, s00, s01);
+  }
   }
   cp_wait<0>();
 
@@ -1086,6 +1096,8 @@ class WgConfig(NamedTuple):
     nwg: int = 2
     stages: int = 4
     blocks_per_sm: float = 1.0  # split K until about this many blocks per SM
+    single: bool = False  # one fp32 tile: each group's wgmmas waited for before its fold
+    minb: int = 1  # __launch_bounds__ blocks per SM (caps registers at 64K / (minb x threads))
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -1105,8 +1117,9 @@ def wgmma_tokens(m: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int):
-    name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {'true' if asym else 'false'}>"
+def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1):
+    b = lambda v: "true" if v else "false"
+    name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {b(asym)}, {b(single)}, {minb}>"
     src = _SOURCE.replace("//WGMMA_WRAPPERS//", _wgmma_wrappers())
     kern = torch.cuda._compile_kernel(src, name, compute_capability="90a", nvcc_options=["-std=c++17"])
     kern.set_shared_memory_config(smem)
@@ -1114,8 +1127,8 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int):
 
 
 def check_wgmma_config(cfg: WgConfig, m: int) -> None:
-    if cfg.nwg not in (1, 2, 3, 4) or cfg.stages < 3 or cfg.blocks_per_sm <= 0:
-        raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0; got {cfg}")
+    if cfg.nwg not in (1, 2, 3, 4) or cfg.stages < 3 or cfg.blocks_per_sm <= 0 or not 1 <= cfg.minb * cfg.nwg <= 16:
+        raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, 1 <= minb x nwg <= 16; got {cfg}")
     if cfg.smem_bytes(wgmma_tokens(m)) > 227 * 1024:
         raise ValueError(f"wgmma w4 kernel: {cfg} needs {cfg.smem_bytes(wgmma_tokens(m))} bytes of shared memory at M={m} (> 227 KB)")
 
@@ -1134,6 +1147,6 @@ def w4a16_wgmma_gemm(
     ntok = wgmma_tokens(m)
     smem = cfg.smem_bytes(ntok)
     return _launch_blocked(
-        lambda asym: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem), x, qw, bias, "wgmma",
+        lambda asym: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb), x, qw, bias, "wgmma",
         cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters,
     )
