@@ -27,3 +27,9 @@ if [[ $PARTS == *b7* ]]; then
   timeout 200 python3 -m quarl.cli.bench_rollout --shape qwen2.5-7b --batch 64 --prompt-len 256 --gen-len 1024 \
     --formats bf16,w4a16,w8a8-fp8 --out $OUT/rollout_7b_b64_${LABEL}.json 2>&1 | tail -8
 fi
+if [[ $PARTS == *ncu* ]]; then  # NCU_SHAPE=n,k NCU_SPEC="64:1,4,1;64:4,4,1,1,1"
+  timeout 240 /usr/local/cuda/bin/ncu --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active,smsp__cycles_active.avg,sm__cycles_elapsed.max,smsp__inst_executed.sum \
+    -k regex:w4a16_wgmma python3 bench/w4_wgmma_ncu.py ${NCU_SHAPE:-3584,3584} "${NCU_SPEC:-64:1,4,1}" > $OUT/w4_wgmma_ncu_${LABEL}.txt 2>&1
+  grep -E "w4a16_wgmma|Duration|Grid Size|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Executed Ipc A|inst_executed.sum|cycles_active.avg" $OUT/w4_wgmma_ncu_${LABEL}.txt | head -80
+fi

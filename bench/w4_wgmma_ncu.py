@@ -1,6 +1,8 @@
 """One launch of the wgmma w4 kernel per (M, config), for Nsight Compute:
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:w4a16_wgmma python3 bench/w4_wgmma_ncu.py 37888,3584 "64:2,6,2;16:1,4,2"
+
+(a config item is m:nwg,stages,blocks_per_sm[,single,minb])
 """
 import sys
 
@@ -14,7 +16,8 @@ qw = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.
 spec = sys.argv[2] if len(sys.argv) > 2 else "64:2,6,2;16:1,4,2"
 for item in spec.split(";"):
     m, c = item.split(":")
-    nwg, st, bps = c.split(",")
+    nwg, st, bps, *rest = c.split(",")  # [, single (0/1), minb]
     x = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
-    cuda_w4.w4a16_wgmma_gemm(x, qw, None, cuda_w4.WgConfig(int(nwg), int(st), float(bps)), counters=launch._counters)
+    extra = (bool(int(rest[0])), int(rest[1])) if rest else ()
+    cuda_w4.w4a16_wgmma_gemm(x, qw, None, cuda_w4.WgConfig(int(nwg), int(st), float(bps), *extra), counters=launch._counters)
 torch.cuda.synchronize()
