@@ -9,7 +9,7 @@ LABEL=${3:-a}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 if [[ $PARTS == *wgmma* ]]; then
-  timeout 300 python3 -m pytest tests_gpu/quant/test_fast_paths.py -q -x -k "wgmma" 2>&1 | tail -4
+  timeout 300 python3 -m pytest tests_gpu/quant/test_fast_paths.py -q -x -k "wgmma or tile or frag" 2>&1 | tail -4
 fi
 if [[ $PARTS == *sweep* ]]; then
   WGMMA_CANDIDATES=${WGMMA_CANDIDATES:-"1,4;2,6;4,4,1,1;4,3,1,1;3,4,1,1;2,4,1,2;1,3,1,4"} BPS=${BPS:-1,2,4} \

@@ -286,51 +286,89 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
 
 // Split-K, after this block stored its partial sums in part[sp]: the last block to arrive for
 // column block cb sums the splits in split order (+ bias) into out's columns c0 .. c0 + cols - 1
-// and resets the counter. 8 elements per thread, 4 splits per round trip.
-template <int NTH>
+// (cols <= CMAX) and resets the counter. One fence, by thread 0 after the block barrier (the
+// release / acquire pattern of CUTLASS's semaphores), not one per thread. Each thread owns
+// 4 (row, V-column) items per round, V = 4 when N % 4 == 0 (16-byte loads), and issues the
+// loads of 4 splits of all 4 before adding them (in split order).
+__device__ __forceinline__ float4 ldcg_f4(const float* p) {
+  float4 r;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+  return r;
+}
+template <int NTH, int CQ, int V>
+__device__ __forceinline__ void splitk_sum(
+    const float* part, u16* out, const u16* bias, int c0, int cols, int M, int N, int ldo, int split, int has_bias) {
+  const int tid = threadIdx.x, total = M * CQ;
+  const size_t stride = (size_t)M * N;
+  for (int i0 = 0; i0 < total; i0 += 4 * NTH) {
+    size_t off[4];
+    bool ok[4];
+    float v[4][V];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + tid + u * NTH, r = i / CQ, q = i % CQ;
+      ok[u] = i < total && q * V < cols;
+      off[u] = ok[u] ? (size_t)r * N + c0 + q * V : 0;
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[u][e] = 0.f;
+    }
+    for (int s = 0; s < split; s += 4) {
+      float pv[4][4][V];
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const bool live = ok[u] && s + d < split;
+          const float* p = part + off[u] + (size_t)(s + d) * stride;
+          if constexpr (V == 4) {
+            const float4 t = live ? ldcg_f4(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+            pv[d][u][0] = t.x; pv[d][u][1] = t.y; pv[d][u][2] = t.z; pv[d][u][3] = t.w;
+          } else {
+            pv[d][u][0] = live ? ldcg_f(p) : 0.f;
+          }
+        }
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int e = 0; e < V; ++e) v[u][e] += pv[d][u][e];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (!ok[u]) continue;
+      const int i = i0 + tid + u * NTH, r = i / CQ, n = c0 + (i % CQ) * V;
+      u16 h[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) h[e] = to_bf16(v[u][e] + (has_bias ? from_bf16(bias[n + e]) : 0.f));
+      u16* dst = out + (size_t)r * ldo + n;
+      if constexpr (V == 4) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+      } else {
+        dst[0] = h[0];
+      }
+    }
+  }
+}
+template <int NTH, int CMAX>
 __device__ __forceinline__ void splitk_finish(
     const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
     int M, int N, int ldo, int split, int has_bias) {
   __shared__ int last_flag;
   const int tid = threadIdx.x;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) last_flag = atomicAdd(counters + cb, 1) == split - 1;
+  __syncthreads();  // every thread's partial stores ...
+  if (tid == 0) {
+    __threadfence();  // ... made visible at GPU scope before the arrival
+    const int last = atomicAdd(counters + cb, 1) == split - 1;
+    if (last) __threadfence();  // the other blocks' partials seen before this block reads them
+    last_flag = last;
+  }
   __syncthreads();
   if (!last_flag) return;
-  __threadfence();
-  const int total = M * cols;
-  const size_t stride = (size_t)M * N;
-  for (int e0 = 0; e0 < total; e0 += 8 * NTH) {
-    size_t off[8];
-    float v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = min(e0 + tid + u * NTH, total - 1);
-      off[u] = (size_t)(e / cols) * N + c0 + e % cols;
-      v[u] = 0.f;
-    }
-    for (int s = 0; s < split; s += 4) {
-      float pv[4][8];
-#pragma unroll
-      for (int d = 0; d < 4; ++d)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) pv[d][u] = s + d < split ? ldcg_f(part + off[u] + (s + d) * stride) : 0.f;
-#pragma unroll
-      for (int d = 0; d < 4; ++d)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] += pv[d][u];
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + tid + u * NTH;
-      if (e >= total) continue;
-      const int r = e / cols, n = c0 + e % cols;
-      float w = v[u];
-      if (has_bias) w += from_bf16(bias[n]);
-      out[(size_t)r * ldo + n] = to_bf16(w);
-    }
-  }
+  if ((N & 3) == 0 && (ldo & 3) == 0)  // 16-byte partial loads, 8-byte output stores
+    splitk_sum<NTH, CMAX / 4, 4>(part, out, bias, c0, cols, M, N, ldo, split, has_bias);
+  else
+    splitk_sum<NTH, CMAX, 1>(part, out, bias, c0, cols, M, N, ldo, split, has_bias);
   if (tid == 0) atomicExch(counters + cb, 0);
 }
 
@@ -520,7 +558,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
           if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[mt][j][c];
         }
   }
-  splitk_finish<NTH>(part, out, bias, counters, cb, cb * SW * 64, min(SW * 64, N - cb * SW * 64), M, N, ldo, split, has_bias);
+  splitk_finish<NTH, SW * 64>(part, out, bias, counters, cb, cb * SW * 64, min(SW * 64, N - cb * SW * 64), M, N, ldo, split, has_bias);
 }
 
 // ----------------------------------------------------------------------------- wgmma (sm90a)
@@ -624,10 +662,12 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   // Group gi: wait for its slot, refill the slot of gi - 2 (its wgmmas finished before the
   // barrier: every warpgroup waited for them in gi - 1), unpack the 8 steps into `a` and
   // issue their wgmmas into `tmp` (not waited for: the caller folds gi - 1 meanwhile).
-  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], float& s0, float& s1) {
+  auto ld_scales = [&](int gi, float& s0, float& s1) {
+    s0 = scales[(size_t)(gb0 + gi) * Np + srow];
+    s1 = scales[(size_t)(gb0 + gi) * Np + srow + 8];
+  };
+  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC]) {
     const int grp = gb0 + gi;
-    s0 = scales[(size_t)grp * Np + srow];
-    s1 = scales[(size_t)grp * Np + srow + 8];
     const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
     const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
     cp_wait<ST - 3>();
@@ -672,27 +712,36 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   }
   if (SINGLE) {
     // one tile: wait for each group's wgmmas before folding it (about half the registers,
-    // so more blocks per SM hide the latency the double-buffered loop hides with ILP)
+    // so more blocks per SM hide the latency the double-buffered loop hides with ILP); the
+    // next group's scales are loaded a group ahead
+    ld_scales(0, s10, s11);
     for (int gi = 0; gi < ngroups; ++gi) {
-      stage(gi, a0, t0, s00, s01);
+      s00 = s10;
+      s01 = s11;
+      if (gi + 1 < ngroups) ld_scales(gi + 1, s10, s11);
+      stage(gi, a0, t0);
       wg_wait0();
       fold(a0, t0, s00, s01);
     }
   } else {
   // steady state: stage one group, fold the one before (peeled so that every wait retires
   // a known group: ptxas then keeps the wgmmas asynchronous)
-  stage(0, a0, t0, s00, s01);  // (every block has >= 1 group)
+  ld_scales(0, s00, s01);
+  stage(0, a0, t0);  // (every block has >= 1 group)
   int gi = 1;
   for (; gi + 1 < ngroups; gi += 2) {
-    stage(gi, a1, t1, s10, s11);
+    ld_scales(gi, s10, s11);
+    stage(gi, a1, t1);
     wg_wait1();
     fold(a0, t0, s00, s01);
-    stage(gi + 1, a0, t0, s00, s01);
+    ld_scales(gi + 1, s00, s01);
+    stage(gi + 1, a0, t0);
     wg_wait1();
     fold(a1, t1, s10, s11);
   }
   if (gi < ngroups) {
-    stage(gi, a1, t1, s10, s11);
+    ld_scales(gi, s10, s11);
+    stage(gi, a1, t1);
     wg_wait1();
     fold(a0, t0, s00, s01);
     wg_wait0();
@@ -724,7 +773,7 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
       if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
     }
   }
-  splitk_finish<NTH>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, split, has_bias);
+  splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, split, has_bias);
 }
 """
 
