@@ -575,7 +575,9 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
 // Per group each warpgroup unpacks its 8 steps (4 registers each) and issues 8 wgmmas into a
 // fresh fp32 tile; while they run it adds the previous group's tile, scaled by that group's
 // scale, to the accumulator (two tiles in turn; the numerics of w4a16_frag). Slots are
-// refilled two groups behind (ST >= 3), once the wgmmas that read them are done.
+// refilled two groups behind (ST >= 3), once the wgmmas that read them are done. SINGLE: one
+// tile, waited for before each fold (~126 registers: up to 4 warpgroups per SM), slots refilled
+// one group behind.
 __device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
   // K-major operand, 128-byte swizzle, 8-row core groups 1024 bytes apart
   return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
@@ -596,6 +598,9 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
     float* __restrict__ part, int* __restrict__ counters,
     int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
+  // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
+  // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
+  constexpr int LA = SINGLE ? ST - 1 : ST - 2;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
@@ -659,9 +664,10 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
   const size_t srow = live ? (size_t)row0 : 0;
 
-  // Group gi: wait for its slot, refill the slot of gi - 2 (its wgmmas finished before the
-  // barrier: every warpgroup waited for them in gi - 1), unpack the 8 steps into `a` and
-  // issue their wgmmas into `tmp` (not waited for: the caller folds gi - 1 meanwhile).
+  // Group gi: wait for its slot, refill the slot of gi + LA - ST (gi - 2, or gi - 1 in the
+  // single-tile loop: its wgmmas finished before the barrier, every warpgroup waited for
+  // them), unpack the 8 steps into `a` and issue their wgmmas into `tmp` (the double-buffered
+  // loop folds gi - 1 meanwhile).
   auto ld_scales = [&](int gi, float& s0, float& s1) {
     s0 = scales[(size_t)(gb0 + gi) * Np + srow];
     s1 = scales[(size_t)(gb0 + gi) * Np + srow + 8];
@@ -670,10 +676,10 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
     const int grp = gb0 + gi;
     const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
     const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
-    cp_wait<ST - 3>();
+    cp_wait<LA - 1>();
     proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
     __syncthreads();
-    if (gi + ST - 2 < ngroups) issue(gb0 + gi + ST - 2, (gi + ST - 2) % ST);
+    if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
     cp_commit();
     const u32 sbase = ring + (gi % ST) * STAGE;
     u32 w[8];
@@ -706,7 +712,7 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   };
 
 #pragma unroll
-  for (int p = 0; p < ST - 2; ++p) {
+  for (int p = 0; p < LA; ++p) {
     if (p < ngroups) issue(gb0 + p, p);
     cp_commit();
   }
