@@ -281,14 +281,18 @@ def test_tile_kernel_configs_match_reference(name, m, shape):
     assert ran >= 6
 
 
-def test_tile_kernel_is_the_default_on_big_weights_at_m_up_to_8():
+def test_tile_kernel_runs_where_it_is_the_default_before_hopper():
+    """Big weights at FRAG_MAX_M < M <= TILE_MAX_M: the tile kernel on sm80 / sm89, the
+    wgmma kernel on Hopper; the tile kernel (forced) equals the reference either way."""
     from quarl.quant.kernels import launch
 
-    # (on Hopper the wgmma kernel takes big weights with K <= 8192: a down_proj-like shape here)
     qw = quantize_weight(torch.randn(4096, 12288, device="cuda") * 0.02, "w4a16-asym")
     x = torch.randn(launch.TILE_MAX_M, 12288, device="cuda", dtype=torch.bfloat16)
-    assert launch.w4_config(launch.TILE_MAX_M, 4096, 12288).kernel == "tile"
+    expect = launch.w4_config(launch.TILE_MAX_M, 4096, 12288).kernel
+    assert expect == ("wgmma" if torch.cuda.get_device_capability() == (9, 0) else "tile")
     _check(quant_linear(x, qw), reference_linear(x.float(), qw, exact=True), 5e-3)
+    tile = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 0, kernel="tile"))
+    _check(tile, reference_linear(x.float(), qw, exact=True), 5e-3)
 
 
 def test_tile_kernel_rejects_what_it_cannot_run():
@@ -332,15 +336,21 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
                 _check(a, frag.float(), 5e-3)
 
 
-def test_wgmma_kernel_is_the_default_on_gate_up_sized_weights_and_follows_loads():
-    from quarl.quant.kernels import launch
+def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
+    from quarl.quant.kernels import cuda_w4, launch
 
-    assert launch.w4_config(1, 37888, 3584).kernel == "wgmma"
-    assert launch.w4_config(8, 37888, 3584).kernel == "wgmma"
-    assert launch.w4_config(16, 18944, 3584).kernel == "wgmma"
-    assert launch.w4_config(1, 3584, 18944).kernel == "frag"
-    assert launch.w4_config(8, 3584, 18944).kernel == "tile"  # down: K > WGMMA_MAX_K
-    assert launch.w4_config(16, 3584, 3584).kernel == "swapb"
+    for m in (1, 8, 16, 33, 64):
+        assert launch.w4_config(m, 37888, 3584).kernel == "wgmma"
+        assert launch.w4_config(m, 3584, 18944).kernel == "wgmma"
+    assert launch.w4_config(launch.FRAG_MAX_M, 3584, 3584).kernel == "frag"  # small weights at M <= 4
+    assert launch.w4_config(launch.FRAG_MAX_M + 1, 3584, 3584).kernel == "wgmma"
+    assert launch.w4_config(64, 512, 3584).kernel == "swapb"  # k/v: N < WGMMA_MIN_N
+    assert launch.w4_config(65, 3584, 3584).kernel == "dequant"
+    # the block shapes by M (single-tile loop above M = 8, 2-3 warpgroups at M > 32)
+    assert not launch.wgmma_config(8, 3584, 3584).single
+    assert launch.wgmma_config(32, 3584, 3584) == cuda_w4.WgConfig(1, 3, 3.8, True, 4)
+    assert launch.wgmma_config(32, 37888, 3584).blocks_per_sm < 1
+    assert launch.wgmma_config(64, 37888, 3584).nwg == 3 and launch.wgmma_config(64, 3584, 3584).nwg == 2
     a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16")
     x = torch.randn(12, 4096, device="cuda", dtype=torch.bfloat16)

@@ -97,18 +97,24 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # with BN 64 / 4 warps / 3 stages and K split to ~8 waves of programs on the big shapes
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
-    if m <= WGMMA_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK and k <= WGMMA_MAX_K and cuda_w4.wgmma_available():
+    if m <= FRAG_MAX_M and W4_SMALL_KERNEL == "frag" and n * k < TILE_MIN_NK:
+        return _frag_config(m, n, k)
+    if m <= WGMMA_MAX_M and W4_SMALL_KERNEL == "frag" and n >= WGMMA_MIN_N and cuda_w4.wgmma_available():
         return TileConfig(m, 0, kernel="wgmma")
     if m <= FRAG_MAX_M and W4_SMALL_KERNEL == "frag":
-        # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
-        # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
-        # blocks per SM on long K (down), 4 otherwise
-        big = n * k >= 1 << 25
-        cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
-        return _env_tweak(cfg, "QUARL_W4_SMALL")
+        return _frag_config(m, n, k)
     if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK:
         return TileConfig(16 * _cdiv(m, 16), 0, kernel="tile")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
+
+
+def _frag_config(m: int, n: int, k: int) -> TileConfig:
+    # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
+    # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
+    # blocks per SM on long K (down), 4 otherwise
+    big = n * k >= 1 << 25
+    cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
+    return _env_tweak(cfg, "QUARL_W4_SMALL")
 
 
 def w4_tile_config(m: int, n: int, k: int) -> "cuda_w4.TileKConfig":
@@ -165,19 +171,39 @@ FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_MAX_M)
 TILE_MIN_NK = 1 << 25
 # On Hopper, the wgmma kernel ("wgmma": dequantized weights as the register A operand of
-# wgmma, the activation tile read from shared memory) up to WGMMA_MAX_M rows on weights of
-# >= TILE_MIN_NK elements with K <= WGMMA_MAX_K (gate/up, not down), in place of frag / tile /
-# swapb. H200, block (1 warpgroup, 4 slots, ~2 blocks per SM), speedup over bf16 in the same
-# run (bench/results/w4_wgmma_sweep_h200_small_m.json and _2.json): fused gate_up M = 1 / 4 / 8 /
-# 16: 2.63x / 2.65x / 2.45-2.58x / 1.89-2.07x where frag / frag / tile / swapb gave 2.10x / 1.66x /
-# 1.77x / 1.66-1.71x; gate/up 2.25x / 2.24x / 2.14-2.23x / 1.74-1.78x (2.02x / 1.59x / 1.62x /
-# 1.68-1.70x). down: 1.97x at M = 1 against frag's 2.21x, a tie at 4 and 8, 1.58-1.63x against
-# swapb's 1.67-1.70x at 16; q/o, qkv and k/v lose at every M. At M = 32 and 64 it loses on every
-# shape: 246 registers, 2 warps per scheduler, 4.5 cycles per issued instruction
-# (bench/results/w4_wgmma_ncu_h200.txt), see bench/NOTES.md run 15.
-WGMMA_MAX_M = int(os.environ.get("QUARL_W4_WGMMA_MAX_M", "16"))
-WGMMA_MAX_K = 8192
-WGMMA_CONFIG = cuda_w4.WgConfig(nwg=1, stages=4, blocks_per_sm=2.0)
+# wgmma, the activation tile read from shared memory) takes every M <= WGMMA_MAX_M on weights
+# with N >= WGMMA_MIN_N, except M <= FRAG_MAX_M on small weights (< TILE_MIN_NK elements:
+# q/o, qkv), where the fragment kernel ties or wins (7.7 vs 8.2 us on q/o at M = 1). Below
+# WGMMA_MIN_N (k/v, 8 column blocks) K must be split ~14 ways and the wgmma kernel loses to
+# frag / swapb at every M. Block shapes: see wgmma_config; H100 sweep run 18
+# (bench/results/w4_wgmma_sweep_h100_run18_s3.json, speedup over bf16 in the same call, engine
+# shapes): geomean 2.28x / 2.19x / 1.86x / 1.37x at M = 8 / 16 / 32 / 64 for the best block
+# per shape where the previous dispatch (frag / tile / swapb, wgmma only on gate/up at M <= 16)
+# had 2.03x / 1.96x / 1.62x / 1.23x.
+WGMMA_MAX_M = int(os.environ.get("QUARL_W4_WGMMA_MAX_M", "64"))
+WGMMA_MIN_N = 1024
+
+
+def wgmma_config(m: int, n: int, k: int) -> "cuda_w4.WgConfig":
+    """Block shape of the wgmma w4 kernel for ``m`` rows (run 18 sweep, H100).
+
+    * M <= 8: 1 warpgroup, double-buffered folds, 4 slots, K split to ~1.9 blocks per SM.
+    * M <= 32: the single-tile loop (127 registers, 4 blocks per SM), 3 slots; K split to
+      ~3.8 blocks per SM while the column blocks alone are fewer than the SMs (q/o 10.1 us
+      at M = 32 where 0.95 gave 10.8), none beyond (gate/up M = 16 21.3 vs 25.6 us).
+    * M <= 64: 2 warpgroups sharing the activation tile, single tile, 3 slots, 2 blocks per
+      SM, ~1.9 blocks per SM (q/o 14.0, qkv 15.3, down 34.1 us); 3 warpgroups, 4 slots, one
+      block per SM on the widest weights (N >= 3 x 64 x SMs: gate_up 61.6 vs 66.5 us)."""
+    if "wgmma" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["wgmma"](m, n, k)
+    sms = num_sms(torch.device("cuda", torch.cuda.current_device()))
+    if m <= 8:
+        return cuda_w4.WgConfig(1, 4, 1.9)
+    if m <= 32:
+        return cuda_w4.WgConfig(1, 3, 3.8 if _cdiv(n, 64) < sms else 0.95, single=True, minb=4)
+    if n >= 3 * 64 * sms:
+        return cuda_w4.WgConfig(3, 4, 0.95, single=True, minb=1)
+    return cuda_w4.WgConfig(2, 3, 1.9, single=True, minb=2)
 
 
 # The TMA kernel's tile for 16 < M <= 64 (and int8 at M <= 512): 64 x 64 x 128, 5 stages, 3
@@ -401,7 +427,7 @@ def wo_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg
         cfg = _w4_triton_config(m, n, k, "swapb")
     if cfg is not None and cfg.kernel == "wgmma":
         if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.WGMMA_TOKENS[-1] and cuda_w4.wgmma_available():
-            return cuda_w4.w4a16_wgmma_gemm(x, qw, bias, WGMMA_CONFIG, counters=_counters)
+            return cuda_w4.w4a16_wgmma_gemm(x, qw, bias, wgmma_config(m, n, k), counters=_counters)
         cfg = _w4_triton_config(m, n, k, "swapb")
     if cfg is not None and cfg.kernel == "tile":
         if x.is_cuda and x.dtype == torch.bfloat16 and m <= cuda_w4.TILE_MAX_M and cuda_w4.available():
