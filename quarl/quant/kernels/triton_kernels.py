@@ -88,9 +88,12 @@ HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 def e4m3_code(v):
     """fp32 -> e4m3fn byte (int32 in [0, 255]) exactly as torch's ``clamp(v, +-448)`` + cast."""
     if HW_E4M3:
-        c = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-        return tl.where(v != v, 0x7F | sign, c)
+        # no clamp: the satfinite conversion takes +-inf and finite values past +-448 to
+        # +-448 (what the clamp does first in torch) and NaN to 0x7f; torch's cast gives
+        # NaN the input's sign bit. Every other code already carries the input's sign (zeros
+        # included), so or-ing it in unconditionally is exact and needs no NaN test.
+        c = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        return c | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
     else:
         return _e4m3_byte(v)
 
