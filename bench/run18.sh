@@ -33,3 +33,7 @@ if [[ $PARTS == *ncu* ]]; then  # NCU_SHAPE=n,k NCU_SPEC="64:1,4,1;64:4,4,1,1,1"
     -k regex:w4a16_wgmma python3 bench/w4_wgmma_ncu.py ${NCU_SHAPE:-3584,3584} "${NCU_SPEC:-64:1,4,1}" > $OUT/w4_wgmma_ncu_${LABEL}.txt 2>&1
   grep -E "w4a16_wgmma|Duration|Grid Size|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Executed Ipc A|inst_executed.sum|cycles_active.avg" $OUT/w4_wgmma_ncu_${LABEL}.txt | head -80
 fi
+if [[ $PARTS == *silu* ]]; then
+  timeout 120 python3 -m pytest tests_gpu/quant/test_fast_paths.py -q -x -k "e4m3" 2>&1 | tail -2
+  timeout 200 python3 bench/silu_quant_extra.py --ms ${SILU_MS:-256,1024,4096} --out $OUT/silu_quant_extra_${LABEL}.json
+fi
