@@ -613,45 +613,52 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   const int gb0 = sp * gpb, ngroups = min(G, gb0 + gpb) - gb0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
 
-  // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight chunks
+  // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight
+  // chunks, as 32-bit byte offsets from x / wq (one 64-bit base per group: fewer registers
+  // and address instructions than a pointer per chunk; launch checks both fit)
   constexpr int CX = (NTOK * 16 + NTH - 1) / NTH, CW = (NWG * 256 + NTH - 1) / NTH;
-  const unsigned char* xsrc[CX];
-  u32 xdst[CX];
+  u32 xsrc[CX], xdst[CX];
   int xcol[CX];  // first column in group 0; -1: zero-fill only (row >= M) or no chunk
 #pragma unroll
   for (int i = 0; i < CX; ++i) {
     const int c = tid + i * NTH, r = c >> 4, q = c & 15;
     const bool ok = c < NTOK * 16 && r < M;
     xcol[i] = ok ? q * 8 : -1;
-    xsrc[i] = reinterpret_cast<const unsigned char*>(x) + (ok ? ((size_t)r * ldx + q * 8) * 2 : 0);
+    xsrc[i] = ok ? ((u32)r * ldx + q * 8) * 2 : 0;
     xdst[i] = (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
   }
-  const unsigned char* wsrc[CW];
-  u32 wdst[CW];
+  u32 wsrc[CW], wdst[CW];
   bool wok[CW];
-  weight_chunks<CW, NTH, NWG>(wq, tid, cb, nslabs, G, XBYTES, wsrc, wdst, wok);
+#pragma unroll
+  for (int i = 0; i < CW; ++i) {
+    const int c = tid + i * NTH, s = c >> 8, off = c & 255, sl = cb * NWG + s;
+    wok[i] = c < NWG * 256 && sl < nslabs;
+    wsrc[i] = wok[i] ? (u32)sl * G * 4096 + off * 16 : 0;
+    wdst[i] = XBYTES + s * 4096 + off * 16;
+  }
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's barrier orders these stores before any wgmma reads them)
   zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
   auto issue = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
-    const size_t xoff = (size_t)grp * 256, woff = (size_t)grp * 4096;
+    const unsigned char* xg = reinterpret_cast<const unsigned char*>(x) + (size_t)grp * 256;
+    const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
     if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
 #pragma unroll
       for (int i = 0; i < CX; ++i)
-        if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xsrc[i] + xoff, 16);
+        if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xg + xsrc[i], 16);
     } else {
 #pragma unroll
       for (int i = 0; i < CX; ++i) {
         if (tid + i * NTH >= NTOK * 16 || xcol[i] < 0) continue;
         const int left = K - grp * 128 - xcol[i];
         const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
-        cp_async16(sbase + xdst[i], valid ? xsrc[i] + xoff : reinterpret_cast<const unsigned char*>(x), valid);
+        cp_async16(sbase + xdst[i], valid ? xg + xsrc[i] : reinterpret_cast<const unsigned char*>(x), valid);
       }
     }
 #pragma unroll
     for (int i = 0; i < CW; ++i)
-      if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wsrc[i] + woff, 16);
+      if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wg + wsrc[i], 16);
   };
 
   // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
@@ -693,9 +700,10 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
       a[s][3] = sub_z(lop_q(w[s] >> 12), z1);   // row g + 8
     }
     wg_fence();
+    const unsigned long long d0 = desc_sw128(sbase);  // + (byte offset >> 4): the start address field
 #pragma unroll
     for (int s = 0; s < 8; ++s)
-      wgmma_bf16<NTOK>(tmp, a[s], desc_sw128(sbase + (s >> 2) * (NTOK * 128) + (s & 3) * 32), s > 0);
+      wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
     wg_commit();
   };
   // after the wait for its wgmmas: acc += tmp x the group scale of each row; `a` stays
@@ -1199,6 +1207,8 @@ def w4a16_wgmma_gemm(
     if x.dtype != torch.bfloat16:
         raise ValueError(f"wgmma w4 kernel takes bf16 x, got {x.dtype}")
     check_wgmma_config(cfg, m)
+    if qw.shape[0] * qw.shape[1] // 2 >= 1 << 32 or m * x.stride(0) * 2 >= 1 << 32:  # the kernel's 32-bit byte offsets
+        raise ValueError(f"wgmma w4 kernel: weight {tuple(qw.shape)} or activation rows past 4 GiB; split the layer")
     ntok = wgmma_tokens(m)
     smem = cfg.smem_bytes(ntok)
     return _launch_blocked(
