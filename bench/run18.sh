@@ -37,3 +37,7 @@ if [[ $PARTS == *silu* ]]; then
   timeout 120 python3 -m pytest tests_gpu/quant/test_fast_paths.py -q -x -k "e4m3" 2>&1 | tail -2
   timeout 200 python3 bench/silu_quant_extra.py --ms ${SILU_MS:-256,1024,4096} --out $OUT/silu_quant_extra_${LABEL}.json
 fi
+if [[ $PARTS == *rtest* ]]; then
+  timeout 240 python3 -m pytest tests_gpu/rollout -q > $OUT/rollout_gpu_tests_${LABEL}.txt 2>&1
+  grep -E "FAILED|Error|passed|failed" $OUT/rollout_gpu_tests_${LABEL}.txt | tail -8
+fi
