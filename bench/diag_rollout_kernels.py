@@ -9,6 +9,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from quarl.quant.bench import median_cuda_time
 from quarl.rollout.bench import random_model, shape_config
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
@@ -33,6 +34,7 @@ def main():
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
+    replay_ms = 1e3 * median_cuda_time(graph.replay, 50)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.reps):
             graph.replay()
@@ -44,7 +46,8 @@ def main():
             t, n = rows.get(name, (0.0, 0))
             rows[name] = (t + e.device_time, n + 1)
     total = sum(t for t, _ in rows.values()) / args.reps
-    print(f"{args.format} B={args.batch}: {total / 1e3:.3f} ms of kernels per step")
+    print(f"{args.format} B={args.batch}: graph replay {replay_ms:.3f} ms (median of 50), {total / 1e3:.3f} ms of kernels "
+          f"per step (decode attention tiling {list(engine.runner.decode_tiling)})")
     for name, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:14]:
         print(f"  {t / args.reps / 1e3:7.3f} ms  {n // args.reps:4d}x  {name}")
 
