@@ -27,7 +27,7 @@ _spec = importlib.util.spec_from_file_location("w4_tile_sweep", pathlib.Path(__f
 _tile = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tile)
 
-CANDIDATES = [tuple(int(v) for v in c.split(",")) for c in __import__("os").environ.get(
+CANDIDATES = [tuple(float(v) if "." in v else int(v) for v in c.split(",")) for c in __import__("os").environ.get(
     "WGMMA_CANDIDATES", "1,3;1,4;2,3;2,4;2,6").split(";")]
 BPS = tuple(float(v) for v in __import__("os").environ.get("BPS", "1,2,4").split(","))
 
@@ -46,9 +46,10 @@ def check() -> list[dict]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
                 expect = reference_linear(x.float(), qw, bias.float(), exact=True)
-                for nwg, st, single, minb in ((1, 3, False, 1), (2, 6, False, 1), (1, 3, True, 4), (4, 4, True, 1)):
-                    for bps in (0.25, 2, 8):
-                        cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb)
+                for nwg, st, single, minb, tail in ((1, 3, False, 1, False), (2, 6, False, 1, False), (1, 3, True, 4, False),
+                                                    (4, 4, True, 1, False), (1, 3, True, 4, True), (3, 4, True, 1, True)):
+                    for bps in (0.3, 0.1, 2) if tail else (0.25, 2, 8):
+                        cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail)
                         a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
                         b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
                         e = rel(a, expect)
@@ -74,9 +75,16 @@ def main():
     props = torch.cuda.get_device_properties(0)
     checks = [] if args.skip_check else check()
     ok = all(r["err"] < 5e-3 and r["det"] for r in checks)
-    # a candidate "nwg,stages[,single,minb]" is swept at every BPS
-    configs = lambda m: [cuda_w4.WgConfig(*c[:2], bps, *(bool(v) if i == 0 else v for i, v in enumerate(c[2:])))
-                         for c in CANDIDATES for bps in BPS]
+    # a candidate "nwg,stages[,single,minb[,tail[,blocks_per_sm]]]" is swept at every BPS, or
+    # at its own blocks_per_sm when it names one
+    def configs(m):
+        out = []
+        for c in CANDIDATES:
+            flags = dict(zip(("single", "minb", "tail"), c[2:5]))
+            flags = {f: (bool(v) if f != "minb" else v) for f, v in flags.items()}
+            for bps in (c[5:] or BPS):
+                out.append(cuda_w4.WgConfig(c[0], c[1], float(bps), **flags))
+        return out
     rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_wgmma_gemm, "wgmma") if ok else []
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, checks=checks, rows=rows), open(args.out, "w"), indent=1)

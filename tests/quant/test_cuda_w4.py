@@ -126,6 +126,25 @@ def test_split_keeps_a_group_per_warp():
     assert cuda_w4.pick_split(4608, 28, 1, 132, 2.0, 4) == (14, 2)
 
 
+def test_tail_split_splits_only_the_last_wave():
+    # gate_up at M = 64, 3 warpgroups (198 column blocks), one block per SM: 132 whole, the
+    # other 66 split in 2 (14 groups each) -> 264 blocks, the last wave full
+    assert cuda_w4.tail_split(198, 28, 132) == (132, 2, 14)
+    # 296 column blocks on 264 slots: 32 left, split 8 ways (4 groups each, 7 splits of 4)
+    assert cuda_w4.tail_split(296, 28, 264) == (264, 7, 4)
+    # fewer column blocks than slots: all of them split (the uniform split)
+    assert cuda_w4.tail_split(28, 28, 264) == (0, 7, 4)
+    # full waves only, or a tail that cannot be split in 2: no split
+    assert cuda_w4.tail_split(264, 28, 132) == (264, 1, 28)
+    assert cuda_w4.tail_split(230, 28, 132) == (230, 1, 28)
+    assert cuda_w4.tail_split(140, 3, 132) == (140, 1, 3)  # 3 groups: >= 2 per split impossible
+    for cols, groups, slots in ((198, 28, 132), (296, 28, 264), (28, 28, 264), (77, 148, 132), (600, 9, 528)):
+        whole, split, gpb = cuda_w4.tail_split(cols, groups, slots)
+        assert whole % slots == 0 or whole == cols
+        assert (split - 1) * gpb < groups <= split * gpb and (split == 1 or gpb >= 2)
+        assert whole + (cols - whole) * split <= -(-cols // slots) * slots  # never an extra wave
+
+
 def test_wgmma_words_round_trip():
     frag = cuda_w4.repack_codes(_rand_codes(130, 384, seed=2))
     words = cuda_w4.wgmma_words(frag)

@@ -306,9 +306,11 @@ def test_tile_kernel_rejects_what_it_cannot_run():
         cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(16, 8, 4, 1, 8))
 
 
-# (nwg, stages, single, minb): double-buffered folds, and single-tile ones at up to 4 blocks per SM
-WGMMA_CONFIGS = [(1, 3, False, 1), (1, 4, False, 1), (2, 4, False, 1), (2, 6, False, 1), (3, 3, False, 1),
-                 (1, 3, True, 4), (2, 4, True, 2), (4, 4, True, 1)]
+# (nwg, stages, single, minb, tail): double-buffered folds, single-tile ones at up to 4 blocks
+# per SM, and the last-wave K split (0.3 x 132 slots on 56 column blocks: 40 whole, 16 split)
+WGMMA_CONFIGS = [(1, 3, False, 1, False), (1, 4, False, 1, False), (2, 4, False, 1, False), (2, 6, False, 1, False),
+                 (3, 3, False, 1, False), (1, 3, True, 4, False), (2, 4, True, 2, False), (4, 4, True, 1, False),
+                 (1, 3, True, 4, True), (2, 3, True, 2, True), (3, 4, True, 1, True)]
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
@@ -325,9 +327,9 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
     n, k = shape
     qw, x, bias, expect = _w4_case(n, k, m, name)
     frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
-    for nwg, st, single, minb in WGMMA_CONFIGS:
-        for bps in (0.25, 2, 8):
-            cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb)
+    for nwg, st, single, minb, tail in WGMMA_CONFIGS:
+        for bps in (0.3, 0.1, 2) if tail else (0.25, 2, 8):
+            cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail)
             a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
             b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
             assert torch.equal(a, b), cfg

@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
-    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias, int whole) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
@@ -605,12 +605,18 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, t = lane & 3;
-  const int cb = blockIdx.x, sp = blockIdx.y;
   const int nslabs = Np >> 6;
+  // block -> (column block, K split): the first `whole` blocks take one column block each
+  // over all of K; the others split the remaining column blocks' K `split` ways (gpb groups
+  // each), the blocks of one split `tcols` apart (whole = 0: every column block split)
+  const int tcols = (nslabs + NWG - 1) / NWG - whole, tb = (int)blockIdx.x - whole;
+  const bool whole_blk = tb < 0;
+  const int cb = whole_blk ? blockIdx.x : whole + tb % tcols, sp = whole_blk ? 0 : tb / tcols;
+  const int nsplit = whole_blk ? 1 : split;
   const int slab = cb * NWG + wg;
   const bool live = slab < nslabs;
   const int n0 = slab * 64;
-  const int gb0 = sp * gpb, ngroups = min(G, gb0 + gpb) - gb0;
+  const int gb0 = sp * gpb, ngroups = whole_blk ? G : min(G, gb0 + gpb) - gb0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
 
   // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight
@@ -768,7 +774,7 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   cp_wait<0>();
 
   // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
-  if (split == 1) {
+  if (nsplit == 1) {
     if (!live) return;
 #pragma unroll
     for (int i = 0; i < NACC; ++i) {
@@ -787,7 +793,7 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
       if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
     }
   }
-  splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, split, has_bias);
+  splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
 }
 """
 
@@ -1078,10 +1084,26 @@ def check_tile_config(cfg: TileKConfig, m: int) -> None:
         raise ValueError(f"block-tiled w4 kernel: {cfg} needs {cfg.smem_bytes()} bytes of shared memory (> 227 KB)")
 
 
+def tail_split(cols: int, groups: int, slots: int) -> tuple[int, int, int]:
+    """``(whole, split, groups per split)``: the column blocks of the full waves of ``slots``
+    blocks run whole (all of K), the ``r`` of the last, partial wave are split along K to
+    about fill it (``slots // r`` ways, >= 2 groups each); ``whole = cols``: no split."""
+    whole = cols // slots * slots
+    rest = cols - whole
+    split = min(slots // rest, groups // 2) if rest else 1
+    if split <= 1:
+        return cols, 1, groups
+    gpb = -(-groups // split)
+    return whole, -(-groups // gpb), gpb
+
+
 def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int, blocks_per_sm: float,
-                    threads: int, smem: int, counters) -> torch.Tensor:
+                    threads: int, smem: int, counters, tail: bool | None = None) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
-    wgmma kernels: same arguments, same split-K rule). ``make_kernel(asym)`` -> the kernel."""
+    wgmma kernels: same arguments, same split-K rule). ``make_kernel(asym)`` -> the kernel.
+    ``tail`` (wgmma kernel: a 1-D grid and a ``whole`` argument): None = every column block's
+    K split alike (``pick_split``); True = :func:`tail_split` over ``blocks_per_sm x SMs``
+    slots; False = the uniform split as a 1-D grid."""
     from quarl.quant.kernels import launch  # (imports this module)
 
     m, k = x.shape
@@ -1093,21 +1115,29 @@ def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int,
     fw = frag_weight(qw, layout)
     groups, np_ = fw.scales.shape
     cols = -(-(np_ // SLAB) // slabs_per_block)
-    split, gpb = pick_split(n, groups, 1, launch.num_sms(x.device), blocks_per_sm, slabs_per_block)
+    sms = launch.num_sms(x.device)
+    if tail:
+        whole, split, gpb = tail_split(cols, groups, max(1, round(blocks_per_sm * sms)))
+    else:
+        split, gpb = pick_split(n, groups, 1, sms, blocks_per_sm, slabs_per_block)
+        whole = 0 if split > 1 else cols
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         cnt = (counters or launch._counters)(x.device, cols)
     else:
         part = cnt = out
-    make_kernel(fw.negz is not None)(
-        grid=(cols, split, 1), block=(threads, 1, 1), shared_mem=smem,
-        args=[
-            x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
-            bias if bias is not None else out, out, part, cnt,
-            m, n, k, x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
-        ],
-    )
+    args = [
+        x, fw.qdata, fw.scales, fw.negz if fw.negz is not None else fw.scales,
+        bias if bias is not None else out, out, part, cnt,
+        m, n, k, x.stride(0), out.stride(0), np_, groups, gpb, split, int(bias is not None),
+    ]
+    if tail is None:
+        grid = (cols, split, 1)
+    else:
+        grid = (whole + (cols - whole) * split, 1, 1)
+        args.append(whole)
+    make_kernel(fw.negz is not None)(grid=grid, block=(threads, 1, 1), shared_mem=smem, args=args)
     return out
 
 
@@ -1161,6 +1191,7 @@ class WgConfig(NamedTuple):
     blocks_per_sm: float = 1.0  # split K until about this many blocks per SM
     single: bool = False  # one fp32 tile: each group's wgmmas waited for before its fold
     minb: int = 1  # __launch_bounds__ blocks per SM (caps registers at 64K / (minb x threads))
+    tail: bool = False  # blocks_per_sm = resident slots per SM; split K of the last wave only
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -1213,5 +1244,5 @@ def w4a16_wgmma_gemm(
     smem = cfg.smem_bytes(ntok)
     return _launch_blocked(
         lambda asym: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb), x, qw, bias, "wgmma",
-        cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters,
+        cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters, tail=cfg.tail,
     )
