@@ -175,35 +175,42 @@ TILE_MIN_NK = 1 << 25
 # with N >= WGMMA_MIN_N, except M <= FRAG_MAX_M on small weights (< TILE_MIN_NK elements:
 # q/o, qkv), where the fragment kernel ties or wins (7.7 vs 8.2 us on q/o at M = 1). Below
 # WGMMA_MIN_N (k/v, 8 column blocks) K must be split ~14 ways and the wgmma kernel loses to
-# frag / swapb at every M. Block shapes: see wgmma_config; H100 sweep run 18
-# (bench/results/w4_wgmma_sweep_h100_run18_s3.json, speedup over bf16 in the same call, engine
-# shapes): geomean 2.28x / 2.19x / 1.86x / 1.37x at M = 8 / 16 / 32 / 64 for the best block
-# per shape where the previous dispatch (frag / tile / swapb, wgmma only on gate/up at M <= 16)
-# had 2.03x / 1.96x / 1.62x / 1.23x.
+# frag / swapb at every M. Block shapes: see wgmma_config; H100 sweeps of run 18, speedup over
+# bf16 in the same call, engine shapes: the best block per shape 2.28x / 2.19x / 1.86x / 1.37x
+# at M = 8 / 16 / 32 / 64 where the previous dispatch (frag / tile / swapb, wgmma only on
+# gate/up at M <= 16) had 2.03x / 1.96x / 1.62x / 1.23x (..._s3.json); with the last-wave K
+# split 2.29x / 1.95x / 1.48x at M = 16 / 32 / 64 (..._tail.json).
 WGMMA_MAX_M = int(os.environ.get("QUARL_W4_WGMMA_MAX_M", "64"))
 WGMMA_MIN_N = 1024
 
 
 def wgmma_config(m: int, n: int, k: int) -> "cuda_w4.WgConfig":
-    """Block shape of the wgmma w4 kernel for ``m`` rows (run 18 sweep, H100).
+    """Block shape of the wgmma w4 kernel for ``m`` rows (H100 sweeps of run 18,
+    bench/results/w4_wgmma_sweep_h100_run18_{s3,tail}.json, us of the 7B engine shapes).
+
+    Above M = 8 the K split is the last-wave one (``tail``: the column blocks of the full
+    waves over all of K, the last wave's split to fill it; ``blocks_per_sm`` = the blocks
+    resident per SM), which took fused gate_up at M = 64 from 62.8 to 53.1 us and at M = 16
+    from 41.4 to 35.3.
 
     * M <= 8: 1 warpgroup, double-buffered folds, 4 slots, K split to ~1.9 blocks per SM.
-    * M <= 32: the single-tile loop (127 registers, 4 blocks per SM), 3 slots; K split to
-      ~3.8 blocks per SM while the column blocks alone are fewer than the SMs (q/o 10.1 us
-      at M = 32 where 0.95 gave 10.8), none beyond (gate/up M = 16 21.3 vs 25.6 us).
-    * M <= 64: 2 warpgroups sharing the activation tile, single tile, 3 slots, 2 blocks per
-      SM, ~1.9 blocks per SM (q/o 14.0, qkv 15.3, down 34.1 us); 3 warpgroups, 4 slots, one
-      block per SM on the widest weights (N >= 3 x 64 x SMs: gate_up 61.6 vs 66.5 us)."""
+    * M <= 32: the single-tile loop (127 registers, 4 blocks per SM), 3 slots (M = 32: q/o
+      10.2, qkv 11.1, gate_up 39.9, down 24.2).
+    * M <= 64: 3 warpgroups sharing the activation tile, single tile, one block per SM on
+      wide weights (N >= 16384: gate_up 53.1, gate/up 31.9); 2 warpgroups, 2 blocks per SM
+      on long K (K > 8192: down 33.2); else 1 double-buffered warpgroup, 2 blocks per SM (q/o
+      12.8, qkv 14.9)."""
     if "wgmma" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["wgmma"](m, n, k)
-    sms = num_sms(torch.device("cuda", torch.cuda.current_device()))
     if m <= 8:
         return cuda_w4.WgConfig(1, 4, 1.9)
     if m <= 32:
-        return cuda_w4.WgConfig(1, 3, 3.8 if _cdiv(n, 64) < sms else 0.95, single=True, minb=4)
-    if n >= 3 * 64 * sms:
-        return cuda_w4.WgConfig(3, 4, 0.95, single=True, minb=1)
-    return cuda_w4.WgConfig(2, 3, 1.9, single=True, minb=2)
+        return cuda_w4.WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)
+    if n >= 16384:
+        return cuda_w4.WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)
+    if k > 8192:
+        return cuda_w4.WgConfig(2, 3, 2.0, single=True, minb=2, tail=True)
+    return cuda_w4.WgConfig(1, 4, 2.0, tail=True)
 
 
 # The TMA kernel's tile for 16 < M <= 64 (and int8 at M <= 512): 64 x 64 x 128, 5 stages, 3
