@@ -349,7 +349,7 @@ def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
     assert launch.w4_config(64, 512, 3584).kernel == "swapb"  # k/v: N < WGMMA_MIN_N
     assert launch.w4_config(65, 3584, 3584).kernel == "dequant"
     # the block shapes by M (single-tile loop above M = 8, 2-3 warpgroups at M > 32)
-    assert not launch.wgmma_config(8, 3584, 3584).single
+    assert not launch.wgmma_config(8, 3584, 3584).single and launch.wgmma_config(8, 37888, 3584).single
     assert launch.wgmma_config(32, 3584, 3584) == cuda_w4.WgConfig(1, 3, 4.0, True, 4, True)
     assert [launch.wgmma_config(64, n, k).nwg for n, k in ((37888, 3584), (3584, 18944), (3584, 3584))] == [3, 2, 1]
     a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))

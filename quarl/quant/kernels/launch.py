@@ -193,7 +193,9 @@ def wgmma_config(m: int, n: int, k: int) -> "cuda_w4.WgConfig":
     resident per SM), which took fused gate_up at M = 64 from 62.8 to 53.1 us and at M = 16
     from 41.4 to 35.3.
 
-    * M <= 8: 1 warpgroup, double-buffered folds, 4 slots, K split to ~1.9 blocks per SM.
+    * M <= 8: 1 warpgroup, double-buffered folds, 4 slots, K split to ~1.9 blocks per SM;
+      the M <= 32 block on the widest weights and on long K (..._small.json, M = 1: fused
+      gate_up 32.6 vs 34.3 us, down 19.9 vs 20.4; gate/up, N = 18944, loses: 19.7 vs 18.2).
     * M <= 32: the single-tile loop (127 registers, 4 blocks per SM), 3 slots (M = 32: q/o
       10.2, qkv 11.1, gate_up 39.9, down 24.2).
     * M <= 64: 3 warpgroups sharing the activation tile, single tile, one block per SM on
@@ -202,7 +204,7 @@ def wgmma_config(m: int, n: int, k: int) -> "cuda_w4.WgConfig":
       12.8, qkv 14.9)."""
     if "wgmma" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["wgmma"](m, n, k)
-    if m <= 8:
+    if m <= 8 and n < 32768 and k <= 8192:
         return cuda_w4.WgConfig(1, 4, 1.9)
     if m <= 32:
         return cuda_w4.WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)
