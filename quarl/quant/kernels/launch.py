@@ -188,9 +188,9 @@ def wgmma_config(m: int, n: int, k: int) -> "cuda_w4.WgConfig":
     """Block shape of the wgmma w4 kernel for ``m`` rows (H100 sweeps of run 18,
     bench/results/w4_wgmma_sweep_h100_run18_{s3,tail}.json, us of the 7B engine shapes).
 
-    Above M = 8 the K split is the last-wave one (``tail``: the column blocks of the full
-    waves over all of K, the last wave's split to fill it; ``blocks_per_sm`` = the blocks
-    resident per SM), which took fused gate_up at M = 64 from 62.8 to 53.1 us and at M = 16
+    Above M = 8 (and at M <= 8 on the widest and the longest weights) the K split is the
+    last-wave one (``tail``: the column blocks of the full waves over all of K, the last
+    wave's split to fill it; ``blocks_per_sm`` = the blocks resident per SM), which took fused gate_up at M = 64 from 62.8 to 53.1 us and at M = 16
     from 41.4 to 35.3.
 
     * M <= 8: 1 warpgroup, double-buffered folds, 4 slots, K split to ~1.9 blocks per SM;
