@@ -60,6 +60,23 @@ class PagedAttention:
         slots = self.ctx.slot_mapping
         k_cache.view(-1, hkv, d).index_copy_(0, slots, k.reshape(-1, hkv, d).to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v.reshape(-1, hkv, d).to(v_cache.dtype))
+        return self.attend(layer_idx, q)
+
+    @property
+    def rope_store(self):
+        """Triton backend: ``(layer_idx, q, k, v, cos, sin) -> rope(q)``, writing rope(k) and
+        v into this step's cache slots in the same launch (then :meth:`attend`); else None."""
+        return self._rope_store if self.backend == "triton" else None
+
+    def _rope_store(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
+        from quarl.rollout.fused import rope_store_kv
+
+        return rope_store_kv(q, k, v, cos, sin, self.cache.k[layer_idx], self.cache.v[layer_idx], self.ctx.slot_mapping)
+
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q [B, T, Hq, D]`` over the cache, this step's K/V already in it."""
+        b, t, hq, d = q.shape
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         scale = d**-0.5
         q_flat = q.reshape(b * t, hq, d)
         if self.backend == "triton":

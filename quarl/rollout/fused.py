@@ -87,28 +87,67 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
+def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token ``t``'s cos / sin halves as ``[1, BLOCK_D]`` fp32 rows."""
     d = tl.arange(0, BLOCK_D)
-    hmask = heads < n_heads
     dmask = d < HALF
-    m = hmask[:, None] & dmask[None, :]
-    base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
     c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    dt = out_ptr.dtype.element_ty
-    # out[:half] = x1*c1 + (-x2)*s1 ; out[half:] = x2*c2 + x1*s2, each product rounded as in torch
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rope_heads(x_ptr, stride_xh, out_ptr, stride_oh, n_heads, c1, c2, s1, s2, dt: tl.constexpr,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one token's ``n_heads`` rows (``x_ptr`` / ``out_ptr`` at its first head):
+    out[:half] = x1*c1 + (-x2)*s1, out[half:] = x2*c2 + x1*s2, each product and the sum
+    rounded to ``dt`` as in torch, then stored in out's dtype."""
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (heads < n_heads)[:, None] & (d < HALF)[None, :]
+    base = x_ptr + heads[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
     y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(obase, y1, mask=m)
-    tl.store(obase + HALF, y2, mask=m)
+    st = out_ptr.dtype.element_ty
+    obase = out_ptr + heads[:, None] * stride_oh + d[None, :]
+    tl.store(obase, y1.to(st), mask=m)
+    tl.store(obase + HALF, y2.to(st), mask=m)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK_D)
+    _rope_heads(x_ptr + t * stride_xt, stride_xh, out_ptr + t * stride_ot, stride_oh, n_heads, c1, c2, s1, s2,
+                out_ptr.dtype.element_ty, HALF, BLOCK_H, BLOCK_D)
+
+
+@triton.jit
+def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, n_q, n_kv,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ot, stride_oh,
+                          D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One token: rotated q into ``qo``; rotated k and v into the paged caches' slot of the
+    token (``[slots, n_kv, D]`` contiguous), in the cache dtype; the rotation rounds as
+    ``_rope_kernel`` with q's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dt = qo_ptr.dtype.element_ty
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK_D)
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * stride_ot, stride_oh, n_q, c1, c2, s1, s2, dt, HALF,
+                BLOCK_HQ, BLOCK_D)
+    _rope_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + slot * (n_kv * D), D, n_kv, c1, c2, s1, s2, dt, HALF,
+                BLOCK_HKV, BLOCK_D)
+    heads = tl.arange(0, BLOCK_HKV)
+    d = tl.arange(0, BLOCK_DV)
+    m = (heads < n_kv)[:, None] & (d < D)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=m, other=0.0)
+    tl.store(vc_ptr + slot * (n_kv * D) + heads[:, None] * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,6 +157,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _rope_kernel[(n,)](x, cos, sin, out, h, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
                        HALF=d // 2, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d // 2),
                        num_warps=4, **NO_FMA)
+    return out
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``rope(q, cos, sin)``, with ``rope(k, cos, sin)`` and ``v`` written into the paged
+    caches at ``slots`` in one launch (what ``rope`` twice and two ``index_copy_`` do):
+    q / k / v ``[N, H, D]`` (unit last stride), caches ``[..., Hkv, D]`` contiguous,
+    slots ``[N]`` (``block * block_size + offset``)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    if n:
+        _rope_store_kv_kernel[(n,)](
+            q, k, v, cos, sin, out, k_cache, v_cache, slots, hq, hkv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            out.stride(0), out.stride(1),
+            D=d, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+            BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_DV=triton.next_power_of_2(d), num_warps=4, **NO_FMA,
+        )
     return out
 
 
@@ -398,9 +457,14 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
         if a.q_norm is not None:
             q = rmsnorm(q, a.q_norm.weight, a.q_norm.eps)
             k = rmsnorm(k, a.k_norm.weight, a.k_norm.eps)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
-                   v.reshape(b, t, a.n_kv, a.head_dim))
+        rope_store = getattr(attn, "rope_store", None)  # the engine's paged attention: one launch
+        if rope_store is not None:
+            q = rope_store(a.layer_idx, q, k, v, cos, sin)
+            out = attn.attend(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim))
+        else:
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
+                       v.reshape(b, t, a.n_kv, a.head_dim))
         o = a.o_proj(out.reshape(b * t, -1))
         fused_gu = getattr(mlp, "_fused_gate_up", None)
         h = _norm(o, layer.post_attention_layernorm, residual, fused_gu)

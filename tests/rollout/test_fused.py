@@ -147,6 +147,30 @@ def test_loading_one_part_refreshes_the_fused_fragment_copy(asym):
     check()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_equals_rope_then_cache_copies(dtype):
+    """The one-launch rope + K/V cache write gives rope(q) and the cache contents of
+    rope(q), rope(k) and two index_copy_ calls, bit for bit; other slots stay untouched."""
+    from quarl.rollout.fused import rope, rope_store_kv
+
+    torch.manual_seed(4)
+    n, hq, hkv, d, blocks, bs = 5, 6, 2, 16, 4, 4
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)  # strided views, as the fused projection gives
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+    ang = torch.randn(n, d // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    slots = torch.randperm(blocks * bs)[:n]
+    kc, vc = (torch.randn(blocks, bs, hkv, d).to(dtype) for _ in range(2))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref.view(-1, hkv, d).index_copy_(0, slots, rope(k, cos, sin))
+    vc_ref.view(-1, hkv, d).index_copy_(0, slots, v)
+    out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots)
+    assert torch.equal(out, rope(q, cos, sin))
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_and_silu_with_fused_quantizer_give_the_quantizers_codes(fmt, dtype):
