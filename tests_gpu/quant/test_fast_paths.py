@@ -36,6 +36,19 @@ def _w4_case(n: int, k: int, m: int, name: str):
     return qw, x, bias, reference_linear(x.float(), qw, bias.float(), exact=True)
 
 
+def _check_block_config(gemm, cfg, x, qw, bias, expect, frag):
+    """One block-kernel config (tile / wgmma): deterministic, equal to the float64
+    reference and, at M <= 16, to the fragment kernel."""
+    from quarl.quant.kernels import launch
+
+    a = gemm(x, qw, bias, cfg, counters=launch._counters)
+    b = gemm(x, qw, bias, cfg, counters=launch._counters)
+    assert torch.equal(a, b), cfg
+    _check(a, expect, 5e-3)
+    if frag is not None:
+        _check(a, frag.float(), 5e-3)
+
+
 def _check(out, expect, tol):
     assert out.isfinite().all()
     assert _rel(out, expect) < tol, _rel(out, expect)
@@ -271,12 +284,7 @@ def test_tile_kernel_configs_match_reference(name, m, shape):
             cfg = cuda_w4.TileKConfig(sw, nt, mt, wm, st, bps)
             if cfg.rows < m:
                 continue
-            a = cuda_w4.w4a16_tile_gemm(x, qw, bias, cfg, counters=launch._counters)
-            b = cuda_w4.w4a16_tile_gemm(x, qw, bias, cfg, counters=launch._counters)
-            assert torch.equal(a, b), cfg
-            _check(a, expect, 5e-3)
-            if frag is not None:
-                _check(a, frag.float(), 5e-3)
+            _check_block_config(cuda_w4.w4a16_tile_gemm, cfg, x, qw, bias, expect, frag)
             ran += 1
     assert ran >= 6
 
@@ -330,12 +338,7 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
     for nwg, st, single, minb, tail in WGMMA_CONFIGS:
         for bps in (0.3, 0.1, 2) if tail else (0.25, 2, 8):
             cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail)
-            a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
-            b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg, counters=launch._counters)
-            assert torch.equal(a, b), cfg
-            _check(a, expect, 5e-3)
-            if frag is not None:
-                _check(a, frag.float(), 5e-3)
+            _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, frag)
 
 
 def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
