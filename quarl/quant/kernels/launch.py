@@ -97,24 +97,20 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # with BN 64 / 4 warps / 3 stages and K split to ~8 waves of programs on the big shapes
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
-    if m <= FRAG_MAX_M and W4_SMALL_KERNEL == "frag" and n * k < TILE_MIN_NK:
-        return _frag_config(m, n, k)
-    if m <= WGMMA_MAX_M and W4_SMALL_KERNEL == "frag" and n >= WGMMA_MIN_N and cuda_w4.wgmma_available():
+    cuda_kernels = W4_SMALL_KERNEL == "frag"
+    wgmma = cuda_kernels and m <= WGMMA_MAX_M and n >= WGMMA_MIN_N and cuda_w4.wgmma_available()
+    if cuda_kernels and m <= FRAG_MAX_M and (n * k < TILE_MIN_NK or not wgmma):
+        # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
+        # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
+        # blocks per SM on long K (down), 4 otherwise
+        big = n * k >= TILE_MIN_NK
+        cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
+        return _env_tweak(cfg, "QUARL_W4_SMALL")
+    if wgmma:
         return TileConfig(m, 0, kernel="wgmma")
-    if m <= FRAG_MAX_M and W4_SMALL_KERNEL == "frag":
-        return _frag_config(m, n, k)
     if m <= TILE_MAX_M and W4_SMALL_KERNEL == "frag" and n * k >= TILE_MIN_NK:
         return TileConfig(16 * _cdiv(m, 16), 0, kernel="tile")
     return _w4_triton_config(m, n, k, W4_SMALL_KERNEL if W4_SMALL_KERNEL != "frag" else "swapb")
-
-
-def _frag_config(m: int, n: int, k: int) -> TileConfig:
-    # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
-    # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
-    # blocks per SM on long K (down), 4 otherwise
-    big = n * k >= 1 << 25
-    cfg = TileConfig(16, cuda_w4.SLAB, num_warps=2 if big else 4, num_stages=8, waves=8 if (k >= 8192 or not big) else 4, kernel="frag")
-    return _env_tweak(cfg, "QUARL_W4_SMALL")
 
 
 def w4_tile_config(m: int, n: int, k: int) -> "cuda_w4.TileKConfig":
