@@ -37,6 +37,9 @@ if [[ $PARTS == *silu* ]]; then
   timeout 120 python3 -m pytest tests_gpu/quant/test_fast_paths.py -q -x -k "e4m3" 2>&1 | tail -2
   timeout 200 python3 bench/silu_quant_extra.py --ms ${SILU_MS:-256,1024,4096} --out $OUT/silu_quant_extra_${LABEL}.json
 fi
+if [[ $PARTS == *trace* ]]; then  # timing-probe build of the wgmma kernel, K sweep
+  timeout ${TRACE_S:-400} python3 bench/w4_trace.py --out $OUT/w4_trace_${LABEL}.json --ms ${MS:-1,16,64} 2>&1 | tail -40
+fi
 if [[ $PARTS == *rtest* ]]; then
   timeout 240 python3 -m pytest tests_gpu/rollout -q > $OUT/rollout_gpu_tests_${LABEL}.txt 2>&1
   grep -E "FAILED|Error|passed|failed" $OUT/rollout_gpu_tests_${LABEL}.txt | tail -8

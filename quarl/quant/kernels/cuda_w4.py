@@ -590,14 +590,38 @@ __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
 //WGMMA_WRAPPERS//
+// Timing probes, compiled only with -DW4_TRACE (bench/w4_trace.py): thread 0 of each block
+// stores %globaltimer and %clock64 at point i (0 entry, 1 first group landed, 2 main loop done,
+// 3 partials stored, 4 split-K finish done) and its SM in trace[block * 12 + ...].
+#ifdef W4_TRACE
+__device__ __forceinline__ void w4_trace_at(unsigned long long* tr, int i) {
+  unsigned long long gt, ck;
+  u32 sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(ck));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  tr += (size_t)blockIdx.x * 12;
+  tr[i] = gt;
+  tr[5 + i] = ck;
+  tr[10] = sm;
+}
+#define W4_TRACE_AT(i) do { if (threadIdx.x == 0) w4_trace_at(trace, (i)); } while (0)
+#else
+#define W4_TRACE_AT(i) do { } while (0)
+#endif
 
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
     const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
     const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
     float* __restrict__ part, int* __restrict__ counters,
-    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias, int whole) {
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias, int whole
+#ifdef W4_TRACE
+    , unsigned long long* __restrict__ trace
+#endif
+    ) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
+  W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
   constexpr int LA = SINGLE ? ST - 1 : ST - 2;
@@ -692,6 +716,7 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
     cp_wait<LA - 1>();
     proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
     __syncthreads();
+    if (gi == 0) W4_TRACE_AT(1);
     if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
     cp_commit();
     const u32 sbase = ring + (gi % ST) * STAGE;
@@ -772,9 +797,11 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   }
   }
   cp_wait<0>();
+  W4_TRACE_AT(2);
 
   // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
   if (nsplit == 1) {
+    W4_TRACE_AT(3);
     if (!live) return;
 #pragma unroll
     for (int i = 0; i < NACC; ++i) {
@@ -793,7 +820,9 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
       if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
     }
   }
+  W4_TRACE_AT(3);
   splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
+  W4_TRACE_AT(4);
 }
 """
 
@@ -1210,12 +1239,17 @@ def wgmma_tokens(m: int) -> int:
     raise ValueError(f"wgmma w4 kernel takes M <= {WGMMA_TOKENS[-1]}, got M={m}")
 
 
+def wgmma_source() -> str:
+    return _SOURCE.replace("//WGMMA_WRAPPERS//", _wgmma_wrappers())
+
+
 @functools.lru_cache(maxsize=64)
-def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1):
+def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
+                  defines: tuple[str, ...] = ()):
     b = lambda v: "true" if v else "false"
     name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {b(asym)}, {b(single)}, {minb}>"
-    src = _SOURCE.replace("//WGMMA_WRAPPERS//", _wgmma_wrappers())
-    kern = torch.cuda._compile_kernel(src, name, compute_capability="90a", nvcc_options=["-std=c++17"])
+    opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
+    kern = torch.cuda._compile_kernel(wgmma_source(), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
     return kern
 
