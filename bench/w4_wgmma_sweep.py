@@ -29,6 +29,7 @@ _spec.loader.exec_module(_tile)
 
 CANDIDATES = [tuple(float(v) if "." in v else int(v) for v in c.split(",")) for c in __import__("os").environ.get(
     "WGMMA_CANDIDATES", "1,3;1,4;2,3;2,4;2,6").split(";")]
+CLUSTER = tuple(v == "1" for v in __import__("os").environ.get("CLUSTER", "0").split(","))  # "0,1": both
 BPS = tuple(float(v) for v in __import__("os").environ.get("BPS", "1,2,4").split(","))
 
 
@@ -83,7 +84,8 @@ def main():
             flags = dict(zip(("single", "minb", "tail"), c[2:5]))
             flags = {f: (bool(v) if f != "minb" else v) for f, v in flags.items()}
             for bps in (c[5:] or BPS):
-                out.append(cuda_w4.WgConfig(c[0], c[1], float(bps), **flags))
+                for cl in CLUSTER:
+                    out.append(cuda_w4.WgConfig(c[0], c[1], float(bps), **flags, cluster=cl))
         return out
     rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_wgmma_gemm, "wgmma") if ok else []
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),

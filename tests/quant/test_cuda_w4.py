@@ -145,6 +145,23 @@ def test_tail_split_splits_only_the_last_wave():
         assert whole + (cols - whole) * split <= -(-cols // slots) * slots  # never an extra wave
 
 
+def test_split_plan_clusters_only_fully_split_grids_of_at_most_8():
+    # q/o at M = 64 (56 column blocks, 28 groups, 2 x 132 slots): 4 splits of 7, one cluster each
+    assert cuda_w4.split_plan(3584, 28, 56, 132, 2.0, 1, True, True) == (0, 4, 7, 4)
+    assert cuda_w4.split_plan(3584, 28, 56, 132, 2.0, 1, True, False) == (0, 4, 7, 0)
+    # down at M = 64 (28 column blocks, 148 groups): 9 splits asked, capped at 8 (19 groups)
+    assert cuda_w4.split_plan(3584, 148, 28, 132, 2.0, 2, True, False) == (0, 9, 17, 0)
+    assert cuda_w4.split_plan(3584, 148, 28, 132, 2.0, 2, True, True) == (0, 8, 19, 8)
+    # gate_up's last-wave split (whole column blocks too): global partials, no cluster
+    assert cuda_w4.split_plan(37888, 28, 198, 132, 1.0, 3, True, True) == (132, 2, 14, 0)
+    # no split at all: no cluster
+    assert cuda_w4.split_plan(37888, 28, 592, 132, 1.0, 1, False, True) == (592, 1, 28, 0)
+    for groups in range(2, 200, 7):
+        for asked in range(2, 20):
+            split, gpb = cuda_w4.cluster_split(groups, asked)
+            assert split <= min(asked, cuda_w4.MAX_CLUSTER) and (split - 1) * gpb < groups <= split * gpb
+
+
 def test_wgmma_words_round_trip():
     frag = cuda_w4.repack_codes(_rand_codes(130, 384, seed=2))
     words = cuda_w4.wgmma_words(frag)

@@ -341,6 +341,31 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
             _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, frag)
 
 
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 9, 17, 33, 64])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (4608, 3584)])
+def test_wgmma_cluster_split_equals_global_split(name, m, shape):
+    """K splits summed through distributed shared memory (clusters of 2-8 blocks; more
+    splits asked are capped at 8): deterministic, equal to the float64 reference and, where
+    the split is the one the global-partials kernel takes, equal to it bit for bit."""
+    from quarl.quant.kernels import cuda_w4, launch
+
+    n, k = shape
+    qw, x, bias, expect = _w4_case(n, k, m, name)
+    groups = -(-k // 128)
+    for nwg, st, single, minb, tail in ((1, 4, False, 1, False), (1, 3, True, 4, True), (2, 3, True, 2, True),
+                                        (3, 4, True, 1, True)):
+        for bps in (0.5, 2, 4, 16):
+            cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail, cluster=True)
+            _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, None)
+            cols = -(-(-(-n // 64)) // nwg)
+            plan = cuda_w4.split_plan(n, groups, cols, launch.num_sms(x.device), bps, nwg, tail, True)
+            if cuda_w4.split_plan(n, groups, cols, launch.num_sms(x.device), bps, nwg, tail, False)[:3] == plan[:3]:
+                a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
+                b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg._replace(cluster=False), counters=launch._counters)
+                assert torch.equal(a, b), (cfg, plan)
+
+
 def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
     from quarl.quant.kernels import cuda_w4, launch
 

@@ -610,16 +610,41 @@ __device__ __forceinline__ void w4_trace_at(unsigned long long* tr, int i) {
 #define W4_TRACE_AT(i) do { } while (0)
 #endif
 
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
-__global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
-    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
-    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
-    float* __restrict__ part, int* __restrict__ counters,
-    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias, int whole
+// Cluster variant (CS > 0, 2..8; __cluster_dims__(CS)): the CS K splits of one column
+// block are the CS blocks of one thread-block cluster (block b: column block b / CS, split
+// b % CS) and are summed through distributed shared memory instead of global partials:
+// each block stores its fp32 tile in its own shared memory, one cluster barrier, then block
+// r sums its share of the (token, 4-column) items over the CS tiles in split order (the
+// numerics of splitk_sum, bit for bit), a second barrier keeps the tiles alive until all
+// are read. No partials buffer, no arrival counter, no fences through L2.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
+  u32 remote;
+  float4 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(remote) : "memory");
+  return r;
+}
+
 #ifdef W4_TRACE
-    , unsigned long long* __restrict__ trace
+#define W4_TRACE_PARAM , unsigned long long* __restrict__ trace
+#define W4_TRACE_ARG , trace
+#else
+#define W4_TRACE_PARAM
+#define W4_TRACE_ARG
 #endif
-    ) {
+#define W4_WGMMA_PARAMS                                                                       \
+  const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,    \
+      const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,      \
+      float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, int ldx,     \
+      int ldo, int Np, int G, int gpb, int split, int has_bias, int whole W4_TRACE_PARAM
+#define W4_WGMMA_ARGS \
+  x, wq, scales, negz, bias, out, part, counters, M, N, K, ldx, ldo, Np, G, gpb, split, has_bias, whole W4_TRACE_ARG
+
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS>
+__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
@@ -634,9 +659,10 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   // over all of K; the others split the remaining column blocks' K `split` ways (gpb groups
   // each), the blocks of one split `tcols` apart (whole = 0: every column block split)
   const int tcols = (nslabs + NWG - 1) / NWG - whole, tb = (int)blockIdx.x - whole;
-  const bool whole_blk = tb < 0;
-  const int cb = whole_blk ? blockIdx.x : whole + tb % tcols, sp = whole_blk ? 0 : tb / tcols;
-  const int nsplit = whole_blk ? 1 : split;
+  const bool whole_blk = CS == 0 && tb < 0;
+  const int cb = CS ? blockIdx.x / CS : (whole_blk ? blockIdx.x : whole + tb % tcols);
+  const int sp = CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols);
+  const int nsplit = CS ? CS : (whole_blk ? 1 : split);
   const int slab = cb * NWG + wg;
   const bool live = slab < nslabs;
   const int n0 = slab * 64;
@@ -800,6 +826,55 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   W4_TRACE_AT(2);
 
   // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
+  if constexpr (CS > 0) {
+    // tile [token][column] fp32, rows padded by 4 floats (no bank conflicts on the stores,
+    // 16-byte rows for the vector reads), in the ring (all wgmmas and copies are done)
+    constexpr int CW = NWG * 64 + 4;
+    static_assert(NTOK * CW * 4 <= ST * STAGE, "the reduction tile fits in the ring");
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(dsmem + (ring - smem_addr(dsmem)));
+    if (live) {
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const int c = wg * 64 + 16 * warp + g + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+        if (r < M) red[r * CW + c] = acc[i];
+      }
+    }
+    W4_TRACE_AT(3);
+    cluster_sync();
+    const int c0 = cb * NWG * 64, cols = min(NWG * 64, N - c0);
+    constexpr int CQ = NWG * 16;  // 4-column items per token row
+    const int total = M * CQ, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
+    for (int i = sp * per + tid; i < i1; i += NTH) {
+      const int r = i / CQ, q = i % CQ;
+      if (q * 4 >= cols) continue;
+      const u32 addr = ring + (u32)(r * CW + q * 4) * 4;
+      float4 p[CS];
+#pragma unroll
+      for (int s = 0; s < CS; ++s) p[s] = ld_cluster_f4(addr, s);
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int s = 0; s < CS; ++s) {
+        v[0] += p[s].x; v[1] += p[s].y; v[2] += p[s].z; v[3] += p[s].w;
+      }
+      const int n = c0 + q * 4;
+      u16 h[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) h[e] = to_bf16(v[e] + (has_bias && n + e < N ? from_bf16(bias[n + e]) : 0.f));
+      u16* dst = out + (size_t)r * ldo + n;
+      if (n + 4 <= N && ((ldo | n) & 3) == 0) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (n + e < N) dst[e] = h[e];
+      }
+    }
+    cluster_sync();  // the other blocks may still be reading this block's tile
+    W4_TRACE_AT(4);
+    return;
+  }
+  if constexpr (CS == 0) {
   if (nsplit == 1) {
     W4_TRACE_AT(3);
     if (!live) return;
@@ -823,6 +898,15 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(
   W4_TRACE_AT(3);
   splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
   W4_TRACE_AT(4);
+  }
+}
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
+__global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0>(W4_WGMMA_ARGS);
+}
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, int CS>
+__global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS>(W4_WGMMA_ARGS);
 }
 """
 
@@ -1126,13 +1210,40 @@ def tail_split(cols: int, groups: int, slots: int) -> tuple[int, int, int]:
     return whole, -(-groups // gpb), gpb
 
 
+MAX_CLUSTER = 8  # portable thread-block cluster size: the most K splits one cluster sums
+
+
+def cluster_split(groups: int, split: int) -> tuple[int, int]:
+    """``(split, groups per split)`` with at most :data:`MAX_CLUSTER` splits, none empty."""
+    gpb = -(-groups // min(split, MAX_CLUSTER))
+    return -(-groups // gpb), gpb
+
+
+def split_plan(n: int, groups: int, cols: int, sms: int, blocks_per_sm: float, slabs_per_block: int,
+               tail: bool | None, cluster: bool) -> tuple[int, int, int, int]:
+    """``(whole, split, groups per split, cluster size)`` of :func:`_launch_blocked`'s grid:
+    ``whole`` column blocks over all of K, the other ``cols - whole`` split ``split`` ways;
+    cluster size 0 = the splits are summed through global partials."""
+    if tail:
+        whole, split, gpb = tail_split(cols, groups, max(1, round(blocks_per_sm * sms)))
+    else:
+        split, gpb = pick_split(n, groups, 1, sms, blocks_per_sm, slabs_per_block)
+        whole = 0 if split > 1 else cols
+    if not (cluster and split > 1 and whole == 0):
+        return whole, split, gpb, 0
+    split, gpb = cluster_split(groups, split)
+    return (0, split, gpb, split) if split > 1 else (cols, 1, groups, 0)
+
+
 def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int, blocks_per_sm: float,
-                    threads: int, smem: int, counters, tail: bool | None = None) -> torch.Tensor:
+                    threads: int, smem: int, counters, tail: bool | None = None, cluster: bool = False) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
-    wgmma kernels: same arguments, same split-K rule). ``make_kernel(asym)`` -> the kernel.
-    ``tail`` (wgmma kernel: a 1-D grid and a ``whole`` argument): None = every column block's
-    K split alike (``pick_split``); True = :func:`tail_split` over ``blocks_per_sm x SMs``
-    slots; False = the uniform split as a 1-D grid."""
+    wgmma kernels: same arguments, same split-K rule). ``make_kernel(asym, cs)`` -> the
+    kernel (``cs``: cluster size, 0 = none). ``tail`` (wgmma kernel: a 1-D grid and a
+    ``whole`` argument): None = every column block's K split alike (``pick_split``); True =
+    :func:`tail_split` over ``blocks_per_sm x SMs`` slots; False = the uniform split as a 1-D
+    grid. ``cluster`` (wgmma kernel): when every column block is split, its splits (at most
+    :data:`MAX_CLUSTER`) form one cluster and are summed through distributed shared memory."""
     from quarl.quant.kernels import launch  # (imports this module)
 
     m, k = x.shape
@@ -1144,14 +1255,9 @@ def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int,
     fw = frag_weight(qw, layout)
     groups, np_ = fw.scales.shape
     cols = -(-(np_ // SLAB) // slabs_per_block)
-    sms = launch.num_sms(x.device)
-    if tail:
-        whole, split, gpb = tail_split(cols, groups, max(1, round(blocks_per_sm * sms)))
-    else:
-        split, gpb = pick_split(n, groups, 1, sms, blocks_per_sm, slabs_per_block)
-        whole = 0 if split > 1 else cols
+    whole, split, gpb, cs = split_plan(n, groups, cols, launch.num_sms(x.device), blocks_per_sm, slabs_per_block, tail, cluster)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if split > 1:
+    if split > 1 and not cs:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         cnt = (counters or launch._counters)(x.device, cols)
     else:
@@ -1166,7 +1272,7 @@ def _launch_blocked(make_kernel, x, qw, bias, layout: str, slabs_per_block: int,
     else:
         grid = (whole + (cols - whole) * split, 1, 1)
         args.append(whole)
-    make_kernel(fw.negz is not None)(grid=grid, block=(threads, 1, 1), shared_mem=smem, args=args)
+    make_kernel(fw.negz is not None, cs)(grid=grid, block=(threads, 1, 1), shared_mem=smem, args=args)
     return out
 
 
@@ -1183,7 +1289,7 @@ def w4a16_tile_gemm(
         raise ValueError(f"block-tiled w4 kernel takes bf16 x, got {x.dtype}")
     check_tile_config(cfg, m)
     return _launch_blocked(
-        lambda asym: _tile_kernel(cfg._replace(blocks_per_sm=0.0), asym), x, qw, bias, "frag",
+        lambda asym, cs: _tile_kernel(cfg._replace(blocks_per_sm=0.0), asym), x, qw, bias, "frag",
         cfg.sw, cfg.blocks_per_sm, cfg.warps * 32, cfg.smem_bytes(), counters,
     )
 
@@ -1221,6 +1327,7 @@ class WgConfig(NamedTuple):
     single: bool = False  # one fp32 tile: each group's wgmmas waited for before its fold
     minb: int = 1  # __launch_bounds__ blocks per SM (caps registers at 64K / (minb x threads))
     tail: bool = False  # blocks_per_sm = resident slots per SM; split K of the last wave only
+    cluster: bool = False  # sum the K splits through distributed shared memory (all column blocks split)
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -1245,9 +1352,11 @@ def wgmma_source() -> str:
 
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
-                  defines: tuple[str, ...] = ()):
+                  cs: int = 0, defines: tuple[str, ...] = ()):
     b = lambda v: "true" if v else "false"
     name = f"w4a16_wgmma<{nwg}, {ntok}, {stages}, {b(asym)}, {b(single)}, {minb}>"
+    if cs:
+        name = f"w4a16_wgmma_cluster<{nwg}, {ntok}, {stages}, {b(asym)}, {b(single)}, {minb}, {cs}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(wgmma_source(), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
@@ -1277,6 +1386,6 @@ def w4a16_wgmma_gemm(
     ntok = wgmma_tokens(m)
     smem = cfg.smem_bytes(ntok)
     return _launch_blocked(
-        lambda asym: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb), x, qw, bias, "wgmma",
-        cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters, tail=cfg.tail,
+        lambda asym, cs: _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs), x, qw, bias,
+        "wgmma", cfg.nwg, cfg.blocks_per_sm, cfg.nwg * 128, smem, counters, tail=cfg.tail, cluster=cfg.cluster,
     )
