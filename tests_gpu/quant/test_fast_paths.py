@@ -242,21 +242,26 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
             _check(a, swapb.float(), 5e-3)
 
 
-def test_frag_kernel_is_the_default_at_small_m_and_follows_in_place_loads():
-    from quarl.quant.kernels import launch
+def test_frag_kernel_is_the_default_at_small_m_before_hopper_and_follows_in_place_loads():
+    from quarl.quant.kernels import cuda_w4, launch
 
-    assert launch.w4_config(launch.FRAG_MAX_M, 4096, 4096).kernel == "frag"
+    small = "wgmma" if cuda_w4.wgmma_available() else "frag"  # Hopper: the wgmma kernel at every M <= 64
+    assert launch.w4_config(launch.FRAG_MAX_M, 4096, 4096).kernel == small
     assert launch.w4_config(launch.FRAG_MAX_M + 1, 4096, 4096).kernel != "frag"
     a, b = (torch.nn.Linear(1040, 700, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16-asym")
     x = torch.randn(3, 1040, device="cuda", dtype=torch.bfloat16)
-    inf(x)
-    frag = inf.qdata._quarl_frag[1]
-    inf.load_quantized(quantize_weight(b.weight, "w4a16-asym"))
-    assert inf.qdata._quarl_frag[1].qdata.data_ptr() == frag.qdata.data_ptr()
-    inf.bias.data.copy_(b.bias)
-    expect = reference_linear(x.float(), quantize_weight(b.weight, "w4a16-asym"), b.bias.float(), exact=True)
-    _check(inf(x), expect, 5e-3)
+    launch.CONFIG_OVERRIDES["w4"] = lambda m, n, k: launch.TileConfig(16, cuda_w4.SLAB, num_warps=4, num_stages=8, kernel="frag")
+    try:
+        inf(x)
+        frag = inf.qdata._quarl_frag[1]
+        inf.load_quantized(quantize_weight(b.weight, "w4a16-asym"))
+        assert inf.qdata._quarl_frag[1].qdata.data_ptr() == frag.qdata.data_ptr()
+        inf.bias.data.copy_(b.bias)
+        expect = reference_linear(x.float(), quantize_weight(b.weight, "w4a16-asym"), b.bias.float(), exact=True)
+        _check(inf(x), expect, 5e-3)
+    finally:
+        launch.CONFIG_OVERRIDES.pop("w4")
 
 
 TILE_CONFIGS = [
@@ -372,13 +377,15 @@ def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
     for m in (1, 8, 16, 33, 64):
         assert launch.w4_config(m, 37888, 3584).kernel == "wgmma"
         assert launch.w4_config(m, 3584, 18944).kernel == "wgmma"
-    assert launch.w4_config(launch.FRAG_MAX_M, 3584, 3584).kernel == "frag"  # small weights at M <= 4
-    assert launch.w4_config(launch.FRAG_MAX_M + 1, 3584, 3584).kernel == "wgmma"
-    assert launch.w4_config(64, 512, 3584).kernel == "swapb"  # k/v: N < WGMMA_MIN_N
+    for m in (1, 4, 64):  # small weights and k/v too (K splits summed in a cluster)
+        for n in (3584, 512):
+            assert launch.w4_config(m, n, 3584).kernel == "wgmma"
     assert launch.w4_config(65, 3584, 3584).kernel == "dequant"
-    # the block shapes by M (single-tile loop above M = 8, 2-3 warpgroups at M > 32)
-    assert not launch.wgmma_config(8, 3584, 3584).single and launch.wgmma_config(8, 37888, 3584).single
-    assert launch.wgmma_config(32, 3584, 3584) == cuda_w4.WgConfig(1, 3, 4.0, True, 4, True)
+    # the block shapes: clusters where every column block is split, 2 warpgroups on long K,
+    # 3 on the widest weights at M > 32
+    assert launch.wgmma_config(1, 3584, 3584) == cuda_w4.WgConfig(1, 4, 2.0, False, 1, True, True)
+    assert launch.wgmma_config(16, 18944, 3584).cluster and not launch.wgmma_config(32, 18944, 3584).cluster
+    assert launch.wgmma_config(32, 37888, 3584) == cuda_w4.WgConfig(1, 3, 4.0, True, 4, True)
     assert [launch.wgmma_config(64, n, k).nwg for n, k in ((37888, 3584), (3584, 18944), (3584, 3584))] == [3, 2, 1]
     a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16")

@@ -98,8 +98,8 @@ def w4_config(m: int, n: int, k: int) -> TileConfig:
     # (gate/up, down: 1.5x at M <= 16), ~4 waves elsewhere (the split keeps >= 2 chunks per
     # program, which is what small-N k/v needs); 5 stages and BN 128 lose everywhere.
     cuda_kernels = W4_SMALL_KERNEL == "frag"
-    wgmma = cuda_kernels and m <= WGMMA_MAX_M and n >= WGMMA_MIN_N and cuda_w4.wgmma_available()
-    if cuda_kernels and m <= FRAG_MAX_M and (n * k < TILE_MIN_NK or not wgmma):
+    wgmma = cuda_kernels and m <= WGMMA_MAX_M and cuda_w4.wgmma_available()
+    if cuda_kernels and m <= FRAG_MAX_M and not wgmma:
         # H200 sweep run 9 (bench/results/gemm_sweep_h200_9.json, M = 1): 8-slot rings; 2 warps
         # per block on the big shapes (gate/up, down), 4 on q/o and k/v; K split towards 8
         # blocks per SM on long K (down), 4 otherwise
@@ -167,48 +167,42 @@ FRAG_MAX_M = int(os.environ.get("QUARL_FRAG_MAX_M", "4"))
 TILE_MAX_M = min(int(os.environ.get("QUARL_W4_TILE_MAX_M", "8")), cuda_w4.TILE_MAX_M)
 TILE_MIN_NK = 1 << 25
 # On Hopper, the wgmma kernel ("wgmma": dequantized weights as the register A operand of
-# wgmma, the activation tile read from shared memory) takes every M <= WGMMA_MAX_M on weights
-# with N >= WGMMA_MIN_N, except M <= FRAG_MAX_M on small weights (< TILE_MIN_NK elements:
-# q/o, qkv), where the fragment kernel ties or wins (7.7 vs 8.2 us on q/o at M = 1). Below
-# WGMMA_MIN_N (k/v, 8 column blocks) K must be split ~14 ways and the wgmma kernel loses to
-# frag / swapb at every M. Block shapes: see wgmma_config; H100 sweeps of run 18, speedup over
-# bf16 in the same call, engine shapes: the best block per shape 2.28x / 2.19x / 1.86x / 1.37x
-# at M = 8 / 16 / 32 / 64 where the previous dispatch (frag / tile / swapb, wgmma only on
-# gate/up at M <= 16) had 2.03x / 1.96x / 1.62x / 1.23x (..._s3.json); with the last-wave K
-# split 2.29x / 1.95x / 1.48x at M = 16 / 32 / 64 (..._tail.json).
+# wgmma, the activation tile read from shared memory) takes every M <= WGMMA_MAX_M. Since its
+# K splits are summed inside a thread-block cluster (run 19), it also beats the fragment
+# kernel at M <= 4 (q/o 7.1 vs 7.8 us, qkv 8.5 vs 9.0, k/v 4.8 vs 5.6 at M = 1) and swapb on
+# k/v (N = 512: 6.6 vs 10.4 us at M = 64). Block shapes: see wgmma_config.
 WGMMA_MAX_M = int(os.environ.get("QUARL_W4_WGMMA_MAX_M", "64"))
-WGMMA_MIN_N = 1024
 
 
 def wgmma_config(m: int, n: int, k: int) -> "cuda_w4.WgConfig":
-    """Block shape of the wgmma w4 kernel for ``m`` rows (H100 sweeps of run 18,
-    bench/results/w4_wgmma_sweep_h100_run18_{s3,tail}.json, us of the 7B engine shapes).
+    """Block shape of the wgmma w4 kernel for ``m`` rows (H100 sweeps of runs 18 and 19,
+    bench/results/w4_wgmma_sweep_h100_run19_{c1,c2}.json, us of the 7B engine shapes).
 
-    Above M = 8 (and at M <= 8 on the widest and the longest weights) the K split is the
-    last-wave one (``tail``: the column blocks of the full waves over all of K, the last
-    wave's split to fill it; ``blocks_per_sm`` = the blocks resident per SM), which took fused gate_up at M = 64 from 62.8 to 53.1 us and at M = 16
-    from 41.4 to 35.3.
+    Where every column block is split along K (all but the widest weights), the splits of a
+    column block form one thread-block cluster and are summed through distributed shared
+    memory (``cluster``): no fp32 partials through L2, no arrival counter. That took q/o at
+    M = 64 from 12.4-12.8 to 10.4 us, qkv from 14.7-15.0 to 13.0 and down from 32.8 to 31.1;
+    at M = 16 q/o 8.8 -> 7.6, qkv 9.5 -> 9.0. The splits are the last-wave ones (``tail``:
+    ``blocks_per_sm`` = resident blocks per SM, never a second wave).
 
-    * M <= 8: 1 warpgroup, double-buffered folds, 4 slots, K split to ~1.9 blocks per SM;
-      the M <= 32 block on the widest weights and on long K (..._small.json, M = 1: fused
-      gate_up 32.6 vs 34.3 us, down 19.9 vs 20.4; gate/up, N = 18944, loses: 19.7 vs 18.2).
-    * M <= 32: the single-tile loop (127 registers, 4 blocks per SM), 3 slots (M = 32: q/o
-      10.2, qkv 11.1, gate_up 39.9, down 24.2).
-    * M <= 64: 3 warpgroups sharing the activation tile, single tile, one block per SM on
-      wide weights (N >= 16384: gate_up 53.1, gate/up 31.9); 2 warpgroups, 2 blocks per SM
-      on long K (K > 8192: down 33.2); else 1 double-buffered warpgroup, 2 blocks per SM (q/o
-      12.8, qkv 14.9)."""
+    * K > 8192 (down): 2 warpgroups sharing the activation tile, single-tile loop, 2 blocks
+      per SM (M = 1 / 16 / 32 / 64: 19.2 / 20.1 / 24.3 / 31.1 us).
+    * Wide weights (N >= 32768 at M <= 16, N >= 16384 above): column blocks enough to fill
+      the GPU without a split, the last wave's split through global partials: single-tile,
+      1 warpgroup, 4 blocks per SM up to M = 32 (fused gate_up 32.8 / 35.2 / 40.1 us at
+      M = 1 / 16 / 32, gate/up 25.1 at M = 32); 3 warpgroups, one block per SM at M = 64
+      (fused gate_up 52.9-53.5, gate/up 31.5).
+    * Else (q/o, qkv, k/v, gate/up up to M = 16): 1 double-buffered warpgroup, 2 blocks per
+      SM (q/o 7.1 / 7.6 / 8.8 / 10.4 us at M = 1 / 16 / 32 / 64; qkv 8.5 / 9.0 / 11.0 / 13.0)."""
     if "wgmma" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["wgmma"](m, n, k)
-    if m <= 8 and n < 32768 and k <= 8192:
-        return cuda_w4.WgConfig(1, 4, 1.9)
+    if k > 8192:
+        return cuda_w4.WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)
+    if n < (32768 if m <= 16 else 16384):
+        return cuda_w4.WgConfig(1, 4, 2.0, tail=True, cluster=True)
     if m <= 32:
         return cuda_w4.WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)
-    if n >= 16384:
-        return cuda_w4.WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)
-    if k > 8192:
-        return cuda_w4.WgConfig(2, 3, 2.0, single=True, minb=2, tail=True)
-    return cuda_w4.WgConfig(1, 4, 2.0, tail=True)
+    return cuda_w4.WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)
 
 
 # The TMA kernel's tile for 16 < M <= 64 (and int8 at M <= 512): 64 x 64 x 128, 5 stages, 3
