@@ -33,6 +33,10 @@ and K range through a private cp.async ring, activation tile included. ``w4a16_t
 points) and is shared by the block's warps, each of which computes MT m16 x NT n8 output
 tiles over the whole range (no reduction inside the block). Same numerics and the same
 split-K rule (partials summed in split order by the last block) in both.
+
+On Hopper, ``w4a16_wgmma`` (M <= 64) feeds the dequantized weights to wgmma as its register
+A operand; its ``w4a16_wgmma_cluster`` entry runs the K splits of a column block as one
+thread-block cluster and sums them through distributed shared memory, in the same order.
 """
 
 from __future__ import annotations
