@@ -348,11 +348,12 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 @pytest.mark.parametrize("m", [1, 9, 17, 33, 64])
-@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (4608, 3584)])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (4608, 3584), (518, 896)])
 def test_wgmma_cluster_split_equals_global_split(name, m, shape):
     """K splits summed through distributed shared memory (clusters of 2-8 blocks; more
-    splits asked are capped at 8): deterministic, equal to the float64 reference and, where
-    the split is the one the global-partials kernel takes, equal to it bit for bit."""
+    splits asked are capped at 8; N % 4 != 0: the scalar stores): deterministic, equal to the
+    float64 reference and, where the split is the one the global-partials kernel takes, equal
+    to it bit for bit."""
     from quarl.quant.kernels import cuda_w4, launch
 
     n, k = shape
