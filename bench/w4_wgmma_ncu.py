@@ -2,7 +2,7 @@
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:w4a16_wgmma python3 bench/w4_wgmma_ncu.py 37888,3584 "64:2,6,2;16:1,4,2"
 
-(a config item is m:nwg,stages,blocks_per_sm[,single,minb])
+(a config item is m:nwg,stages,blocks_per_sm[,single,minb[,tail[,cluster]]], flags 0 / 1)
 """
 import sys
 
@@ -16,8 +16,8 @@ qw = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.
 spec = sys.argv[2] if len(sys.argv) > 2 else "64:2,6,2;16:1,4,2"
 for item in spec.split(";"):
     m, c = item.split(":")
-    nwg, st, bps, *rest = c.split(",")  # [, single (0/1), minb]
+    nwg, st, bps, *rest = c.split(",")  # [, single (0/1), minb[, tail, cluster]]
     x = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
-    extra = (bool(int(rest[0])), int(rest[1])) if rest else ()
+    extra = tuple(int(v) if i == 1 else bool(int(v)) for i, v in enumerate(rest))
     cuda_w4.w4a16_wgmma_gemm(x, qw, None, cuda_w4.WgConfig(int(nwg), int(st), float(bps), *extra), counters=launch._counters)
 torch.cuda.synchronize()
