@@ -26,6 +26,7 @@ from quarl.quant.qweight import quantize_weight
 
 SHAPES = {"q/o": (3584, 3584), "qkv": (4608, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 _TRACE: list = []
+_plain_kernel = cuda_w4._wgmma_kernel
 
 
 def _traced_kernel(*args, **kw):
@@ -38,9 +39,6 @@ def _traced_kernel(*args, **kw):
         kern(grid=grid, block=block, shared_mem=shared_mem, args=[*args, buf])
 
     return call
-
-
-_plain_kernel = cuda_w4._wgmma_kernel
 
 
 def operands(m, n, k, l2, sets=None):

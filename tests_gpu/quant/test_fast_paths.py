@@ -38,7 +38,7 @@ def _w4_case(n: int, k: int, m: int, name: str):
 
 def _check_block_config(gemm, cfg, x, qw, bias, expect, frag):
     """One block-kernel config (tile / wgmma): deterministic, equal to the float64
-    reference and, at M <= 16, to the fragment kernel."""
+    reference and, at M <= 16, to the fragment kernel. Returns the output."""
     from quarl.quant.kernels import launch
 
     a = gemm(x, qw, bias, cfg, counters=launch._counters)
@@ -47,6 +47,7 @@ def _check_block_config(gemm, cfg, x, qw, bias, expect, frag):
     _check(a, expect, 5e-3)
     if frag is not None:
         _check(a, frag.float(), 5e-3)
+    return a
 
 
 def _check(out, expect, tol):
@@ -363,11 +364,10 @@ def test_wgmma_cluster_split_equals_global_split(name, m, shape):
                                         (3, 4, True, 1, True)):
         for bps in (0.5, 2, 4, 16):
             cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail, cluster=True)
-            _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, None)
+            a = _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, None)
             cols = -(-(-(-n // 64)) // nwg)
             plan = cuda_w4.split_plan(n, groups, cols, launch.num_sms(x.device), bps, nwg, tail, True)
             if cuda_w4.split_plan(n, groups, cols, launch.num_sms(x.device), bps, nwg, tail, False)[:3] == plan[:3]:
-                a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
                 b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg._replace(cluster=False), counters=launch._counters)
                 assert torch.equal(a, b), (cfg, plan)
 

@@ -299,6 +299,22 @@ __device__ __forceinline__ float4 ldcg_f4(const float* p) {
   asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
   return r;
 }
+// out[r][n .. n + V - 1] = bf16(v + bias) for the columns < N; V = 4: one 8-byte store when
+// all 4 columns are in range and the address is 8-byte aligned
+template <int V>
+__device__ __forceinline__ void store_out(u16* out, int ldo, int r, int n, int N, const float* v, const u16* bias, int has_bias) {
+  u16 h[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) h[e] = to_bf16(v[e] + (has_bias && n + e < N ? from_bf16(bias[n + e]) : 0.f));
+  u16* dst = out + (size_t)r * ldo + n;
+  if (V == 4 && n + 4 <= N && ((ldo | n) & 3) == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      if (n + e < N) dst[e] = h[e];
+  }
+}
 template <int NTH, int CQ, int V>
 __device__ __forceinline__ void splitk_sum(
     const float* part, u16* out, const u16* bias, int c0, int cols, int M, int N, int ldo, int split, int has_bias) {
@@ -341,16 +357,8 @@ __device__ __forceinline__ void splitk_sum(
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       if (!ok[u]) continue;
-      const int i = i0 + tid + u * NTH, r = i / CQ, n = c0 + (i % CQ) * V;
-      u16 h[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) h[e] = to_bf16(v[u][e] + (has_bias ? from_bf16(bias[n + e]) : 0.f));
-      u16* dst = out + (size_t)r * ldo + n;
-      if constexpr (V == 4) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
-      } else {
-        dst[0] = h[0];
-      }
+      const int i = i0 + tid + u * NTH;
+      store_out<V>(out, ldo, i / CQ, c0 + (i % CQ) * V, N, v[u], bias, has_bias);
     }
   }
 }
@@ -861,18 +869,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
       for (int s = 0; s < CS; ++s) {
         v[0] += p[s].x; v[1] += p[s].y; v[2] += p[s].z; v[3] += p[s].w;
       }
-      const int n = c0 + q * 4;
-      u16 h[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) h[e] = to_bf16(v[e] + (has_bias && n + e < N ? from_bf16(bias[n + e]) : 0.f));
-      u16* dst = out + (size_t)r * ldo + n;
-      if (n + 4 <= N && ((ldo | n) & 3) == 0) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (n + e < N) dst[e] = h[e];
-      }
+      store_out<4>(out, ldo, r, c0 + q * 4, N, v, bias, has_bias);
     }
     cluster_sync();  // the other blocks may still be reading this block's tile
     W4_TRACE_AT(4);
