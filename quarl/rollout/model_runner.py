@@ -233,9 +233,15 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- prefill
     @torch.inference_mode()
-    def _prefill_logits(self, seqs: list[Sequence], all_positions: bool = False) -> torch.Tensor:
+    def _prefill_logits(
+        self, seqs: list[Sequence], all_positions: bool = False, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run every token of ``seqs`` (their blocks allocated); logits of the last
-        token of each ``[S, V]``, or of every token ``[N, V]`` when ``all_positions``."""
+        token of each ``[S, V]``, or of every token ``[N, V]`` when ``all_positions``.
+
+        ``rows`` repeats last-token hidden states before the LM head (the ``n`` samples of
+        a shared prompt): the head then runs on as many rows as without sharing, so both
+        give the same bits (a GEMM's rounding can depend on its row count)."""
         lens = [len(s) for s in seqs]
         cu = np.zeros(len(seqs) + 1, dtype=np.int32)
         cu[1:] = np.cumsum(lens)
@@ -257,6 +263,8 @@ class ModelRunner:
         hidden = self._hidden_states(self._tensor(ids)[None], self._tensor(positions)[None], attn)[0]
         if not all_positions:
             hidden = hidden[torch.from_numpy(cu[1:] - 1).to(self.device).long()]
+            if rows is not None:
+                hidden = hidden.index_select(0, rows)
         return self.model.logits(hidden)
 
     # ---------------------------------------------------------------- decode
@@ -428,11 +436,11 @@ class ModelRunner:
             return self.collect_decode()
         self.kv.copy_blocks(block_copies)
         members = [s for g in groups for s in g]
+        rows = None
+        if len(members) != len(groups):
+            rows = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         with torch.inference_mode():
-            logits = self._prefill_logits([g[0] for g in groups])
-            if len(members) != len(groups):
-                rows = [i for i, g in enumerate(groups) for _ in g]
-                logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+            logits = self._prefill_logits([g[0] for g in groups], rows=rows)
             tokens, logprobs = self.sampler(logits, self.sampler.prepare(members))
         return tokens.tolist(), logprobs.tolist()
 

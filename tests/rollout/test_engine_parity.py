@@ -72,17 +72,20 @@ def test_seeded_sampling_is_reproducible_and_shared_prompt_matches(tiny_engines)
     unshared = Engine(engine.model, config=EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64, share_prompt=False))
     c = unshared.generate(PROMPTS[:3], shared)
     assert [x.token_ids for x in c] == [x.token_ids for x in a], family
-    assert sum((x.logprobs for x in c), []) == pytest.approx(sum((x.logprobs for x in a), []), abs=1e-6)
     d = tight.generate(PROMPTS[:3], shared)  # sharing + copy-on-write + preemption
     assert [x.token_ids for x in d] == [x.token_ids for x in a], family
-    # log-probs are those of softmax(logits / T)
-    for prompt, c in zip([PROMPTS[c.prompt_index] for c in a], a):
-        ids = torch.tensor([prompt + c.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(ids).logits[0].double() / 0.9, -1)
-        rows = torch.arange(len(prompt) - 1, len(ids[0]) - 1)
-        ref = logp[rows, torch.tensor(c.token_ids)]
-        assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0)
+    # Log-probs are those of softmax(logits / T), on both paths. The paths are not compared
+    # bit for bit: their prefill GEMMs see 18 vs 54 rows, and a BLAS may round a row
+    # differently by row count (MKL_CBWR=COMPATIBLE does, by ~1e-6 here). Each path is held
+    # to the engine's accuracy against the float64 reference instead, as in the tests above.
+    for completions in (a, c):
+        for prompt, comp in zip([PROMPTS[x.prompt_index] for x in completions], completions):
+            ids = torch.tensor([prompt + comp.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(ids).logits[0].double() / 0.9, -1)
+            rows = torch.arange(len(prompt) - 1, len(ids[0]) - 1)
+            ref = logp[rows, torch.tensor(comp.token_ids)]
+            assert torch.allclose(torch.tensor(comp.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0), family
 
 
 def test_stop_tokens_and_check_logprobs(tiny_engines):
