@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from quarl.quant.bench import median_cuda_time
-from quarl.rollout.bench import random_model, shape_config
+from quarl.bench.rollout import random_model, shape_config
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.sampling_params import SamplingParams

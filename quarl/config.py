@@ -19,7 +19,7 @@ class ModelConfig:
     path: str | None = None  # HF checkpoint dir; None = built-in model of `builtin` size
     builtin: Literal["tiny", "small", "100m"] = "small"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one
+    tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one; "builtin"
 
 
 @dataclass

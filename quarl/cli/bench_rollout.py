@@ -14,7 +14,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    from quarl.rollout.bench import SHAPES
+    from quarl.bench.rollout import SHAPES
 
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     p.add_argument("--batch", type=int, default=256)
@@ -28,7 +28,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from quarl.rollout.bench import run_benchmark, summary_table
+    from quarl.bench.rollout import run_benchmark, summary_table
 
     if not torch.cuda.is_available():
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")

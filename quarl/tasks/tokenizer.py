@@ -111,8 +111,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """``None`` -> the built-in tokenizer; otherwise a local HF tokenizer directory."""
-    if path is None:
+    """``None`` or ``"builtin"`` -> the built-in tokenizer; otherwise a local HF tokenizer directory."""
+    if path is None or str(path) == "builtin":
         return CharTokenizer()
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

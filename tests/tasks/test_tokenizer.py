@@ -22,3 +22,9 @@ def test_load_tokenizer_errors(tmp_path):
     assert isinstance(load_tokenizer(None), CharTokenizer)
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_builtin_name_gives_the_character_tokenizer():
+    tok = load_tokenizer("builtin")
+    assert isinstance(tok, CharTokenizer)
+    assert tok.decode(tok.encode("7+12=19")) == "7+12=19"

@@ -13,7 +13,7 @@ import quarl
 from quarl.quant import quantize_weight
 from quarl.rollout import Engine, EngineConfig, SamplingParams
 from quarl.rollout.attention import torch_decode_attention, torch_prefill_attention
-from quarl.rollout.bench import random_model, shape_config
+from quarl.bench.rollout import random_model, shape_config
 from quarl.rollout.sampler import sample_reference
 
 DEV = torch.device("cuda")

@@ -18,7 +18,6 @@ import gc
 import json
 import math
 import statistics
-import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,6 +30,7 @@ from quarl.model.transformer import Rotary, Transformer
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.sampling_params import SamplingParams
+from quarl.bench.common import git_commit
 from quarl.quant.bench import Ceilings, measure_ceilings, median_cuda_time
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -179,18 +179,6 @@ def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.
     torch.cuda.empty_cache()
     return {"shape": shape, "format": "hf-generate-bf16", "batch": batch, "prompt_len": prompt_len,
             "gen_len": new, "generated_tok_per_s": batch * new / total, "total_s": total}
-
-
-def git_commit() -> str:
-    """HEAD's hash, or ``$QUARL_GIT_COMMIT`` where the checkout has no .git (device copies)."""
-    import os
-
-    if os.environ.get("QUARL_GIT_COMMIT"):
-        return os.environ["QUARL_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats: list[str],

@@ -1,0 +1,189 @@
+"""End-to-end RL step benchmark: every mode on the same workload, in one call.
+
+A workload is a model shape on random weights (saved once as a local HF directory, so
+each mode loads the same weights the way a user's run does), a batch shape and a
+response length. Random weights never emit EOS, so every response runs to
+``max_new_tokens`` and each mode decodes the same number of tokens. Each mode is a
+fresh :class:`~quarl.trainer.loop.Trainer` over that directory; the numbers are medians
+of steps 2..N (step 1 pays compilation and graph capture).
+
+Learner model-FLOPs utilisation: a forward + backward over ``T`` tokens costs
+``6 * P * T`` FLOPs (``P`` = matmul parameters incl. the LM head), plus ``2 * P * T``
+per extra forward (old log-probs when the update is not a single step, a reference
+model); divided by the learner time and the GPU's measured bf16 matrix rate.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# metric -> short name in the summary
+KEYS = {
+    "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
+    "time/kv_cache": "kv_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
+    "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
+    "response/len_mean": "len_mean",
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: str  # a preset of quarl.model.presets
+    prompts: int
+    n: int
+    gen: int
+    token_budget: int
+    steps: int = 5
+    extra: tuple[str, ...] = field(default_factory=tuple)
+
+
+WORKLOADS: dict[str, Workload] = {
+    # the issue's W1: ~131k generated tokens per step
+    "w1": Workload("qwen2.5-1.5b", prompts=16, n=8, gen=1024, token_budget=6144),
+    # W1-long: ~256k generated tokens per step, half the step in the learner
+    "w1-long": Workload("qwen2.5-1.5b", prompts=8, n=8, gen=4096, token_budget=8192, steps=4),
+    # a quick check that everything runs (seconds per mode on a GPU)
+    "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
+}
+
+MODES: dict[str, list[str]] = {
+    "bf16": ["--quant.mode=bf16"],
+    "aligned-w4a16": ["--quant.mode=aligned", "--quant.scheme=w4a16"],
+    "rollout-w4a16": ["--quant.mode=rollout", "--quant.scheme=w4a16"],
+    "aligned-w8a8-fp8": ["--quant.mode=aligned", "--quant.scheme=w8a8-fp8"],
+    "aligned-w8a8-int8": ["--quant.mode=aligned", "--quant.scheme=w8a8-int8"],
+}
+
+
+def workload_overrides(w: Workload, model_dir: Path) -> list[str]:
+    return [
+        f"--model.path={model_dir}", "--model.tokenizer=builtin", "--trainer.sft_warmup_steps=0", "--data.task=arith",
+        f"--trainer.prompts_per_step={w.prompts}", f"--rollout.n={w.n}", f"--rollout.max_new_tokens={w.gen}",
+        f"--trainer.token_budget={w.token_budget}", f"--trainer.steps={w.steps}", "--algo.loss=tbpo",
+        "--optim.lr=1e-6", "--optim.fp32_master=true", "--trainer.eval_every=0", "--trainer.save_every=0",
+        "--trainer.tensorboard=false", "--data.reward_workers=0", *w.extra,
+    ]
+
+
+def save_random_model(shape: str, out: Path) -> Path:
+    from quarl.model.loading import save_model
+    from quarl.model.presets import build_random_model
+
+    save_model(build_random_model(shape, dtype=torch.bfloat16), out)
+    return out
+
+
+def learner_flops(matmul_params: int, tokens: float, extra_forwards: int) -> float:
+    """Model FLOPs of one update: 6 P T for forward + backward, 2 P T per extra forward."""
+    return (6 + 2 * extra_forwards) * matmul_params * tokens
+
+
+def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    steady = rows[1:] if len(rows) > 1 else rows
+    out = {}
+    for key, short in KEYS.items():
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        if vals:
+            out[short] = statistics.median(vals)
+    return out
+
+
+def run_mode(name: str, overrides: list[str], run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from quarl.config import load_run_config
+    from quarl.trainer.loop import Trainer
+
+    cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    prompt_len = statistics.mean(
+        len(trainer.tokenizer.apply_chat_template(trainer.task.messages(e))) for e in trainer.train_examples[:64]
+    )
+    single = (cfg.trainer.ppo_epochs, cfg.trainer.mini_batches) == (1, 1) or cfg.trainer.on_policy
+    info = {
+        "prompt_len_mean": prompt_len,
+        "extra_forwards": (0 if single else 1) + (1 if cfg.algo.kl_coef > 0 else 0),
+        "overrides": overrides,
+    }
+    trainer.run()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, info
+
+
+def summarize(rows, info, matmul_params: int, bf16_rate: float, rollouts: int) -> dict[str, Any]:
+    med = median_metrics(rows)
+    tokens = rollouts * (info["prompt_len_mean"] + med.get("len_mean", 0.0))
+    if med.get("learner_s"):
+        flops = learner_flops(matmul_params, tokens, info["extra_forwards"])
+        med["learner_tflops"] = flops / med["learner_s"] / 1e12
+        med["learner_mfu"] = flops / med["learner_s"] / bf16_rate
+    med["learner_tokens"] = tokens
+    return med
+
+
+def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None) -> dict[str, Any]:
+    from quarl.bench.common import git_commit
+    from quarl.model.presets import preset_config
+    from quarl.quant.bench import measure_ceilings
+    from quarl.bench.rollout import matmul_params
+
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    w = WORKLOADS[workload]
+    device = torch.device("cuda")
+    ceil = measure_ceilings(device)
+    params = matmul_params(preset_config(w.shape))
+    result: dict[str, Any] = {
+        "benchmark": "train_step", "workload": workload, "workload_spec": w.__dict__ | {"extra": list(w.extra)},
+        "device": torch.cuda.get_device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "torch": torch.__version__,
+        "bf16_tflops_measured": ceil.bf16_flops / 1e12, "matmul_params": params, "modes": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
+        model_dir = save_random_model(w.shape, Path(tmp) / "model")
+        for mode in modes:
+            rows, info = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode] + extra, Path(tmp) / mode)
+            result["modes"][mode] = {
+                "median": summarize(rows, info, params, ceil.bf16_flops, w.prompts * w.n),
+                "steps": rows, "overrides": info["overrides"],
+            }
+            print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+    base = result["modes"].get("bf16", {}).get("median", {})
+    for mode, r in result["modes"].items():
+        m = r["median"]
+        if base.get("step_s") and m.get("step_s"):
+            r["speedup_vs_bf16"] = {k: base[k] / m[k] for k in ("step_s", "rollout_s", "learner_s") if m.get(k)}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    head = "| mode | step s | rollout | learner | publish | KV | tok/s | kl_k3 | learner MFU | peak GB | step speedup |"
+    lines = [f"{result['workload']} on {result['device']} at {result['git_commit'][:7]}", head,
+             "|" + "---|" * 11]
+    for mode, r in result["modes"].items():
+        m, s = r["median"], r.get("speedup_vs_bf16", {})
+        peak = max(m.get("rollout_peak_gb", 0.0), m.get("learner_peak_gb", 0.0))
+        lines.append(
+            f"| {mode} | {m.get('step_s', 0):.2f} | {m.get('rollout_s', 0):.2f} | {m.get('learner_s', 0):.2f} | "
+            f"{m.get('publish_s', 0):.2f} | {m.get('kv_s', 0):.2f} | {m.get('rollout_tok_s', 0) / 1e3:.1f}k | "
+            f"{m.get('kl_k3', float('nan')):.2e} | {m.get('learner_mfu', 0):.1%} | {peak:.1f} | "
+            f"{s.get('step_s', float('nan')):.2f}x |"
+        )
+    return "\n".join(lines)

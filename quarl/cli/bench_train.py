@@ -1,0 +1,42 @@
+"""``quarl bench train``: the whole RL step, every mode in one call (GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from quarl.bench.train import MODES, WORKLOADS
+
+    p = subparsers.add_parser(
+        "train", help="end-to-end RL step time by mode (random weights, forced length)",
+        description="Runs each mode's RL steps on the same random-weight model and workload in one call and "
+        "reports the step-time breakdown, rollout tok/s, mismatch, learner MFU, peak memory and ratios to bf16. "
+        "Extra --section.key=value flags go to every mode's run config.",
+    )
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
+    p.add_argument("--modes", default=",".join(m for m in MODES if m != "aligned-w8a8-int8"),
+                   help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
+    p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
+    p.set_defaults(run=run, accepts_overrides=True)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from quarl.bench.train import run_benchmark, summary_table
+
+    if not torch.cuda.is_available():
+        raise ValueError("quarl bench train needs a CUDA GPU; run it on a GPU machine")
+    extra = list(args.overrides) + ([f"--trainer.steps={args.steps}"] if args.steps else [])
+    modes = [m for m in args.modes.split(",") if m]
+    result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None)
+    print(summary_table(result))
+    if not args.out:
+        print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))
+    return 0
