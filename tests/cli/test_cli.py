@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+from quarl.trainer import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[2]
+# The demo run shrunk to seconds: the tiny model, no warm-start, 4 prompts x 4 samples, inline rewards.
+TINY = [
+    "--quiet", "--model.builtin=tiny", "--trainer.prompts_per_step=4", "--rollout.n=4",
+    "--rollout.max_new_tokens=8", "--trainer.sft_warmup_steps=0", "--trainer.eval_every=0",
+    "--data.num_eval=4", "--data.reward_workers=0", "--trainer.tensorboard=false",
+]
 
 
-def _quarl(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "quarl", *args], capture_output=True, text=True, timeout=300)
+def _quarl(*args, check=True, cwd=None, python_flags=()):
+    # PYTHONPATH: this checkout's quarl even when cwd is elsewhere
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, *python_flags, "-m", "quarl", *args], capture_output=True, text=True,
+                       timeout=300, cwd=cwd, env=env)
     if check:
         assert r.returncode == 0, r.stderr
     return r
+
+
+def _one_line_error(r, command: str) -> str:
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"quarl {command}: error: ") and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
 
 
 def test_help_lists_commands():
@@ -38,3 +59,29 @@ def test_bench_commands_need_a_gpu():
         assert "--out" in r.stdout
         r = _quarl("bench", suite, check=False)
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
+
+
+def test_reward_module_is_imported_from_the_working_directory(tmp_path):
+    # -P keeps the working directory off sys.path, as the `quarl` console script does
+    args = ("train", "--dry-run", "--data.reward=my_rewards:score")
+    err = _one_line_error(_quarl(*args, check=False, cwd=tmp_path, python_flags=("-P",)), "train")
+    assert "cannot import module 'my_rewards'" in err and "No module named 'my_rewards'" in err
+    assert "run from the directory that holds my_rewards.py or set PYTHONPATH" in err
+    (tmp_path / "my_rewards.py").write_text("def score(completion, answer, meta):\n    return 1.0\n")
+    assert "reward: my_rewards:score" in _quarl(*args, cwd=tmp_path, python_flags=("-P",)).stdout
+
+
+def test_a_reward_failing_on_every_item_stops_the_run(tmp_path):
+    r = _quarl("train", *TINY, f"--trainer.run_dir={tmp_path}", "--data.reward=tests.trainer.reward_fns:always_raises",
+               check=False)
+    err = _one_line_error(r, "train")
+    assert "reward tests.trainer.reward_fns:always_raises failed on all 16 items" in err
+    assert "first error: KeyError: 'gold_answer'" in err
+
+
+def test_a_reward_that_breaks_mid_run_keeps_the_last_checkpoint(tmp_path):
+    r = _quarl("train", *TINY, f"--trainer.run_dir={tmp_path}", "--trainer.steps=3", "--trainer.save_every=1",
+               "--data.reward=tests.trainer.reward_fns:raises_after_16_calls", check=False)
+    assert "raises_after_16_calls failed on all 16 items" in _one_line_error(r, "train")
+    latest = ckpt.latest_checkpoint(tmp_path)
+    assert latest is not None and ckpt.load_checkpoint(latest)["step"] == 1
