@@ -9,10 +9,11 @@ copy of the weights.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quarl.model.config import ModelConfigError, TransformerConfig
@@ -22,7 +23,37 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-    """The tensors of a checkpoint do not match its config."""
+    """The tensors of a checkpoint do not match its config, or a weights file is damaged."""
+
+
+def damaged_file_error(file: Path, error: Exception) -> CheckpointError:
+    """A CheckpointError naming ``file``, what is wrong with it, and the fix."""
+    return CheckpointError(
+        f"{file} is {_diagnose(file)} ({error}); re-download the checkpoint, or re-save it from the model "
+        "that wrote it"
+    )
+
+
+def _diagnose(file: Path) -> str:
+    """What is wrong with a safetensors file: ``u64 header length | JSON header | data``."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated ({size} bytes, not even the 8-byte header length)"
+        if head.startswith(b"version "):
+            return "a Git LFS pointer, not the weights (run `git lfs pull` in the checkout)"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"not a safetensors file, or truncated inside its header ({size} bytes, header claims {n})"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return "a safetensors file with a corrupt header"
+    if 8 + n + end > size:
+        return f"truncated ({size} bytes on disk, its header describes {8 + n + end})"
+    return "a damaged safetensors file"
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -73,7 +104,11 @@ def load_model(
     unexpected: list[str] = []
     mis_shaped: dict[str, str] = {}
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise damaged_file_error(file, e) from e
+        with f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
