@@ -362,7 +362,9 @@ def _math_verify() -> Any:
     try:
         import math_verify
     except ImportError as e:
-        raise RewardError("the 'math' reward needs math-verify: pip install math-verify") from e
+        raise RewardError(
+            """the 'math' reward needs math-verify: pip install -e ".[train]" (or pip install math-verify)"""
+        ) from e
     return math_verify
 
 

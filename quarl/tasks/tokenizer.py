@@ -79,8 +79,13 @@ class HFTokenizer:
     """A local HF tokenizer directory (tokenizer.json / tokenizer_config.json)."""
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
-
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # a core install has no transformers; the train extra does
+            raise ValueError(
+                f"the Hugging Face tokenizer in {path} needs transformers, which is not installed: "
+                'pip install -e ".[train]" (or pip install "transformers>=4.45")'
+            ) from e
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
