@@ -85,3 +85,13 @@ def test_a_reward_that_breaks_mid_run_keeps_the_last_checkpoint(tmp_path):
     assert "raises_after_16_calls failed on all 16 items" in _one_line_error(r, "train")
     latest = ckpt.latest_checkpoint(tmp_path)
     assert latest is not None and ckpt.load_checkpoint(latest)["step"] == 1
+
+
+def test_eval_needs_a_run_dir_or_a_model(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("trainer:\n  steps: 3\n")
+    for args in ((), ("--config", str(cfg))):
+        err = _one_line_error(_quarl("eval", *args, check=False, cwd=tmp_path), "eval")
+        assert "pass a run directory (quarl eval RUN_DIR)" in err and "quarl eval --config run.yaml" in err
+        assert "model.path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no runs/default left behind
