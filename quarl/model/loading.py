@@ -9,6 +9,7 @@ copy of the weights.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -147,5 +148,18 @@ def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None =
         tensors[_hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    normal_permissions(tmp)
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+
+
+def normal_permissions(path: Path) -> None:
+    """Give ``path`` (and what it holds) the mode a plain ``open``/``mkdir`` would: 0644/0755 under umask 022.
+
+    safetensors' ``save_file`` and ``tempfile.mkdtemp`` create private (0600/0700)
+    entries, which other users of a shared checkpoint directory could not read.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
