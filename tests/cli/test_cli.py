@@ -95,3 +95,23 @@ def test_eval_needs_a_run_dir_or_a_model(tmp_path):
         assert "pass a run directory (quarl eval RUN_DIR)" in err and "quarl eval --config run.yaml" in err
         assert "model.path" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no runs/default left behind
+
+
+def test_generate_applies_the_chat_template_by_default():
+    """The built-in tokenizer has a chat format (the demo model is trained on it): on unless --no-chat."""
+    from quarl.cli.generate import prompt_ids
+    from quarl.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    assert tok.has_chat_template
+    assert prompt_ids(tok, ["7+12="], chat=True) == [tok.apply_chat_template([{"role": "user", "content": "7+12="}])]
+    assert prompt_ids(tok, ["7+12="], chat=False) == [tok.encode("7+12=")]
+
+    def logprobs(*flags):
+        r = _quarl("generate", "--builtin", "tiny", "--prompt", "7+12=", "--max-new-tokens", "4", "--greedy",
+                   "--show-logprobs", *flags)
+        return next(line for line in r.stdout.splitlines() if line.startswith("logprobs:"))
+
+    default = logprobs()
+    assert default == logprobs("--chat")  # same prompt ids, same greedy log-probs
+    assert default != logprobs("--no-chat")
