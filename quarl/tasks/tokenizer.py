@@ -126,6 +126,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"{str(p)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-            "pass --tokenizer DIR, or omit it to use the built-in character tokenizer"
+            "point to the model's tokenizer directory (quarl generate --tokenizer DIR; --model.tokenizer=DIR in a "
+            "run config), or leave it unset to use the built-in character tokenizer"
         )
     return HFTokenizer(p)
