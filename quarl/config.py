@@ -11,7 +11,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from quarl.configuration import ConfigError, load
+from quarl.configuration import ConfigError, closest, load
+
+
+def _at_least(section: str, obj: object, minimum: float, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise ConfigError(
+                f"{section}.{name} must be >= {minimum}, got {value}: set --{section}.{name} to {minimum} or more"
+            )
+
+
+def _positive(section: str, obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ConfigError(f"{section}.{name} must be > 0, got {value}: set --{section}.{name} to a positive number")
 
 
 @dataclass
@@ -42,6 +58,13 @@ class DataConfig:
     def validate(self) -> None:
         if self.task == "file" and not self.path:
             raise ConfigError("data.path is required when data.task is 'file' (a .jsonl or .parquet file)")
+        _at_least("data", self, 1, "num_train")
+        _at_least("data", self, 0, "reward_workers")
+        _positive("data", self, "reward_timeout_s")
+        if self.reward not in ("builtin", "math"):
+            from quarl.tasks.rewards import resolve_reward
+
+            resolve_reward(self.reward)  # a module that cannot be imported fails now, before any model is built
 
 
 @dataclass
@@ -63,6 +86,10 @@ class RolloutConfig:
             raise ConfigError("rollout.n must be >= 1")
         if not 0 < self.kv_cache_fraction < 1:
             raise ConfigError("rollout.kv_cache_fraction must be in (0, 1)")
+        _at_least("rollout", self, 1, "max_new_tokens")
+        _at_least("rollout", self, 0, "temperature")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p} (1 = no nucleus cut)")
 
 
 @dataclass
@@ -72,6 +99,13 @@ class QuantConfig:
     uaq_scale: float = 1.0  # QuRL's invariant scaling s (1.0 = off; the paper uses 1.5)
     include: list[str] = field(default_factory=lambda: ["layers.*"])
     exclude: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        from quarl.quant.scheme import SCHEMES
+
+        if self.scheme not in SCHEMES:  # with mode=bf16 the scheme is unused, but a typo is still a typo
+            raise ConfigError(f"unknown quant.scheme {self.scheme!r}{closest(self.scheme, list(SCHEMES))}; "
+                              f"schemes: {', '.join(SCHEMES)}")
 
 
 @dataclass
@@ -94,6 +128,23 @@ class AlgoConfig:
     lam: float = 1.0
     value_coef: float = 0.5
 
+    def validate(self) -> None:
+        from quarl.algos.corrections import SEQ_CORRECTIONS, TOKEN_CORRECTIONS
+        from quarl.algos.losses import SEQUENCE_LOSSES, policy_loss_defaults
+
+        known = list(dict.fromkeys(TOKEN_CORRECTIONS + SEQ_CORRECTIONS))
+        if self.correction not in known:
+            raise ConfigError(f"unknown algo.correction {self.correction!r}{closest(self.correction, known)}; "
+                              f"corrections: {', '.join(known)}")
+        if self.correction == "none":
+            return
+        if "correction" not in policy_loss_defaults(self.loss):
+            raise ConfigError(f"algo.loss={self.loss} takes no correction; set algo.correction=none")
+        fits = SEQ_CORRECTIONS if self.loss in SEQUENCE_LOSSES else TOKEN_CORRECTIONS
+        if self.correction not in fits:
+            raise ConfigError(f"algo.correction={self.correction} does not apply to algo.loss={self.loss}; "
+                              f"it takes {', '.join(fits)}")
+
 
 @dataclass
 class OptimConfig:
@@ -105,6 +156,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     fp32_master: bool = True  # bf16/fp16 learners step FP32 master copies (costs 4 bytes/param + optimizer)
+
+    def validate(self) -> None:
+        _positive("optim", self, "lr")
 
 
 @dataclass
@@ -129,6 +183,11 @@ class TrainerConfig:
     log_samples: int = 4
     tensorboard: bool = True
     wandb_project: str | None = None
+
+    def validate(self) -> None:
+        _at_least("trainer", self, 1, "steps", "prompts_per_step", "token_budget", "ppo_epochs", "mini_batches",
+                  "keep_last", "max_bad_steps")
+        _at_least("trainer", self, 0, "save_every", "eval_every")  # 0 = never
 
 
 @dataclass

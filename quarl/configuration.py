@@ -28,6 +28,12 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+def closest(value: str, valid: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid name closest to a mistyped ``value``, else ``""``."""
+    close = difflib.get_close_matches(value, valid, n=1, cutoff=0.4)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(valid))})"

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
         "tensors of quant.scheme that the rollout engine ran on (load with quarl.export.load_packed).",
     )
     p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT", help="run directory or checkpoints/step_NNNNNN")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (new or empty; see --force)")
+    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     p.add_argument("--format", default="hf-bf16", choices=FORMATS)
     p.add_argument("--step", type=int, help="export this step's checkpoint instead of the latest")
     p.add_argument("--scheme", help="quarl-packed: quantize with this scheme instead of the run's quant.scheme")
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from quarl.export.hf import export_checkpoint
 
-    res = export_checkpoint(args.source, args.out, args.format, args.step, args.scheme)
+    res = export_checkpoint(args.source, args.out, args.format, args.step, args.scheme, force=args.force)
     print(f"exported step {res.step} ({res.checkpoint}) as {res.format} to {res.out}")
     if res.copied:
         print(f"tokenizer files: {', '.join(res.copied)}")

@@ -16,7 +16,9 @@ def add_parser(sub) -> None:
     )
     add_common_model_args(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt in the tokenizer's chat template (default: on when the tokenizer has "
+                        "one, as the built-in tokenizer and instruct models do); --no-chat feeds the raw text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -31,10 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from quarl.model.generate import generate_simple
 
     model, tok, device = load_model_and_tokenizer(args)
-    if args.chat:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
-    else:
-        prompts = [tok.encode(p) for p in args.prompt]
+    prompts = prompt_ids(tok, args.prompt, chat=tok.has_chat_template if args.chat is None else args.chat)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt encodes to zero tokens; give a non-empty --prompt")
     temperature = 0.0 if args.greedy else args.temperature
@@ -54,3 +53,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{n_tok} tokens in {dt:.2f}s ({n_tok / max(dt, 1e-9):.1f} tok/s) on {device}")
     return 0
 
+
+
+def prompt_ids(tok, prompts: list[str], chat: bool) -> list[list[int]]:
+    """Token ids fed to the model: each prompt as a user turn of the chat template, or the raw text."""
+    if chat:
+        return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return [tok.encode(p) for p in prompts]

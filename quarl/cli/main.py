@@ -8,6 +8,11 @@ import sys
 
 # Subcommands live in their own modules, each with add_parser(subparsers) and run(args).
 COMMANDS = ("train", "eval", "generate", "bench", "export", "report")
+# Import name -> package of the optional dependencies in the "train" extra (pyproject.toml).
+OPTIONAL = {
+    "transformers": "transformers", "rich": "rich", "tensorboard": "tensorboard", "math_verify": "math-verify",
+    "matplotlib": "matplotlib", "pyarrow": "pyarrow",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:  # user errors: one line, no traceback
         if getattr(args, "debug", False):
             raise
-        print(f"quarl {args.command}: error: {e}", file=sys.stderr)
+        message = str(e)
+        if isinstance(e, ModuleNotFoundError):
+            package = OPTIONAL.get((e.name or "").split(".")[0])
+            if package is None:
+                raise  # not a missing optional dependency: a bug, keep its traceback
+            message = f'this needs the Python package {package}, which is not installed: pip install -e ".[train]"'
+        print(f"quarl {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

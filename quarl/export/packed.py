@@ -31,12 +31,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quarl.export.hf import PolicyCheckpoint, build_policy
 from quarl.model.config import TransformerConfig
-from quarl.model.loading import CheckpointError
+from quarl.model.loading import CheckpointError, damaged_file_error
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant import QuantLinear, QuantScheme, get_scheme, quantize_model
 
@@ -132,7 +132,11 @@ def load_packed(
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no model.safetensors")
     state = {}
-    with safe_open(str(file), framework="pt", device="cpu") as f:
+    try:
+        f = safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise damaged_file_error(file, e) from e
+    with f:
         for key in f.keys():
             name = key.removeprefix("model.")
             t = f.get_tensor(key)

@@ -9,10 +9,12 @@ copy of the weights.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quarl.model.config import ModelConfigError, TransformerConfig
@@ -22,7 +24,37 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-    """The tensors of a checkpoint do not match its config."""
+    """The tensors of a checkpoint do not match its config, or a weights file is damaged."""
+
+
+def damaged_file_error(file: Path, error: Exception) -> CheckpointError:
+    """A CheckpointError naming ``file``, what is wrong with it, and the fix."""
+    return CheckpointError(
+        f"{file} is {_diagnose(file)} ({error}); re-download the checkpoint, or re-save it from the model "
+        "that wrote it"
+    )
+
+
+def _diagnose(file: Path) -> str:
+    """What is wrong with a safetensors file: ``u64 header length | JSON header | data``."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated ({size} bytes, not even the 8-byte header length)"
+        if head.startswith(b"version "):
+            return "a Git LFS pointer, not the weights (run `git lfs pull` in the checkout)"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"not a safetensors file, or truncated inside its header ({size} bytes, header claims {n})"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return "a safetensors file with a corrupt header"
+    if 8 + n + end > size:
+        return f"truncated ({size} bytes on disk, its header describes {8 + n + end})"
+    return "a damaged safetensors file"
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -73,7 +105,11 @@ def load_model(
     unexpected: list[str] = []
     mis_shaped: dict[str, str] = {}
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise damaged_file_error(file, e) from e
+        with f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -112,5 +148,18 @@ def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None =
         tensors[_hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    normal_permissions(tmp)
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+
+
+def normal_permissions(path: Path) -> None:
+    """Give ``path`` (and what it holds) the mode a plain ``open``/``mkdir`` would: 0644/0755 under umask 022.
+
+    safetensors' ``save_file`` and ``tempfile.mkdtemp`` create private (0600/0700)
+    entries, which other users of a shared checkpoint directory could not read.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)

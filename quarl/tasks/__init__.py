@@ -11,12 +11,13 @@ from typing import Any
 
 from quarl.tasks.base import Example, Task
 from quarl.tasks.datasets import DatasetError, FileTask, read_examples
-from quarl.tasks.rewards import RewardError, RewardPool, math_reward, resolve_reward
+from quarl.tasks.rewards import RewardError, RewardFailed, RewardPool, math_reward, resolve_reward
 from quarl.tasks.synthetic import ArithmeticTask, CountdownTask, arith_reward, countdown_reward
 
 __all__ = [
-    "ArithmeticTask", "CountdownTask", "DatasetError", "Example", "FileTask", "RewardError", "RewardPool", "Task",
-    "arith_reward", "build_task", "countdown_reward", "get_task", "math_reward", "read_examples", "resolve_reward",
+    "ArithmeticTask", "CountdownTask", "DatasetError", "Example", "FileTask", "RewardError", "RewardFailed",
+    "RewardPool", "Task", "arith_reward", "build_task", "countdown_reward", "get_task", "math_reward",
+    "read_examples", "resolve_reward",
 ]
 
 

@@ -10,7 +10,7 @@ Rewards: ``"builtin"`` and ``"math"`` both mean math-verify on the last
 ``\\boxed{}`` of the completion; ``"module:function"`` names your own
 ``fn(completion: str, answer: str, meta: dict) -> float``.
 
-Parquet needs pyarrow (``pip install pyarrow``), imported only when a parquet file
+Parquet needs pyarrow (in the ``train`` extra), imported only when a parquet file
 is read.
 """
 
@@ -101,7 +101,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DatasetError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+        raise DatasetError(
+            f'reading {path} needs pyarrow: pip install -e ".[train]" (or pip install pyarrow)'
+        ) from None
     for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
         yield f"{path}, row {i}", row
 

@@ -16,6 +16,8 @@ item that outlives ``timeout_s`` gets reward 0 and its worker is killed and repl
 a function that raises or returns a non-number gets 0, a worker that dies is
 replaced; the rest of the batch is scored meanwhile, so a bad verifier never stalls
 training. Both are counted in the metrics ``reward/timeouts`` and ``reward/errors``.
+A function that fails on every item of a batch (timeouts aside) is broken, not
+unlucky: :meth:`RewardPool.score` raises :class:`RewardFailed` naming the first error.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import logging
 import math
 import multiprocessing as mp
 import numbers
+import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -41,8 +45,15 @@ MATH_REWARD = "quarl.tasks.rewards:math_reward"
 log = logging.getLogger(__name__)
 
 
-class RewardError(RuntimeError):
-    """The reward function cannot be loaded or its workers cannot start."""
+class RewardError(ValueError):
+    """The reward function cannot be loaded, its workers cannot start, or it fails on every item.
+
+    A ValueError, so the CLI reports it as one line (exit 2) like other bad input.
+    """
+
+
+class RewardFailed(RewardError):
+    """Every item of a batch raised or returned a non-number: training on all-zero rewards is pointless."""
 
 
 def reward_spec(choice: str, builtin: str) -> str:
@@ -64,10 +75,16 @@ def resolve_reward(spec: str) -> RewardFn:
             "(e.g. 'my_rewards:score' with fn(completion, answer, meta) -> float)"
         )
     module_name, attr_path = spec.split(":")
+    _add_working_dir_to_path()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise RewardError(f"cannot import module {module_name!r} of reward {spec!r}: {e}") from e
+        file = module_name.split(".")[0] + ".py"
+        raise RewardError(
+            f"cannot import module {module_name!r} of reward {spec!r} ({type(e).__name__}: {e}); the module must "
+            f"be importable from the working directory or PYTHONPATH: run from the directory that holds {file} "
+            "or set PYTHONPATH"
+        ) from e
     obj: Any = module
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
@@ -84,6 +101,20 @@ def resolve_reward(spec: str) -> RewardFn:
     return obj
 
 
+def _add_working_dir_to_path() -> None:
+    """Make modules in the working directory importable, as the README promises.
+
+    ``python -m quarl`` puts the working directory on ``sys.path`` (as ``""``) but the
+    ``quarl`` console script puts its own bin directory there instead. Spawned workers
+    get the parent's ``sys.path`` with ``""`` replaced by the directory the parent
+    *started* in, so the absolute path is added too: workers then import what the
+    parent imports even after a chdir. Appended, so it never shadows an installed module.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def _spec_of(fn: RewardFn) -> str:
     """The import path of a module-level function, or an error for lambdas/closures."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -98,6 +129,10 @@ def _spec_of(fn: RewardFn) -> str:
         f"reward function {fn!r} cannot be sent to worker processes; pass it as an import "
         "path 'module:function' of a module-level function (or use workers=0)"
     )
+
+
+def _name(fn: RewardFn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _call(fn: RewardFn, completion: str, answer: str, meta: dict) -> float:
@@ -217,6 +252,12 @@ class RewardPool:
                 except Exception as e:  # noqa: BLE001 - a verifier's failure is a zero reward
                     counts["errors"] += 1
                     errors.append(f"{type(e).__name__}: {e}")
+        if jobs and counts["errors"] == len(jobs):  # timeouts excluded: a slow verifier still works
+            raise RewardFailed(
+                f"reward {self.spec or _name(self.fn)} failed on all {len(jobs)} items of the batch, so every "
+                f"reward would be 0; first error: {errors[0]}. Fix the reward function (run it on one "
+                "completion by hand to see the traceback)"
+            )
         if errors or counts["timeouts"]:
             first = f"; first error: {errors[0]}" if errors else ""
             log.warning(
@@ -321,7 +362,9 @@ def _math_verify() -> Any:
     try:
         import math_verify
     except ImportError as e:
-        raise RewardError("the 'math' reward needs math-verify: pip install math-verify") from e
+        raise RewardError(
+            """the 'math' reward needs math-verify: pip install -e ".[train]" (or pip install math-verify)"""
+        ) from e
     return math_verify
 
 

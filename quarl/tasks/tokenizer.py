@@ -22,6 +22,7 @@ class Tokenizer(Protocol):
     eos_token_id: int
     pad_token_id: int
     vocab_size: int
+    has_chat_template: bool  # False: apply_chat_template just joins the contents
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -47,6 +48,7 @@ class CharTokenizer:
         self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2, 3
         self.vocab_size = 128  # rounded up; ids past len(itos) are never produced
         self.name = "builtin-char"
+        self.has_chat_template = True
 
     def encode(self, text: str) -> list[int]:
         return [self.stoi.get(c, self.unk_token_id) for c in text]
@@ -79,8 +81,13 @@ class HFTokenizer:
     """A local HF tokenizer directory (tokenizer.json / tokenizer_config.json)."""
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
-
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # a core install has no transformers; the train extra does
+            raise ValueError(
+                f"the Hugging Face tokenizer in {path} needs transformers, which is not installed: "
+                'pip install -e ".[train]" (or pip install "transformers>=4.45")'
+            ) from e
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
@@ -93,6 +100,7 @@ class HFTokenizer:
         pad = self.tok.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
         self.vocab_size = len(self.tok)
+        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -101,7 +109,7 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tok, "chat_template", None):
+        if not self.has_chat_template:
             # No template: plain concatenation of the contents.
             return self.encode("\n".join(m["content"] for m in messages) + "\n")
         out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
@@ -118,6 +126,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"{str(p)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-            "pass --tokenizer DIR, or omit it to use the built-in character tokenizer"
+            "point to the model's tokenizer directory (quarl generate --tokenizer DIR; --model.tokenizer=DIR in a "
+            "run config), or leave it unset to use the built-in character tokenizer"
         )
     return HFTokenizer(p)

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+from quarl.trainer import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[2]
+# The demo run shrunk to seconds: the tiny model, no warm-start, 4 prompts x 4 samples, inline rewards.
+TINY = [
+    "--quiet", "--model.builtin=tiny", "--trainer.prompts_per_step=4", "--rollout.n=4",
+    "--rollout.max_new_tokens=8", "--trainer.sft_warmup_steps=0", "--trainer.eval_every=0",
+    "--data.num_eval=4", "--data.reward_workers=0", "--trainer.tensorboard=false",
+]
 
 
-def _quarl(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "quarl", *args], capture_output=True, text=True, timeout=300)
+def _quarl(*args, check=True, cwd=None, python_flags=()):
+    # PYTHONPATH: this checkout's quarl even when cwd is elsewhere
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, *python_flags, "-m", "quarl", *args], capture_output=True, text=True,
+                       timeout=300, cwd=cwd, env=env)
     if check:
         assert r.returncode == 0, r.stderr
     return r
+
+
+def _one_line_error(r, command: str) -> str:
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"quarl {command}: error: ") and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
 
 
 def test_help_lists_commands():
@@ -38,3 +59,59 @@ def test_bench_commands_need_a_gpu():
         assert "--out" in r.stdout
         r = _quarl("bench", suite, check=False)
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
+
+
+def test_reward_module_is_imported_from_the_working_directory(tmp_path):
+    # -P keeps the working directory off sys.path, as the `quarl` console script does
+    args = ("train", "--dry-run", "--data.reward=my_rewards:score")
+    err = _one_line_error(_quarl(*args, check=False, cwd=tmp_path, python_flags=("-P",)), "train")
+    assert "cannot import module 'my_rewards'" in err and "No module named 'my_rewards'" in err
+    assert "run from the directory that holds my_rewards.py or set PYTHONPATH" in err
+    (tmp_path / "my_rewards.py").write_text("def score(completion, answer, meta):\n    return 1.0\n")
+    assert "reward: my_rewards:score" in _quarl(*args, cwd=tmp_path, python_flags=("-P",)).stdout
+
+
+def test_a_reward_failing_on_every_item_stops_the_run(tmp_path):
+    r = _quarl("train", *TINY, f"--trainer.run_dir={tmp_path}", "--data.reward=tests.trainer.reward_fns:always_raises",
+               check=False)
+    err = _one_line_error(r, "train")
+    assert "reward tests.trainer.reward_fns:always_raises failed on all 16 items" in err
+    assert "first error: KeyError: 'gold_answer'" in err
+
+
+def test_a_reward_that_breaks_mid_run_keeps_the_last_checkpoint(tmp_path):
+    r = _quarl("train", *TINY, f"--trainer.run_dir={tmp_path}", "--trainer.steps=3", "--trainer.save_every=1",
+               "--data.reward=tests.trainer.reward_fns:raises_after_16_calls", check=False)
+    assert "raises_after_16_calls failed on all 16 items" in _one_line_error(r, "train")
+    latest = ckpt.latest_checkpoint(tmp_path)
+    assert latest is not None and ckpt.load_checkpoint(latest)["step"] == 1
+
+
+def test_eval_needs_a_run_dir_or_a_model(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("trainer:\n  steps: 3\n")
+    for args in ((), ("--config", str(cfg))):
+        err = _one_line_error(_quarl("eval", *args, check=False, cwd=tmp_path), "eval")
+        assert "pass a run directory (quarl eval RUN_DIR)" in err and "quarl eval --config run.yaml" in err
+        assert "model.path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no runs/default left behind
+
+
+def test_generate_applies_the_chat_template_by_default():
+    """The built-in tokenizer has a chat format (the demo model is trained on it): on unless --no-chat."""
+    from quarl.cli.generate import prompt_ids
+    from quarl.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    assert tok.has_chat_template
+    assert prompt_ids(tok, ["7+12="], chat=True) == [tok.apply_chat_template([{"role": "user", "content": "7+12="}])]
+    assert prompt_ids(tok, ["7+12="], chat=False) == [tok.encode("7+12=")]
+
+    def logprobs(*flags):
+        r = _quarl("generate", "--builtin", "tiny", "--prompt", "7+12=", "--max-new-tokens", "4", "--greedy",
+                   "--show-logprobs", *flags)
+        return next(line for line in r.stdout.splitlines() if line.startswith("logprobs:"))
+
+    default = logprobs()
+    assert default == logprobs("--chat")  # same prompt ids, same greedy log-probs
+    assert default != logprobs("--no-chat")

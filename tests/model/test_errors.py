@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 import quarl
 from quarl.model import CheckpointError, ModelConfigError
+from tests.hf_models import make_hf_checkpoint
 
 
 def _copy(src, dst):
@@ -72,3 +75,57 @@ def test_quantized_checkpoint_is_refused(hf_checkpoint, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match="quantized"):
         quarl.load_model(bad)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    make_hf_checkpoint("qwen2", path)
+    return path
+
+
+def _damage(data: bytes, how: str) -> bytes:
+    return {
+        "half": data[: len(data) // 2],
+        "four_bytes": data[:4],
+        "lfs_pointer": b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n",
+        "html_page": b"<!DOCTYPE html><html>404</html>" * 4,
+        "corrupt_header": data[:8] + b"[" + data[9:],
+    }[how]
+
+
+@pytest.mark.parametrize("how, what", [
+    ("half", r"is truncated \(\d+ bytes on disk, its header describes \d+\)"),
+    ("four_bytes", r"is truncated \(4 bytes"),
+    ("lfs_pointer", r"is a Git LFS pointer, not the weights \(run `git lfs pull`"),
+    ("html_page", r"is not a safetensors file, or truncated inside its header"),
+    ("corrupt_header", r"is a safetensors file with a corrupt header"),
+])
+def test_damaged_weights_file_is_named(qwen2_dir, tmp_path, how, what):
+    bad = _copy(qwen2_dir, tmp_path / "bad")
+    file = bad / "model.safetensors"
+    file.write_bytes(_damage(file.read_bytes(), how))
+    with pytest.raises(CheckpointError, match=what) as e:
+        quarl.load_model(bad)
+    assert str(file) in str(e.value) and "re-download the checkpoint, or re-save it" in str(e.value)
+
+
+def test_truncated_shard_is_named(qwen2_dir, tmp_path):
+    hf = make_hf_checkpoint("qwen2", tmp_path / "unused")
+    shard_dir = tmp_path / "sharded"
+    hf.save_pretrained(str(shard_dir), max_shard_size="20KB")
+    shard = sorted(shard_dir.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{shard}.* is truncated"):
+        quarl.load_model(shard_dir)
+
+
+def test_generate_cli_names_a_truncated_file(qwen2_dir, tmp_path):
+    bad = _copy(qwen2_dir, tmp_path / "bad")
+    file = bad / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1])
+    r = subprocess.run([sys.executable, "-m", "quarl", "generate", "--model", str(bad), "--prompt", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"quarl generate: error: {file} is truncated"), r.stderr
+    assert "re-download the checkpoint" in r.stderr

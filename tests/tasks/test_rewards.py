@@ -6,7 +6,7 @@ import time
 import pytest
 
 from quarl.tasks import Example, RewardError, RewardPool, math_reward, resolve_reward
-from quarl.tasks.rewards import MATH_REWARD, last_boxed
+from quarl.tasks.rewards import MATH_REWARD, RewardFailed, last_boxed
 from tests.tasks import reward_fns
 
 EXACT = "tests.tasks.reward_fns:exact"
@@ -48,8 +48,11 @@ def test_resolve_reward_errors():
     assert resolve_reward(EXACT) is reward_fns.exact
     with pytest.raises(ValueError, match="module:function"):
         resolve_reward("no_colon")
-    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'"):
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'") as e:
         resolve_reward("no_such_module_xyz:f")
+    assert "No module named 'no_such_module_xyz'" in str(e.value)
+    assert "run from the directory that holds no_such_module_xyz.py or set PYTHONPATH" in str(e.value)
+    assert isinstance(e.value, ValueError)  # the CLI turns ValueErrors into one line, exit 2
     with pytest.raises(RewardError, match="has no function 'exactt'.*its functions: exact"):
         resolve_reward("tests.tasks.reward_fns:exactt")
     with pytest.raises(RewardError, match="not a function"):
@@ -106,3 +109,35 @@ def test_pool_arguments():
         RewardPool(EXACT, workers=-1)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool(EXACT, workers=0, timeout_s=0)
+
+
+def test_workers_import_a_module_from_the_working_directory(tmp_path, monkeypatch):
+    """After a chdir, the parent imports from the new working directory, and so must its workers."""
+    (tmp_path / "my_cwd_rewards.py").write_text(
+        "import os\n\ndef score(c, a, m):\n    return float(c == a) + (10.0 if os.getpid() != m['parent'] else 0.0)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    import os
+
+    exs = [Example("p", "a", meta={"parent": os.getpid()}), Example("p", "b", meta={"parent": os.getpid()})]
+    with RewardPool("my_cwd_rewards:score", workers=1, timeout_s=20.0) as pool:
+        rewards, metrics = pool.score(["a", "x"], exs)
+    assert rewards == [11.0, 10.0] and metrics["reward/errors"] == 0.0  # scored in the worker, not inline
+    sys.modules.pop("my_cwd_rewards", None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_failing_on_every_item_stops(workers):
+    with RewardPool(EXACT, workers=workers, timeout_s=5.0) as pool:
+        with pytest.raises(RewardFailed, match=r"reward tests.tasks.reward_fns:exact failed on all 3 items.*"
+                                               r"first error: RuntimeError: verifier bug"):
+            pool.score(["raise", "raise", "none"], examples("abc"))
+        # a few errors are only counted
+        assert pool.score(["raise", "b", "none"], examples("abc"))[1]["reward/errors"] == 2.0
+
+
+def test_timeouts_do_not_count_as_failures():
+    with RewardPool(EXACT, workers=2, timeout_s=0.5) as pool:
+        rewards, metrics = pool.score(["hang", "raise"], examples("ab"))
+    assert rewards == [0.0, 0.0] and metrics == {"reward/timeouts": 1.0, "reward/errors": 1.0}

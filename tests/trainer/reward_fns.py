@@ -23,3 +23,20 @@ def hang_once(completion: str, answer: str, meta: dict) -> float:
 def digit_one(completion: str, answer: str, meta: dict) -> float:
     """1.0 when the completion contains the character '1': a signal even an untrained model gets."""
     return 1.0 if "1" in completion else 0.0
+
+
+def always_raises(completion: str, answer: str, meta: dict) -> float:
+    """A broken verifier: fails on every item."""
+    raise KeyError("gold_answer")
+
+
+_calls = 0
+
+
+def raises_after_16_calls(completion: str, answer: str, meta: dict) -> float:
+    """Scores one step of 4 prompts x 4 samples (inline, workers=0), then breaks."""
+    global _calls
+    _calls += 1
+    if _calls > 16:
+        raise KeyError("gold_answer")
+    return 0.0
