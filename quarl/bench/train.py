@@ -4,8 +4,9 @@ A workload is a model shape on random weights (saved once as a local HF director
 each mode loads the same weights the way a user's run does), a batch shape and a
 response length. Random weights never emit EOS, so every response runs to
 ``max_new_tokens`` and each mode decodes the same number of tokens. Each mode is a
-fresh :class:`~quarl.trainer.loop.Trainer` over that directory; the numbers are medians
-of steps 2..N (step 1 pays compilation and graph capture).
+fresh :class:`~quarl.trainer.loop.Trainer` over that directory whose steps are run
+without checkpoints or evaluation; the numbers are medians of steps 2..N (step 1 pays
+compilation and graph capture).
 
 Learner model-FLOPs utilisation: a forward + backward over ``T`` tokens costs
 ``6 * P * T`` FLOPs (``P`` = matmul parameters incl. the LM head), plus ``2 * P * T``
@@ -112,8 +113,12 @@ def run_mode(name: str, overrides: list[str], run_dir: Path) -> tuple[list[dict[
         "extra_forwards": (0 if single else 1) + (1 if cfg.algo.kl_coef > 0 else 0),
         "overrides": overrides,
     }
-    trainer.run()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = []
+    for _ in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
+        metrics = trainer.train_step()
+        trainer.step += 1
+        rows.append({"step": trainer.step, **metrics})
+    trainer.rewards.close()
     del trainer
     gc.collect()
     torch.cuda.empty_cache()

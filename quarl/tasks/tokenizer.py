@@ -127,6 +127,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         raise FileNotFoundError(
             f"{str(p)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
             "point to the model's tokenizer directory (quarl generate --tokenizer DIR; --model.tokenizer=DIR in a "
-            "run config), or leave it unset to use the built-in character tokenizer"
+            "run config), or name 'builtin' there for the built-in character tokenizer (models trained by the "
+            "demo run use it)"
         )
     return HFTokenizer(p)
