@@ -48,13 +48,39 @@ def test_generate_builtin_and_checkpoint(hf_checkpoint):
     assert r.returncode == 2 and "--tokenizer" in r.stderr
 
 
+def test_generate_runs_the_engine_in_the_chosen_scheme():
+    """The CLI's greedy text is the engine's, in bf16 and in w4a16; -n gives n samples per prompt."""
+    import torch
+
+    from quarl.model.presets import build_random_model
+    from quarl.rollout import Engine, EngineConfig, SamplingParams
+    from quarl.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    ids = tok.apply_chat_template([{"role": "user", "content": "7+12="}])
+    for scheme in ("bf16", "w4a16"):
+        r = _quarl("generate", "--builtin", "tiny", "--prompt", "7+12=", "--max-new-tokens", "6", "--greedy",
+                   "--scheme", scheme)
+        engine = Engine(build_random_model("tiny", dtype=torch.float32), scheme=scheme,
+                        config=EngineConfig(max_model_len=64, num_kv_blocks=16))
+        want = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                     stop_token_ids=(tok.eos_token_id,)))[0]
+        assert r.stdout.splitlines()[1] == tok.decode(want.token_ids), scheme
+        assert f"on cpu, {scheme}" in r.stdout
+    r = _quarl("generate", "--builtin", "tiny", "--prompt", "1+1=", "--prompt", "2+2=", "-n", "3",
+               "--max-new-tokens", "4", "--seed", "5")
+    assert r.stdout.count("### prompt: 1+1=  (sample") == 3 and r.stdout.count("### prompt: 2+2=") == 3
+    assert "unknown quantization scheme 'w5a5'" in _one_line_error(
+        _quarl("generate", "--prompt", "x", "--scheme", "w5a5", check=False), "generate")
+
+
 def test_generate_missing_model_dir(tmp_path):
     r = _quarl("generate", "--model", str(tmp_path / "nope"), "--prompt", "x", check=False)
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
 def test_bench_commands_need_a_gpu():
-    for suite in ("gemm", "rollout"):
+    for suite in ("gemm", "rollout", "train"):
         r = _quarl("bench", suite, "--help")
         assert "--out" in r.stdout
         r = _quarl("bench", suite, check=False)
