@@ -1,6 +1,7 @@
 """Algorithms as pure functions of tensors and scalars (DESIGN.md, "Algorithms").
 
-- advantages:   :func:`compute_advantages` (grpo, dr_grpo, rloo), :func:`compute_gae`
+- advantages:   :func:`compute_advantages` (grpo, dr_grpo, rloo), :func:`compute_gae`,
+                :func:`last_token_rewards`, :func:`whiten`, :func:`informative_groups` (DAPO)
 - policy loss:  :func:`compute_policy_loss` (ppo, positive_only, sapo, gspo, tbpo) with
                 mismatch corrections (tis, decoupled, acr, icepop; seq-tis, mis)
 - reduction:    :func:`agg_loss`, :func:`masked_mean`, :func:`masked_sum`, :func:`seq_mean`
@@ -11,7 +12,14 @@ Nothing here takes a config object; every name is found in a small registry whos
 are exported as the tuples below.
 """
 
-from quarl.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, compute_gae
+from quarl.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    compute_gae,
+    informative_groups,
+    last_token_rewards,
+    whiten,
+)
 from quarl.algos.aggregation import AGG_MODES, agg_loss, masked_mean, masked_sum, seq_mean
 from quarl.algos.corrections import SEQ_CORRECTIONS, TOKEN_CORRECTIONS
 from quarl.algos.kl import KL_ESTIMATORS, kl_penalty
@@ -36,12 +44,15 @@ __all__ = [
     "compute_advantages",
     "compute_gae",
     "compute_policy_loss",
+    "informative_groups",
     "is_repetitive",
     "kl_penalty",
+    "last_token_rewards",
     "masked_mean",
     "masked_sum",
     "mismatch_metrics",
     "policy_loss_defaults",
     "repeat_fraction",
     "seq_mean",
+    "whiten",
 ]

@@ -127,3 +127,30 @@ def compute_gae(
             next_adv = torch.where(on, adv_t, next_adv)
         returns = torch.where(m > 0, advantages + vals, 0.0)
     return advantages, returns
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` token rewards: each response's outcome ``rewards [B]`` on its last masked
+    token, 0 elsewhere (the input of :func:`compute_gae` for outcome rewards)."""
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+    return torch.where(last, rewards[:, None].to(mask.dtype), torch.zeros_like(mask))
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(values - mean) / (std + eps)`` over the masked entries (unbiased std), 0 off the
+    mask, as PPO implementations normalise GAE advantages over a batch. With fewer than
+    two masked entries the std is taken as 1."""
+    m = mask > 0
+    if not m.any():
+        return torch.zeros_like(values)
+    picked = values[m]
+    sd = picked.std() if picked.numel() > 1 else torch.ones((), dtype=values.dtype, device=values.device)
+    return torch.where(m, (values - picked.mean()) / (sd + eps), torch.zeros_like(values))
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[G]`` bool: groups whose rewards are not all equal. DAPO's dynamic sampling
+    (Yu et al. 2025, eq. 11) keeps only these: a uniform group has zero group-relative
+    advantage and so no policy gradient."""
+    g = _grouped(rewards, group_size)
+    return g.amax(-1) != g.amin(-1)

@@ -113,3 +113,32 @@ def test_gae_matches_naive_loop(gamma, lam):
     assert torch.allclose(adv, exp_adv, atol=1e-12)
     assert torch.allclose(ret, exp_ret, atol=1e-12)
     assert not adv.requires_grad
+
+
+def test_last_token_rewards_by_hand():
+    from quarl.algos.advantages import last_token_rewards
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    out = last_token_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
+    assert torch.equal(out, torch.tensor([[0.0, 0.0, 2.0, 0.0], [-1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_whiten_by_hand():
+    from quarl.algos.advantages import whiten
+
+    # masked values 1, 2, 3: mean 2, unbiased std 1 -> -1, 0, 1; the unmasked 100 becomes 0
+    v = torch.tensor([[1.0, 100.0], [2.0, 3.0]], dtype=torch.float64)
+    m = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    assert torch.allclose(whiten(v, m, eps=0.0), torch.tensor([[-1.0, 0.0], [0.0, 1.0]], dtype=torch.float64))
+    one = whiten(torch.tensor([[4.0, 7.0]]), torch.tensor([[0.0, 1.0]]), eps=0.0)  # one entry: std taken as 1
+    assert torch.equal(one, torch.tensor([[0.0, 0.0]]))
+    assert torch.equal(whiten(v, torch.zeros(2, 2)), torch.zeros(2, 2, dtype=torch.float64))
+
+
+def test_informative_groups_by_hand():
+    from quarl.algos.advantages import informative_groups
+
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert informative_groups(r, 3).tolist() == [False, True, False]
+    with pytest.raises(ValueError):
+        informative_groups(r, 4)
