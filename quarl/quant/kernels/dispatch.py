@@ -245,10 +245,14 @@ def pick(qw: QuantizedWeight, m: int, device: torch.device, dtype: torch.dtype =
     return _choose(fam, gpu_gen(device, dtype) if fam == "w4a16" else "none", m, n, k)
 
 
+def gated_plan(act_format: str, m: int, n: int, k: int) -> Plan | None:
+    """The gated GEMM plan for a W8A8 ``[gate; up]`` weight of ``n`` rows, or None (the plain
+    GEMM and a separate SiLU-and-mul)."""
+    return _choose("gated_" + act_format, "none", m, n, k)
+
+
 def pick_gated(qw: QuantizedWeight, m: int) -> Plan | None:
-    """The gated GEMM plan for a W8A8 ``[gate; up]`` weight, or None (plain GEMM + SiLU-and-mul)."""
-    n, k = qw.shape
-    return _choose("gated_" + qw.scheme.act_format, "none", m, n, k)
+    return gated_plan(qw.scheme.act_format, m, *qw.shape)
 
 
 def act_quant_plan(m: int, k: int) -> tuple[int, int]:
