@@ -8,8 +8,6 @@ timeout ${TEST_TIMEOUT:-120} python3 -m pytest tests_gpu/quant -q --maxfail=4 -p
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout $(( ${1:-180} + 40 )) python3 bench/gemm_sweep.py --out $OUT/sweep.json --budget ${1:-180} > $OUT/sweep.txt 2>&1
   grep -v "^ \|Error\|WRONG" $OUT/sweep.txt | tail -40
-  export QUARL_W4_KERNEL=$(python3 bench/gemm_pick.py $OUT/sweep.json 2>>$OUT/sweep.txt || echo swap)
-  echo "w4 small-M kernel: $QUARL_W4_KERNEL" | tee -a $OUT/sweep.txt
 fi
 timeout ${BENCH_TIMEOUT:-230} python3 -m quarl.cli.bench_gemm --reps 15 --models ${MODELS:-qwen2.5-7b,qwen2.5-1.5b} --out $OUT/gemm.json > $OUT/gemm.txt 2>&1
 tail -40 $OUT/gemm.txt
