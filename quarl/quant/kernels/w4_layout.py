@@ -142,6 +142,13 @@ class RepackCache:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
 
+    # copies of the owning module start empty: the layouts are rebuilt from its weight at first use
+    def __getstate__(self) -> dict:
+        return {"_entries": {}}
+
+    def __deepcopy__(self, memo) -> "RepackCache":
+        return RepackCache()
+
     def _matches(self, e: _Entry, qw: QuantizedWeight) -> bool:
         return e.source() is qw.qdata and e.versions == _versions(qw)
 
@@ -156,7 +163,7 @@ class RepackCache:
         # it), so that later in-place loads outside it can refresh them
         with torch.inference_mode(False), torch.no_grad():
             fresh = repack_w4(qw, layout)
-            if e is not None and all((a is None) == (b is None) and (a is None or a.shape == b.shape)
+            if e is not None and all((a is None) == (b is None) and (a is None or (a.shape == b.shape and a.device == b.device))
                                      for a, b in zip(e.copy, fresh)):
                 for a, b in zip(e.copy, fresh):
                     if a is not None:
