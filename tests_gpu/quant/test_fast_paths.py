@@ -203,18 +203,20 @@ def test_split_k_counters_survive_graph_capture_order():
     import torch
 
     from quarl.quant import get_scheme, quant_linear, quantize_weight
+    from quarl.quant.kernels.w4_layout import RepackCache
 
     torch.manual_seed(0)
     qw = quantize_weight(torch.randn(256, 768, device="cuda", dtype=torch.bfloat16) * 0.02, get_scheme("w4a16"))
+    repacked = RepackCache()  # the weight owner's kernel layouts (QuantLinear keeps one)
     xs = {m: torch.randn(m, 768, device="cuda", dtype=torch.bfloat16) for m in (64, 8)}
-    want = {m: quant_linear(x, qw).float() for m, x in xs.items()}
+    want = {m: quant_linear(x, qw, None, repacked).float() for m, x in xs.items()}
     graphs, outs = {}, {}
     for m in (64, 8):
-        quant_linear(xs[m], qw)  # eager warm-up, as the engine does
+        quant_linear(xs[m], qw, None, repacked)  # eager warm-up, as the engine does
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            outs[m] = quant_linear(xs[m], qw)
+            outs[m] = quant_linear(xs[m], qw, None, repacked)
         graphs[m] = g
     for m in (8, 64, 8):
         graphs[m].replay()
