@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from quarl.quant import bench
 from quarl.quant.kernels import launch
-from quarl.quant.kernels.launch import TileConfig as C
+from quarl.quant.kernels import dispatch, w8a8
+from quarl.quant.kernels.config import TileConfig as C
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import get_scheme
 from quarl.rollout import fused
@@ -72,16 +73,16 @@ def main() -> None:
 
             q0, s0 = plain(0)
             t_plain = bench.time_per_call([lambda i=i: plain(i) for i in range(sets)])
-            default = launch.gated_config(m, n, k, sc.act_format)
+            default = dispatch.gated_plan(sc.act_format, m, n, k)
             print(f"M={m:<4} {fmt} plain GEMM + silu_mul + quantizer {t_plain * 1e6:8.1f} us ({t_bf16 / t_plain:.2f}x bf16); "
                   f"gated default {default}", flush=True)
             rows.append(dict(M=m, fmt=fmt, cfg="plain", us=t_plain * 1e6, bf16_us=t_bf16 * 1e6))
             for bm, bn, bk, w, st, wv in GATED:
-                cfg = C(bm, bn, bk, num_warps=w, num_stages=st, waves=wv, kernel="tma")
+                cfg = C(bm, bn, bk, num_warps=w, num_stages=st, waves=wv)
                 name = f"gated {bm}x{bn}x{bk} w{w} s{st} p{wv}"
 
                 def gated(i, cfg=cfg):
-                    y, amax = launch.gated_silu_gemm(*xs[i], qws[i], torch.bfloat16, cfg)
+                    y, amax = w8a8.gated_gemm(*xs[i], qws[i], torch.bfloat16, cfg)
                     return launch.act_quant_from_partials(y, amax, sc.act_format)
 
                 t, err = bench.time_checked_codes(gated, (q0, s0), sets)

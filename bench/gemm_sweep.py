@@ -4,7 +4,7 @@ Times each candidate TileConfig against bf16 (CUDA-graph replays over rotating w
 sets, as quarl.quant.bench does), checks each candidate's output against the reference
 once, and writes every timing plus the best config per (kind, M, shape) as JSON. Also
 times the fp8 path's two launches apart (activation quantizer, ``_scaled_mm``). The
-winners are copied by hand into launch.py's *_config functions.
+winners are copied by hand into the rows of quarl/quant/kernels/dispatch.py.
 
     PYTHONPATH=. python3 bench/gemm_sweep.py --out $OUT/sweep.json [--kinds w4,fp8,int8]
 """
@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from quarl.quant import bench
-from quarl.quant.kernels import launch
-from quarl.quant.kernels.launch import TileConfig as C
+from quarl.quant.kernels import dispatch, launch
+from quarl.quant.kernels.config import TileConfig
+from quarl.quant.kernels.dispatch import Plan
 from quarl.quant.ops import quant_linear
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.reference import reference_linear
@@ -28,55 +29,35 @@ from quarl.quant.scheme import get_scheme
 
 SHAPES = [(s.label, s.n, s.k) for s in bench.linear_shapes(bench.MODELS["qwen2.5-7b"], ("engine",))]
 
-def _w4_table():
-    """Run-6 sweep: the SUB16 dequant ("swapb") over tile height, warps, stages and forced
-    K-split waves (many short programs per SM), against swap16 / swap and the default."""
-    t = {}
-    for m, bm in ((1, 16), (16, 16)):
-        t[m] = [C(bm, bn, num_warps=w, num_stages=st, waves=wv, kernel="swapb")
-                for bn, w in ((32, 2), (64, 4), (128, 4)) for st in (3, 5) for wv in (2, 4, 8, 16)]
-        t[m] += [C(bm, 64, split_k=-4, num_warps=4, num_stages=3, kernel="swapb"), C(bm, 64, split_k=-4, num_warps=4, num_stages=3, kernel="swap16"),
-                 C(bm, 64, num_warps=4, num_stages=4, waves=8, kernel="swap16")]
-    t[64] = [C(64, bn, num_warps=w, num_stages=st, waves=wv, kernel=kern)
-             for kern in ("swapb",) for bn, w in ((64, 4), (128, 8), (256, 8)) for st in (3, 4) for wv in (1, 2, 4)]
-    t[64] += [C(64, 64, num_warps=4, num_stages=3, waves=wv, kernel="swap") for wv in (2, 4)]
-    return {m: t[m] for m in (16, 64, 1)}  # most important first (the sweep has a time budget)
 
-
-def _w4_table_run9():
-    """Run-9 sweep: the CUDA fragment kernel ("frag", M <= 16) over warps per block, cp.async
-    ring depth and the K split (``waves`` = blocks per SM it splits K towards); run 8's Triton default
-    (swapb, 8 waves) is the baseline to beat. M = 64 stays on swapb. The timings in
-    gemm_sweep_h200_9.json are from this table and this kernel (commit 2fe7c9c)."""
-    t = {}
-    for m in (16, 1):
-        t[m] = [C(16, 64, num_warps=w, num_stages=st, waves=b, kernel="frag")
-                for w, st in ((2, 8), (4, 4), (4, 8), (8, 4)) for b in (1, 2, 4, 8)]
-        t[m] += [C(16, 64, num_warps=4, num_stages=3, waves=8, kernel="swapb")]
-    return t
+def C(*args, kernel: str = "pointer", **kw) -> Plan:
+    """A candidate: the kernel (a dispatch plan kernel name) and its Triton tile."""
+    return Plan(kernel, None if kernel in ("cublas", "dequant") else TileConfig(*args, **kw))
 
 
 def _run10_tables():
     """Run-10 sweep, on the engine's shapes (q/k/v and gate/up fused): W8A8 over the
     Triton GEMM's tiles (fp8 through ``int8_gemm_kernel`` on e4m3) against ``_scaled_mm``
-    at every M the rollout and learner see, and w4a16 at M = 64 (swapb tiles and K split
-    against dequant + cuBLAS)."""
+    at every M the rollout and learner see, and w4a16 at M = 64 (swap tiles and K split
+    against dequant + cuBLAS). (The w4 tables of runs 6 and 9 probed kernels since
+    removed; they are in git before the dispatch tables.)"""
     mids = [(64, 64, 128, 4, 4, 0), (64, 128, 128, 4, 4, 0), (64, 128, 64, 4, 5, 0), (64, 256, 128, 8, 3, 0),
             (64, 64, 256, 4, 3, 0), (64, 128, 128, 4, 4, 1)]
     bigs = [(128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 1),
             (128, 128, 64, 4, 4, 1), (256, 128, 128, 8, 3, 1)]
     def tiles(m):
         return mids if m <= 64 else (mids[:2] + bigs if m <= 256 else bigs)
-    fp8 = {m: [C(0, 0, kernel="cublas")] + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st, kernel="triton")
-                                            for bm, bn, bk, w, st, sk in tiles(m)] for m in (64, 256, 1024, 4096)}
+    fp8 = {m: [C(kernel="cublas")] + [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st)
+                                      for bm, bn, bk, w, st, sk in tiles(m)] for m in (64, 256, 1024, 4096)}
     int8 = {m: [C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st) for bm, bn, bk, w, st, sk in tiles(m)]
             for m in (64, 256, 1024, 4096)}
-    w4 = {64: [C(64, bn, num_warps=w, num_stages=st, waves=wv, kernel="swapb")
-               for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0.5, 1, 2)] + [C(0, 0, kernel="dequant")]}
+    w4 = {64: [C(64, bn, num_warps=w, num_stages=st, waves=wv, kernel="swap")
+               for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0.5, 1, 2)] + [C(kernel="dequant")]}
     return w4, fp8, int8
 
 
 W4, FP8, INT8 = _run10_tables()
+FAMILY = {"w4": "w4a16", "fp8": "fp8", "int8": "int8"}  # sweep kind -> dispatch table
 SPEC = {"w4": ("w4a16", W4), "fp8": ("w8a8-fp8", FP8), "int8": ("w8a8-int8", INT8)}
 
 
@@ -105,13 +86,12 @@ def _warm(items):
         if (fmt, n, k) not in qws:
             qws[(fmt, n, k)] = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, get_scheme(fmt))
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        launch.CONFIG_OVERRIDES[kind] = lambda *_a, c=cfg: c
         try:
-            quant_linear(x, qws[(fmt, n, k)])
+            with dispatch.overrides(**{FAMILY[kind]: cfg}):
+                quant_linear(x, qws[(fmt, n, k)])
             n_ok += 1
         except Exception:
             pass
-        launch.CONFIG_OVERRIDES.pop(kind, None)
     torch.cuda.synchronize()
     return n_ok
 
@@ -149,13 +129,11 @@ def sweep(kind, budget_s, dev, l2, log, rows):
                     t = bench.time_per_call(fn)
                     rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=name, us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=0.0))
             for cfg in [None] + cfgs:
-                launch.CONFIG_OVERRIDES.pop(kind, None)
-                if cfg is not None:
-                    launch.CONFIG_OVERRIDES[kind] = lambda *_a, c=cfg: c
                 try:
-                    out = quant_linear(x[0], qws[0])
-                    err = float((out.float() - expect).norm() / expect.norm())
-                    t = bench.time_per_call(calls)
+                    with dispatch.overrides(**({FAMILY[kind]: cfg} if cfg is not None else {})):
+                        out = quant_linear(x[0], qws[0])
+                        err = float((out.float() - expect).norm() / expect.norm())
+                        t = bench.time_per_call(calls)
                 except Exception as e:
                     t, err = float("nan"), float("nan")
                     log(f"{kind} M={m} {lbl} {cfg}: {type(e).__name__}: {str(e)[:300]}")
@@ -165,7 +143,6 @@ def sweep(kind, budget_s, dev, l2, log, rows):
                 nbytes = n * k * get_scheme(fmt).bits_per_weight / 8 + 2 * m * k + 2 * m * n
                 rows.append(dict(kind=kind, M=m, layer=lbl, N=n, K=k, cfg=repr(cfg) if cfg else "default", us=t * 1e6, bf16_us=base * 1e6, speedup=base / t, err=err,
                                  eff_TBps=nbytes / t / 1e12))
-            launch.CONFIG_OVERRIDES.pop(kind, None)
             log_best(rows, kind, m, lbl, n, k, base, log)
             del x, qws, calls
             torch.cuda.empty_cache()

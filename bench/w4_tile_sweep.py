@@ -1,4 +1,4 @@
-"""Sweep of the block-tiled CUDA w4a16 kernel (``cuda_w4.w4a16_tile_gemm``) on the 7B shapes.
+"""Sweep of the block-tiled CUDA w4a16 kernel (``cuda_w4.tile_gemm``) on the 7B shapes.
 
 For each shape and M: bf16 (cuBLAS), the current default w4a16 dispatch, and every
 candidate block shape of the tiled kernel, timed like ``quarl bench gemm`` (rotating
@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from quarl.quant import quant_linear
 from quarl.quant.bench import MODELS, _n_sets, _slice_qw, git_commit, linear_shapes, time_per_call
-from quarl.quant.kernels import cuda_w4, launch
+from quarl.quant.kernels import cuda_w4, dispatch
+from quarl.quant.kernels.config import TileKConfig
+from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import quantize_weight
 
 CANDIDATES = {
@@ -39,8 +41,9 @@ def calls_for(m, n, k, l2, seed=0):
     bsets = _n_sets(n * k * 2, l2)
     wb = w[: bsets * n]
     bf16 = [lambda i=i: F.linear(x[i % sets], wb[i * n : (i + 1) * n]) for i in range(bsets)]
-    default = [lambda i=i: quant_linear(x[i], qws[i]) for i in range(sets)]
-    return x, qws, bf16, default
+    repacked = [RepackCache() for _ in range(sets)]  # as each QuantLinear owns its kernel layouts
+    default = [lambda i=i: quant_linear(x[i], qws[i], None, repacked[i]) for i in range(sets)]
+    return x, qws, bf16, default, repacked
 
 
 def sweep(ms, budget, t0, configs, gemm, label) -> list[dict]:
@@ -53,16 +56,16 @@ def sweep(ms, budget, t0, configs, gemm, label) -> list[dict]:
         for s in shapes:
             if time.time() - t0 > budget:
                 break
-            x, qws, bf16, default = calls_for(m, s.n, s.k, l2)
+            x, qws, bf16, default, repacked = calls_for(m, s.n, s.k, l2)
             base = dict(layer=s.label, n=s.n, k=s.k, M=m, counts=s.counts)
             t_bf16 = time_per_call(bf16) * 1e6
             t_def = time_per_call(default) * 1e6
-            cfg_def = launch.w4_config(m, s.n, s.k)
+            cfg_def = dispatch.pick(qws[0], m, x.device)
             rows.append(dict(base, cfg="bf16", us=t_bf16))
             rows.append(dict(base, cfg=f"default:{cfg_def.kernel}", us=t_def))
             best = (math.inf, None)
             for cfg in configs(m):
-                calls = [lambda i=i, cfg=cfg: gemm(x[i], qws[i], None, cfg) for i in range(len(qws))]
+                calls = [lambda i=i, cfg=cfg: gemm(x[i], qws[i], None, cfg, repacked[i]) for i in range(len(qws))]
                 try:
                     t = time_per_call(calls) * 1e6
                 except Exception as e:  # a config the device cannot launch: record, go on
@@ -73,7 +76,7 @@ def sweep(ms, budget, t0, configs, gemm, label) -> list[dict]:
                     best = (t, cfg)
             print(f"{s.label:>22} M={m:3d} bf16 {t_bf16:7.1f}us default({cfg_def.kernel}) {t_bf16 / t_def:5.2f}x "
                   f"best {label} {t_bf16 / best[0]:5.2f}x {tuple(best[1])}", flush=True)
-            del x, qws, bf16, default
+            del x, qws, bf16, default, repacked
             torch.cuda.empty_cache()
     return rows
 
@@ -89,9 +92,9 @@ def main():
 
     def configs(m):
         cands = CANDIDATES[16 if m <= 16 else 32 if m <= 32 else 64]
-        return [cuda_w4.TileKConfig(*c, float(bps)) for c in cands for bps in BPS]
+        return [TileKConfig(*c, float(bps)) for c in cands for bps in BPS]
 
-    rows = sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_tile_gemm, "tile")
+    rows = sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.tile_gemm, "tile")
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, rows=rows), open(args.out, "w"), indent=1)
     # best single config per M bucket (geomean over the engine shapes)

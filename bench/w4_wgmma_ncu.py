@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from quarl.quant.kernels import cuda_w4, launch
+from quarl.quant.kernels import cuda_w4
+from quarl.quant.kernels.config import WgConfig
 from quarl.quant.qweight import quantize_weight
 
 n, k = (int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "37888,3584").split(","))
@@ -19,5 +20,5 @@ for item in spec.split(";"):
     nwg, st, bps, *rest = c.split(",")  # [, single (0/1), minb[, tail, cluster]]
     x = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
     extra = tuple(int(v) if i == 1 else bool(int(v)) for i, v in enumerate(rest))
-    cuda_w4.w4a16_wgmma_gemm(x, qw, None, cuda_w4.WgConfig(int(nwg), int(st), float(bps), *extra), counters=launch._counters)
+    cuda_w4.wgmma_gemm(x, qw, None, WgConfig(int(nwg), int(st), float(bps), *extra))
 torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""Correctness check, then a sweep, of the wgmma w4a16 kernel (``cuda_w4.w4a16_wgmma_gemm``).
+"""Correctness check, then a sweep, of the wgmma w4a16 kernel (``cuda_w4.wgmma_gemm``).
 
 First every (M, shape, scheme, config) of a small grid against the float64 reference and the
 fragment kernel (stops on the first mismatch), then the 7B shapes at the given M: bf16
@@ -18,6 +18,7 @@ import torch
 from quarl.quant import reference_linear
 from quarl.quant.bench import git_commit
 from quarl.quant.kernels import cuda_w4
+from quarl.quant.kernels.config import WgConfig
 from quarl.quant.qweight import quantize_weight
 
 import importlib.util
@@ -50,9 +51,9 @@ def check() -> list[dict]:
                 for nwg, st, single, minb, tail in ((1, 3, False, 1, False), (2, 6, False, 1, False), (1, 3, True, 4, False),
                                                     (4, 4, True, 1, False), (1, 3, True, 4, True), (3, 4, True, 1, True)):
                     for bps in (0.3, 0.1, 2) if tail else (0.25, 2, 8):
-                        cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail)
-                        a = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
-                        b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg)
+                        cfg = WgConfig(nwg, st, bps, single, minb, tail)
+                        a = cuda_w4.wgmma_gemm(x, qw, bias, cfg)
+                        b = cuda_w4.wgmma_gemm(x, qw, bias, cfg)
                         e = rel(a, expect)
                         rows.append(dict(name=name, n=n, k=k, m=m, cfg=tuple(cfg), err=e, det=bool(torch.equal(a, b))))
                         if not (e < 5e-3 and torch.equal(a, b)):
@@ -85,9 +86,9 @@ def main():
             flags = {f: (bool(v) if f != "minb" else v) for f, v in flags.items()}
             for bps in (c[5:] or BPS):
                 for cl in CLUSTER:
-                    out.append(cuda_w4.WgConfig(c[0], c[1], float(bps), **flags, cluster=cl))
+                    out.append(WgConfig(c[0], c[1], float(bps), **flags, cluster=cl))
         return out
-    rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.w4a16_wgmma_gemm, "wgmma") if ok else []
+    rows = _tile.sweep([int(v) for v in args.ms.split(",")], args.budget, t0, configs, cuda_w4.wgmma_gemm, "wgmma") if ok else []
     json.dump(dict(device=props.name, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=git_commit(),
                    torch=torch.__version__, checks=checks, rows=rows), open(args.out, "w"), indent=1)
     for m in sorted({r["M"] for r in rows}):

@@ -23,12 +23,18 @@ import time
 import torch
 
 from quarl.quant import bench
-from quarl.quant.kernels import launch
-from quarl.quant.kernels.launch import TileConfig as C
+from quarl.quant.kernels import dispatch, launch
+from quarl.quant.kernels.config import TileConfig
+from quarl.quant.kernels.dispatch import Plan
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import get_scheme
 
 from gemm_sweep import log_best  # bench/ is the script's directory: sys.path[0]
+
+
+def C(*args, kernel: str = "pointer", **kw) -> Plan:
+    """A candidate: the kernel (a dispatch plan kernel name) and its Triton tile."""
+    return Plan(kernel, None if kernel == "cublas" else TileConfig(*args, **kw))
 
 SHAPES = [(s.label, s.n, s.k) for s in bench.linear_shapes(bench.MODELS["qwen2.5-7b"], ("engine",))]
 MS = (64, 256, 1024, 4096)
@@ -44,7 +50,6 @@ TMA_SPLIT = [(128, 128, 128, 8, 4, 1, 2), (128, 128, 128, 8, 4, 1, 3), (128, 128
 # (..., split_k) with Triton's warp-specialized item loop
 TMA_TAIL = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1), (64, 128, 128, 4, 4, 2),
             (128, 64, 128, 4, 4, 2)]
-TMA_WS = [(128, 128, 128, 8, 4, 1, 1), (128, 128, 128, 8, 4, 1, -1), (128, 256, 128, 8, 3, 1, -1), (64, 128, 128, 4, 4, 2, -1)]
 
 
 # act_quant (columns per block, warps): one pass for K = 3584 (4096), two passes below that
@@ -70,16 +75,12 @@ def candidates(kind: str, m: int) -> list[tuple[str, C | None]]:
         for bm, bn, bk, w, st, wv in TMA_TAIL:
             out.append((f"tma tail {bm}x{bn}x{bk} w{w} s{st} p{wv}",
                         C(bm, bn, bk, split_k=-1, num_warps=w, num_stages=st, waves=wv, kernel="tma")))
-        for bm, bn, bk, w, st, wv, sk in TMA_WS:
-            out.append((f"tma ws{' tail' if sk < 0 else ''} {bm}x{bn}x{bk} w{w} s{st} p{wv}",
-                        C(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st, waves=wv, kernel="tma", ws=True)))
     return out
 
 
 def gemm_call(kind, xq, sx, qw, cfg):
-    if kind == "fp8":
-        return lambda: launch.fp8_gemm_quantized(xq, sx, qw, None, torch.bfloat16, cfg)
-    return lambda: launch.int8_gemm(xq, sx, qw, None, torch.bfloat16, cfg)
+    plan = cfg if cfg is not None else dispatch.pick(qw, xq.shape[0], xq.device)
+    return lambda: plan.run(xq, sx, qw, None, torch.bfloat16)
 
 
 def sweep_act_quant(dev, bw, rows, log):
@@ -88,21 +89,19 @@ def sweep_act_quant(dev, bw, rows, log):
             x = torch.randn(8, m, k, device=dev, dtype=torch.bfloat16)
             for act in ("int8", "fp8"):
                 for block, warps in [(None, None)] + ACT_CFGS[k]:
-                    launch.CONFIG_OVERRIDES.pop("act_quant", None)
-                    if block is not None:
-                        launch.CONFIG_OVERRIDES["act_quant"] = lambda *_a, c=(block, warps): c
-                    q, s = launch.act_quant(x[0], act)
+                    with dispatch.overrides(**({"act_quant": (block, warps)} if block is not None else {})):
+                        q, s = launch.act_quant(x[0], act)
                     if block is not None and not (torch.equal(q.view(torch.int8), q0.view(torch.int8)) and torch.equal(s, s0)):
                         log(f"act_quant {act} M={m} K={k} {block}x{warps}: WRONG")
                         continue
                     q0, s0 = q, s
-                    t = bench.time_per_call([lambda i=i: launch.act_quant(x[i], act) for i in range(8)])
+                    with dispatch.overrides(**({"act_quant": (block, warps)} if block is not None else {})):
+                        t = bench.time_per_call([lambda i=i: launch.act_quant(x[i], act) for i in range(8)])
                     nbytes = 3 * m * k + 4 * m
                     cfg = "default" if block is None else f"{block}x{warps}"
                     rows.append(dict(part="act_quant", act=act, M=m, K=k, cfg=cfg, us=t * 1e6, eff_TBps=nbytes / t / 1e12,
                                      floor_us=nbytes / bw * 1e6))
                     log(f"act_quant {act:4} M={m:<5} K={k:<6} {cfg:>9} {t * 1e6:7.1f} us  {nbytes / t / 1e12:5.2f} TB/s (floor {nbytes / bw * 1e6:6.1f} us)")
-                launch.CONFIG_OVERRIDES.pop("act_quant", None)
 
 
 def sweep_gemm(kind, dev, l2, budget, rows, log, ms=MS):

@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.ops import quant_linear
 from quarl.quant.qweight import QuantizedWeight, quantize_weight
 from quarl.quant.scheme import SCHEMES, get_scheme
@@ -184,7 +185,8 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, 
     big = quantize_weight(w, sc)
     del w
     qws = [_slice_qw(big, i, n, k) for i in range(sets)]
-    return [lambda i=i: quant_linear(x[i], qws[i]) for i in range(sets)]
+    repacked = [RepackCache() for _ in range(sets)]  # as each QuantLinear owns its kernel layouts
+    return [lambda i=i: quant_linear(x[i], qws[i], None, repacked[i]) for i in range(sets)]
 
 
 # Engine shapes whose input the rollout engine quantizes inside the op before (its fused
@@ -244,12 +246,12 @@ def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torc
 
 def gated_mlp(fmt: str, m: int, hidden: int, inter: int) -> bool:
     """Whether the engine runs the MLP's gate/up of format ``fmt`` at M rows as the gated W8A8
-    GEMM (SiLU-and-mul in its epilogue; ``launch.gated_config``)."""
-    from quarl.quant.kernels import launch
+    GEMM (SiLU-and-mul in its epilogue; ``dispatch.gated_plan``)."""
+    from quarl.quant.kernels import dispatch
     from quarl.rollout.fused import FUSED_QUANTIZERS
 
     sc = get_scheme(fmt)
-    return sc.act_format in FUSED_QUANTIZERS and not sc.packed and launch.gated_config(m, 2 * inter, hidden, sc.act_format) is not None
+    return sc.act_format in FUSED_QUANTIZERS and not sc.packed and dispatch.gated_plan(sc.act_format, m, 2 * inter, hidden) is not None
 
 
 def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from quarl.quant import ops
+from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
 
@@ -50,6 +51,7 @@ class QuantLinear(nn.Module):
         for name, t in empty.tensors().items():
             self.register_buffer(name, t)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        self.repacked = RepackCache()  # kernel layouts of the weight (w4 fragment order)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QuantLinear":
@@ -69,20 +71,23 @@ class QuantLinear(nn.Module):
     def load_quantized(self, qw: QuantizedWeight) -> None:
         """Copy published tensors into this module's storage in place.
 
-        When the engine fused this module with its siblings (``quarl.rollout.fused``),
-        its buffers are a row block of the fused weight and what kernels derived from
-        that weight is refreshed for these rows."""
+        The kernel layouts derived from the weight are rebuilt in place too. When the engine
+        fused this module with its siblings (``quarl.rollout.fused``), its buffers are a row
+        block of the fused weight, whose owner (``_fused_owner = (owner, row)``, the owner
+        having ``weight`` and ``repacked``) keeps those layouts: they are refreshed for
+        these rows."""
         owner = getattr(self, "_fused_owner", None)
         if owner is None:
-            self.qweight.copy_(qw)
-            return
-        fused, row = owner
-        was_fresh = fused.derived_is_fresh()
+            target, cache, rows = self.qweight, self.repacked, None
+        else:
+            group, row = owner
+            target, cache, rows = group.weight, group.repacked, (row, row + self.out_features)
+        was_fresh = cache.is_fresh(target)
         self.qweight.copy_(qw)
-        fused.refresh_derived((row, row + self.out_features) if was_fresh else None)
+        cache.refresh(target, rows if was_fresh else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.quant_linear(x, self.qweight, self.bias)
+        return ops.quant_linear(x, self.qweight, self.bias, self.repacked)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
@@ -92,10 +97,10 @@ class _QATMatmul(torch.autograd.Function):
     """Forward: the engine's kernel on ``qw``. Backward: straight-through (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qw: QuantizedWeight):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
         ctx.save_for_backward(x)
         ctx.qw, ctx.has_bias, ctx.w_dtype = qw, bias is not None, weight.dtype
-        return ops.quant_linear(x, qw, bias)
+        return ops.quant_linear(x, qw, bias, repacked)
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
@@ -110,7 +115,7 @@ class _QATMatmul(torch.autograd.Function):
             grad_w = (gy.T @ x_seen.to(gy.dtype)).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class QATLinear(nn.Module):
@@ -133,6 +138,7 @@ class QATLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
         self._qw: QuantizedWeight | None = None
         self._qw_key: tuple | None = None
+        self.repacked = RepackCache()  # kernel layouts of the quantized weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QATLinear":
@@ -144,6 +150,7 @@ class QATLinear(nn.Module):
         mod.weight = linear.weight
         mod.bias = linear.bias
         mod._qw, mod._qw_key = None, None
+        mod.repacked = RepackCache()
         return mod
 
     def _key(self) -> tuple:
@@ -167,7 +174,7 @@ class QATLinear(nn.Module):
         return self.quantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _QATMatmul.apply(x, self.weight, self.bias, self.quantized_weight())
+        return _QATMatmul.apply(x, self.weight, self.bias, self.quantized_weight(), self.repacked)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"

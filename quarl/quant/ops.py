@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from quarl.quant import reference as ref
 from quarl.quant.kernels import triton_available
+from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight
 
 BACKENDS = ("auto", "triton", "reference")
@@ -53,8 +54,12 @@ def uses_fast_path(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [..., N] = Q_act(x) [..., K] @ deq(W).T + bias`` with the scheme's kernel."""
+def quant_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, repacked: RepackCache | None = None,
+) -> torch.Tensor:
+    """``y [..., N] = Q_act(x) [..., K] @ deq(W).T + bias`` with the scheme's kernel.
+    ``repacked``: the cache of kernel-specific weight layouts kept by the weight's owner
+    (``QuantLinear`` and ``QATLinear`` pass theirs; None: made for this call only)."""
     if not qw.scheme.quantizes_weights:
         return F.linear(x, qw.qdata.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if not uses_fast_path(x):
@@ -62,7 +67,7 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     from quarl.quant.kernels import launch
 
     lead = x.shape[:-1]
-    y = launch.linear(x.reshape(-1, x.shape[-1]), qw, bias)
+    y = launch.linear(x.reshape(-1, x.shape[-1]), qw, bias, repacked)
     return y.view(*lead, y.shape[-1])
 
 

@@ -74,7 +74,9 @@ class QuantizedWeight:
         return QuantizedWeight(self.scheme, self.shape, **{f: t.clone() for f, t in self.tensors().items()})
 
     def copy_(self, other: "QuantizedWeight") -> "QuantizedWeight":
-        """Copy ``other``'s tensors into this one's storage (keeps CUDA-graph addresses valid)."""
+        """Copy ``other``'s tensors into this one's storage (keeps CUDA-graph addresses valid).
+        Copies that kernels derived from these tensors are the owner's to refresh
+        (``QuantLinear.load_quantized``)."""
         if other.scheme != self.scheme or tuple(other.shape) != tuple(self.shape):
             raise ValueError(f"cannot load {other.scheme.name} {other.shape} into {self.scheme.name} {self.shape}")
         mine, theirs = self.tensors(), other.tensors()
@@ -84,26 +86,7 @@ class QuantizedWeight:
             if t.shape != theirs[f].shape:
                 raise ValueError(f"{f}: shape {tuple(theirs[f].shape)} != {tuple(t.shape)}")
             t.copy_(theirs[f])
-        self.refresh_derived()
         return self
-
-    # Kernels may keep derived copies of the weight (the w4 fragment and wgmma layouts of
-    # quarl.quant.kernels.cuda_w4, cached on ``qdata``). They are rebuilt in place (same
-    # storage, so CUDA graphs see new weights) by these two after in-place writes.
-    def derived_is_fresh(self) -> bool:
-        """No derived copy, or one made from the current contents."""
-        from quarl.quant.kernels import cuda_w4
-
-        return cuda_w4.is_fresh(self)
-
-    def refresh_derived(self, rows: tuple[int, int] | None = None) -> None:
-        """Rebuild the derived copies if there are any: all of each, or only where it depends on
-        output rows ``rows = (start, stop)`` (valid when nothing else changed since it
-        was last fresh)."""
-        if any(getattr(self.qdata, f"_quarl_{lay}", None) is not None for lay in ("frag", "wgmma")):
-            from quarl.quant.kernels import cuda_w4
-
-            cuda_w4.refresh(self, rows)
 
 
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme | str) -> QuantizedWeight:

@@ -25,6 +25,7 @@ from quarl.quant import ops
 from quarl.quant.linear import QuantLinear
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.kernels import launch
+from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
 from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, silu_mul_value, store_act_codes
 
@@ -306,6 +307,7 @@ class FusedLinear:
     def __init__(self, weight, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
         self.act_format = act_format_of(weight)
+        self.repacked = RepackCache()  # kernel layouts of a quantized fused weight
 
     def __call__(self, x) -> torch.Tensor:
         """``x``: the input rows, or ``(codes, scales, out_dtype)`` already quantized for a
@@ -314,7 +316,7 @@ class FusedLinear:
             return F.linear(x, self.weight, self.bias)
         if isinstance(x, tuple):
             return ops.quant_linear_quantized_input(*x[:2], self.weight, self.bias, x[2])
-        return ops.quant_linear(x, self.weight, self.bias)
+        return ops.quant_linear(x, self.weight, self.bias, self.repacked)
 
 
 # Activation formats whose quantizer runs inside the engine's RMSNorm / SiLU-and-mul
@@ -368,7 +370,7 @@ def _concat_quantized_as_views(mods: list) -> FusedLinear:
         n = m.out_features
         for f in fields:
             setattr(m, f, tensors[f][row : row + n])
-        m._fused_owner = (fused, row)
+        m._fused_owner = (group, row)
         row += n
     return group
 

@@ -13,10 +13,26 @@ MS = [1, 17, 33]
 N, K = 48, 200  # N not a multiple of the tile, K not a multiple of the 128-column chunk
 
 
-def _launch():
-    from quarl.quant.kernels import launch
+class _Kernels:
+    """The kernel modules under one name (imported lazily: triton)."""
 
-    return launch
+    def __getattr__(self, name):
+        from quarl.quant.kernels import act_quant, dispatch, launch, splitk, w8a8, weight_only
+
+        for mod in (launch, weight_only, w8a8, dispatch, splitk, act_quant):
+            if hasattr(mod, name):
+                return getattr(mod, name)
+        raise AttributeError(name)
+
+
+def _launch():
+    return _Kernels()
+
+
+def _plan(kernel, cfg):
+    from quarl.quant.kernels.dispatch import Plan
+
+    return Plan(kernel, cfg)
 
 
 def _rel(a, b):
@@ -59,8 +75,8 @@ def test_weight_only_kernel(name, m, split_k, post_scale):
     launch = _launch()
     qw = quantize_weight(torch.randn(N, K), name)
     x, bias = torch.randn(m, K), torch.randn(N)
-    cfg = launch.wo_config(m, N, K)._replace(split_k=split_k, post_scale=post_scale)
-    out = launch.wo_gemm(x, qw, bias, cfg)
+    cfg = launch.lookup("weight_only", "none", m, N, K).config._replace(split_k=split_k, post_scale=post_scale)
+    out = launch.tiled_gemm(x, qw, bias, cfg)
     assert out.shape == (m, N) and out.dtype == x.dtype
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-5
 
@@ -73,7 +89,7 @@ def test_int8_gemm_kernel(m, split_k):
     x, bias = torch.randn(m, K), torch.randn(N)
     xq, sx = launch.act_quant(x, "int8")
     cfg = launch.TileConfig(16, 32, 64, split_k=split_k)
-    out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
+    out = launch.pointer_gemm(xq, sx, qw, bias, x.dtype, cfg)
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-6
 
 
@@ -88,14 +104,14 @@ def test_w8a8_tma_kernel(m, name):
     x, bias = torch.randn(m, k), torch.randn(n)
     xq, sx = launch.act_quant(x, qw.scheme.act_format)
     expect = reference_linear(x, qw, bias, exact=True)
-    tail = [launch.TileConfig(16, bn, 32, split_k=-1, waves=1, kernel="tma") for bn in (16, 32)]
+    tail = [launch.TileConfig(16, bn, 32, split_k=-1, waves=1) for bn in (16, 32)]
     # the tail split runs: tiles of a partial last wave (4 slots on CPU) split, others whole
-    works = [launch._tma_work(-(-m // 16) * -(-n // c.bn), 9, 4, -1) for c in tail]
-    assert any(split > 1 and whole > 0 for whole, split, _ in works)
-    assert any(split > 1 for _, split, _ in works)
-    for cfg in [launch.TileConfig(16, 32, 64, kernel="tma"), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25, kernel="tma"),
-                launch.TileConfig(16, 32, 32, split_k=3, waves=0.5, kernel="tma")] + tail:  # K split in 3: 9 blocks of 32
-        out = launch.int8_gemm(xq, sx, qw, bias, x.dtype, cfg)
+    works = [launch.tma_split(-(-m // 16) * -(-n // c.bn), 9, 4, -1) for c in tail]
+    assert any(w.split > 1 and w.whole > 0 for w in works)
+    assert any(w.split > 1 for w in works)
+    for cfg in [launch.TileConfig(16, 32, 64), launch.TileConfig(16, 16, 32, group_m=2, waves=0.25),
+                launch.TileConfig(16, 32, 32, split_k=3, waves=0.5)] + tail:  # K split in 3: 9 blocks of 32
+        out = launch.tma_gemm(xq, sx, qw, bias, x.dtype, cfg)
         assert _rel(out, expect) < 1e-6
 
 
@@ -113,8 +129,8 @@ def test_gated_silu_gemm_and_partials_quantizer(m, name):
     xq, sx = launch.act_quant(x, fmt)
     gu = reference_linear(x, qw, exact=True)
     expect = F.silu(gu[:, :inter]) * gu[:, inter:]
-    for cfg in (launch.TileConfig(16, 16, 64, kernel="tma"), launch.TileConfig(16, 32, 32, group_m=2, waves=0.25, kernel="tma")):
-        y, amax = launch.gated_silu_gemm(xq, sx, qw, x.dtype, cfg)
+    for cfg in (launch.TileConfig(16, 16, 64), launch.TileConfig(16, 32, 32, group_m=2, waves=0.25)):
+        y, amax = launch.gated_gemm(xq, sx, qw, x.dtype, cfg)
         assert y.shape == (m, inter) and amax.shape == (m, -(-inter // cfg.bn))
         assert _rel(y, expect) < 1e-5
         assert torch.equal(amax.amax(1), y.abs().amax(1))
@@ -124,7 +140,7 @@ def test_gated_silu_gemm_and_partials_quantizer(m, name):
     # a batch size the gated tile does not cover (split-K at M <= 16) and an odd row count
     assert launch.gated_silu_gemm(xq[:1], sx[:1], qw, x.dtype) is None
     with pytest.raises(ValueError, match="cannot split K"):
-        launch.gated_silu_gemm(xq, sx, qw, x.dtype, launch.TileConfig(16, 16, 64, split_k=2, kernel="tma"))
+        launch.gated_gemm(xq, sx, qw, x.dtype, launch.TileConfig(16, 16, 64, split_k=2))
     with pytest.raises(ValueError, match="even number of rows"):
         launch.gated_silu_gemm(xq, sx, quantize_weight(torch.randn(7, k), name), x.dtype)
 
@@ -132,7 +148,9 @@ def test_gated_silu_gemm_and_partials_quantizer(m, name):
 def test_tma_work_items():
     """Tail split: the full waves stay whole, the partial wave's tiles split to fill the slots
     (>= 2 K blocks per split); fixed split; no split."""
-    work = _launch()._tma_work
+    def work(*a):
+        return tuple(_launch().tma_split(*a)[:3])
+
     assert work(288, 28, 132, -1) == (264, 5, 6)  # 7B qkv, M = 1024, 128 x 128: 24 tail tiles x 5
     assert work(56, 28, 132, -1) == (0, 2, 14)  # one partial wave only: every tile split
     assert work(264, 28, 132, -1) == (264, 1, 28)  # full waves: nothing to split
@@ -147,7 +165,7 @@ def test_w8a8_tma_falls_back_on_unaligned_rows():
     qw = quantize_weight(torch.randn(24, 100), "w8a8-int8")
     x = torch.randn(5, 100)
     xq, sx = launch.act_quant(x, "int8")
-    out = launch.int8_gemm(xq, sx, qw, None, x.dtype, launch.TileConfig(16, 32, 64, kernel="tma"))
+    out = launch.tma_gemm(xq, sx, qw, None, x.dtype, launch.TileConfig(16, 32, 64))
     assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-6
 
 
@@ -160,7 +178,7 @@ def test_w4a8_kernel(m, split_k, group):
     qw = quantize_weight(torch.randn(N, K), sc)
     x = torch.randn(m, K)
     xq, sx = launch.act_quant(x, "int8")
-    out = launch.w4a8_gemm(xq, sx, qw, None, x.dtype, launch.w4a8_config(m, N, K)._replace(split_k=split_k))
+    out = launch.w4a8_gemm(xq, sx, qw, None, x.dtype, launch.lookup("w4a8", "none", m, N, K).config._replace(split_k=split_k))
     assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-6
 
 
@@ -171,7 +189,7 @@ def test_dispatch_forced_triton_matches_reference(name):
     with use_backend("triton"):
         fast = quant_linear(x, qw)
     assert fast.shape == (2, 5, N)
-    tol = 1e-4 if name.startswith("w4a16") else 1e-5  # swap16's offset form, see test_w4_swap_raw16_variant
+    tol = 1e-5
     assert _rel(fast, reference_linear(x, qw, exact=True)) < tol
 
 
@@ -185,54 +203,41 @@ def test_split_k_counters_are_reset_and_result_deterministic():
     launch = _launch()
     qw = quantize_weight(torch.randn(N, 640), "w4a16")
     x = torch.randn(3, 640)
-    cfg = launch.wo_config(3, N, 640)._replace(split_k=3)
-    a = launch.wo_gemm(x, qw, None, cfg)
-    b = launch.wo_gemm(x, qw, None, cfg)
+    cfg = launch.lookup("weight_only", "none", 3, N, 640).config._replace(split_k=3)
+    a = launch.tiled_gemm(x, qw, None, cfg)
+    b = launch.tiled_gemm(x, qw, None, cfg)
     assert torch.equal(a, b)
-    assert int(launch._counters(x.device, 1).abs().sum()) == 0
+    assert int(launch.COUNTERS.get(x.device, 1).abs().sum()) == 0
 
 
-# int4 g128 small-M kernels (swap: tensor-core dot with weights as A; gemv: CUDA cores)
+# int4 g128 small-M Triton kernel (tensor-core dot with the weights as A)
 W4_N, W4_K = 40, 330  # odd N, K % 128 != 0 (3 chunks, last one partial)
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 @pytest.mark.parametrize("m", [1, 3, 16, 17])
-@pytest.mark.parametrize("kernel,bm", [("swap", 16), ("swapb", 16), ("gemv", 4)])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_w4_small_m_kernels(name, m, kernel, bm, split_k):
+def test_w4_swap_kernel(name, m, split_k):
     launch = _launch()
     qw = quantize_weight(torch.randn(W4_N, W4_K), name)
     x, bias = torch.randn(m, W4_K), torch.randn(W4_N)
-    cfg = launch.TileConfig(bm, 16 if kernel == "gemv" else 32, split_k=split_k, kernel=kernel)
-    out = launch.wo_gemm(x, qw, bias if split_k == 2 else None, cfg)
+    out = launch.swap_gemm(x, qw, bias if split_k == 2 else None, launch.TileConfig(16, 32, split_k=split_k))
     assert out.shape == (m, W4_N)
     expect = reference_linear(x, qw, bias if split_k == 2 else None, exact=True)
     assert _rel(out, expect) < 1e-5
 
 
-def test_w4_dispatch_uses_small_m_kernels():
+def test_w4_dispatch_off_the_gpu_runs_the_swap_kernel():
     launch = _launch()
-    for m in (1, launch.FRAG_MAX_M):  # the CUDA fragment kernel; it falls back to swapb off the GPU
-        assert launch.w4_config(m, 4608, 3584).kernel == "frag"
-    # the block-tiled CUDA kernel on big weights up to TILE_MAX_M rows (swapb off the GPU)
-    for m in (launch.FRAG_MAX_M + 1, launch.TILE_MAX_M):
-        assert launch.w4_config(m, 37888, 3584).kernel == "tile"
-        assert launch.w4_config(m, 4608, 3584).kernel == "swapb"
-    for m in (launch.TILE_MAX_M + 1, 16, 64):
-        assert launch.w4_config(m, 37888, 3584).kernel == "swapb"
-    assert launch.w4_config(65, 4608, 3584).kernel == "dequant"
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")
     x = torch.randn(5, W4_K)
+    plan = launch.pick(qw, 5, x.device, x.dtype)
+    assert plan.kernel == "swap"  # CPU: no CUDA kernel; on a GPU the frag / tile / wgmma rows
     with use_backend("triton"):
-        assert _rel(quant_linear(x, qw), reference_linear(x, qw, exact=True)) < 1e-4
-        fallback = launch.wo_gemm(x, qw, None, launch.w4_config(5, W4_N, W4_K))
-        swapb = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
-        assert torch.equal(fallback, swapb)
-        tile = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 0, kernel="tile"))  # CUDA only: swapb here
-        assert torch.equal(tile, launch.wo_gemm(x, qw, None, launch._w4_triton_config(5, W4_N, W4_K, "swapb")))
+        assert _rel(quant_linear(x, qw), reference_linear(x, qw, exact=True)) < 1e-5
+        assert torch.equal(quant_linear(x, qw), plan.run(x, qw, None))
     with pytest.raises(ValueError):
-        launch.wo_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 32, kernel="swap"))
+        launch.swap_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 32))
 
 
 @pytest.mark.parametrize("m", [1, 17])
@@ -240,20 +245,9 @@ def test_fp8_triton_gemm_kernel(m):
     launch = _launch()
     qw = quantize_weight(torch.randn(N, K), "w8a8-fp8")
     x, bias = torch.randn(m, K), torch.randn(N)
-    cfg = launch.TileConfig(16, 32, 64, split_k=2, kernel="triton")
-    out = launch.fp8_gemm_quantized(*launch.act_quant(x, "fp8"), qw, bias, x.dtype, cfg)
+    cfg = launch.TileConfig(16, 32, 64, split_k=2)
+    out = launch.pointer_gemm(*launch.act_quant(x, "fp8"), qw, bias, x.dtype, cfg)
     assert _rel(out, reference_linear(x, qw, bias, exact=True)) < 1e-5
-
-
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-@pytest.mark.parametrize("m", [1, 16])
-def test_w4_swap_raw16_variant(name, m):
-    launch = _launch()
-    qw = quantize_weight(torch.randn(W4_N, W4_K), name)
-    x = torch.randn(m, W4_K)
-    out = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 32, split_k=2, kernel="swap16"))
-    # the (128 + code) * x - (128 + zero) * x form cancels ~30x: fp32 error grows to ~1e-5
-    assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
@@ -265,38 +259,12 @@ def test_w4_swapb_half_activations_and_waves(name, dtype):
     qw = quantize_weight(torch.randn(W4_N, W4_K), name)
     x = torch.randn(16, W4_K).to(dtype)
     bias = torch.randn(W4_N).to(dtype)
-    for cfg in (launch.TileConfig(16, 32, waves=8, kernel="swapb"), launch.TileConfig(16, 64, waves=1, kernel="swapb"),
-                launch.TileConfig(16, 32, waves=1, cpi=2, kernel="swapb"), launch.TileConfig(16, 16, split_k=1, cpi=4, kernel="swapb"),
-                launch.TileConfig(16, 32, split_k=2, words=True, kernel="swapb"), launch.TileConfig(16, 16, waves=1, cpi=2, words=True, kernel="swapb")):
-        out = launch.wo_gemm(x, qw, bias, cfg)
+    for cfg in (launch.TileConfig(16, 32, waves=8), launch.TileConfig(16, 64, waves=1),
+                launch.TileConfig(16, 16, split_k=1), launch.TileConfig(16, 32, split_k=2)):
+        out = launch.swap_gemm(x, qw, bias, cfg)
         expect = reference_linear(x.float(), qw, bias.float(), exact=True)
         assert out.dtype == dtype
         assert _rel(out, expect) < 4e-3  # output rounding to 16 bits only
-
-
-@pytest.mark.parametrize("kernel", ["swap", "swap16", "swapb", "swapb-words"])
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-def test_w4_chunks_per_iteration(kernel, name):
-    """CPI > 1 (unrolled chunks, the tail chunk of a split masked) equals the reference."""
-    launch = _launch()
-    qw = quantize_weight(torch.randn(W4_N, W4_K), name)
-    x, bias = torch.randn(5, W4_K), torch.randn(W4_N)
-    expect = reference_linear(x, qw, bias, exact=True)
-    words = kernel.endswith("-words")
-    kernel = kernel.removesuffix("-words")
-    for cfg in (launch.TileConfig(16, 32, split_k=1, cpi=2, kernel=kernel, words=words), launch.TileConfig(16, 32, split_k=2, cpi=4, kernel=kernel, words=words)):
-        assert _rel(launch.wo_gemm(x, qw, bias, cfg), expect) < (1e-4 if kernel == "swap16" else 1e-5)
-
-
-def test_w4_config_env_tweak(monkeypatch):
-    launch = _launch()
-    monkeypatch.setenv("QUARL_W4_SMALL", "bn=128,num_warps=8,waves=4.0,words=1")
-    cfg = launch._w4_triton_config(16, 4608, 3584, "swapb")
-    assert (cfg.bn, cfg.num_warps, cfg.waves, cfg.words) == (128, 8, 4, True)
-    assert launch._w4_triton_config(64, 4608, 3584, "swapb").bn == 64  # QUARL_W4_MID unset
-    monkeypatch.setenv("QUARL_W4_TILE", "sw=2,blocks_per_sm=3")
-    tile = launch.w4_tile_config(64, 4608, 3584)
-    assert (tile.sw, tile.blocks_per_sm) == (2, 3.0) and tile.rows >= 64
 
 
 def test_act_quant_two_pass_long_rows():

@@ -10,7 +10,7 @@ import torch
 
 from quarl.model.presets import build_random_model
 from quarl.quant import QuantLinear, quantize_weight
-from quarl.quant.kernels import cuda_w4
+from quarl.quant.kernels.w4_layout import repack_w4
 from quarl.model.transformer import batch_attention
 from quarl.rollout.fused import fuse_projections, fused_hidden_states
 from quarl.rollout.weights import load_weights_in_place, quantize_for_engine
@@ -125,13 +125,14 @@ def test_loading_one_part_refreshes_the_fused_fragment_copy(asym):
     mods = [QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), scheme) for n in (64, 40, 24)]
     from quarl.rollout.fused import _concat_quantized_as_views
 
-    fuse_q = _concat_quantized_as_views(mods).weight
-    frag = cuda_w4.frag_weight(fuse_q)
+    group = _concat_quantized_as_views(mods)
+    fuse_q, cache = group.weight, group.repacked
+    frag = cache.get(fuse_q)
     ptr = frag.qdata.data_ptr()
 
     def check():
-        want = cuda_w4.repack_w4(fuse_q)
-        got = cuda_w4.frag_weight(fuse_q)  # must already be fresh: no rebuild here
+        want = repack_w4(fuse_q)
+        got = cache.get(fuse_q)  # must already be fresh: no rebuild here
         assert got.qdata.data_ptr() == ptr
         for a, b in zip(got, want):
             if a is not None:
@@ -139,10 +140,10 @@ def test_loading_one_part_refreshes_the_fused_fragment_copy(asym):
 
     for i, mod in enumerate(mods):  # a load into each part, the middle one spans two slabs
         mod.load_quantized(quantize_weight(torch.randn(mod.out_features, k) * (i + 1), scheme))
-        assert cuda_w4.is_fresh(fuse_q)
+        assert cache.is_fresh(fuse_q)
         check()
     fuse_q.scales.mul_(2.0)  # an outside write: the next load repacks everything
-    assert not cuda_w4.is_fresh(fuse_q)
+    assert not cache.is_fresh(fuse_q)
     mods[0].load_quantized(quantize_weight(torch.randn(64, k), scheme))
     check()
 

@@ -39,10 +39,8 @@ def _w4_case(n: int, k: int, m: int, name: str):
 def _check_block_config(gemm, cfg, x, qw, bias, expect, frag):
     """One block-kernel config (tile / wgmma): deterministic, equal to the float64
     reference and, at M <= 16, to the fragment kernel. Returns the output."""
-    from quarl.quant.kernels import launch
-
-    a = gemm(x, qw, bias, cfg, counters=launch._counters)
-    b = gemm(x, qw, bias, cfg, counters=launch._counters)
+    a = gemm(x, qw, bias, cfg)
+    b = gemm(x, qw, bias, cfg)
     assert torch.equal(a, b), cfg
     _check(a, expect, 5e-3)
     if frag is not None:
@@ -107,21 +105,22 @@ def test_fast_path_matches_reference(name, shape, m):
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
 def test_weight_only_configs_and_determinism(name, m):
-    from quarl.quant.kernels import launch
+    from quarl.quant.kernels import dispatch, weight_only
+    from quarl.quant.kernels.config import TileConfig
 
     n, k = 3584, 3584
     qw = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, name)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     expect = reference_linear(x.float(), qw, exact=True)
-    cfgs = [launch.wo_config(m, n, k), launch.TileConfig(16, 64, split_k=4), launch.TileConfig(64, 128, split_k=1, post_scale=False)]
-    if name.startswith("w4a16") and m <= 64:  # int4 g128 small-M kernels, K split by waves
+    tiled = dispatch.lookup("weight_only", "none", min(m, 127), n, k).config
+    runs = [(weight_only.tiled_gemm, c) for c in (tiled, TileConfig(16, 64, split_k=4), TileConfig(64, 128, split_k=1, post_scale=False))]
+    if name.startswith("w4a16") and m <= 64:  # the int4 g128 swap kernel, K split by waves
         bm = 16 if m <= 16 else 64
-        cfgs += [launch.TileConfig(bm, bn, waves=w, kernel=kern) for kern in ("swap", "swap16", "swapb") for bn, w in ((64, 4), (128, 1), (32, 8))]
-        cfgs += [launch.TileConfig(bm, 64, waves=8, cpi=2, kernel="swapb"), launch.TileConfig(bm, 64, waves=8, words=True, kernel="swapb"),
-                 launch.TileConfig(bm, 64, waves=8, num_stages=1, kernel="swapb")]
-    for cfg in cfgs:
-        a = launch.wo_gemm(x, qw, None, cfg)
-        b = launch.wo_gemm(x, qw, None, cfg)
+        runs += [(weight_only.swap_gemm, TileConfig(bm, bn, waves=w)) for bn, w in ((64, 4), (128, 1), (32, 8))]
+        runs += [(weight_only.swap_gemm, TileConfig(bm, 64, waves=8, num_stages=1))]
+    for gemm, cfg in runs:
+        a = gemm(x, qw, None, cfg)
+        b = gemm(x, qw, None, cfg)
         assert torch.equal(a, b)  # no atomics: bitwise deterministic
         _check(a, expect, 1.5e-2)
 
@@ -131,7 +130,8 @@ def test_weight_only_configs_and_determinism(name, m):
 def test_w8a8_gemm_configs(m, name):
     """Pointer and TMA kernels (int8 and e4m3), N = 4000 not a multiple of any tile, with
     bias; the TMA kernel's persistent walk (fewer programs than tiles) included."""
-    from quarl.quant.kernels import launch
+    from quarl.quant.kernels import dispatch, launch, w8a8
+    from quarl.quant.kernels.config import TileConfig
 
     n, k = 4000, 3584
     qw = quantize_weight(torch.randn(n, k, device="cuda"), name)
@@ -139,18 +139,21 @@ def test_w8a8_gemm_configs(m, name):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     xq, sx = launch.act_quant(x, qw.scheme.act_format)
     expect = reference_linear(x.float(), qw, bias.float(), exact=True)
-    cfgs = [launch.int8_config(m, n, k), launch.TileConfig(128, 128, 64, split_k=1), launch.TileConfig(16, 64, 256, split_k=3)]
-    cfgs += [launch.TileConfig(bm, bn, bk, num_warps=w, num_stages=st, waves=wv, kernel="tma")
-             for bm, bn, bk, w, st, wv in ((128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 2), (128, 256, 128, 8, 3, 0.25))]
-    cfgs += [launch.TileConfig(128, 128, 128, split_k=sp, num_warps=8, num_stages=4, waves=wv, kernel="tma") for sp, wv in ((3, 1), (4, 0.5))]
-    # tail split (M = 2048 on 39 slots: 507 tiles whole, 5 split in 7), warp-specialized loop
-    cfgs += [launch.TileConfig(128, 128, 128, split_k=-1, num_warps=8, num_stages=4, waves=0.3, kernel="tma"),
-             launch.TileConfig(128, 128, 128, split_k=-1, num_warps=8, num_stages=4, waves=1, kernel="tma", ws=True),
-             launch._TMA_WIDE, launch._TMA_LONG_K]  # int8_config's large-M tiles
-    for cfg in cfgs:
-        out = launch.int8_gemm(xq, sx, qw, bias, torch.bfloat16, cfg)
+    plans = [dispatch.lookup("int8", "none", m, n, k), dispatch.Plan("pointer", TileConfig(128, 128, 64, split_k=1)),
+             dispatch.Plan("pointer", TileConfig(16, 64, 256, split_k=3))]
+    plans += [dispatch.Plan("tma", TileConfig(bm, bn, bk, num_warps=w, num_stages=st, waves=wv))
+              for bm, bn, bk, w, st, wv in ((128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 2), (128, 256, 128, 8, 3, 0.25))]
+    plans += [dispatch.Plan("tma", TileConfig(128, 128, 128, split_k=sp, num_warps=8, num_stages=4, waves=wv)) for sp, wv in ((3, 1), (4, 0.5))]
+    # tail split (M = 2048 on 39 slots: 507 tiles whole, 5 split in 7); the int8 table's large-M tiles
+    plans += [dispatch.Plan("tma", TileConfig(128, 128, 128, split_k=-1, num_warps=8, num_stages=4, waves=0.3)),
+              dispatch.lookup("int8", "none", 4096, 4096, 12288), dispatch.lookup("int8", "none", 4096, 37888, 3584)]
+    for plan in plans:
+        if plan.kernel == "cublas":
+            continue
+        gemm = w8a8.pointer_gemm if plan.kernel == "pointer" else w8a8.tma_gemm
+        out = gemm(xq, sx, qw, bias, torch.bfloat16, plan.config)
         _check(out, expect, 1e-2)
-        assert torch.equal(out, launch.int8_gemm(xq, sx, qw, bias, torch.bfloat16, cfg))
+        assert torch.equal(out, gemm(xq, sx, qw, bias, torch.bfloat16, plan.config))
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -200,18 +203,20 @@ def test_split_k_counters_survive_graph_capture_order():
     import torch
 
     from quarl.quant import get_scheme, quant_linear, quantize_weight
+    from quarl.quant.kernels.w4_layout import RepackCache
 
     torch.manual_seed(0)
     qw = quantize_weight(torch.randn(256, 768, device="cuda", dtype=torch.bfloat16) * 0.02, get_scheme("w4a16"))
+    repacked = RepackCache()  # the weight owner's kernel layouts (QuantLinear keeps one)
     xs = {m: torch.randn(m, 768, device="cuda", dtype=torch.bfloat16) for m in (64, 8)}
-    want = {m: quant_linear(x, qw).float() for m, x in xs.items()}
+    want = {m: quant_linear(x, qw, None, repacked).float() for m, x in xs.items()}
     graphs, outs = {}, {}
     for m in (64, 8):
-        quant_linear(xs[m], qw)  # eager warm-up, as the engine does
+        quant_linear(xs[m], qw, None, repacked)  # eager warm-up, as the engine does
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            outs[m] = quant_linear(xs[m], qw)
+            outs[m] = quant_linear(xs[m], qw, None, repacked)
         graphs[m] = g
     for m in (8, 64, 8):
         graphs[m].replay()
@@ -226,17 +231,19 @@ def test_split_k_counters_survive_graph_capture_order():
 def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
     """The CUDA fragment kernel at every warp count and K split (with and without the
     split-K reduction), N not a multiple of 64, odd K; bitwise deterministic."""
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import cuda_w4, weight_only
+    from quarl.quant.kernels.config import FragConfig, TileConfig
+    from quarl.quant.kernels.device import nvrtc_available
 
-    assert cuda_w4.available()
+    assert nvrtc_available()
     n, k = shape
     qw, x, bias, expect = _w4_case(n, k, m, name)
-    swapb = launch.wo_gemm(x, qw, bias, launch.TileConfig(16, 64, waves=4, kernel="swapb"))
+    swapb = weight_only.swap_gemm(x, qw, bias, TileConfig(16, 64, waves=4))
     for nw, st in ((1, 8), (2, 2), (2, 8), (4, 8), (8, 4)):
         for bps in (0.5, 4, 16):
-            cfg = cuda_w4.FragConfig(nw=nw, blocks_per_sm=bps, stages=st)
-            a = cuda_w4.w4a16_frag_gemm(x, qw, bias, cfg, counters=launch._counters)
-            b = cuda_w4.w4a16_frag_gemm(x, qw, bias, cfg, counters=launch._counters)
+            cfg = FragConfig(nw=nw, blocks_per_sm=bps, stages=st)
+            a = cuda_w4.frag_gemm(x, qw, bias, cfg)
+            b = cuda_w4.frag_gemm(x, qw, bias, cfg)
             assert torch.equal(a, b)
             _check(a, expect, 5e-3)
             # same math as the Triton small-M kernel: only the fp32 summation order differs
@@ -244,25 +251,25 @@ def test_frag_kernel_configs_match_reference_and_triton(name, m, shape):
 
 
 def test_frag_kernel_is_the_default_at_small_m_before_hopper_and_follows_in_place_loads():
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import cuda_w4, dispatch
+    from quarl.quant.kernels.config import FragConfig
 
+    qw0 = quantize_weight(torch.randn(4096, 4096, device="cuda") * 0.02, "w4a16")
     small = "wgmma" if cuda_w4.wgmma_available() else "frag"  # Hopper: the wgmma kernel at every M <= 64
-    assert launch.w4_config(launch.FRAG_MAX_M, 4096, 4096).kernel == small
-    assert launch.w4_config(launch.FRAG_MAX_M + 1, 4096, 4096).kernel != "frag"
+    assert dispatch.pick(qw0, 4, torch.device("cuda")).kernel == small
+    assert dispatch.pick(qw0, 5, torch.device("cuda")).kernel != "frag"
     a, b = (torch.nn.Linear(1040, 700, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16-asym")
     x = torch.randn(3, 1040, device="cuda", dtype=torch.bfloat16)
-    launch.CONFIG_OVERRIDES["w4"] = lambda m, n, k: launch.TileConfig(16, cuda_w4.SLAB, num_warps=4, num_stages=8, kernel="frag")
-    try:
+    with dispatch.overrides(w4a16=dispatch.Plan("frag", FragConfig(nw=4, blocks_per_sm=4.0, stages=8))):
         inf(x)
-        frag = inf.qdata._quarl_frag[1]
+        frag = inf.repacked.get(inf.qweight, "frag")
         inf.load_quantized(quantize_weight(b.weight, "w4a16-asym"))
-        assert inf.qdata._quarl_frag[1].qdata.data_ptr() == frag.qdata.data_ptr()
+        assert inf.repacked.is_fresh(inf.qweight)
+        assert inf.repacked.get(inf.qweight, "frag").qdata.data_ptr() == frag.qdata.data_ptr()
         inf.bias.data.copy_(b.bias)
         expect = reference_linear(x.float(), quantize_weight(b.weight, "w4a16-asym"), b.bias.float(), exact=True)
         _check(inf(x), expect, 5e-3)
-    finally:
-        launch.CONFIG_OVERRIDES.pop("w4")
 
 
 TILE_CONFIGS = [
@@ -279,45 +286,47 @@ def test_tile_kernel_configs_match_reference(name, m, shape):
     """The block-tiled CUDA w4 kernel at every block shape that covers M, with and without
     the split-K reduction, N not a multiple of 64 (nor of the block's columns), odd K:
     equal to the float64 reference, to the fragment kernel at M <= 16, and deterministic."""
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import TileKConfig
 
     n, k = shape
     qw, x, bias, expect = _w4_case(n, k, m, name)
-    frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
+    frag = cuda_w4.frag_gemm(x, qw, bias) if m <= 16 else None
     ran = 0
     for sw, nt, mt, wm, st in TILE_CONFIGS:
         for bps in (0.25, 2, 8):
-            cfg = cuda_w4.TileKConfig(sw, nt, mt, wm, st, bps)
+            cfg = TileKConfig(sw, nt, mt, wm, st, bps)
             if cfg.rows < m:
                 continue
-            _check_block_config(cuda_w4.w4a16_tile_gemm, cfg, x, qw, bias, expect, frag)
+            _check_block_config(cuda_w4.tile_gemm, cfg, x, qw, bias, expect, frag)
             ran += 1
     assert ran >= 6
 
 
 def test_tile_kernel_runs_where_it_is_the_default_before_hopper():
-    """Big weights at FRAG_MAX_M < M <= TILE_MAX_M: the tile kernel on sm80 / sm89, the
-    wgmma kernel on Hopper; the tile kernel (forced) equals the reference either way."""
-    from quarl.quant.kernels import launch
+    """Big weights at 4 < M <= 8: the tile kernel on sm80 / sm89, the wgmma kernel on
+    Hopper; the tile kernel (forced) equals the reference either way."""
+    from quarl.quant.kernels import cuda_w4, dispatch
 
     qw = quantize_weight(torch.randn(4096, 12288, device="cuda") * 0.02, "w4a16-asym")
-    x = torch.randn(launch.TILE_MAX_M, 12288, device="cuda", dtype=torch.bfloat16)
-    expect = launch.w4_config(launch.TILE_MAX_M, 4096, 12288).kernel
+    x = torch.randn(8, 12288, device="cuda", dtype=torch.bfloat16)
+    expect = dispatch.pick(qw, 8, x.device).kernel
     assert expect == ("wgmma" if torch.cuda.get_device_capability() == (9, 0) else "tile")
     _check(quant_linear(x, qw), reference_linear(x.float(), qw, exact=True), 5e-3)
-    tile = launch.wo_gemm(x, qw, None, launch.TileConfig(16, 0, kernel="tile"))
+    tile = cuda_w4.tile_gemm(x, qw, None, dispatch.lookup("w4a16", "sm80", 8, 4096, 12288).config)
     _check(tile, reference_linear(x.float(), qw, exact=True), 5e-3)
 
 
 def test_tile_kernel_rejects_what_it_cannot_run():
     from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import TileKConfig
 
     qw = quantize_weight(torch.randn(256, 256, device="cuda") * 0.02, "w4a16")
     x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="covers 32 rows"):
-        cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(2, 4, 2, 1, 3))
+        cuda_w4.tile_gemm(x, qw, None, TileKConfig(2, 4, 2, 1, 3))
     with pytest.raises(ValueError, match="shared memory"):
-        cuda_w4.w4a16_tile_gemm(x, qw, None, cuda_w4.TileKConfig(16, 8, 4, 1, 8))
+        cuda_w4.tile_gemm(x, qw, None, TileKConfig(16, 8, 4, 1, 8))
 
 
 # (nwg, stages, single, minb, tail): double-buffered folds, single-tile ones at up to 4 blocks
@@ -335,16 +344,17 @@ def test_wgmma_kernel_configs_match_reference(name, m, shape):
     reduction, every wgmma N it compiles (M padded to 8 / 16 / 32 / 64), N not a multiple
     of 64 nor of the block's columns, odd K: equal to the float64 reference, to the
     fragment kernel at M <= 16, and deterministic."""
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
 
     assert cuda_w4.wgmma_available()
     n, k = shape
     qw, x, bias, expect = _w4_case(n, k, m, name)
-    frag = cuda_w4.w4a16_frag_gemm(x, qw, bias, counters=launch._counters) if m <= 16 else None
+    frag = cuda_w4.frag_gemm(x, qw, bias) if m <= 16 else None
     for nwg, st, single, minb, tail in WGMMA_CONFIGS:
         for bps in (0.3, 0.1, 2) if tail else (0.25, 2, 8):
-            cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail)
-            _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, frag)
+            cfg = WgConfig(nwg, st, bps, single, minb, tail)
+            _check_block_config(cuda_w4.wgmma_gemm, cfg, x, qw, bias, expect, frag)
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
@@ -355,7 +365,9 @@ def test_wgmma_cluster_split_equals_global_split(name, m, shape):
     splits asked are capped at 8; N % 4 != 0: the scalar stores): deterministic, equal to the
     float64 reference and, where the split is the one the global-partials kernel takes, equal
     to it bit for bit."""
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+    from quarl.quant.kernels.device import num_sms
 
     n, k = shape
     qw, x, bias, expect = _w4_case(n, k, m, name)
@@ -363,51 +375,61 @@ def test_wgmma_cluster_split_equals_global_split(name, m, shape):
     for nwg, st, single, minb, tail in ((1, 4, False, 1, False), (1, 3, True, 4, True), (2, 3, True, 2, True),
                                         (3, 4, True, 1, True)):
         for bps in (0.5, 2, 4, 16):
-            cfg = cuda_w4.WgConfig(nwg, st, bps, single, minb, tail, cluster=True)
-            a = _check_block_config(cuda_w4.w4a16_wgmma_gemm, cfg, x, qw, bias, expect, None)
+            cfg = WgConfig(nwg, st, bps, single, minb, tail, cluster=True)
+            a = _check_block_config(cuda_w4.wgmma_gemm, cfg, x, qw, bias, expect, None)
             cols = -(-(-(-n // 64)) // nwg)
-            plan = cuda_w4.split_plan(n, groups, cols, launch.num_sms(x.device), bps, nwg, tail, True)
-            if cuda_w4.split_plan(n, groups, cols, launch.num_sms(x.device), bps, nwg, tail, False)[:3] == plan[:3]:
-                b = cuda_w4.w4a16_wgmma_gemm(x, qw, bias, cfg._replace(cluster=False), counters=launch._counters)
+            plan = cuda_w4._blocked_split(cols, groups, num_sms(x.device), bps, tail, True)
+            if cuda_w4._blocked_split(cols, groups, num_sms(x.device), bps, tail, False)[:3] == plan[:3]:
+                b = cuda_w4.wgmma_gemm(x, qw, bias, cfg._replace(cluster=False))
                 assert torch.equal(a, b), (cfg, plan)
 
 
 def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
-    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels import dispatch
+    from quarl.quant.kernels.config import WgConfig
+    from quarl.quant.kernels.device import gpu_gen
+
+    gen = gpu_gen(torch.device("cuda"))
+    assert gen == "sm90"
+
+    def pick(m, n, k):
+        return dispatch.lookup("w4a16", gen, m, n, k)
 
     for m in (1, 8, 16, 33, 64):
-        assert launch.w4_config(m, 37888, 3584).kernel == "wgmma"
-        assert launch.w4_config(m, 3584, 18944).kernel == "wgmma"
+        assert pick(m, 37888, 3584).kernel == "wgmma"
+        assert pick(m, 3584, 18944).kernel == "wgmma"
     for m in (1, 4, 64):  # small weights and k/v too (K splits summed in a cluster)
         for n in (3584, 512):
-            assert launch.w4_config(m, n, 3584).kernel == "wgmma"
-    assert launch.w4_config(65, 3584, 3584).kernel == "dequant"
+            assert pick(m, n, 3584).kernel == "wgmma"
+    assert pick(65, 3584, 3584).kernel == "dequant"
     # the block shapes: clusters where every column block is split, 2 warpgroups on long K,
     # 3 on the widest weights at M > 32
-    assert launch.wgmma_config(1, 3584, 3584) == cuda_w4.WgConfig(1, 4, 2.0, False, 1, True, True)
-    assert launch.wgmma_config(16, 18944, 3584).cluster and not launch.wgmma_config(32, 18944, 3584).cluster
-    assert launch.wgmma_config(32, 37888, 3584) == cuda_w4.WgConfig(1, 3, 4.0, True, 4, True)
-    assert [launch.wgmma_config(64, n, k).nwg for n, k in ((37888, 3584), (3584, 18944), (3584, 3584))] == [3, 2, 1]
+    assert pick(1, 3584, 3584).config == WgConfig(1, 4, 2.0, False, 1, True, True)
+    assert pick(16, 18944, 3584).config.cluster and not pick(32, 18944, 3584).config.cluster
+    assert pick(32, 37888, 3584).config == WgConfig(1, 3, 4.0, True, 4, True)
+    assert [pick(64, n, k).config.nwg for n, k in ((37888, 3584), (3584, 18944), (3584, 3584))] == [3, 2, 1]
     a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16")
     x = torch.randn(12, 4096, device="cuda", dtype=torch.bfloat16)
     _check(inf(x), reference_linear(x.float(), quantize_weight(a.weight, "w4a16"), a.bias.float(), exact=True), 5e-3)
-    words = inf.qdata._quarl_wgmma[1]
+    words = inf.repacked.get(inf.qweight, "wgmma")
     inf.load_quantized(quantize_weight(b.weight, "w4a16"))
     inf.bias.data.copy_(b.bias)
-    assert inf.qdata._quarl_wgmma[1].qdata.data_ptr() == words.qdata.data_ptr()
+    assert inf.repacked.is_fresh(inf.qweight)
+    assert inf.repacked.get(inf.qweight, "wgmma").qdata.data_ptr() == words.qdata.data_ptr()
     _check(inf(x), reference_linear(x.float(), quantize_weight(b.weight, "w4a16"), b.bias.float(), exact=True), 5e-3)
 
 
 def test_wgmma_kernel_rejects_what_it_cannot_run():
     from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
 
     qw = quantize_weight(torch.randn(256, 256, device="cuda") * 0.02, "w4a16")
     with pytest.raises(ValueError, match="M <= 64"):
-        cuda_w4.w4a16_wgmma_gemm(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), qw, None)
+        cuda_w4.wgmma_gemm(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), qw, None)
     with pytest.raises(ValueError, match=">= 3 stages"):
-        cuda_w4.w4a16_wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(1, 2))
+        cuda_w4.wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(1, 2))
     with pytest.raises(ValueError, match="shared memory"):
-        cuda_w4.w4a16_wgmma_gemm(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(4, 8))
+        cuda_w4.wgmma_gemm(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(4, 8))
     with pytest.raises(ValueError, match="minb x nwg"):
-        cuda_w4.w4a16_wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, cuda_w4.WgConfig(4, 3, 1.0, True, 5))
+        cuda_w4.wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(4, 3, 1.0, True, 5))

@@ -307,10 +307,14 @@ def test_gated_gemm_equals_gemm_then_silu_mul_on_gpu(m, name):
     qw = quantize_weight(torch.randn(2 * inter, k, device=DEV) * 0.05, name)
     fmt = qw.scheme.act_format
     xq, sx = launch.act_quant(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fmt)
-    for cfg in (launch._GATED_FP8, launch._GATED_INT8, launch.TileConfig(64, 32, 128, num_stages=4, waves=3, kernel="tma"),
-                launch.TileConfig(128, 64, 128, num_warps=8, num_stages=3, waves=1, kernel="tma")):
-        gu = launch.int8_gemm(xq, sx, qw, None, torch.bfloat16, cfg)
-        y, amax = launch.gated_silu_gemm(xq, sx, qw, torch.bfloat16, cfg)
+    from quarl.quant.kernels import dispatch, w8a8
+    from quarl.quant.kernels.config import TileConfig
+
+    gated = [dispatch.lookup(f"gated_{f}", "none", 64, 2 * 4096, 4096).config for f in ("fp8", "int8")]
+    for cfg in (*gated, TileConfig(64, 32, 128, num_stages=4, waves=3),
+                TileConfig(128, 64, 128, num_warps=8, num_stages=3, waves=1)):
+        gu = w8a8.tma_gemm(xq, sx, qw, None, torch.bfloat16, cfg)
+        y, amax = w8a8.gated_gemm(xq, sx, qw, torch.bfloat16, cfg)
         assert torch.equal(y, silu_mul(gu[:, :inter], gu[:, inter:]))
         assert torch.equal(amax.amax(1), y.float().abs().amax(1))
         q, s = launch.act_quant_from_partials(y, amax, fmt)

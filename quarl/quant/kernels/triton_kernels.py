@@ -24,9 +24,8 @@ Kernels:
   applies SiLU-and-mul and writes per-tile row maxima.
 * ``act_quant_partials_kernel``: per-token codes of a tensor whose row maxima another kernel
   wrote as partials (the gated GEMM, the engine's SiLU-and-mul): one parallel pass.
-* ``w4_swap_kernel`` / ``w4_gemv_kernel``: int4 g128 weight-only GEMMs for small M (see
-  their docstrings): weight tile K-contiguous, exponent-trick dequant, swapped tensor-core
-  dot (weights as the A operand) or a CUDA-core broadcast GEMV.
+* ``w4_swap_kernel``: int4 g128 weight-only GEMM for small M (see its docstring): weight
+  tile K-contiguous, 16-bit dequant, swapped tensor-core dot (weights as the A operand).
 * ``w4a8_gemm_kernel``: int4 g128 weights unpacked to int8, int8 x int8 dots per group,
   group scale applied to each group's int32 partial, token scale in the epilogue.
 
@@ -78,8 +77,7 @@ def _e4m3_byte(v):
 # On the GPU the e4m3 codes come from the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``
 # on sm89+; equal to torch's cast of the clamped value, checked on the H200 over every e4m3
 # value, midpoint and subnormal: tests_gpu). It is ~3x fewer instructions per element than
-# ``_e4m3_byte``, which kept the activation quantizer instruction-bound (4096 x 18944: 147 us,
-# 2.6x its memory floor). Triton's interpreter truncates in that cast, so on CPU the codes
+# ``_e4m3_byte``, which kept the activation quantizer instruction-bound. Triton's interpreter truncates in that cast, so on CPU the codes
 # are built as bytes.
 HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
@@ -364,8 +362,8 @@ def _w8a8_dot(a, b, acc, BK: tl.constexpr, ACC_INT: tl.constexpr):
     (triton 3.6 wants ``out_dtype`` to match an int32 accumulator), or fp32 for e4m3.
 
     e4m3: Hopper's fp8 MMA keeps a narrow (~14-bit) accumulator, and Triton's sm90 default
-    never promotes it to fp32 over the whole K loop (~1-2% relative error at K = 4096; the
-    H200 engine's log-probs moved 0.2-0.3 nats from the learner's). Promote after every tile
+    never promotes it to fp32 over the whole K loop (percent-level relative error at K = 4096,
+    enough to move the engine's log-probs away from the learner's). Promote after every tile
     of BK products, as cuBLAS does without fast accumulation."""
     if ACC_INT:
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
@@ -600,21 +598,10 @@ def dequant_kernel(
         tl.store(out_ptr + rows * stride_on + ks[None, :], (val * sv).to(out_ptr.dtype.element_ty), mask=nmask & (ks[None, :] < K))
 
 
-# ------------------------------------------------------------------ int4 g128 small-M paths
-# Both kernels read the 4-bit layout above with the weight tile K-contiguous ([BN, 64]
-# packed bytes per 128-column chunk: each row's 64 bytes are 4 x 16-byte loads) and turn
-# codes into fp32 with the exponent trick ``bits(code | 0x4B000000) - (2^23 + zero)``:
-# one LOP3 + one FADD per weight, exact (no int->float conversion instruction).
-
-
-@triton.jit
-def _int4_vals(packed, zf):
-    """[BN, 64] uint8 -> (lo, hi) fp32 ``code - zero`` for columns 0..63 / 64..127 of a chunk.
-    ``zf`` = 2^23 + zero point, broadcastable to [BN, 64]."""
-    p = packed.to(tl.int32)
-    lo = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - zf
-    hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zf
-    return lo, hi
+# ------------------------------------------------------------------ int4 g128 small-M path
+# The weight tile is read K-contiguous ([BN, 64] packed bytes per 128-column chunk: each
+# row's 64 bytes are 4 x 16-byte loads) and its codes become 16-bit floats by OR-ing them
+# into the mantissa of 128 (bf16) or 1024 (fp16): exact, no int->float conversion.
 
 
 @triton.jit
@@ -624,8 +611,8 @@ def _store_tile_nm(
 ):
     """``_store_tile`` for a transposed fp32 tile ``acc [BN, BM]`` (out[m, n] = acc[n, m]).
 
-    Kept as its own copy: delegating via ``tl.trans(acc)`` was measured on the H200 to cost
-    the M = 64 swap kernel 20-25% (w4a16 7B geomean 0.87x -> 0.66x of bf16)."""
+    Kept as its own copy: delegating via ``tl.trans(acc)`` made the M = 64 swap kernel
+    markedly slower (bench/NOTES.md)."""
     omask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     tile_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     optrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -648,24 +635,12 @@ def _store_tile_nm(
 
 
 @triton.jit
-def _words_to_bytes(wq, BN: tl.constexpr):
-    """int32 words ``[BN, 16]`` (4 packed bytes each, little-endian) -> int32 bytes ``[BN, 64]``
-    in byte order (byte 4w + b = bits 8b..8b+7 of word w)."""
-    b0 = wq & 0xFF
-    b1 = (wq >> 8) & 0xFF
-    b2 = (wq >> 16) & 0xFF
-    b3 = (wq >> 24) & 0xFF
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BN, 64])
-
-
-@triton.jit
 def w4_swap_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_om,
     ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, RAW16: tl.constexpr = False, SUB16: tl.constexpr = False,
-    INTERP: tl.constexpr = False, CPI: tl.constexpr = 1, WORDS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, INTERP: tl.constexpr = False,
 ):
     """int4 g128 (sym/asym) weight-only GEMM with swapped operands: ``out.T [BN, BM] =
     deq(W) [BN, K] @ x.T [K, BM]``. The dequantized weight tile is the MMA's A operand
@@ -673,21 +648,9 @@ def w4_swap_kernel(
     M = 1..64 wastes no weight traffic. Group scale (and zero point) per 128-column chunk:
     the chunk's fp32 partial is scaled once (post-scale). Grid (n tiles, K splits, m tiles).
 
-    Dequantization (code -> code - zero as the dot's dtype), by variant:
-    * default: fp32 exponent trick (``_int4_vals``) then a conversion: ~5 instructions/weight.
-    * ``RAW16``: bf16 bits ``0x4300 | code`` = 128 + code, offset removed by two more dots.
-    * ``SUB16``: the same 16-bit values minus (128 + zero) with a packed 16-bit subtraction
-      (``add.bf16x2``, two weights per instruction); exact (small integers), no extra dots.
-      fp16 activations use ``0x6400 | code`` = 1024 + code instead.
-
-    ``CPI`` chunks per loop iteration (unrolled; chunks past the split masked out): the
-    CPI x 64 bytes of each weight row are requested together (one DRAM burst instead of
-    CPI row-strided 64-byte pieces a pipeline step apart).
-
-    ``WORDS`` (SUB16 only): ``w_ptr`` is the packed weight viewed as int32 (stride in words);
-    a chunk row is 16 words, word w holding columns 4w..4w+3 (low nibbles) and 64+4w..
-    64+4w+3 (high nibbles); the eight nibble planes are interleaved back into k order with
-    ``tl.join`` (32-bit loads instead of byte loads into the dot operand layout)."""
+    Dequantization: bf16 bits ``0x4300 | code`` = 128 + code, minus (128 + zero) with a
+    packed 16-bit subtraction (``add.bf16x2``, two weights per instruction); exact (small
+    integers). fp16 activations use ``0x6400 | code`` = 1024 + code instead."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -703,118 +666,35 @@ def w4_swap_kernel(
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     c_lo = pid_k * CHUNKS_PER_SPLIT
     c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
-    for c0 in range(c_lo, c_hi, CPI):
-        for u in tl.static_range(CPI):
-            c = c0 + u
-            if CPI > 1:  # (vector compares: the interpreter rejects a scalar bool in a mask)
-                nm = nmask & ((tl.zeros([BN], dtype=tl.int32) + c) < c_hi)
-                xm = xmask_m & ((tl.zeros([1, BM], dtype=tl.int32) + c) < c_hi)
-            else:
-                nm = nmask
-                xm = xmask_m
-            if WORDS:
-                wq = tl.load(w_rows + (c * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
-            else:
-                packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nm[:, None], other=0)
-            k_lo = c * 128 + offs_j
-            xt_lo = tl.load(x_cols + k_lo[:, None], mask=xm & (k_lo[:, None] < K), other=0.0)
-            xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xm & (k_lo[:, None] + 64 < K), other=0.0)
-            if SUB16:
-                if WORDS:
-                    p16 = _words_to_bytes(wq, BN).to(tl.int16)
-                else:
-                    p16 = packed.to(tl.int16)
-                if x_ptr.dtype.element_ty == tl.float16:
-                    lo = ((p16 & 15) | 0x6400).to(tl.float16, bitcast=True)
-                    hi = ((p16 >> 4) | 0x6400).to(tl.float16, bitcast=True)
-                    base = 1024.0
-                else:
-                    lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    base = 128.0
-                if ASYM:
-                    zb = tl.load(z_rows + c, mask=nm, other=0).to(tl.float32)[:, None] + base
-                else:
-                    zb = base + 8.0
-                if INTERP:  # the interpreter's bf16 arithmetic is wrong; same exact math in fp32
-                    lo = lo.to(tl.float32) - zb
-                    hi = hi.to(tl.float32) - zb
-                else:
-                    if ASYM:
-                        zb = zb.to(lo.dtype)
-                    lo = lo - zb
-                    hi = hi - zb
-                part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
-                part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
-            elif RAW16:
-                # bf16 bits 0x4300 | code = 128 + code (exact): one LOP3 per weight, no
-                # conversion; the offset (128 + zero) is taken off by a second dot with a
-                # constant tile (cheap at small M: the MMA units are idle).
-                p16 = packed.to(tl.int16)
-                lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
-                hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)
-                if ASYM:
-                    zneg = -(tl.load(z_rows + c, mask=nm, other=0).to(tl.float32) + 128.0)
-                    off = tl.broadcast_to(zneg.to(x_ptr.dtype.element_ty)[:, None], [BN, 64])
-                else:
-                    off = tl.full([BN, 64], -136.0, x_ptr.dtype.element_ty)
-                part = tl.dot(lo, xt_lo)
-                part = tl.dot(hi, xt_hi, part)
-                part = tl.dot(off, xt_lo, part)
-                part = tl.dot(off, xt_hi, part)
-            else:
-                if ASYM:
-                    zf = tl.load(z_rows + c, mask=nm, other=0).to(tl.float32)[:, None] + 8388608.0
-                else:
-                    zf = 8388616.0
-                lo, hi = _int4_vals(packed, zf)
-                part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
-                part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
-            s = tl.load(s_rows + c, mask=nm, other=0.0)
-            acc += part * s[:, None]
-    _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
-                   pid_n + pid_m * tl.num_programs(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
-
-
-@triton.jit
-def w4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
-    stride_xm, stride_wn, stride_sn, stride_om,
-    ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """GEMV-style int4 g128 kernel for a handful of rows (BM <= 4, no tensor cores): the
-    weight tile is dequantized and scaled in fp32 registers, multiplied with the BM rows of
-    x by broadcast, accumulated per K lane in ``[BN, BM, 64]`` and reduced over K once at
-    the end. Same grid and split-K epilogue as ``w4_swap_kernel``."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_j = tl.arange(0, 64)
-    nmask = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
-    xmask_m = offs_m[:, None] < M
-    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    z_rows = z_ptr + offs_n.to(tl.int64) * stride_sn
-    acc = tl.zeros([BN, BM, 64], dtype=tl.float32)
-    c_lo = pid_k * CHUNKS_PER_SPLIT
-    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
     for c in range(c_lo, c_hi):
         packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0)
-        if ASYM:
-            zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + 8388608.0
-        else:
-            zf = 8388616.0
-        lo, hi = _int4_vals(packed, zf)
-        s = tl.load(s_rows + c, mask=nmask, other=0.0)[:, None]
         k_lo = c * 128 + offs_j
-        x_lo = tl.load(x_rows + k_lo[None, :], mask=xmask_m & (k_lo[None, :] < K), other=0.0).to(tl.float32)
-        x_hi = tl.load(x_rows + (k_lo + 64)[None, :], mask=xmask_m & (k_lo[None, :] + 64 < K), other=0.0).to(tl.float32)
-        acc += (lo * s)[:, None, :] * x_lo[None, :, :] + (hi * s)[:, None, :] * x_hi[None, :, :]
-    out = tl.sum(acc, axis=2)
-    _store_tile_nm(out, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
+        xt_lo = tl.load(x_cols + k_lo[:, None], mask=xmask_m & (k_lo[:, None] < K), other=0.0)
+        xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xmask_m & (k_lo[:, None] + 64 < K), other=0.0)
+        p16 = packed.to(tl.int16)
+        if x_ptr.dtype.element_ty == tl.float16:
+            lo = ((p16 & 15) | 0x6400).to(tl.float16, bitcast=True)
+            hi = ((p16 >> 4) | 0x6400).to(tl.float16, bitcast=True)
+            base = 1024.0
+        else:
+            lo = ((p16 & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
+            hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+            base = 128.0
+        if ASYM:
+            zb = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None] + base
+        else:
+            zb = base + 8.0
+        if INTERP:  # the interpreter's bf16 arithmetic is wrong; same exact math in fp32
+            lo = lo.to(tl.float32) - zb
+            hi = hi.to(tl.float32) - zb
+        else:
+            if ASYM:
+                zb = zb.to(lo.dtype)
+            lo = lo - zb
+            hi = hi - zb
+        part = tl.dot(lo.to(x_ptr.dtype.element_ty), xt_lo)
+        part = tl.dot(hi.to(x_ptr.dtype.element_ty), xt_hi, part)
+        s = tl.load(s_rows + c, mask=nmask, other=0.0)
+        acc += part * s[:, None]
+    _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
                    pid_n + pid_m * tl.num_programs(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)

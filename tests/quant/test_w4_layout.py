@@ -1,6 +1,6 @@
-"""The fragment layout of the CUDA W4A16 kernel, checked on CPU.
+"""The fragment layouts of the CUDA W4A16 kernels and their cache, checked on CPU.
 
-The kernel itself needs a GPU (tests_gpu/test_quant.py runs it against the reference);
+The kernels themselves need a GPU (tests_gpu/quant runs them against the reference);
 here the layout it reads is checked against the mma.sync.m16n8k16 fragment definition,
 by emulating the kernel's register unpacking in torch.
 """
@@ -10,7 +10,8 @@ import torch
 
 from quarl.quant import get_scheme, quantize_weight, reference_linear
 from quarl.quant import reference as ref
-from quarl.quant.kernels import cuda_w4
+from quarl.quant.kernels import w4_layout as cuda_w4
+from quarl.quant.kernels.w4_layout import RepackCache
 
 
 def _rand_codes(n, kp, seed=0):
@@ -96,12 +97,14 @@ def test_fragment_cache_rebuilds_in_place_after_copy():
     sch = get_scheme("w4a16-asym")
     qa, qb = quantize_weight(torch.randn(64, 256), sch), quantize_weight(torch.randn(64, 256), sch)
     target = qa.clone()
+    cache = RepackCache()
     with torch.inference_mode():  # the engine builds it while generating
-        fw = cuda_w4.frag_weight(target)
-    assert cuda_w4.frag_weight(target) is fw  # cached
+        fw = cache.get(target)
+    assert cache.get(target) is fw  # cached
     ptrs = [t.data_ptr() for t in fw if t is not None]
     target.copy_(qb)  # in-place load: the derived layout must follow, in the same storage
-    fw2 = cuda_w4.frag_weight(target)
+    assert not cache.is_fresh(target)
+    fw2 = cache.get(target)
     assert [t.data_ptr() for t in fw2 if t is not None] == ptrs
     want = cuda_w4.repack_w4(qb)
     for a, b in zip(fw2, want):
@@ -112,54 +115,6 @@ def test_repack_rejects_other_formats():
     qw = quantize_weight(torch.randn(64, 128), get_scheme("w2a16"))
     with pytest.raises(ValueError, match="int4 weights with group 128"):
         cuda_w4.repack_w4(qw)
-
-
-def test_split_keeps_a_group_per_warp():
-    # gate/up of a 7B model on 132 SMs: 296 slabs fill the GPU without a split
-    assert cuda_w4.pick_split(18944, 28, 4, 132, 2.0) == (1, 28)
-    split, gpb = cuda_w4.pick_split(3584, 148, 4, 132, 4.0)  # down_proj: split K
-    assert split > 1 and gpb * split >= 148 and gpb * (split - 1) < 148
-    assert cuda_w4.pick_split(512, 2, 4, 132, 4.0) == (1, 2)  # never more splits than groups / warps
-    # the tile kernel: 4 slabs per block, one group per block at least
-    assert cuda_w4.pick_split(37888, 28, 1, 132, 1.0, 4) == (1, 28)  # 148 column blocks fill the GPU
-    # 18 column blocks: ceil(264 / 18) = 15 splits, rounded to whole groups: 2 each, 14 splits
-    assert cuda_w4.pick_split(4608, 28, 1, 132, 2.0, 4) == (14, 2)
-
-
-def test_tail_split_splits_only_the_last_wave():
-    # gate_up at M = 64, 3 warpgroups (198 column blocks), one block per SM: 132 whole, the
-    # other 66 split in 2 (14 groups each) -> 264 blocks, the last wave full
-    assert cuda_w4.tail_split(198, 28, 132) == (132, 2, 14)
-    # 296 column blocks on 264 slots: 32 left, split 8 ways (4 groups each, 7 splits of 4)
-    assert cuda_w4.tail_split(296, 28, 264) == (264, 7, 4)
-    # fewer column blocks than slots: all of them split (the uniform split)
-    assert cuda_w4.tail_split(28, 28, 264) == (0, 7, 4)
-    # full waves only, or a tail that cannot be split in 2: no split
-    assert cuda_w4.tail_split(264, 28, 132) == (264, 1, 28)
-    assert cuda_w4.tail_split(230, 28, 132) == (230, 1, 28)
-    assert cuda_w4.tail_split(140, 3, 132) == (140, 1, 3)  # 3 groups: >= 2 per split impossible
-    for cols, groups, slots in ((198, 28, 132), (296, 28, 264), (28, 28, 264), (77, 148, 132), (600, 9, 528)):
-        whole, split, gpb = cuda_w4.tail_split(cols, groups, slots)
-        assert whole % slots == 0 or whole == cols
-        assert (split - 1) * gpb < groups <= split * gpb and (split == 1 or gpb >= 2)
-        assert whole + (cols - whole) * split <= -(-cols // slots) * slots  # never an extra wave
-
-
-def test_split_plan_clusters_only_fully_split_grids_of_at_most_8():
-    # q/o at M = 64 (56 column blocks, 28 groups, 2 x 132 slots): 4 splits of 7, one cluster each
-    assert cuda_w4.split_plan(3584, 28, 56, 132, 2.0, 1, True, True) == (0, 4, 7, 4)
-    assert cuda_w4.split_plan(3584, 28, 56, 132, 2.0, 1, True, False) == (0, 4, 7, 0)
-    # down at M = 64 (28 column blocks, 148 groups): 9 splits asked, capped at 8 (19 groups)
-    assert cuda_w4.split_plan(3584, 148, 28, 132, 2.0, 2, True, False) == (0, 9, 17, 0)
-    assert cuda_w4.split_plan(3584, 148, 28, 132, 2.0, 2, True, True) == (0, 8, 19, 8)
-    # gate_up's last-wave split (whole column blocks too): global partials, no cluster
-    assert cuda_w4.split_plan(37888, 28, 198, 132, 1.0, 3, True, True) == (132, 2, 14, 0)
-    # no split at all: no cluster
-    assert cuda_w4.split_plan(37888, 28, 592, 132, 1.0, 1, False, True) == (592, 1, 28, 0)
-    for groups in range(2, 200, 7):
-        for asked in range(2, 20):
-            split, gpb = cuda_w4.cluster_split(groups, asked)
-            assert split <= min(asked, cuda_w4.MAX_CLUSTER) and (split - 1) * gpb < groups <= split * gpb
 
 
 def test_wgmma_words_round_trip():
@@ -208,22 +163,37 @@ def test_both_layouts_follow_in_place_loads_and_row_refreshes():
     sch = get_scheme("w4a16-asym")
     qa, qb = quantize_weight(torch.randn(192, 256), sch), quantize_weight(torch.randn(192, 256), sch)
     target = qa.clone()
-    copies = {lay: cuda_w4.frag_weight(target, lay) for lay in cuda_w4.LAYOUTS}
+    cache = RepackCache()
+    copies = {lay: cache.get(target, lay) for lay in cuda_w4.LAYOUTS}
     assert not torch.equal(copies["frag"].qdata.flatten()[:8], copies["wgmma"].qdata.flatten()[:8])
     # a part of the rows is loaded (as a fused q/k/v weight loads q): slabs 1..2 only
     for f, t in target.tensors().items():
         t[64:192].copy_(qb.tensors()[f][64:192])
-    assert not target.derived_is_fresh()
-    target.refresh_derived(rows=(64, 192))
-    assert target.derived_is_fresh()
+    assert not cache.is_fresh(target)
+    cache.refresh(target, rows=(64, 192))
+    assert cache.is_fresh(target)
     mixed = qa.clone()
     for f, t in mixed.tensors().items():
         t[64:192].copy_(qb.tensors()[f][64:192])
     for lay, fw in copies.items():
         want = cuda_w4.repack_w4(mixed, lay)
-        got = cuda_w4.frag_weight(target, lay)
+        got = cache.get(target, lay)
         assert got.qdata.data_ptr() == fw.qdata.data_ptr()
         for a, b in zip(got, want):
             assert torch.equal(a, b), lay
     with pytest.raises(ValueError, match="unknown w4 layout"):
         cuda_w4.repack_w4(qa, "marlin")
+
+
+def test_cache_follows_a_new_weight_object():
+    """A different weight (QATLinear's next quantized weight) is repacked, never served the
+    old copy, even where the new tensors carry the same versions."""
+    sch = get_scheme("w4a16")
+    qa, qb = quantize_weight(torch.randn(64, 256), sch), quantize_weight(torch.randn(64, 256), sch)
+    cache = RepackCache()
+    fa = cache.get(qa)
+    ptr = fa.qdata.data_ptr()
+    assert not cache.is_fresh(qb)
+    fb = cache.get(qb)
+    assert fb.qdata.data_ptr() == ptr  # rebuilt in the same storage (same shapes)
+    assert torch.equal(fb.qdata, cuda_w4.repack_w4(qb).qdata)

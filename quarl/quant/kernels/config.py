@@ -1,0 +1,108 @@
+"""Typed configs of the GEMM kernels: what a dispatch row hands its kernel.
+
+Pure data (no torch, no triton): the dispatch tables (:mod:`.dispatch`) are built from
+these, and sweeps pass them to the kernels directly or through ``dispatch.overrides``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class TileConfig(NamedTuple):
+    """Tile of a Triton GEMM (weight-only ``wo_gemm_kernel``, the int4 swap kernel, the W8A8
+    pointer and TMA kernels, the W4A8 kernel)."""
+
+    bm: int
+    bn: int
+    bk: int = 128  # W8A8 kernels only; sub-byte kernels always walk 128-column chunks
+    # pointer kernels: 0 = split K until ~2 waves of programs, > 0 = that many splits,
+    # -w = until ~w waves. TMA kernel: 0 / 1 = no split, > 1 = every tile about that many
+    # ways, < 0 = split only the tiles of the last, partial wave (splitk.tail).
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    post_scale: bool = True  # weight-only int formats with G % 128 == 0: scale partial sums
+    # swap kernel: > 0 splits K until about waves x SMs programs even when the tiles alone
+    # fill the GPU (short programs, many resident per SM, hide the per-chunk latency chain).
+    # TMA kernel: resident programs per SM of its persistent grid.
+    waves: float = 0
+
+
+class FragConfig(NamedTuple):
+    """The CUDA fragment kernel (``w4a16_frag``, M <= 16)."""
+
+    nw: int = 4  # warps per block (they split the block's groups)
+    blocks_per_sm: float = 4.0  # split K until about this many blocks per SM
+    stages: int = 4  # cp.async ring slots per warp (2, 4 or 8; nw x stages <= 32: static smem)
+
+    def check(self) -> None:
+        if self.stages not in (2, 4, 8) or self.nw not in (1, 2, 4, 8) or self.nw * self.stages > 32:
+            raise ValueError(f"fragment kernel: nw in 1/2/4/8, stages in 2/4/8 and nw x stages <= 32 "
+                             f"(48 KB of static shared memory); got {self}")
+
+
+class TileKConfig(NamedTuple):
+    """Block shape of the block-tiled CUDA kernel (``w4a16_tile``): SW slabs x (8 / NT) warps
+    along N, WM warps along M, each warp MT m16 tiles x NT n8 tiles; ST ring slots (one
+    group each) in dynamic shared memory."""
+
+    sw: int = 4
+    nt: int = 4
+    mt: int = 4
+    wm: int = 1
+    stages: int = 3
+    blocks_per_sm: float = 2.0  # split K until about this many blocks per SM
+
+    @property
+    def warps(self) -> int:
+        return self.sw * (8 // self.nt) * self.wm
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.mt * self.wm
+
+    def smem_bytes(self) -> int:
+        return self.stages * (4096 * (self.sw + self.mt * self.wm) + 512 * self.sw)  # (+ zero points)
+
+    def check(self, m: int) -> None:
+        if self.nt not in (2, 4, 8) or self.stages < 2 or self.warps * 32 > 1024 or min(self.sw, self.mt, self.wm) < 1:
+            raise ValueError(f"block-tiled w4 kernel: NT in 2/4/8, >= 2 stages, <= 32 warps; got {self}")
+        if m > self.rows:
+            raise ValueError(f"block-tiled w4 kernel: {self} covers {self.rows} rows, got M={m}")
+        if self.smem_bytes() > 227 * 1024:
+            raise ValueError(f"block-tiled w4 kernel: {self} needs {self.smem_bytes()} bytes of shared memory (> 227 KB)")
+
+
+WGMMA_TOKENS = (8, 16, 32, 64)  # wgmma N sides compiled: M is padded up to the next one
+
+
+def wgmma_tokens(m: int) -> int:
+    for n in WGMMA_TOKENS:
+        if m <= n:
+            return n
+    raise ValueError(f"wgmma w4 kernel takes M <= {WGMMA_TOKENS[-1]}, got M={m}")
+
+
+class WgConfig(NamedTuple):
+    """Block shape of the wgmma kernel (``w4a16_wgmma``, Hopper): NWG warpgroups (one 64-row
+    slab each) sharing the activation tile; ``stages`` ring slots of one group each."""
+
+    nwg: int = 2
+    stages: int = 4
+    blocks_per_sm: float = 1.0  # split K until about this many blocks per SM
+    single: bool = False  # one fp32 tile: each group's wgmmas waited for before its fold
+    minb: int = 1  # __launch_bounds__ blocks per SM (caps registers at 64K / (minb x threads))
+    tail: bool = False  # blocks_per_sm = resident slots per SM; split K of the last wave only
+    cluster: bool = False  # sum the K splits through distributed shared memory (all column blocks split)
+
+    def smem_bytes(self, ntok: int) -> int:
+        return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
+
+    def check(self, m: int) -> None:
+        if self.nwg not in (1, 2, 3, 4) or self.stages < 3 or self.blocks_per_sm <= 0 or not 1 <= self.minb * self.nwg <= 16:
+            raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, 1 <= minb x nwg <= 16; got {self}")
+        smem = self.smem_bytes(wgmma_tokens(m))
+        if smem > 227 * 1024:
+            raise ValueError(f"wgmma w4 kernel: {self} needs {smem} bytes of shared memory at M={m} (> 227 KB)")

@@ -1,0 +1,46 @@
+"""What the kernels need to know about the GPU: its SM count and its generation's row set."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Row sets of the dispatch tables. "sm80" also stands for every other mma.sync GPU that is
+# not sm90 (sm86, sm100, sm120); "none": no CUDA w4 kernel can run (no NVRTC, a pre-sm80
+# GPU, a CPU tensor under the Triton interpreter, fp16 activations).
+GENS = ("sm80", "sm89", "sm90", "none")
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_available() -> bool:
+    """NVRTC compilation through torch is there and the GPU has mma.sync bf16 (sm80+)."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_gen(device: torch.device) -> str:
+    if not nvrtc_available():
+        return "none"
+    cap = torch.cuda.get_device_capability(device)
+    if cap == (9, 0):
+        return "sm90"
+    if cap == (8, 9):
+        return "sm89"
+    return "sm80" if cap[0] >= 8 else "none"
+
+
+def gpu_gen(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The row set for activations of ``dtype`` on ``device`` (the CUDA w4 kernels take bf16)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return "none"
+    return _cuda_gen(device)

@@ -1,0 +1,263 @@
+"""Which kernel and config a quantized GEMM runs: one table per format family, decided once.
+
+``plan = pick(qw, m, device, dtype)`` returns a typed :class:`Plan` (kernel name + config);
+``plan.run(...)`` launches it. Each table is a tuple of :class:`Row`: the first row whose GPU
+generation (:data:`.device.GENS`), M range and shape predicate match gives the plan. The
+measurements behind the rows are in bench/NOTES.md ("dispatch decisions and their
+measurements") and bench/results/; the tables say what runs, the notes say why.
+
+Sweeps replace a family's choice inside ``with overrides(family=plan_or_fn): ...``; nothing
+here reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Callable, Iterator, NamedTuple, Union
+
+import torch
+
+from quarl.quant.kernels import cuda_w4, w8a8, weight_only
+from quarl.quant.kernels.act_quant import act_quant_config
+from quarl.quant.kernels.config import FragConfig, TileConfig, TileKConfig, WgConfig
+from quarl.quant.kernels.device import GENS, gpu_gen
+from quarl.quant.kernels.splitk import cdiv
+from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.scheme import QuantScheme
+
+Config = Union[TileConfig, FragConfig, TileKConfig, WgConfig, None]
+
+# weight-only kernels: (x, qw, bias, cfg, repacked) -> y
+_WEIGHT_ONLY = {
+    "frag": cuda_w4.frag_gemm,
+    "tile": cuda_w4.tile_gemm,
+    "wgmma": cuda_w4.wgmma_gemm,
+    "swap": lambda x, qw, bias, cfg, repacked=None: weight_only.swap_gemm(x, qw, bias, cfg),
+    "tiled": lambda x, qw, bias, cfg, repacked=None: weight_only.tiled_gemm(x, qw, bias, cfg),
+    "dequant": lambda x, qw, bias, cfg, repacked=None: weight_only.dequant_gemm(x, qw, bias),
+}
+# kernels on quantized activations: (xq, sx, qw, bias, out_dtype, cfg) -> y
+_QUANTIZED_INPUT = {
+    "pointer": w8a8.pointer_gemm,
+    "tma": w8a8.tma_gemm,
+    "cublas": w8a8.cublas_gemm,
+    "w4a8": w8a8.w4a8_gemm,
+}
+
+
+class Plan(NamedTuple):
+    """A kernel (a key of the runner maps above, or ``"gated"``) and its config."""
+
+    kernel: str
+    config: Config = None
+
+    def run(self, *args, repacked=None):
+        """Weight-only: ``run(x, qw, bias, repacked=cache)``. Quantized input: ``run(xq, sx,
+        qw, bias, out_dtype)``. Gated: ``run(xq, sx, qw, out_dtype)`` -> ``(y, amax)`` or None."""
+        if self.kernel in _WEIGHT_ONLY:
+            return _WEIGHT_ONLY[self.kernel](*args, self.config, repacked=repacked)
+        if self.kernel == "gated":
+            return w8a8.gated_gemm(*args, self.config)
+        return _QUANTIZED_INPUT[self.kernel](*args, self.config)
+
+
+Predicate = Callable[[int, int, int], bool]
+
+
+class Row(NamedTuple):
+    plan: Plan | None  # None: no kernel of this family (gated: run the plain GEMM)
+    m_max: int | None = None  # inclusive; rows are tried in order, so the lower bound is the row before's
+    when: Predicate | None = None  # on (m, n, k)
+    gens: tuple[str, ...] = GENS
+
+
+def long_k(m: int, n: int, k: int) -> bool:
+    return k > 8192
+
+
+def short_k(m: int, n: int, k: int) -> bool:
+    return k <= 8192
+
+
+def big_weight(m: int, n: int, k: int) -> bool:
+    return n * k >= 1 << 25
+
+
+def big_weight_k8192(m: int, n: int, k: int) -> bool:
+    return n * k >= 1 << 25 and k >= 8192
+
+
+def n_below_32768(m: int, n: int, k: int) -> bool:
+    return n < 32768
+
+
+def n_below_16384(m: int, n: int, k: int) -> bool:
+    return n < 16384
+
+
+def swap_deep_split(m: int, n: int, k: int) -> bool:
+    """Enough work per column that the swap kernel's K splits go to ~8 waves."""
+    return cdiv(n, 64) >= 256 or k >= 8192
+
+
+def few_64_tiles(m: int, n: int, k: int) -> bool:
+    """64 x 64 tiles while ~2 fit per SM on 132 SMs."""
+    return cdiv(m, 64) * cdiv(n, 64) <= 264
+
+
+def m2048_long_k(m: int, n: int, k: int) -> bool:
+    return m >= 2048 and k > 8192
+
+
+def m2048_wide(m: int, n: int, k: int) -> bool:
+    return m >= 2048 and n >= 16384
+
+
+SM90 = ("sm90",)
+MMA = ("sm80", "sm89")  # mma.sync GPUs without wgmma
+DEQUANT = Plan("dequant")
+
+# int4, group 128, weight-only (w4a16, w4a16-asym)
+W4A16: tuple[Row, ...] = (
+    Row(Plan("wgmma", WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)), 64, long_k, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
+    Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)), 64, None, SM90),
+    Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
+    Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=4, stages=8)), 4, big_weight, MMA),
+    Row(Plan("frag", FragConfig(nw=4, blocks_per_sm=8, stages=8)), 4, None, MMA),
+    Row(Plan("tile", TileKConfig(sw=4, nt=4, mt=1, wm=1, stages=4, blocks_per_sm=2.0)), 8, big_weight, MMA),
+    Row(Plan("swap", TileConfig(16, 64, waves=8)), 16, swap_deep_split),
+    Row(Plan("swap", TileConfig(16, 64, waves=4)), 16),
+    Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
+    Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
+    Row(DEQUANT),
+)
+
+# every other weight-only format (int4 of other groups, int2, nvfp4, mxfp4)
+WEIGHT_ONLY: tuple[Row, ...] = (
+    Row(Plan("tiled", TileConfig(16, 32, num_stages=4, post_scale=False)), 16),
+    Row(Plan("tiled", TileConfig(32, 64)), 32),
+    Row(Plan("tiled", TileConfig(64, 64)), 64),
+    Row(Plan("tiled", TileConfig(64, 128)), 127),
+    Row(DEQUANT),
+)
+
+_TMA_64 = Plan("tma", TileConfig(64, 64, 128, num_stages=5, waves=3))
+_TMA_64x128 = Plan("tma", TileConfig(64, 128, 128, num_stages=4, waves=2))
+_TMA_SPLIT = Plan("tma", TileConfig(64, 128, 128, split_k=2, num_stages=4, waves=2))
+_W8A8_SMALL_M: tuple[Row, ...] = (
+    Row(Plan("pointer", TileConfig(16, 64, 256)), 16),
+    Row(_TMA_64, 64, short_k),
+    Row(Plan("pointer", TileConfig(64, 64, 128, num_stages=4)), 64),
+    Row(_TMA_SPLIT, 256, long_k),
+)
+FP8: tuple[Row, ...] = _W8A8_SMALL_M + (
+    Row(_TMA_64, 256, few_64_tiles),
+    Row(Plan("cublas")),
+)
+INT8: tuple[Row, ...] = _W8A8_SMALL_M + (
+    Row(_TMA_64, 512, few_64_tiles),
+    Row(_TMA_64x128, 512),
+    Row(Plan("tma", TileConfig(128, 256, 128, split_k=-1, num_warps=8, num_stages=3, waves=1)), None, m2048_long_k),
+    Row(Plan("tma", TileConfig(256, 128, 128, num_warps=8, num_stages=3, waves=1)), None, m2048_wide),
+    Row(Plan("pointer", TileConfig(128, 128, 128, split_k=1, num_warps=8))),
+)
+W4A8: tuple[Row, ...] = (
+    Row(Plan("w4a8", TileConfig(16, 128)), 16),
+    Row(Plan("w4a8", TileConfig(64, 64)), 64),
+    Row(Plan("w4a8", TileConfig(128, 128, split_k=1, num_warps=8))),
+)
+# The gated [gate; up] GEMM (SiLU-and-mul in its epilogue, n = 2 I rows); None: the engine
+# runs the plain GEMM and a separate SiLU-and-mul (at M <= 16 the plain GEMM splits K,
+# which a non-linear epilogue cannot).
+GATED_FP8: tuple[Row, ...] = (
+    Row(None, 16),
+    Row(None, None, long_k),
+    Row(Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3)), 64),
+    Row(None),
+)
+GATED_INT8: tuple[Row, ...] = (
+    Row(None, 16),
+    Row(None, None, long_k),
+    Row(Plan("gated", TileConfig(64, 32, 128, num_stages=4, waves=3)), 128),
+    Row(None),
+)
+
+TABLES: dict[str, tuple[Row, ...]] = {
+    "w4a16": W4A16, "weight_only": WEIGHT_ONLY, "fp8": FP8, "int8": INT8, "w4a8": W4A8,
+    "gated_fp8": GATED_FP8, "gated_int8": GATED_INT8,
+}
+
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("quarl_kernel_overrides", default={})
+
+
+@contextlib.contextmanager
+def overrides(**by_family) -> Iterator[None]:
+    """Inside the block, :func:`pick` gives these instead of the tables' rows (sweeps, A/B
+    runs): ``family=Plan`` (None for a gated family: no gated GEMM), or ``family=fn`` with
+    ``fn(m, n, k) -> Plan | None``. ``act_quant=(block, warps)`` or ``fn(m, k)``."""
+    unknown = set(by_family) - set(TABLES) - {"act_quant"}
+    if unknown:
+        raise ValueError(f"unknown kernel families {sorted(unknown)}; valid: {sorted(TABLES)} and act_quant")
+    token = _OVERRIDES.set({**_OVERRIDES.get(), **by_family})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def family(scheme: QuantScheme) -> str:
+    """The table a scheme's GEMM is picked from."""
+    if scheme.act_format == "fp8":
+        return "fp8"
+    if scheme.act_format == "int8":
+        return "w4a8" if scheme.packed else "int8"
+    if scheme.weight_format == "int" and scheme.weight_bits == 4 and scheme.group_size == 128:
+        return "w4a16"
+    return "weight_only"
+
+
+@functools.lru_cache(maxsize=4096)
+def lookup(fam: str, gen: str, m: int, n: int, k: int) -> Plan | None:
+    """The plan of the first row of table ``fam`` that matches."""
+    for row in TABLES[fam]:
+        if gen in row.gens and (row.m_max is None or m <= row.m_max) and (row.when is None or row.when(m, n, k)):
+            return row.plan
+    raise LookupError(f"no row of {fam} matches gen={gen} m={m} n={n} k={k}")  # (tables end in a catch-all)
+
+
+def _choose(fam: str, gen: str, m: int, n: int, k: int) -> Plan | None:
+    ov = _OVERRIDES.get().get(fam, lookup)
+    if ov is lookup:
+        return lookup(fam, gen, m, n, k)
+    return ov(m, n, k) if callable(ov) else ov
+
+
+def pick(qw: QuantizedWeight, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Plan:
+    """The GEMM plan for ``m`` rows of activations of ``dtype`` on ``device`` (for schemes that
+    quantize activations: the GEMM on their codes)."""
+    n, k = qw.shape
+    fam = family(qw.scheme)
+    return _choose(fam, gpu_gen(device, dtype) if fam == "w4a16" else "none", m, n, k)
+
+
+def gated_plan(act_format: str, m: int, n: int, k: int) -> Plan | None:
+    """The gated GEMM plan for a W8A8 ``[gate; up]`` weight of ``n`` rows, or None (the plain
+    GEMM and a separate SiLU-and-mul)."""
+    return _choose("gated_" + act_format, "none", m, n, k)
+
+
+def pick_gated(qw: QuantizedWeight, m: int) -> Plan | None:
+    return gated_plan(qw.scheme.act_format, m, *qw.shape)
+
+
+def act_quant_plan(m: int, k: int) -> tuple[int, int]:
+    """(columns per block, warps) of the activation quantizer."""
+    ov = _OVERRIDES.get().get("act_quant")
+    if ov is None:
+        return act_quant_config(k)
+    return ov(m, k) if callable(ov) else ov

@@ -1,0 +1,202 @@
+"""The fragment-ordered copies of an int4 g128 weight that the CUDA w4 kernels read, and
+:class:`RepackCache`, the object a module owns to keep them.
+
+Layout ("frag"), built by :func:`repack_w4` from the canonical packed weight
+(:mod:`quarl.quant.reference`). N is padded to a multiple of 64 (a "slab"), Kp to 128. For
+slab ``s`` and 16-column step ``kk`` there are 512 bytes; lane ``L`` (``g = L // 4``, ``t = L %
+4``) owns bytes ``16 L .. 16 L + 15``, four little-endian 32-bit words ``w_i``. Word ``i``
+feeds the 8-column tiles ``j = 2 i + h`` (h = 0, 1); its nibble ``p`` (bits ``4p .. 4p+3``) is
+the code of weight ``W[64 s + 8 j + g, 16 kk + k]`` with ``h = (p >> 1) & 1`` and ``k = 2 t +
+(p >= 4) + 8 (p & 1)``. A 16-bit mask of ``w >> 4q`` then yields the bf16x2 register of
+fragment half ``q & 1`` of tile ``2 i + (q >> 1)``. Scales are stored transposed, ``[Kp / 128,
+Np]`` fp32; asymmetric zero points as the bf16x2 bit pattern of ``-(128 + z)``, ``[Kp / 128,
+Np]`` uint32. The "wgmma" layout holds the same words in the order the wgmma kernel's warps
+unpack them (:func:`wgmma_words`).
+
+Pure torch (any device): imported by the modules that own a cache without importing triton.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from quarl.quant import reference as ref
+from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.scheme import PACK_K
+
+SLAB = 64  # output columns per warp (fragment kernel) / per slab
+LAYOUTS = ("frag", "wgmma")
+
+
+class FragWeight(NamedTuple):
+    """The fragment-ordered copy of a w4 g128 weight (see the module docstring)."""
+
+    qdata: torch.Tensor  # 32-bit words (int32 storage) [Np / 64, Kp / 16, 32, 4]
+    scales: torch.Tensor  # fp32 [Kp / 128, Np]
+    negz: torch.Tensor | None  # 32-bit patterns (int32 storage) [Kp / 128, Np], asymmetric only
+
+
+def _lane_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, k) offsets ``[32 lanes, 4 words, 8 nibbles]`` inside a 64 x 16 (slab x step) tile."""
+    lane = torch.arange(32).view(32, 1, 1)
+    i = torch.arange(4).view(1, 4, 1)
+    p = torch.arange(8).view(1, 1, 8)
+    g, t = lane // 4, lane % 4
+    j = 2 * i + ((p >> 1) & 1)
+    n = 8 * j + g
+    k = 2 * t + (p >= 4).long() + 8 * (p & 1)
+    return n.expand(32, 4, 8).to(device), k.expand(32, 4, 8).to(device)
+
+
+def _as_u32(v: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> the same bits as a 32-bit tensor (int32 storage)."""
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def repack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[N, Kp]`` (< 16, Kp % 128 == 0) -> fragment words ``[Np/64, Kp/16, 32, 4]``
+    (32-bit patterns stored as int32)."""
+    n, kp = codes.shape
+    np_ = -(-n // SLAB) * SLAB
+    c = torch.zeros(np_, kp, dtype=torch.int32, device=codes.device)
+    c[:n] = codes.to(torch.int32)
+    tiles = c.view(np_ // SLAB, SLAB, kp // 16, 16).permute(0, 2, 1, 3)  # [S, KS, 64, 16]
+    nmap, kmap = _lane_maps(codes.device)
+    nib = tiles[:, :, nmap, kmap]  # [S, KS, 32, 4, 8]
+    shifts = 4 * torch.arange(8, device=codes.device, dtype=torch.int64)
+    words = (nib.to(torch.int64) << shifts).sum(dim=-1)  # disjoint bits: sum == or
+    return _as_u32(words)
+
+
+def unpack_frag_codes(frag: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`repack_codes` (tests): fragment words -> uint8 codes ``[N, Kp]``."""
+    s, ks = frag.shape[0], frag.shape[1]
+    words = frag.to(torch.int64) & 0xFFFFFFFF
+    shifts = 4 * torch.arange(8, device=frag.device).view(1, 1, 1, 1, 8)
+    nib = (words.unsqueeze(-1) >> shifts) & 0xF  # [S, KS, 32, 4, 8]
+    nmap, kmap = _lane_maps(frag.device)
+    tiles = torch.zeros(s, ks, SLAB, 16, dtype=torch.int64, device=frag.device)
+    tiles[:, :, nmap, kmap] = nib
+    return tiles.permute(0, 2, 1, 3).reshape(s * SLAB, ks * 16)[:n].to(torch.uint8)
+
+
+def wgmma_words(frag: torch.Tensor) -> torch.Tensor:
+    """Fragment words ``[S, KS, 32 lanes, 4]`` -> the wgmma kernel's order ``[S, KS / 8, 4
+    warps, 2 halves, 32 lanes, 4]``: the same words, those warp ``w`` of a warpgroup unpacks
+    (word ``w`` of each lane: rows ``16 w + g`` and ``16 w + 8 + g`` of the slab, the wgmma A
+    fragment of that warp) brought together, four steps (``4 h .. 4 h + 3``) per 16 bytes."""
+    s, ks = frag.shape[:2]
+    return frag.reshape(s, ks // 8, 2, 4, 32, 4).permute(0, 1, 5, 2, 4, 3).contiguous()
+
+
+def unwgmma_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`wgmma_words`."""
+    s, groups = words.shape[:2]
+    return words.permute(0, 1, 3, 5, 4, 2).reshape(s, groups * 8, 32, 4).contiguous()
+
+
+def repack_w4(qw: QuantizedWeight, layout: str = "frag") -> FragWeight:
+    """The ``layout`` ("frag" or "wgmma") copy of an int4 g128 ``QuantizedWeight``."""
+    if not (qw.scheme.weight_format == "int" and qw.scheme.weight_bits == 4 and qw.scheme.group_size == PACK_K):
+        raise ValueError(f"fragment layout needs int4 weights with group 128, got {qw.scheme.name}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown w4 layout {layout!r}; one of {LAYOUTS}")
+    n = qw.shape[0]
+    np_ = -(-n // SLAB) * SLAB
+    frag = repack_codes(ref.unpack_4bit(qw.qdata))
+    if layout == "wgmma":
+        frag = wgmma_words(frag)
+    scales = torch.zeros(qw.scales.shape[1], np_, dtype=torch.float32, device=qw.device)
+    scales[:, :n] = qw.scales.t()
+    negz = None
+    if qw.zeros is not None:
+        bits = (0xC300 | qw.zeros.to(torch.int64)) * 0x10001  # bf16x2 of -(128 + z), both halves
+        nz = torch.full((qw.zeros.shape[1], np_), 0xC308C308, dtype=torch.int64, device=qw.device)
+        nz[:, :n] = bits.t()
+        negz = _as_u32(nz)
+    return FragWeight(frag, scales, negz)
+
+
+def _versions(qw: QuantizedWeight) -> tuple:
+    return (qw.qdata._version, qw.scales._version, None if qw.zeros is None else qw.zeros._version)
+
+
+class _Entry(NamedTuple):
+    source: weakref.ref  # the qdata tensor the copy was made from
+    versions: tuple
+    copy: FragWeight
+
+
+class RepackCache:
+    """The repacked copies of one weight, per layout, owned by the module that owns the weight
+    (``QuantLinear``, ``QATLinear``, the engine's fused projections).
+
+    A copy is made at first use and rebuilt when the weight's tensors changed (a different
+    ``qdata`` tensor, or a new version of one of them). A rebuild writes into the old copy's
+    storage when the shapes agree, so CUDA graphs captured over it see the new weights; it
+    cannot run inside capture. After an in-place load, call :meth:`refresh` eagerly."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+
+    # copies of the owning module start empty: the layouts are rebuilt from its weight at first use
+    def __getstate__(self) -> dict:
+        return {"_entries": {}}
+
+    def __deepcopy__(self, memo) -> "RepackCache":
+        return RepackCache()
+
+    def _matches(self, e: _Entry, qw: QuantizedWeight) -> bool:
+        return e.source() is qw.qdata and e.versions == _versions(qw)
+
+    def get(self, qw: QuantizedWeight, layout: str = "frag") -> FragWeight:
+        e = self._entries.get(layout)
+        if e is not None and self._matches(e, qw):
+            return e.copy
+        if qw.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the w4 {layout} layout is first needed (or stale) inside CUDA-graph capture; "
+                               "run the same forward eagerly once before capturing")
+        # normal tensors even when first built under inference_mode (the engine generates in
+        # it), so that later in-place loads outside it can refresh them
+        with torch.inference_mode(False), torch.no_grad():
+            fresh = repack_w4(qw, layout)
+            if e is not None and all((a is None) == (b is None) and (a is None or (a.shape == b.shape and a.device == b.device))
+                                     for a, b in zip(e.copy, fresh)):
+                for a, b in zip(e.copy, fresh):
+                    if a is not None:
+                        a.copy_(b)
+                fresh = e.copy
+        self._entries[layout] = _Entry(weakref.ref(qw.qdata), _versions(qw), fresh)
+        return fresh
+
+    def layouts(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def is_fresh(self, qw: QuantizedWeight) -> bool:
+        """No copy, or only ones made from ``qw``'s current contents."""
+        return all(self._matches(e, qw) for e in self._entries.values())
+
+    def refresh(self, qw: QuantizedWeight, rows: tuple[int, int] | None = None) -> None:
+        """Rebuild the copies that exist (after an in-place write into ``qw``).
+
+        With ``rows = (start, stop)`` only the 64-row slabs covering those output rows are
+        repacked (a fused q/k/v weight loading one of its parts); the caller guarantees the
+        rest of each copy was fresh before the write."""
+        for layout, e in list(self._entries.items()):
+            if rows is None or e.source() is not qw.qdata:
+                self.get(qw, layout)
+                continue
+            s0, s1 = rows[0] // SLAB, -(-rows[1] // SLAB)
+            a, b = s0 * SLAB, min(s1 * SLAB, qw.shape[0])
+            sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]), **{f: t[a:b] for f, t in qw.tensors().items()})
+            fw = e.copy
+            with torch.inference_mode(False), torch.no_grad():
+                part = repack_w4(sub, layout)
+                fw.qdata[s0:s1].copy_(part.qdata)
+                fw.scales[:, a:b].copy_(part.scales[:, : b - a])
+                if fw.negz is not None:
+                    fw.negz[:, a:b].copy_(part.negz[:, : b - a])
+            self._entries[layout] = _Entry(e.source, _versions(qw), fw)

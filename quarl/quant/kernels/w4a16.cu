@@ -1,0 +1,859 @@
+// W4A16 CUDA kernels (int4, groups of 128, bf16 activations): w4a16_frag (M <= 16),
+// w4a16_tile (M <= 64) and, on sm_90a, w4a16_wgmma / w4a16_wgmma_cluster (M <= 64). They read
+// the fragment-ordered weight of quarl/quant/kernels/w4_layout.py; launched by cuda_w4.py,
+// which compiles this file with NVRTC at first use.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 lop_q(u32 a) {  // (a & 0x000F000F) | 0x43004300: bf16x2 128 + code
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(0x000F000Fu), "r"(0x43004300u));
+  return r;
+}
+__device__ __forceinline__ u32 sub_z(u32 a, u32 negz) {  // (128 + u) - (128 + z), exact
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(negz));
+  return r;
+}
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+// 16 bytes global -> shared, bypassing L1; bytes past `valid` (0..16) are zero-filled
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N_>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N_)); }
+__device__ __forceinline__ void sts128_zero(u32 addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};" :: "r"(addr), "r"(0u));
+}
+// this thread's 16-byte weight chunks for a block of S slabs (chunk i: c = tid + i NTH, slab
+// c / 256, byte 16 (c % 256) of the slab's 4 KB per group): group-0 source, ring offset from
+// `base`, and whether the chunk is the thread's and its slab exists
+template <int C, int NTH, int S>
+__device__ __forceinline__ void weight_chunks(const u32* wq, int tid, int cb, int nslabs, int G, u32 base,
+                                              const unsigned char* (&src)[C], u32 (&dst)[C], bool (&ok)[C]) {
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    const int c = tid + i * NTH, s = c >> 8, off = c & 255, sl = cb * S + s;
+    ok[i] = c < S * 256 && sl < nslabs;
+    src[i] = reinterpret_cast<const unsigned char*>(wq) + (ok[i] ? ((size_t)sl * G * 4096 + off * 16) : 0);
+    dst[i] = base + s * 4096 + off * 16;
+  }
+}
+// activation chunks this thread never copies (col < 0: rows >= M) zeroed once in all ST
+// slots (chunk i is the thread's if tid + i NTH < limit)
+template <int C, int NTH, int ST>
+__device__ __forceinline__ void zero_skipped_chunks(u32 ring, u32 stage, int tid, int limit, const u32 (&dst)[C], const int (&col)[C]) {
+#pragma unroll
+  for (int i = 0; i < C; ++i)
+    if (tid + i * NTH < limit && col[i] < 0)
+      for (int p = 0; p < ST; ++p) sts128_zero(ring + p * stage + dst[i]);
+}
+__device__ __forceinline__ void lds128(u32* r, u32 addr) {
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix4(u32* r, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ float ldcg_f(const float* p) {  // other blocks' partials: skip L1
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// grid (Np / 64, split), block NW warps. Block (s, sp) owns the 64 output columns of slab s
+// and groups [sp * gpb, (sp + 1) * gpb); its warps take contiguous shares of those groups
+// and are summed in shared memory at the end.
+// Each warp streams its steps (16 columns of K) through its own ring of ST slots in shared
+// memory with cp.async (no register ring: a deep register prefetch runs out of the SM's
+// load scoreboards and of registers). Slot layout, 1 KB: the weight
+// fragments (lane L's 16 bytes at 16 L, read back by the same lane), then the activation
+// tile as [2 column halves][16 rows][8 columns] bf16, so that lane L copies row L % 16,
+// half L / 16 to 16 L and ldmatrix.x4 with lane L pointing at 16 L yields the mma A
+// fragment. Rows >= M and columns >= K are zero-filled by cp.async.
+template <int NW, bool ASYM, int ST>
+__global__ void __launch_bounds__(NW * 32) w4a16_frag(
+    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
+    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
+    float* __restrict__ part, int* __restrict__ counters,
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+  constexpr int RING = NW * ST * 1024, RED = NW * 16 * 65 * 4;
+  __shared__ __align__(128) unsigned char smem[RING > RED ? RING : RED];
+  __shared__ int last_flag;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int slab = blockIdx.x, sp = blockIdx.y;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, gb1 = min(G, gb0 + gpb);
+  const int gpw = (gb1 - gb0 + NW - 1) / NW;
+  const int wg0 = min(gb1, gb0 + warp * gpw), wg1 = min(gb1, wg0 + gpw);
+  const int nsteps = (wg1 - wg0) * 8;
+  const int kk0 = wg0 * 8;
+  const size_t KS = (size_t)G * 8;
+  const u32* wp = wq + (((size_t)slab * KS + kk0) * 32 + lane) * 4;
+  const u32 ring = smem_addr(smem) + warp * ST * 1024;
+  // this lane's activation copy: row lane % 16, columns 8 * (lane / 16) .. + 7 of each step
+  const int xrow = lane & 15, xhalf = lane >> 4;
+  const u16* xp = x + (size_t)(xrow < M ? xrow : 0) * ldx + kk0 * 16 + 8 * xhalf;
+  const int xcol0 = kk0 * 16 + 8 * xhalf;
+
+  auto issue = [&](int step, int slot) {
+    const u32 base = ring + slot * 1024 + 16 * lane;
+    cp_async16(base, wp + (size_t)step * 128, 16);
+    const int left = K - (xcol0 + step * 16);
+    const int valid = xrow < M ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
+    cp_async16(base + 512, valid ? xp + step * 16 : x, valid);
+  };
+
+  float acc[8][4];
+  float tmp[8][4];
+  float sc[8][2];
+  u32 nz[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (p < nsteps) issue(p, p);
+    cp_commit();
+  }
+  for (int s0 = 0; s0 < nsteps; s0 += 8) {
+    const int grp = wg0 + (s0 >> 3);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float* sp_ = scales + (size_t)grp * Np + n0 + 8 * j + 2 * t;
+      sc[j][0] = sp_[0];
+      sc[j][1] = sp_[1];
+      nz[j] = ASYM ? negz[(size_t)grp * Np + n0 + 8 * j + g] : 0xC308C308u;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) tmp[j][c] = 0.f;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const int step = s0 + p, slot = p % ST;  // s0 % ST == 0 (ST divides 8)
+      cp_wait<ST - 2>();
+      __syncwarp();
+      u32 b[4], a[4];
+      lds128(b, ring + slot * 1024 + 16 * lane);
+      ldmatrix4(a, ring + slot * 1024 + 512 + 16 * lane);
+      // refill the slot read one step ago (all lanes are past it: __syncwarp above)
+      if (step + ST - 1 < nsteps) issue(step + ST - 1, (p + ST - 1) % ST);
+      cp_commit();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 w = b[i];
+        const u32 q0 = lop_q(w), q1 = lop_q(w >> 4), q2 = lop_q(w >> 8), q3 = lop_q(w >> 12);
+        mma16816(tmp[2 * i], a, sub_z(q0, nz[2 * i]), sub_z(q1, nz[2 * i]));
+        mma16816(tmp[2 * i + 1], a, sub_z(q2, nz[2 * i + 1]), sub_z(q3, nz[2 * i + 1]));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] += tmp[j][0] * sc[j][0];
+      acc[j][1] += tmp[j][1] * sc[j][1];
+      acc[j][2] += tmp[j][2] * sc[j][0];
+      acc[j][3] += tmp[j][3] * sc[j][1];
+    }
+  }
+  cp_wait<0>();
+  __syncthreads();  // the ring becomes the reduction buffer
+
+  // sum the warps: fragment (row g / g + 8, cols 8j + 2t, +1) -> red[warp][row][col]
+  float (*red)[16][65] = reinterpret_cast<float (*)[16][65]>(smem);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    red[warp][g][8 * j + 2 * t] = acc[j][0];
+    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+  const int rows = min(M, 16);
+  if (split == 1) {
+    for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+      const int r = e >> 6, c = e & 63, n = n0 + c;
+      if (n >= N) continue;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += red[w][r][c];
+      if (has_bias) v += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(v);
+    }
+    return;
+  }
+  // split-K: store this split's partial, the last block to arrive sums all in split order
+  for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+    const int r = e >> 6, c = e & 63, n = n0 + c;
+    if (n >= N) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) v += red[w][r][c];
+    part[((size_t)sp * M + r) * N + n] = v;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_flag = atomicAdd(counters + slab, 1) == split - 1;
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < rows * 64; e += NW * 32) {
+    const int r = e >> 6, c = e & 63, n = n0 + c;
+    if (n >= N) continue;
+    // issue 8 loads before adding (in-order issue would otherwise wait for each), sum in
+    // split order
+    float v = 0.f;
+    for (int s = 0; s < split; s += 8) {
+      float pv[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) pv[u] = s + u < split ? ldcg_f(part + ((size_t)(s + u) * M + r) * N + n) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v += pv[u];
+    }
+    if (has_bias) v += from_bf16(bias[n]);
+    out[(size_t)r * ldo + n] = to_bf16(v);
+  }
+  if (threadIdx.x == 0) atomicExch(counters + slab, 0);
+}
+
+// Split-K, after this block stored its partial sums in part[sp]: the last block to arrive for
+// column block cb sums the splits in split order (+ bias) into out's columns c0 .. c0 + cols - 1
+// (cols <= CMAX) and resets the counter. One fence, by thread 0 after the block barrier (the
+// release / acquire pattern of CUTLASS's semaphores), not one per thread. Each thread owns
+// 4 (row, V-column) items per round, V = 4 when N % 4 == 0 (16-byte loads), and issues the
+// loads of 4 splits of all 4 before adding them (in split order).
+__device__ __forceinline__ float4 ldcg_f4(const float* p) {
+  float4 r;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+  return r;
+}
+// out[r][n .. n + V - 1] = bf16(v + bias) for the columns < N; V = 4: one 8-byte store when
+// all 4 columns are in range and the address is 8-byte aligned
+template <int V>
+__device__ __forceinline__ void store_out(u16* out, int ldo, int r, int n, int N, const float* v, const u16* bias, int has_bias) {
+  u16 h[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) h[e] = to_bf16(v[e] + (has_bias && n + e < N ? from_bf16(bias[n + e]) : 0.f));
+  u16* dst = out + (size_t)r * ldo + n;
+  if (V == 4 && n + 4 <= N && ((ldo | n) & 3) == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      if (n + e < N) dst[e] = h[e];
+  }
+}
+template <int NTH, int CQ, int V>
+__device__ __forceinline__ void splitk_sum(
+    const float* part, u16* out, const u16* bias, int c0, int cols, int M, int N, int ldo, int split, int has_bias) {
+  const int tid = threadIdx.x, total = M * CQ;
+  const size_t stride = (size_t)M * N;
+  for (int i0 = 0; i0 < total; i0 += 4 * NTH) {
+    size_t off[4];
+    bool ok[4];
+    float v[4][V];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + tid + u * NTH, r = i / CQ, q = i % CQ;
+      ok[u] = i < total && q * V < cols;
+      off[u] = ok[u] ? (size_t)r * N + c0 + q * V : 0;
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[u][e] = 0.f;
+    }
+    for (int s = 0; s < split; s += 4) {
+      float pv[4][4][V];
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const bool live = ok[u] && s + d < split;
+          const float* p = part + off[u] + (size_t)(s + d) * stride;
+          if constexpr (V == 4) {
+            const float4 t = live ? ldcg_f4(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+            pv[d][u][0] = t.x; pv[d][u][1] = t.y; pv[d][u][2] = t.z; pv[d][u][3] = t.w;
+          } else {
+            pv[d][u][0] = live ? ldcg_f(p) : 0.f;
+          }
+        }
+#pragma unroll
+      for (int d = 0; d < 4; ++d)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int e = 0; e < V; ++e) v[u][e] += pv[d][u][e];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (!ok[u]) continue;
+      const int i = i0 + tid + u * NTH;
+      store_out<V>(out, ldo, i / CQ, c0 + (i % CQ) * V, N, v[u], bias, has_bias);
+    }
+  }
+}
+template <int NTH, int CMAX>
+__device__ __forceinline__ void splitk_finish(
+    const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
+    int M, int N, int ldo, int split, int has_bias) {
+  __shared__ int last_flag;
+  const int tid = threadIdx.x;
+  __syncthreads();  // every thread's partial stores ...
+  if (tid == 0) {
+    __threadfence();  // ... made visible at GPU scope before the arrival
+    const int last = atomicAdd(counters + cb, 1) == split - 1;
+    if (last) __threadfence();  // the other blocks' partials seen before this block reads them
+    last_flag = last;
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  if ((N & 3) == 0 && (ldo & 3) == 0)  // 16-byte partial loads, 8-byte output stores
+    splitk_sum<NTH, CMAX / 4, 4>(part, out, bias, c0, cols, M, N, ldo, split, has_bias);
+  else
+    splitk_sum<NTH, CMAX, 1>(part, out, bias, c0, cols, M, N, ldo, split, has_bias);
+  if (tid == 0) atomicExch(counters + cb, 0);
+}
+
+// The block-tiled variant for 16 < M <= 64 (and small M where it wins): the block's warps
+// share one activation tile per stage instead of each copying its own.
+// grid (ceil(Np / (64 SW)), split), block NW = SW x (8 / NT) x WM warps. Block (cb, sp) owns
+// slabs cb * SW .. + SW - 1 and groups [sp * gpb, (sp + 1) * gpb). Warp (ws, wh, wm) computes
+// n8 tiles wh * NT .. + NT - 1 of slab ws (words wh * NT / 2 .. of each lane's 16 bytes) for
+// m16 tiles wm * MT .. + MT - 1 over all of the block's groups, so no reduction inside the
+// block. One ring slot (dynamic shared memory) holds one group (128 columns of K): the SW
+// slabs' fragments, 4 KB each, as they lie in global memory, then the activation tile as
+// [MT * WM m16 tiles][8 steps][2 column halves][16 rows][8 columns] bf16, so ldmatrix.x4 with
+// lane L at 16 L of a (tile, step) yields its A fragment. All threads copy with cp.async
+// (rows >= M, columns >= K and slabs >= Np / 64 zero-filled); one barrier per group.
+template <int SW, int NT, int MT, int WM, int ST, bool ASYM>
+__global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW * (8 / NT) * WM <= 8) ? 2 : 1) w4a16_tile(
+    const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,
+    const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,
+    float* __restrict__ part, int* __restrict__ counters,
+    int M, int N, int K, int ldx, int ldo, int Np, int G, int gpb, int split, int has_bias) {
+  constexpr int WH = 8 / NT, NWD = NT / 2, NTH = SW * WH * WM * 32, MTOT = MT * WM;
+  // slot: weights | activations | scales (SW x 64 fp32) | zero points (SW x 64 u32, ASYM)
+  constexpr int WBYTES = SW * 4096, SBYTES = WBYTES + MTOT * 4096, STAGE = SBYTES + SW * 256 * (ASYM ? 2 : 1);
+  extern __shared__ __align__(128) unsigned char dsmem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp % WM, wh = (warp / WM) % WH, ws = warp / (WM * WH);
+  const int cb = blockIdx.x, sp = blockIdx.y;
+  const int nslabs = Np >> 6;
+  const int slab = cb * SW + ws;
+  const bool live = slab < nslabs;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, ngroups = min(G, gb0 + gpb) - gb0;
+  const size_t KS = (size_t)G * 8;
+  const u32 ring = smem_addr(dsmem);
+
+  // this thread's copies, fixed but for the group: CW weight chunks and CA activation chunks
+  // of 16 bytes (chunk c = tid + i * NTH); offsets in bytes from the group's first byte
+  constexpr int CW = (SW * 256 + NTH - 1) / NTH, CA = (MTOT * 256 + NTH - 1) / NTH;
+  constexpr int CS = (SW * 16 * (ASYM ? 2 : 1) + NTH - 1) / NTH;
+  const unsigned char* wsrc[CW];
+  u32 wdst[CW];
+  bool wok[CW];
+  weight_chunks<CW, NTH, SW>(wq, tid, cb, nslabs, G, 0, wsrc, wdst, wok);
+  const unsigned char* asrc[CA];
+  u32 adst[CA];
+  int acol[CA];  // first column of the chunk in group 0; -1: nothing to copy (row >= M)
+#pragma unroll
+  for (int i = 0; i < CA; ++i) {
+    const int c = tid + i * NTH, r = c >> 4, q = c & 15;
+    const bool ok = c < MTOT * 256 && r < M;
+    acol[i] = ok ? q * 8 : -1;
+    asrc[i] = reinterpret_cast<const unsigned char*>(x) + (ok ? ((size_t)r * ldx + q * 8) * 2 : 0);
+    adst[i] = c < MTOT * 256 ? WBYTES + ((((r >> 4) * 8 + (q >> 1)) * 2 + (q & 1)) * 16 + (r & 15)) * 16 : 0;
+  }
+
+  // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
+  // (the first group's __syncthreads orders these stores before any ldmatrix)
+  zero_skipped_chunks<CA, NTH, ST>(ring, STAGE, tid, MTOT * 256, adst, acol);
+
+  auto issue = [&](int grp, int slot) {
+    const u32 sbase = ring + slot * STAGE;
+#pragma unroll
+    for (int i = 0; i < CW; ++i)  // a slab's group: 4 KB at slab * KS * 512 + grp * 4096
+      if (tid + i * NTH < SW * 256) cp_async16(sbase + wdst[i], wsrc[i] + (wok[i] ? (size_t)grp * 4096 : 0), wok[i] ? 16 : 0);
+#pragma unroll
+    for (int i = 0; i < CA; ++i) {
+      if (tid + i * NTH >= MTOT * 256 || acol[i] < 0) continue;
+      const int left = K - grp * 128 - acol[i];
+      if (left >= 8) cp_async16(sbase + adst[i], asrc[i] + (size_t)grp * 256, 16);
+      else cp_async16(sbase + adst[i], left > 0 ? asrc[i] + (size_t)grp * 256 : asrc[i], left > 0 ? 2 * left : 0);
+    }
+    // the group's scales (and zero points) of the block's slabs: 16 chunks of 16 bytes each
+#pragma unroll
+    for (int i = 0; i < CS; ++i) {
+      const int c = tid + i * NTH;
+      if (c >= SW * 16 * (ASYM ? 2 : 1)) continue;
+      const int zp = c >= SW * 16, cc = c - zp * SW * 16, sl = cb * SW + (cc >> 4);
+      const bool ok = sl < nslabs;
+      const void* src = zp ? (const void*)(negz + (size_t)grp * Np + sl * 64 + (cc & 15) * 4)
+                           : (const void*)(scales + (size_t)grp * Np + sl * 64 + (cc & 15) * 4);
+      cp_async16(sbase + SBYTES + c * 16, ok ? src : (const void*)scales, ok ? 16 : 0);
+    }
+  };
+
+  float acc[MT][NT][4];
+  float tmp[MT][NT][4];
+  float sc[NT][2];
+  u32 nz[NT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][j][c] = 0.f;
+
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (p < ngroups) issue(gb0 + p, p);
+    cp_commit();
+  }
+  for (int gi = 0; gi < ngroups; ++gi) {
+    cp_wait<ST - 2>();
+    __syncthreads();  // group gi landed for every thread; all are past the slot of gi - 1
+    if (gi + ST - 1 < ngroups) issue(gb0 + gi + ST - 1, (gi + ST - 1) % ST);
+    cp_commit();
+    const int grp = gb0 + gi;
+    const u32 sbase = ring + (gi % ST) * STAGE;
+#pragma unroll
+    for (int jl = 0; jl < NT; ++jl) {
+      const u32 col = ws * 64 + 8 * (wh * NT + jl);
+      asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(sc[jl][0]), "=f"(sc[jl][1]) : "r"(sbase + SBYTES + 4 * (col + 2 * t)));
+      if constexpr (ASYM) {
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(nz[jl]) : "r"(sbase + SBYTES + SW * 256 + 4 * (col + g)));
+      } else {
+        nz[jl] = 0xC308C308u;
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tmp[mt][j][c] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      u32 b[NWD], a[MT][4];
+      const u32 waddr = sbase + ws * 4096 + s * 512 + 16 * lane + 4 * NWD * wh;
+      if constexpr (NWD == 4) {
+        lds128(b, waddr);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NWD; ++i) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(b[i]) : "r"(waddr + 4 * i));
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldmatrix4(a[mt], sbase + WBYTES + (((wm * MT + mt) * 8 + s) * 2) * 256 + 16 * lane);
+#pragma unroll
+      for (int i = 0; i < NWD; ++i) {
+        const u32 w = b[i];
+        const u32 b0 = sub_z(lop_q(w), nz[2 * i]), b1 = sub_z(lop_q(w >> 4), nz[2 * i]);
+        const u32 b2 = sub_z(lop_q(w >> 8), nz[2 * i + 1]), b3 = sub_z(lop_q(w >> 12), nz[2 * i + 1]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(tmp[mt][2 * i], a[mt], b0, b1);
+          mma16816(tmp[mt][2 * i + 1], a[mt], b2, b3);
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[mt][j][0] += tmp[mt][j][0] * sc[j][0];
+        acc[mt][j][1] += tmp[mt][j][1] * sc[j][1];
+        acc[mt][j][2] += tmp[mt][j][2] * sc[j][0];
+        acc[mt][j][3] += tmp[mt][j][3] * sc[j][1];
+      }
+  }
+  cp_wait<0>();
+
+  // fragment element (mt, j, c): row (wm * MT + mt) * 16 + g + 8 (c >> 1), column n0 + 8 (wh NT + j) + 2 t + (c & 1)
+  if (split == 1) {
+    if (!live) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = (wm * MT + mt) * 16 + g + 8 * (c >> 1), n = n0 + 8 * (wh * NT + j) + 2 * t + (c & 1);
+          if (r >= M || n >= N) continue;
+          float v = acc[mt][j][c];
+          if (has_bias) v += from_bf16(bias[n]);
+          out[(size_t)r * ldo + n] = to_bf16(v);
+        }
+    return;
+  }
+  // split-K: store this split's partial, the last block to arrive sums all in split order
+  if (live) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = (wm * MT + mt) * 16 + g + 8 * (c >> 1), n = n0 + 8 * (wh * NT + j) + 2 * t + (c & 1);
+          if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[mt][j][c];
+        }
+  }
+  splitk_finish<NTH, SW * 64>(part, out, bias, counters, cb, cb * SW * 64, min(SW * 64, N - cb * SW * 64), M, N, ldo, split, has_bias);
+}
+
+// ----------------------------------------------------------------------------- wgmma (sm90a)
+// W4A16 for 8 < M <= 64 on Hopper: the dequantized weight is the register A operand of
+// wgmma.m64nNk16 (64 weight rows per warpgroup on the MMA's M side), the activation tile
+// (N = NTOK tokens) the B operand, read by the tensor cores straight from shared memory.
+// grid (ceil(Np / (64 NWG)), split), block NWG warpgroups. Block (cb, sp) owns slabs cb * NWG ..
+// + NWG - 1 (one per warpgroup) and groups [sp * gpb, (sp + 1) * gpb). A ring slot (dynamic
+// shared memory, 1024-aligned) holds one group: the activation tile as two 64-column atoms
+// of NTOK rows x 128 bytes in the 128-byte swizzled K-major layout wgmma reads (16-byte chunk
+// c of row r at r * 128 + ((c ^ (r % 8)) << 4)), then the slabs' weight words
+// ([warp][half][lane][4 words], word i of half h = step 4 h + i, see wgmma_words), filled by
+// all threads with cp.async (rows >= M and columns >= K zero-filled); one barrier per group.
+// Per group each warpgroup unpacks its 8 steps (4 registers each) and issues 8 wgmmas into a
+// fresh fp32 tile; while they run it adds the previous group's tile, scaled by that group's
+// scale, to the accumulator (two tiles in turn; the numerics of w4a16_frag). Slots are
+// refilled two groups behind (ST >= 3), once the wgmmas that read them are done. SINGLE: one
+// tile, waited for before each fold (~126 registers: up to 4 warpgroups per SM), slots refilled
+// one group behind.
+__device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
+  // K-major operand, 128-byte swizzle, 8-row core groups 1024 bytes apart
+  return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
+__device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
+//WGMMA_WRAPPERS//
+// Timing probes, compiled only with -DW4_TRACE (bench/w4_trace.py): thread 0 of each block
+// stores %globaltimer and %clock64 at point i (0 entry, 1 first group landed, 2 main loop done,
+// 3 partials stored, 4 split-K finish done) and its SM in trace[block * 12 + ...].
+#ifdef W4_TRACE
+__device__ __forceinline__ void w4_trace_at(unsigned long long* tr, int i) {
+  unsigned long long gt, ck;
+  u32 sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(ck));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  tr += (size_t)blockIdx.x * 12;
+  tr[i] = gt;
+  tr[5 + i] = ck;
+  tr[10] = sm;
+}
+#define W4_TRACE_AT(i) do { if (threadIdx.x == 0) w4_trace_at(trace, (i)); } while (0)
+#else
+#define W4_TRACE_AT(i) do { } while (0)
+#endif
+
+// Cluster variant (CS > 0, 2..8; __cluster_dims__(CS)): the CS K splits of one column
+// block are the CS blocks of one thread-block cluster (block b: column block b / CS, split
+// b % CS) and are summed through distributed shared memory instead of global partials:
+// each block stores its fp32 tile in its own shared memory, one cluster barrier, then block
+// r sums its share of the (token, 4-column) items over the CS tiles in split order (the
+// numerics of splitk_sum, bit for bit), a second barrier keeps the tiles alive until all
+// are read. No partials buffer, no arrival counter, no fences through L2.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
+  u32 remote;
+  float4 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(remote) : "memory");
+  return r;
+}
+
+#ifdef W4_TRACE
+#define W4_TRACE_PARAM , unsigned long long* __restrict__ trace
+#define W4_TRACE_ARG , trace
+#else
+#define W4_TRACE_PARAM
+#define W4_TRACE_ARG
+#endif
+#define W4_WGMMA_PARAMS                                                                       \
+  const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,    \
+      const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,      \
+      float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, int ldx,     \
+      int ldo, int Np, int G, int gpb, int split, int has_bias, int whole W4_TRACE_PARAM
+#define W4_WGMMA_ARGS \
+  x, wq, scales, negz, bias, out, part, counters, M, N, K, ldx, ldo, Np, G, gpb, split, has_bias, whole W4_TRACE_ARG
+
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS>
+__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
+  constexpr int NTH = NWG * 128, NACC = NTOK / 2;
+  W4_TRACE_AT(0);
+  // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
+  // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
+  constexpr int LA = SINGLE ? ST - 1 : ST - 2;
+  constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
+  extern __shared__ unsigned char dsmem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int g = lane >> 2, t = lane & 3;
+  const int nslabs = Np >> 6;
+  // block -> (column block, K split): the first `whole` blocks take one column block each
+  // over all of K; the others split the remaining column blocks' K `split` ways (gpb groups
+  // each), the blocks of one split `tcols` apart (whole = 0: every column block split)
+  const int tcols = (nslabs + NWG - 1) / NWG - whole, tb = (int)blockIdx.x - whole;
+  const bool whole_blk = CS == 0 && tb < 0;
+  const int cb = CS ? blockIdx.x / CS : (whole_blk ? blockIdx.x : whole + tb % tcols);
+  const int sp = CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols);
+  const int nsplit = CS ? CS : (whole_blk ? 1 : split);
+  const int slab = cb * NWG + wg;
+  const bool live = slab < nslabs;
+  const int n0 = slab * 64;
+  const int gb0 = sp * gpb, ngroups = whole_blk ? G : min(G, gb0 + gpb) - gb0;
+  const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
+
+  // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight
+  // chunks, as 32-bit byte offsets from x / wq (one 64-bit base per group: fewer registers
+  // and address instructions than a pointer per chunk; launch checks both fit)
+  constexpr int CX = (NTOK * 16 + NTH - 1) / NTH, CW = (NWG * 256 + NTH - 1) / NTH;
+  u32 xsrc[CX], xdst[CX];
+  int xcol[CX];  // first column in group 0; -1: zero-fill only (row >= M) or no chunk
+#pragma unroll
+  for (int i = 0; i < CX; ++i) {
+    const int c = tid + i * NTH, r = c >> 4, q = c & 15;
+    const bool ok = c < NTOK * 16 && r < M;
+    xcol[i] = ok ? q * 8 : -1;
+    xsrc[i] = ok ? ((u32)r * ldx + q * 8) * 2 : 0;
+    xdst[i] = (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
+  }
+  u32 wsrc[CW], wdst[CW];
+  bool wok[CW];
+#pragma unroll
+  for (int i = 0; i < CW; ++i) {
+    const int c = tid + i * NTH, s = c >> 8, off = c & 255, sl = cb * NWG + s;
+    wok[i] = c < NWG * 256 && sl < nslabs;
+    wsrc[i] = wok[i] ? (u32)sl * G * 4096 + off * 16 : 0;
+    wdst[i] = XBYTES + s * 4096 + off * 16;
+  }
+  // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
+  // (the first group's barrier orders these stores before any wgmma reads them)
+  zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
+  auto issue = [&](int grp, int slot) {
+    const u32 sbase = ring + slot * STAGE;
+    const unsigned char* xg = reinterpret_cast<const unsigned char*>(x) + (size_t)grp * 256;
+    const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
+    if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
+#pragma unroll
+      for (int i = 0; i < CX; ++i)
+        if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xg + xsrc[i], 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < CX; ++i) {
+        if (tid + i * NTH >= NTOK * 16 || xcol[i] < 0) continue;
+        const int left = K - grp * 128 - xcol[i];
+        const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+        cp_async16(sbase + xdst[i], valid ? xg + xsrc[i] : reinterpret_cast<const unsigned char*>(x), valid);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < CW; ++i)
+      if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wg + wsrc[i], 16);
+  };
+
+  // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
+  // write would make the compiler copy them between wgmma and wait (ptxas then serializes)
+  float acc[NACC], t0[NACC], t1[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  u32 a0[8][4], a1[8][4];
+  float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;  // scales of the group in t0 / t1
+  const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
+  const size_t srow = live ? (size_t)row0 : 0;
+
+  // Group gi: wait for its slot, refill the slot of gi + LA - ST (gi - 2, or gi - 1 in the
+  // single-tile loop: its wgmmas finished before the barrier, every warpgroup waited for
+  // them), unpack the 8 steps into `a` and issue their wgmmas into `tmp` (the double-buffered
+  // loop folds gi - 1 meanwhile).
+  auto ld_scales = [&](int gi, float& s0, float& s1) {
+    s0 = scales[(size_t)(gb0 + gi) * Np + srow];
+    s1 = scales[(size_t)(gb0 + gi) * Np + srow + 8];
+  };
+  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC]) {
+    const int grp = gb0 + gi;
+    const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
+    const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
+    cp_wait<LA - 1>();
+    proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
+    __syncthreads();
+    if (gi == 0) W4_TRACE_AT(1);
+    if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
+    cp_commit();
+    const u32 sbase = ring + (gi % ST) * STAGE;
+    u32 w[8];
+    lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
+    lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      a[s][0] = sub_z(lop_q(w[s]), z0);         // row g,     columns 2t, 2t + 1
+      a[s][1] = sub_z(lop_q(w[s] >> 8), z1);    // row g + 8
+      a[s][2] = sub_z(lop_q(w[s] >> 4), z0);    // row g,     columns 2t + 8, 2t + 9
+      a[s][3] = sub_z(lop_q(w[s] >> 12), z1);   // row g + 8
+    }
+    wg_fence();
+    const unsigned long long d0 = desc_sw128(sbase);  // + (byte offset >> 4): the start address field
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+      wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
+    wg_commit();
+  };
+  // after the wait for its wgmmas: acc += tmp x the group scale of each row; `a` stays
+  // live (and unmodified) until here, as wgmma reads registers asynchronously
+  auto fold = [&](u32 (&a)[8][4], float (&tmp)[NACC], float s0, float s1) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) keep_f(tmp[i]);
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) keep_r(a[s][c]);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
+  };
+
+#pragma unroll
+  for (int p = 0; p < LA; ++p) {
+    if (p < ngroups) issue(gb0 + p, p);
+    cp_commit();
+  }
+  if (SINGLE) {
+    // one tile: wait for each group's wgmmas before folding it (about half the registers,
+    // so more blocks per SM hide the latency the double-buffered loop hides with ILP); the
+    // next group's scales are loaded a group ahead
+    ld_scales(0, s10, s11);
+    for (int gi = 0; gi < ngroups; ++gi) {
+      s00 = s10;
+      s01 = s11;
+      if (gi + 1 < ngroups) ld_scales(gi + 1, s10, s11);
+      stage(gi, a0, t0);
+      wg_wait0();
+      fold(a0, t0, s00, s01);
+    }
+  } else {
+  // steady state: stage one group, fold the one before (peeled so that every wait retires
+  // a known group: ptxas then keeps the wgmmas asynchronous)
+  ld_scales(0, s00, s01);
+  stage(0, a0, t0);  // (every block has >= 1 group)
+  int gi = 1;
+  for (; gi + 1 < ngroups; gi += 2) {
+    ld_scales(gi, s10, s11);
+    stage(gi, a1, t1);
+    wg_wait1();
+    fold(a0, t0, s00, s01);
+    ld_scales(gi + 1, s00, s01);
+    stage(gi + 1, a0, t0);
+    wg_wait1();
+    fold(a1, t1, s10, s11);
+  }
+  if (gi < ngroups) {
+    ld_scales(gi, s10, s11);
+    stage(gi, a1, t1);
+    wg_wait1();
+    fold(a0, t0, s00, s01);
+    wg_wait0();
+    fold(a1, t1, s10, s11);
+  } else {
+    wg_wait0();
+    fold(a0, t0, s00, s01);
+  }
+  }
+  cp_wait<0>();
+  W4_TRACE_AT(2);
+
+  // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
+  if constexpr (CS > 0) {
+    // tile [token][column] fp32, rows padded by 4 floats (no bank conflicts on the stores,
+    // 16-byte rows for the vector reads), in the ring (all wgmmas and copies are done)
+    constexpr int CW = NWG * 64 + 4;
+    static_assert(NTOK * CW * 4 <= ST * STAGE, "the reduction tile fits in the ring");
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(dsmem + (ring - smem_addr(dsmem)));
+    if (live) {
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const int c = wg * 64 + 16 * warp + g + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+        if (r < M) red[r * CW + c] = acc[i];
+      }
+    }
+    W4_TRACE_AT(3);
+    cluster_sync();
+    const int c0 = cb * NWG * 64, cols = min(NWG * 64, N - c0);
+    constexpr int CQ = NWG * 16;  // 4-column items per token row
+    const int total = M * CQ, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
+    for (int i = sp * per + tid; i < i1; i += NTH) {
+      const int r = i / CQ, q = i % CQ;
+      if (q * 4 >= cols) continue;
+      const u32 addr = ring + (u32)(r * CW + q * 4) * 4;
+      float4 p[CS];
+#pragma unroll
+      for (int s = 0; s < CS; ++s) p[s] = ld_cluster_f4(addr, s);
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int s = 0; s < CS; ++s) {
+        v[0] += p[s].x; v[1] += p[s].y; v[2] += p[s].z; v[3] += p[s].w;
+      }
+      store_out<4>(out, ldo, r, c0 + q * 4, N, v, bias, has_bias);
+    }
+    cluster_sync();  // the other blocks may still be reading this block's tile
+    W4_TRACE_AT(4);
+    return;
+  }
+  if constexpr (CS == 0) {
+  if (nsplit == 1) {
+    W4_TRACE_AT(3);
+    if (!live) return;
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (r >= M || n >= N) continue;
+      float v = acc[i];
+      if (has_bias) v += from_bf16(bias[n]);
+      out[(size_t)r * ldo + n] = to_bf16(v);
+    }
+    return;
+  }
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (r < M && n < N) part[((size_t)sp * M + r) * N + n] = acc[i];
+    }
+  }
+  W4_TRACE_AT(3);
+  splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
+  W4_TRACE_AT(4);
+  }
+}
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
+__global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0>(W4_WGMMA_ARGS);
+}
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, int CS>
+__global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS>(W4_WGMMA_ARGS);
+}

@@ -1,0 +1,99 @@
+"""The dispatch tables pick exactly what the branching config functions of c62667c picked.
+
+``data/dispatch_c62667c.json`` holds, for a grid of (M, N, K) and each GPU generation, the
+kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). No row was
+removed on purpose, so every case must match.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quarl.quant.kernels import dispatch
+from quarl.quant.kernels.dispatch import Plan
+
+DATA = json.loads((Path(__file__).parent / "data" / "dispatch_c62667c.json").read_text())
+OLD_TILE = DATA["fields"]["TileConfig"]
+# the old TileConfig's kernel name for each new plan kernel
+OLD_KERNEL = {"swap": "swapb", "dequant": "dequant", "tiled": "tiled", "pointer": "tiled", "w4a8": "tiled",
+              "tma": "tma", "cublas": "cublas", "gated": "tma"}
+
+
+def old_form(plan: Plan | None, fam: str):
+    """``plan`` as the capture wrote the old choice: [type, *fields]."""
+    if plan is None:
+        return None
+    cfg = plan.config
+    if plan.kernel in ("frag", "tile", "wgmma"):
+        return [type(cfg).__name__, *cfg]
+    if plan.kernel == "dequant" and fam == "wo":
+        return ["dequant"]
+    if cfg is None:
+        cfg = dispatch.TileConfig(0, 0)
+    fields = dict(cfg._asdict(), kernel=OLD_KERNEL[plan.kernel], cpi=1, words=False, ws=False)
+    return ["TileConfig", *(fields[f] for f in OLD_TILE)]
+
+
+FAMILY = {"w4": "w4a16", "wo": "weight_only", "fp8": "fp8", "int8": "int8", "w4a8": "w4a8",
+          "gated_fp8": "gated_fp8", "gated_int8": "gated_int8"}
+
+
+def _cases():
+    for gen, m, n, k, *idx in DATA["rows"]:
+        for fam, i in zip(DATA["families"], idx):
+            if i != -1:
+                yield gen, m, n, k, fam, None if i is None else DATA["configs"][i]
+
+
+def test_tables_match_the_old_dispatch():
+    bad, count = [], 0
+    for gen, m, n, k, fam, want in _cases():
+        count += 1
+        if fam == "act_quant":
+            got = list(dispatch.act_quant_plan(m, k))
+        else:
+            nn = 2 * n if fam.startswith("gated") else n  # the capture asked for a [gate; up] of 2 n rows
+            got = old_form(dispatch.lookup(FAMILY[fam], gen if fam == "w4" else "none", m, nn, k), fam)
+        if got != want:
+            bad.append((gen, m, n, k, fam, got, want))
+    assert count > 5000
+    assert not bad, f"{len(bad)} differ, e.g. {bad[:3]}"
+
+
+def test_every_generation_has_a_row_for_every_shape():
+    for fam in dispatch.TABLES:
+        for gen in dispatch.GENS:
+            for m in (1, 7, 64, 100, 3000):
+                dispatch.lookup(fam, gen, m, 4096, 12288)  # raises when no row matches
+
+
+def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
+    assert dispatch.lookup("w4a16", "sm90", 1, 4608, 3584).kernel == "wgmma"
+    assert dispatch.lookup("w4a16", "sm90", 64, 37888, 3584).config.nwg == 3
+    assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584) == dispatch.DEQUANT
+    for gen in ("sm80", "sm89"):
+        assert dispatch.lookup("w4a16", gen, 4, 4608, 3584).kernel == "frag"
+        assert dispatch.lookup("w4a16", gen, 8, 37888, 3584).kernel == "tile"
+        assert dispatch.lookup("w4a16", gen, 8, 4608, 3584).kernel == "swap"
+    assert {dispatch.lookup("w4a16", "none", m, 37888, 3584).kernel for m in (1, 8, 64)} == {"swap"}
+
+
+def test_overrides_replace_a_family_inside_the_block_only():
+    import torch
+
+    from quarl.quant import quantize_weight
+
+    qw = quantize_weight(torch.randn(64, 256), "w4a16")
+    forced = Plan("swap", dispatch.TileConfig(16, 32, split_k=2))
+    assert dispatch.pick(qw, 1, torch.device("cpu")) != forced
+    with dispatch.overrides(w4a16=forced):
+        assert dispatch.pick(qw, 1, torch.device("cpu")) == forced
+        with dispatch.overrides(w4a16=lambda m, n, k: dispatch.DEQUANT, act_quant=(64, 4)):
+            assert dispatch.pick(qw, 1, torch.device("cpu")) == dispatch.DEQUANT
+            assert dispatch.act_quant_plan(1, 4096) == (64, 4)
+        assert dispatch.pick(qw, 1, torch.device("cpu")) == forced
+    assert dispatch.pick(qw, 1, torch.device("cpu")) != forced
+    with pytest.raises(ValueError, match="unknown kernel families"):
+        with dispatch.overrides(w5=forced):
+            pass
