@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(sub) -> None:
-    from quarl.export.hf import FORMATS
+    from quarl.export.run import FORMATS
 
     p = sub.add_parser(
         "export",
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quarl.export.hf import export_checkpoint
+    from quarl.export.run import export_checkpoint
 
     res = export_checkpoint(args.source, args.out, args.format, args.step, args.scheme, force=args.force)
     print(f"exported step {res.step} ({res.checkpoint}) as {res.format} to {res.out}")

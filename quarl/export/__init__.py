@@ -1,6 +1,7 @@
 """Export trained policies: plain HF checkpoints (BF16/FP32) and quarl-packed low-bit ones."""
 
-from quarl.export.hf import FORMATS, ExportResult, export_checkpoint, find_checkpoint, read_policy
+from quarl.export.hf import find_checkpoint, read_policy
 from quarl.export.packed import load_packed
+from quarl.export.run import FORMATS, ExportResult, export_checkpoint
 
 __all__ = ["FORMATS", "ExportResult", "export_checkpoint", "find_checkpoint", "load_packed", "read_policy"]
