@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from quarl.cli.common import resolve_device, resolve_dtype
+from quarl.runtime import resolve_device, resolve_dtype
 from quarl.config import DataConfig, RunConfig
 from quarl.model.config import TransformerConfig
 from quarl.model.presets import build_random_model, preset_config
