@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import types
 import typing
 from pathlib import Path
@@ -57,6 +58,20 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)
+        except ValueError:
+            valid = [m.value for m in tp]
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(repr(v) for v in valid)}"
+                              f"{closest(str(value), [str(v) for v in valid])}") from None
+    if isinstance(tp, type) and hasattr(tp, "from_config"):  # a value type named by a string (QuantScheme)
+        try:
+            return tp.from_config(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
     if origin is Literal:
         if isinstance(value, str) and value not in args:
             # allow CLI numbers for numeric literals
@@ -140,7 +155,22 @@ def from_dict(cls, data: dict[str, Any] | None):
 
 
 def to_dict(obj) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+    """Plain YAML/JSON data: enums by value, value types by their config name."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if hasattr(v, "to_config"):
+        return v.to_config()
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return to_dict(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: str | None = None) 
         scheme = quant.get("scheme")
     scheme_obj = get_scheme(scheme)
     model = build_policy(ckpt, dtype=None)  # the learner's own dtype: the codes the engine got
-    modules = quantize_model(model, scheme_obj, mode="inference", include=quant.get("include") or None,
+    modules = quantize_model(model, scheme_obj, QuantLinear, include=quant.get("include") or None,
                              exclude=quant.get("exclude") or ())
     if not modules:
         raise ValueError(f"quant.include={quant.get('include')} / exclude={quant.get('exclude')} select no linear")

@@ -189,20 +189,21 @@ def _selected(name: str, include: Iterable[str], exclude: Iterable[str]) -> bool
 def quantize_model(
     model: nn.Module,
     scheme: QuantScheme | str,
-    mode: str = "qat",
+    layer: type[QATLinear] | type[QuantLinear] = QATLinear,
     include: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
 ) -> list[str]:
     """Swap the selected ``nn.Linear`` modules of ``model`` in place; returns their names.
 
-    ``mode="qat"`` makes :class:`QATLinear` (sharing the original Parameters),
-    ``mode="inference"`` makes :class:`QuantLinear`. ``include``/``exclude`` are
-    ``fnmatch`` patterns over module names; the default ``("layers.*",)`` takes every
-    linear of the decoder layers and leaves embeddings, norms and the LM head alone.
+    ``layer=QATLinear`` (the learner's: master weights, the engine's GEMM in the forward,
+    straight-through backward) or ``QuantLinear`` (the engine's: packed weights only).
+    ``include``/``exclude`` are ``fnmatch`` patterns over module names; the default
+    ``("layers.*",)`` takes every linear of the decoder layers and leaves embeddings,
+    norms and the LM head alone.
     """
     scheme = get_scheme(scheme)
-    if mode not in ("qat", "inference"):
-        raise ValueError(f"mode must be 'qat' or 'inference', got {mode!r}")
+    if layer not in (QATLinear, QuantLinear):
+        raise ValueError(f"layer must be QATLinear or QuantLinear, got {layer!r}")
     include = tuple(DEFAULT_INCLUDE if include is None else include)
     exclude = tuple(exclude)
     targets = [
@@ -210,11 +211,10 @@ def quantize_model(
         for name, mod in model.named_modules()
         if type(mod) is nn.Linear and _selected(name, include, exclude)
     ]
-    make = QATLinear.from_linear if mode == "qat" else QuantLinear.from_linear
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(mod, scheme))
+        setattr(parent, child, layer.from_linear(mod, scheme))
     return [name for name, _ in targets]
 
 

@@ -28,6 +28,7 @@ All weight quantizers round to nearest (ties to even) with scales from the max-a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 
 # Sub-byte formats pad K to a multiple of this and pack within each chunk of PACK_K
@@ -98,6 +99,26 @@ class QuantScheme:
     def replace(self, **changes) -> "QuantScheme":
         return dataclasses.replace(self, **changes)
 
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def from_config(cls, value: "str | QuantScheme") -> "QuantScheme":
+        """A config value (a scheme name) as the scheme; unknown names name the closest one."""
+        if isinstance(value, QuantScheme):
+            return value
+        if not isinstance(value, str) or value not in SCHEMES:
+            close = difflib.get_close_matches(str(value), list(SCHEMES), n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown quantization scheme {value!r}{hint}; schemes: {', '.join(SCHEMES)}")
+        return SCHEMES[value]
+
+    def to_config(self) -> str:
+        if SCHEMES.get(self.name) != self:
+            raise ValueError(f"scheme {self.name!r} differs from the registered one; a config can only name "
+                             "registered schemes")
+        return self.name
+
 
 SCHEMES: dict[str, QuantScheme] = {
     s.name: s
@@ -117,9 +138,4 @@ SCHEMES: dict[str, QuantScheme] = {
 
 def get_scheme(name: str | QuantScheme) -> QuantScheme:
     """The scheme called ``name`` (a QuantScheme passes through unchanged)."""
-    if isinstance(name, QuantScheme):
-        return name
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}") from None
+    return QuantScheme.from_config(name)

@@ -21,14 +21,14 @@ def quantize_for_engine(model: Transformer, scheme: Any) -> Any:
     if scheme in _FULL_PRECISION or getattr(scheme, "name", None) in _FULL_PRECISION[1:]:
         return None
     try:
-        from quarl.quant import get_scheme, quantize_model
+        from quarl.quant import QuantLinear, get_scheme, quantize_model
     except ImportError as e:  # quarl.quant not built yet
         raise NotImplementedError(f"scheme {scheme!r} needs quarl.quant.quantize_model / get_scheme: {e}") from e
     if isinstance(scheme, str):
         scheme = get_scheme(scheme)
     if not scheme.quantizes_weights and not scheme.quantizes_activations:
         return None
-    quantize_model(model, scheme, mode="inference")
+    quantize_model(model, scheme, QuantLinear)
     return scheme
 
 

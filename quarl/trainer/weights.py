@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from quarl.quant import (
+    QATLinear,
     QuantLinear,
     get_scheme,
     publish_model,
@@ -33,7 +34,7 @@ from quarl.rollout import Engine
 def build_engine_model(model: nn.Module, mode: str, scheme: str, include, exclude) -> nn.Module:
     """Swap the engine copy's selected linears for packed :class:`QuantLinear` (not in bf16 mode)."""
     if mode != "bf16":
-        quantize_model(model, scheme, mode="inference", include=include, exclude=exclude)
+        quantize_model(model, scheme, QuantLinear, include=include, exclude=exclude)
     return model
 
 
@@ -47,7 +48,7 @@ class Publisher:
         self.engine = engine
         self.scheme = None if mode == "bf16" else get_scheme(scheme)
         if mode == "aligned":
-            quantize_model(learner_model, self.scheme, mode="qat", include=include, exclude=exclude)
+            quantize_model(learner_model, self.scheme, QATLinear, include=include, exclude=exclude)
         self.learner_model = learner_model
         self.quantized = [n + ".weight" for n, m in engine.model.named_modules() if isinstance(m, QuantLinear)]
         keep = _metric_layers(len(learner_model.layers))

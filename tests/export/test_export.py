@@ -15,7 +15,7 @@ from quarl.cli.main import main
 from quarl.export import export_checkpoint, load_packed
 from quarl.model.config import ModelConfigError
 from quarl.model.presets import build_random_model
-from quarl.quant import QuantLinear, apply_uaq, quantize_model
+from quarl.quant import QATLinear, QuantLinear, apply_uaq, quantize_model
 from quarl.trainer.checkpoint import save_checkpoint
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 64, 7, 120], [1, 2, 3, 4, 5, 6, 7, 8]])
@@ -37,7 +37,7 @@ def _make_run(run_dir: Path, model, mode: str = "aligned", scheme: str = "w4a16"
     if uaq != 1.0:
         apply_uaq(policy, uaq)
     if mode == "aligned":
-        quantize_model(policy, scheme, mode="qat")
+        quantize_model(policy, scheme, QATLinear)
     config = {
         "model": {"path": None, "builtin": "tiny", "tokenizer": None},
         "quant": {"mode": mode, "scheme": scheme, "uaq_scale": uaq, "include": ["layers.*"], "exclude": []},
@@ -102,7 +102,7 @@ def test_packed_round_trip(tmp_path, scheme):
     # in memory: the engine's model (UAQ applied, codes made from the fp32 master weights)
     # with everything else rounded to bf16, as the export stores it
     engine = apply_uaq(copy.deepcopy(original), 1.5)
-    quantize_model(engine, scheme, mode="inference")
+    quantize_model(engine, scheme, QuantLinear)
     with torch.no_grad():
         for p in engine.parameters():  # QuantLinear codes/scales are buffers, untouched
             p.copy_(p.bfloat16().float())

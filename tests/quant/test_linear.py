@@ -112,23 +112,23 @@ def test_load_quantized_copies_in_place():
 
 def test_quantize_model_default_selection_and_modes():
     model = tiny_model()
-    names = quantize_model(model, "w4a16", mode="qat")
+    names = quantize_model(model, "w4a16", QATLinear)
     assert len(names) == 2 * 7 and all(n.startswith("layers.") for n in names)
     assert isinstance(model.layers[0].self_attn.q_proj, QATLinear)
     assert isinstance(model.embed_tokens, nn.Embedding)
     assert isinstance(model.lm_head, nn.Linear) or model.lm_head is None
     m2 = tiny_model()
-    names2 = quantize_model(m2, "w8a8-int8", mode="inference", exclude=["*.mlp.down_proj"])
+    names2 = quantize_model(m2, "w8a8-int8", QuantLinear, exclude=["*.mlp.down_proj"])
     assert len(names2) == 2 * 6 and isinstance(m2.layers[1].mlp.down_proj, nn.Linear)
     assert isinstance(m2.layers[1].mlp.up_proj, QuantLinear)
     with pytest.raises(ValueError):
-        quantize_model(tiny_model(), "w4a16", mode="train")
+        quantize_model(tiny_model(), "w4a16", nn.Linear)
 
 
 def test_optimizer_built_before_swap_still_trains_qat_model():
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    quantize_model(model, "w4a16", mode="qat")
+    quantize_model(model, "w4a16", QATLinear)
     q = model.layers[0].self_attn.q_proj
     before = q.weight.detach().clone()
     ids = torch.randint(0, 64, (2, 6))
@@ -144,8 +144,8 @@ def test_publish_model_to_engine_model_gives_same_logits(name):
     with torch.no_grad():
         for p in engine.parameters():
             p.add_(torch.randn_like(p))  # the engine starts out of date
-    quantize_model(learner, name, mode="qat")
-    quantize_model(engine, name, mode="inference")
+    quantize_model(learner, name, QATLinear)
+    quantize_model(engine, name, QuantLinear)
     ids = torch.randint(0, 64, (2, 9))
     learner_logits = learner(ids)
     published = publish_model(learner)

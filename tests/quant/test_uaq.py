@@ -1,6 +1,6 @@
 import torch
 
-from quarl.quant import apply_uaq, quantize_model, remove_uaq
+from quarl.quant import QATLinear, apply_uaq, quantize_model, remove_uaq
 from quarl.quant.metrics import rel_quant_err
 from quarl.quant.qweight import quantize_weight
 from tests.quant.test_linear import tiny_model
@@ -52,7 +52,7 @@ def test_uaq_shrinks_w4a16_quantization_error_of_scaled_weights():
 
 def test_uaq_on_qat_model_invalidates_cache():
     model = tiny_model()
-    quantize_model(model, "w4a16", mode="qat")
+    quantize_model(model, "w4a16", QATLinear)
     q = model.layers[0].self_attn.q_proj
     qw = q.publish()
     apply_uaq(model, 1.5)

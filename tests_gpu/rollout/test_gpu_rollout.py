@@ -231,7 +231,7 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
 
     master = _small_model(torch.bfloat16)
     learner = copy.deepcopy(master)
-    quantize_model(learner, scheme, mode="qat")
+    quantize_model(learner, scheme, QATLinear)
     # fixed decode-attention tiling: start-up tuning picks by timing, so two engines could
     # sum attention in different orders and flip a near-tie greedy token
     cfg = EngineConfig(max_model_len=256, max_num_seqs=4, num_kv_blocks=100, tune_decode=False)
