@@ -467,11 +467,12 @@ class Trainer:
             self.learner.load_state_dict(state["learner"])
         except (RuntimeError, KeyError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.rewards.close()  # the worker processes must not outlive a failed start
             raise ValueError(
                 f"checkpoint {path} does not fit the model built from this config ({first}): it was written "
                 "with other model, quant or optim settings. Resume with the run's own settings "
                 f"('quarl train --resume --trainer.run_dir={self.run_dir}' uses its config.yaml)"
-            ) from None
+            ) from e
         self.step, self.data_pos, self.bad_steps = state["step"], state["data_pos"], state["bad_steps"]
         self._saved_step = self.step
         ckpt.set_rng_state(state["rng"])
