@@ -63,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"quarl train: interrupted after step {trainer.step} (checkpoint saved); continue with: {resume_hint}",
               file=sys.stderr)
         return 130
+    if not last:
+        print(f"{trainer.run_dir} is already at step {trainer.step} (trainer.steps={cfg.trainer.steps}): nothing to "
+              "train; pass a larger --trainer.steps to continue")
+        return 0
     summary = ", ".join(
         f"{k}={last[k]:.4g}" for k in ("reward/mean", "acc/mean", "eval/acc", "mismatch/kl_k3") if k in last
     )

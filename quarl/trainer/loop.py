@@ -139,7 +139,8 @@ class Trainer:
                        "instead")
         if not evaluation_only and isinstance(state.get("config"), dict):
             source = f"the config stored in {path}"
-            for notice in check_config_change(state["config"], to_dict(self.cfg), source, allow_config_change):
+            for notice in check_config_change(state["config"], to_dict(self.cfg), source, allow_config_change,
+                                              self.run_dir):
                 self._warn(notice)
         return found
 

@@ -89,7 +89,8 @@ def is_fixed(key: str, old: Any, new: Any) -> bool:
     return key in FIXED or key.startswith(FIXED_SECTIONS)
 
 
-def check_config_change(old: dict[str, Any], new: dict[str, Any], source: str, allow: bool) -> list[str]:
+def check_config_change(old: dict[str, Any], new: dict[str, Any], source: str, allow: bool,
+                        run_dir: str | Path = "DIR") -> list[str]:
     """One notice per changed setting; ValueError when a :data:`FIXED` one changed and ``allow`` is False."""
     changes = config_changes(old, new)
     fixed = [(k, a, b) for k, a, b in changes if is_fixed(k, a, b)]
@@ -98,7 +99,7 @@ def check_config_change(old: dict[str, Any], new: dict[str, Any], source: str, a
         raise ValueError(
             f"--resume would change settings that the run's checkpoint depends on ({listed}; "
             f"the run's are in {source}). Rerun with the original flags (or with none: "
-            f"'quarl train --resume --trainer.run_dir=DIR' uses the run's config.yaml), "
+            f"'quarl train --resume --trainer.run_dir={run_dir}' uses the run's config.yaml), "
             f"or pass --allow-config-change to continue with the new values"
         )
     return [f"resume: {k} changed {a!r} -> {b!r}" + (" (allowed by --allow-config-change)" if (k, a, b) in fixed
