@@ -90,10 +90,15 @@ def resolve_config(args: argparse.Namespace):
 
 def write_report(run_dir: Path) -> Path | None:
     """RUN_DIR/report.html; a report that cannot be drawn is a warning, never a failed run."""
+    from quarl.trainer.interrupt import HardStop
     from quarl.trainer.report import render_report
 
     try:
-        return render_report([run_dir])
+        with HardStop():  # the checkpoint is saved: Ctrl-C now only skips the report
+            return render_report([run_dir])
+    except KeyboardInterrupt:
+        print(f"quarl train: report skipped (interrupted); write it with: quarl report {run_dir}", file=sys.stderr)
+        return None
     except Exception as e:  # noqa: BLE001 -- matplotlib missing, a full disk, a damaged metrics line...
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"quarl train: warning: could not write {run_dir / 'report.html'}: {first} "

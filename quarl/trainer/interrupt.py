@@ -21,7 +21,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class GracefulStop:
     """``with GracefulStop(lambda: step) as stop: while not stop.requested: ...``"""
 
-    def __init__(self, current_step: Callable[[], int]) -> None:
+    def __init__(self, current_step: Callable[[], int | None]) -> None:
+        """current_step: the step in flight, None between steps."""
         self.current_step = current_step
         self.requested = False
         self._old: dict[int, object] = {}
@@ -37,7 +38,9 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        msg = (f"\ninterrupt ({signal.Signals(signum).name}): finishing step {self.current_step()}, then saving "
+        step = self.current_step()
+        doing = f"finishing step {step}, then saving" if step is not None else "saving"
+        msg = (f"\ninterrupt ({signal.Signals(signum).name}): {doing} "
                "(press Ctrl-C again to stop now; the last checkpoint stays intact)\n")
         # os.write, not print: a handler that prints while the loop is printing raises "reentrant call"
         os.write(2, msg.encode())
@@ -45,3 +48,23 @@ class GracefulStop:
     def __exit__(self, *exc) -> None:
         for s, handler in self._old.items():
             signal.signal(s, handler)
+
+
+class HardStop:
+    """Signals raise KeyboardInterrupt at once (SIGTERM too): for work after the last save."""
+
+    def __enter__(self) -> "HardStop":
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.getsignal(s) for s in SIGNALS}
+            for s in SIGNALS:
+                signal.signal(s, _raise_keyboard_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
+def _raise_keyboard_interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt

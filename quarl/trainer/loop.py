@@ -95,6 +95,7 @@ class Trainer:
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
         self.interrupted = False
+        self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
         start_step = self._restore(found, quarantine=not evaluation_only) if resume else None
         self.logger = None
@@ -178,11 +179,15 @@ class Trainer:
         t = self.cfg.trainer
         last: dict[str, float] = {}
         try:
-            with GracefulStop(lambda: min(self.step + 1, t.steps)) as stop, \
+            with GracefulStop(lambda: self._in_flight) as stop, \
                     StepProgress(t.steps, self.step, self.console) as progress:
                 while self.step < t.steps and not stop.requested:
-                    last = self._step_log_save()
+                    self._in_flight = self.step + 1
+                    last = self._step_and_log()
+                    self._in_flight = None
                     progress.update(self.step, last)
+                    if t.save_every > 0 and self.step % t.save_every == 0:
+                        self.save()
                 self.interrupted = stop.requested
                 if self._saved_step != self.step:
                     self.save()
@@ -191,7 +196,7 @@ class Trainer:
             self.rewards.close()
         return last
 
-    def _step_log_save(self) -> dict[str, float]:
+    def _step_and_log(self) -> dict[str, float]:
         t = self.cfg.trainer
         metrics = self.train_step()
         self.step += 1
@@ -199,8 +204,6 @@ class Trainer:
             metrics.update(self.evaluate())
             metrics["mismatch/engine_check"] = self._check_engine_sync()
         self.logger.log(self.step, metrics)
-        if t.save_every > 0 and self.step % t.save_every == 0:
-            self.save()
         return metrics
 
     def train_step(self) -> dict[str, float]:
