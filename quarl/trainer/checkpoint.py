@@ -99,7 +99,7 @@ def _write_error_message(run_dir: str | Path, final: Path, e: OSError) -> str:
             if previous is not None else "no earlier checkpoint exists, so a resume starts from step 0")
     reason = e.strerror or str(e)
     return (f"could not write checkpoint {final} ({reason}); {kept}. "
-            f"Free some space (or fix the error above) and continue with: quarl train --resume "
+            f"Free some space (or fix the cause) and continue with: quarl train --resume "
             f"--trainer.run_dir={run_dir}")
 
 

@@ -59,7 +59,7 @@ class Trainer:
         :func:`quarl.trainer.resume.check_config_change`, refused unless
         ``allow_config_change``. Nothing in the run directory is written before the
         checkpoint has loaded.
-    evaluation_only: load the run's checkpoint to evaluate it; writes nothing.
+    evaluation_only: load the run's checkpoint to evaluate it; writes no run files (config, metrics).
     """
 
     def __init__(self, cfg: RunConfig, resume: bool = False, console=None, evaluation_only: bool = False,
