@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -17,34 +18,89 @@ def add_parser(sub) -> None:
         ),
     )
     p.add_argument("--config", help="YAML run config (sections: model, data, rollout, quant, algo, optim, trainer)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in trainer.run_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in trainer.run_dir from its newest checkpoint, with its config.yaml "
+                        "(flags given here override it)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept changed settings that the checkpoint depends on (model, data, "
+                        "quantization, optimizer, seed, batch shape)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     p.set_defaults(run=run, accepts_overrides=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from quarl.config import load_run_config
     from quarl.configuration import dump_yaml
 
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = resolve_config(args)
     if args.dry_run:
         sys.stdout.write(dump_yaml(cfg))
         return 0
     from rich.console import Console
 
+    from quarl.trainer.checkpoint import CheckpointWriteError
     from quarl.trainer.loop import Trainer, TrainingAborted
 
     console = None if args.quiet else Console(stderr=True)
-    trainer = Trainer(cfg, resume=args.resume, console=console)
+    trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
+    resume_hint = f"quarl train --resume --trainer.run_dir={trainer.run_dir}"
     try:
         last = trainer.run()
+    except KeyboardInterrupt:  # a second Ctrl-C: no report, the user wants out now
+        print(f"quarl train: stopped; the last complete checkpoint is intact: {resume_hint}", file=sys.stderr)
+        return 130
     except TrainingAborted as e:
+        write_report(trainer.run_dir)
         print(f"quarl train: aborted: {e}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as e:
+        write_report(trainer.run_dir)
+        print(f"quarl train: error: {e.strerror}", file=sys.stderr)
+        return 1
+    report = write_report(trainer.run_dir)
+    if trainer.interrupted:
+        print(f"quarl train: interrupted after step {trainer.step} (checkpoint saved); continue with: {resume_hint}",
+              file=sys.stderr)
+        return 130
+    if not last:
+        print(f"{trainer.run_dir} is already at step {trainer.step} (trainer.steps={cfg.trainer.steps}): nothing to "
+              "train; pass a larger --trainer.steps to continue")
+        return 0
     summary = ", ".join(
         f"{k}={last[k]:.4g}" for k in ("reward/mean", "acc/mean", "eval/acc", "mismatch/kl_k3") if k in last
     )
-    print(f"finished {trainer.step} steps in {trainer.run_dir}: {summary}")
+    print(f"finished {trainer.step} steps in {trainer.run_dir}: {summary}" + (f"; report {report}" if report else ""))
     return 0
+
+
+def resolve_config(args: argparse.Namespace):
+    """The run config; on --resume without --config, the run's own config.yaml under the flags."""
+    from quarl.config import load_run_config
+
+    if args.allow_config_change and not args.resume:
+        raise ValueError("--allow-config-change only applies with --resume")
+    cfg = load_run_config(args.config, args.overrides)
+    saved = Path(cfg.trainer.run_dir) / "config.yaml"
+    if args.resume and args.config is None and saved.is_file():
+        # the directory is where the run is now, even if config.yaml names where it was
+        cfg = load_run_config(str(saved), [*args.overrides, f"--trainer.run_dir={cfg.trainer.run_dir}"])
+    return cfg
+
+
+def write_report(run_dir: Path) -> Path | None:
+    """RUN_DIR/report.html; a report that cannot be drawn is a warning, never a failed run."""
+    from quarl.trainer.interrupt import HardStop
+    from quarl.trainer.report import render_report
+
+    try:
+        with HardStop():  # the checkpoint is saved: Ctrl-C now only skips the report
+            return render_report([run_dir])
+    except KeyboardInterrupt:
+        print(f"quarl train: report skipped (interrupted); write it with: quarl report {run_dir}", file=sys.stderr)
+        return None
+    except Exception as e:  # noqa: BLE001 -- matplotlib missing, a full disk, a damaged metrics line...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"quarl train: warning: could not write {run_dir / 'report.html'}: {first} "
+              f"(the run itself is fine; retry with: quarl report {run_dir})", file=sys.stderr)
+        return None

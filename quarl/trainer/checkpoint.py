@@ -6,6 +6,11 @@ atomic on POSIX); ``meta.json`` is written last inside the temporary directory, 
 directory without it is incomplete and ignored. The newest complete checkpoint is
 what ``--resume`` loads; older ones beyond ``keep_last`` are deleted only after the new
 one is in place.
+
+A write that fails (a full disk) removes its temporary directory and raises
+:class:`CheckpointWriteError`; the previous checkpoint is untouched. A checkpoint that
+cannot be read back (``state.pt`` cut short, ``meta.json`` garbled) is skipped by
+:func:`load_latest_intact`, which falls back to the newest one that loads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ import numpy as np
 import torch
 
 FORMAT = "quarl-checkpoint-v1"
+REQUIRED_KEYS = ("step", "data_pos", "learner", "rng")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. no space left); the previous one is intact."""
+
+
+class CheckpointUnreadable(ValueError):
+    """No checkpoint of a run directory can be loaded."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -44,16 +58,16 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
-    _fsync(tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step}))
-    _fsync(tmp / "meta.json")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _write_complete(tmp, step, state)
+    except BaseException as e:  # a full disk, or a second Ctrl-C mid-write
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written directory helps nobody and holds space
+        if isinstance(e, OSError):
+            raise CheckpointWriteError(e.errno, _write_error_message(run_dir, final, e)) from e
+        raise
     if final.exists():
         old = root / f"step_{step:06d}.old-{os.getpid()}"
         final.rename(old)
@@ -67,6 +81,26 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         if junk != tmp:
             shutil.rmtree(junk, ignore_errors=True)
     return final
+
+
+def _write_complete(tmp: Path, step: int, state: dict[str, Any]) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(state, tmp / "state.pt")
+    _fsync(tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step}))
+    _fsync(tmp / "meta.json")
+
+
+def _write_error_message(run_dir: str | Path, final: Path, e: OSError) -> str:
+    previous = latest_checkpoint(run_dir)
+    kept = (f"the checkpoint of step {int(previous.name.split('_')[1])} ({previous}) is intact"
+            if previous is not None else "no earlier checkpoint exists, so a resume starts from step 0")
+    reason = e.strerror or str(e)
+    return (f"could not write checkpoint {final} ({reason}); {kept}. "
+            f"Free some space (or fix the cause) and continue with: quarl train --resume "
+            f"--trainer.run_dir={run_dir}")
 
 
 def _fsync(path: Path) -> None:
@@ -100,3 +134,33 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r} is not {FORMAT!r}")
     return torch.load(path / "state.pt", map_location=map_location, weights_only=False)
+
+
+def load_latest_intact(
+    run_dir: str | Path, map_location: str | torch.device = "cpu"
+) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]] | None:
+    """The newest checkpoint that loads: ``(path, state, [(bad path, why), ...])``.
+
+    None when the run has no complete checkpoint at all; :class:`CheckpointUnreadable`
+    (naming each one and why) when it has some but none of them loads.
+    """
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    bad: list[tuple[Path, str]] = []
+    for path in reversed(found):
+        try:
+            state = load_checkpoint(path, map_location=map_location)
+            missing = [k for k in REQUIRED_KEYS if k not in state]
+            if missing:
+                raise ValueError(f"state.pt lacks {', '.join(missing)}")
+        except Exception as e:  # torch.load of a cut file raises RuntimeError, EOFError, UnpicklingError...
+            first = str(e).splitlines()[0] if str(e) else ""
+            bad.append((path, f"{type(e).__name__}: {first}" if first else type(e).__name__))
+            continue
+        return path, state, bad
+    listing = "; ".join(f"{p.name} ({why})" for p, why in bad)
+    raise CheckpointUnreadable(
+        f"no checkpoint in {checkpoint_dir(run_dir)} can be loaded: {listing}. The files are damaged "
+        f"(a full disk or a copy cut short?); start over with --trainer.run_dir=NEW_DIR"
+    )

@@ -2,15 +2,17 @@
 
 ``metrics.jsonl`` holds one JSON object per step with the metric names of DESIGN.md;
 on resume, lines of steps past the checkpoint are dropped so the file reads as one
-uninterrupted run.
+uninterrupted run. A crash can leave the last line cut short: readers skip such a
+torn last line with a warning naming the file; a bad line anywhere else is an error.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class MetricsLogger:
@@ -22,9 +24,8 @@ class MetricsLogger:
         if resume_step is not None:
             truncate_after(self.path, resume_step)
             truncate_after(self.samples_path, resume_step)
-        elif self.path.exists():
-            self.path.unlink()
-            self.samples_path.unlink(missing_ok=True)
+        elif self.path.exists():  # never delete a run's history; the Trainer asks for --resume first
+            raise ValueError(f"{self.path} already exists: pass --resume to continue that run")
         self.tb = None
         if tensorboard:
             try:
@@ -74,16 +75,50 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Keep the lines of ``path`` whose ``step`` is <= ``step``."""
+def warn_stderr(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def read_jsonl(path: Path, warn: Callable[[str], None] = warn_stderr) -> list[dict[str, Any]]:
+    """The rows of a JSONL file written by this logger.
+
+    A last line that does not parse was cut by a crash mid-write: it is skipped with a
+    warning. A bad line before the last cannot come from a crash, so it is an error
+    naming the file and line (the file was edited or damaged).
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                warn(f"{path}: skipping its last line, cut short by a crash ({line[:40]!r}...)")
+                break
+            raise ValueError(
+                f"{path}, line {i + 1} is not a JSON object ({e}): the file was damaged or edited; "
+                f"fix or delete that line"
+            ) from e
+        rows.append(row)
+    return rows
+
+
+def truncate_after(path: Path, step: int, warn: Callable[[str], None] = warn_stderr) -> None:
+    """Keep the rows of ``path`` whose ``step`` is <= ``step`` (a torn last line goes too)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [row for row in read_jsonl(path, warn) if row.get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
+    tmp.replace(path)  # a crash while rewriting must not lose the history
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | Path, warn: Callable[[str], None] = warn_stderr) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a quarl run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path, warn)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
-import signal
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +39,10 @@ from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.rollout import Engine, EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
+from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
+from quarl.trainer.progress import StepProgress
+from quarl.trainer.resume import check_config_change, existing_run
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.weights import Publisher, build_engine_model
 
@@ -48,28 +52,33 @@ class TrainingAborted(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, resume: bool = False, console=None, evaluation_only: bool = False) -> None:
+    """One RL run in ``cfg.trainer.run_dir``.
+
+    resume: continue from the newest checkpoint that loads (step 0 when the run has
+        none); settings that changed since are checked by
+        :func:`quarl.trainer.resume.check_config_change`, refused unless
+        ``allow_config_change``. Nothing in the run directory is written before the
+        checkpoint has loaded.
+    evaluation_only: load the run's checkpoint to evaluate it; writes no run files (config, metrics).
+    """
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, console=None, evaluation_only: bool = False,
+                 allow_config_change: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        existing = ckpt.latest_checkpoint(self.run_dir)
-        if existing is not None and not resume and not evaluation_only:
-            raise ValueError(
-                f"{self.run_dir} already holds a run (checkpoint {existing.name}): pass --resume to continue it, "
-                "or --trainer.run_dir=NEW_DIR to start another (or delete the directory)"
-            )
-        self.device, self.dtype = resolve_runtime(cfg)
         self.console = console
+        self.device, self.dtype = resolve_runtime(cfg)
+        found = self._preflight(resume, evaluation_only, allow_config_change)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
-        if not evaluation_only:
-            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.task, self.rewards = build_task_and_rewards(cfg.data)
         self.train_examples = self.task.train_examples()
         self.eval_examples = self.task.eval_examples()
-        base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say)
+        base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say,
+                                console)
 
         q = cfg.quant
         engine_model = build_engine_model(copy.deepcopy(base), q.mode, q.scheme, q.include, q.exclude)
@@ -85,12 +94,15 @@ class Trainer:
         self.data_pos = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
-        start_step = None
-        if resume:
-            start_step = self._restore()
-        self.logger = None if evaluation_only else MetricsLogger(
-            self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg), resume_step=start_step
-        )
+        self.interrupted = False
+        self._in_flight: int | None = None  # the step being computed, for the interrupt message
+        self._saved_step: int | None = None
+        start_step = self._restore(found, quarantine=not evaluation_only) if resume else None
+        self.logger = None
+        if not evaluation_only:  # written only now: the checkpoint (if any) has loaded into this config's model
+            _write_atomic(self.run_dir / "config.yaml", dump_yaml(cfg))
+            self.logger = MetricsLogger(self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project,
+                                        to_dict(cfg), resume_step=start_step)
         self.publisher.publish()  # the engine starts from exactly the learner's weights
         self.sync_error = self._check_engine_sync()
 
@@ -98,6 +110,40 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self.console is not None:
             self.console.print(msg)
+
+    def _warn(self, msg: str) -> None:
+        """Printed even with --quiet: the user must know (a skipped checkpoint, a changed setting)."""
+        if self.console is not None:
+            self.console.print(f"[yellow]{msg}[/yellow]")
+        else:
+            print(msg, file=sys.stderr)
+
+    def _preflight(self, resume: bool, evaluation_only: bool, allow_config_change: bool):
+        """Reads only. Refuses a new run into an existing one; loads and checks the checkpoint to resume."""
+        existing = existing_run(self.run_dir)
+        if not resume:
+            if existing is not None and not evaluation_only:
+                from_zero = " (from step 0: no checkpoint was written)" if "no checkpoint" in existing else ""
+                raise ValueError(
+                    f"{self.run_dir} already holds a run ({existing}): pass --resume to continue it{from_zero}, "
+                    "or --trainer.run_dir=NEW_DIR to start another (or delete the directory)"
+                )
+            return None
+        found = ckpt.load_latest_intact(self.run_dir, map_location=self.device)
+        if found is None:
+            what = f"it holds {existing}" if existing else "it holds no run yet"
+            self._warn(f"--resume: no checkpoint in {self.run_dir} ({what}): starting from step 0")
+            return None
+        path, state, bad = found
+        for bad_path, why in bad:
+            self._warn(f"checkpoint {bad_path} cannot be loaded ({why}); using {path.name} (step {state['step']}) "
+                       "instead")
+        if not evaluation_only and isinstance(state.get("config"), dict):
+            source = f"the config stored in {path}"
+            for notice in check_config_change(state["config"], to_dict(self.cfg), source, allow_config_change,
+                                              self.run_dir):
+                self._warn(notice)
+        return found
 
     def _engine_config(self) -> EngineConfig:
         r, d = self.cfg.rollout, self.cfg.data
@@ -124,37 +170,41 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, float]:
-        from quarl.trainer.progress import StepProgress
+        """Train up to ``trainer.steps``; returns the last step's metrics.
 
+        A first Ctrl-C/SIGTERM finishes the current step, saves and returns with
+        ``self.interrupted`` set; a second raises KeyboardInterrupt at once, leaving the
+        last complete checkpoint as it was (see :mod:`quarl.trainer.interrupt`).
+        """
         t = self.cfg.trainer
         last: dict[str, float] = {}
-        interrupted = False
-        old_handler = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            with StepProgress(t.steps, self.step, enabled=self.console is not None) as progress:
-                while self.step < t.steps:
-                    metrics = self.train_step()
-                    self.step += 1
-                    if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
-                        metrics.update(self.evaluate())
-                        metrics["mismatch/engine_check"] = self._check_engine_sync()
-                    self.logger.log(self.step, metrics)
-                    progress.update(self.step, metrics)
-                    last = metrics
+            with GracefulStop(lambda: self._in_flight) as stop, \
+                    StepProgress(t.steps, self.step, self.console) as progress:
+                while self.step < t.steps and not stop.requested:
+                    self._in_flight = self.step + 1
+                    last = self._step_and_log()
+                    self._in_flight = None
+                    progress.update(self.step, last)
                     if t.save_every > 0 and self.step % t.save_every == 0:
                         self.save()
-        except KeyboardInterrupt:
-            interrupted = True
-            self._say(f"[yellow]interrupted at step {self.step}: writing a final checkpoint[/yellow]")
+                self.interrupted = stop.requested
+                if self._saved_step != self.step:
+                    self.save()
         finally:
-            signal.signal(signal.SIGTERM, old_handler)
-        self.save()
-        self.logger.close()
-        self.rewards.close()
-        if interrupted:
-            raise KeyboardInterrupt
+            self.logger.close()
+            self.rewards.close()
         return last
+
+    def _step_and_log(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        metrics = self.train_step()
+        self.step += 1
+        if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
+            metrics.update(self.evaluate())
+            metrics["mismatch/engine_check"] = self._check_engine_sync()
+        self.logger.log(self.step, metrics)
+        return metrics
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
@@ -399,6 +449,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        """Write this step's checkpoint atomically (:class:`ckpt.CheckpointWriteError` if it cannot be)."""
         state = {
             "step": self.step,
             "data_pos": self.data_pos,
@@ -407,19 +458,41 @@ class Trainer:
             "rng": ckpt.rng_state(),
             "config": to_dict(self.cfg),
         }
-        return ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.trainer.keep_last)
+        path = ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.trainer.keep_last)
+        self._saved_step = self.step
+        return path
 
-    def _restore(self) -> int | None:
-        path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None:
-            self._say(f"no checkpoint in {self.run_dir}: starting from step 0")
-            return None
-        state = ckpt.load_checkpoint(path, map_location=self.device)
-        self.learner.load_state_dict(state["learner"])
+    def _restore(self, found, quarantine: bool) -> int:
+        """Load what :meth:`_preflight` found; the step resumed from (0 without a checkpoint)."""
+        if found is None:
+            return 0
+        path, state, bad = found
+        try:
+            self.learner.load_state_dict(state["learner"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.rewards.close()  # the worker processes must not outlive a failed start
+            raise ValueError(
+                f"checkpoint {path} does not fit the model built from this config ({first}): it was written "
+                "with other model, quant or optim settings. Resume with the run's own settings "
+                f"('quarl train --resume --trainer.run_dir={self.run_dir}' uses its config.yaml)"
+            ) from e
         self.step, self.data_pos, self.bad_steps = state["step"], state["data_pos"], state["bad_steps"]
+        self._saved_step = self.step
         ckpt.set_rng_state(state["rng"])
+        for bad_path, _ in bad if quarantine else []:
+            # out of the way, not deleted: the run must not pick it up again, and nothing is lost
+            aside = bad_path.with_name(f"{bad_path.name}.corrupt-{os.getpid()}")
+            bad_path.rename(aside)
+            self._warn(f"moved the unreadable checkpoint aside to {aside}")
         self._say(f"resumed from {path} (step {self.step})")
         return self.step
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _rollout_metrics(completions, rewards: torch.Tensor) -> dict[str, float]:
@@ -435,7 +508,4 @@ def _rollout_metrics(completions, rewards: torch.Tensor) -> dict[str, float]:
         "response/repeat_frac": repeat_fraction([c.token_ids for c in completions]),
     }
 
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 

@@ -36,9 +36,14 @@ def build_base_model(
     dtype: torch.dtype,
     run_dir: Path,
     say: Callable[[str], None],
+    console=None,
 ) -> Transformer:
-    """The policy at step 0: a local checkpoint, or the built-in model after its warm-start."""
+    """The policy at step 0: a local checkpoint, or the built-in model after its warm-start.
+
+    console: where the warm-start's progress goes (a rich Console; None: nowhere).
+    """
     import quarl
+    from quarl.trainer.progress import StepProgress, describe_loss
     from quarl.trainer.warmstart import cached_warmstart, sft_pairs, supervised_finetune
 
     m, t = cfg.model, cfg.trainer
@@ -65,7 +70,9 @@ def build_base_model(
 
         def train(mdl: Transformer) -> list[float]:
             say(f"supervised warm-start: {t.sft_warmup_steps} steps on {len(pairs)} worked solutions")
-            losses = supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed)
+            with StepProgress(t.sft_warmup_steps, 0, console, label="warm-start", describe=describe_loss) as bar:
+                losses = supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed,
+                                             on_step=lambda i, loss: bar.update(i + 1, {"loss": loss}))
             say(f"supervised warm-start: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             return losses
 

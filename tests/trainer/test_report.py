@@ -97,3 +97,20 @@ def test_cli_prints_the_path(tmp_path, capsys):
     run = _write_run(tmp_path / "r", 3, ["reward/mean"])
     assert main(["report", str(run), "--out", str(tmp_path / "o")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "o" / "report.html")
+
+
+def test_report_skips_a_torn_last_line_and_names_a_bad_middle_one(tmp_path, capsys):
+    run = _write_run(tmp_path / "run", 6, ALL_METRICS)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "reward/me')  # a crash mid-write
+    assert main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and "cut short" in err
+    assert (run / "report.html").is_file()
+
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[2] = "{oops"
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl, line 3" in err and "Traceback" not in err
