@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from quarl.configuration import ConfigError, closest, load
+from quarl.quant.mode import QuantMode
+from quarl.quant.scheme import SCHEMES, QuantScheme
+from quarl.rollout.config import EngineConfig
 
 
 def _at_least(section: str, obj: object, minimum: float, *names: str) -> None:
@@ -67,25 +70,40 @@ class DataConfig:
             resolve_reward(self.reward)  # a module that cannot be imported fails now, before any model is built
 
 
+def _trainer_engine() -> EngineConfig:
+    # the learner shares the GPU: the process may hold 35% of it once the KV cache exists
+    return EngineConfig(gpu_memory_utilization=0.35)
+
+
 @dataclass
 class RolloutConfig:
+    """Sampling settings plus the engine's own config (``rollout.engine.*``, one
+    :class:`~quarl.rollout.EngineConfig`). The trainer sets the engine's
+    ``max_model_len`` to ``data.max_prompt_len + rollout.max_new_tokens``."""
+
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 48
-    kv_cache_fraction: float = 0.35  # of free GPU memory for the paged KV cache
-    num_kv_blocks: int = 512  # CPU: fixed number of KV blocks
-    block_size: int = 16
-    max_num_seqs: int = 256
-    cuda_graphs: bool = True
     release_kv_cache: bool = True  # free the KV cache while the learner steps (recaptures graphs after)
+    engine: EngineConfig = field(default_factory=_trainer_engine)
+
+    _moved = {  # old key -> where it lives now
+        "kv_cache_fraction": "rollout.engine.gpu_memory_utilization (a fraction of the GPU's total memory that "
+                             "the process may hold once the KV cache exists; README, 'One GPU for engine and learner')",
+        "num_kv_blocks": "rollout.engine.num_kv_blocks", "block_size": "rollout.engine.block_size",
+        "max_num_seqs": "rollout.engine.max_num_seqs", "cuda_graphs": "rollout.engine.cuda_graphs",
+    }
 
     def validate(self) -> None:
         if self.n < 1:
             raise ConfigError("rollout.n must be >= 1")
-        if not 0 < self.kv_cache_fraction < 1:
-            raise ConfigError("rollout.kv_cache_fraction must be in (0, 1)")
+        if not 0 < self.engine.gpu_memory_utilization <= 1:
+            raise ConfigError("rollout.engine.gpu_memory_utilization must be in (0, 1]")
+        if self.engine.max_model_len is not None:
+            raise ConfigError("rollout.engine.max_model_len is set by the trainer (data.max_prompt_len + "
+                              "rollout.max_new_tokens): set those instead")
         _at_least("rollout", self, 1, "max_new_tokens")
         _at_least("rollout", self, 0, "temperature")
         if not 0 < self.top_p <= 1:
@@ -94,18 +112,21 @@ class RolloutConfig:
 
 @dataclass
 class QuantConfig:
-    mode: Literal["bf16", "rollout", "aligned"] = "aligned"
-    scheme: str = "w4a16"
+    """Resolved when the config loads: ``mode`` a :class:`QuantMode`, ``scheme`` a
+    :class:`QuantScheme` (``bf16`` whenever the mode is ``bf16``)."""
+
+    mode: QuantMode = QuantMode.ALIGNED
+    scheme: QuantScheme = field(default_factory=lambda: SCHEMES["w4a16"])
     uaq_scale: float = 1.0  # QuRL's invariant scaling s (1.0 = off; the paper uses 1.5)
     include: list[str] = field(default_factory=lambda: ["layers.*"])
     exclude: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        from quarl.quant.scheme import SCHEMES
-
-        if self.scheme not in SCHEMES:  # with mode=bf16 the scheme is unused, but a typo is still a typo
-            raise ConfigError(f"unknown quant.scheme {self.scheme!r}{closest(self.scheme, list(SCHEMES))}; "
-                              f"schemes: {', '.join(SCHEMES)}")
+        if self.mode is QuantMode.BF16:
+            self.scheme = SCHEMES["bf16"]
+        elif self.scheme is SCHEMES["bf16"]:
+            raise ConfigError(f"quant.mode={self.mode} with quant.scheme=bf16 quantizes nothing: use "
+                              "quant.mode=bf16, or pick a low-bit scheme")
 
 
 @dataclass

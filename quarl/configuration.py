@@ -138,6 +138,9 @@ def _build(cls, data: dict[str, Any], where: str = ""):
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
         if key not in fields:
+            moved = getattr(cls, "_moved", {}).get(key)
+            if moved:
+                raise ConfigError(f"config key {name!r} has moved: use {moved}")
             raise ConfigError(f"unknown config key {name!r}{_suggest(key, list(fields))}")
         kwargs[key] = _coerce(value, hints[key], name)
     try:

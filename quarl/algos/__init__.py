@@ -1,7 +1,8 @@
 """Algorithms as pure functions of tensors and scalars (DESIGN.md, "Algorithms").
 
 - advantages:   :func:`compute_advantages` (grpo, dr_grpo, rloo), :func:`compute_gae`,
-                :func:`last_token_rewards`, :func:`whiten`, :func:`informative_groups` (DAPO)
+                :func:`last_token_rewards`, :func:`whiten`
+- filters:      :func:`informative_groups`, :func:`drop_rows` (DAPO dynamic sampling, overlong)
 - policy loss:  :func:`compute_policy_loss` (ppo, positive_only, sapo, gspo, tbpo) with
                 mismatch corrections (tis, decoupled, acr, icepop; seq-tis, mis)
 - reduction:    :func:`agg_loss`, :func:`masked_mean`, :func:`masked_sum`, :func:`seq_mean`
@@ -16,11 +17,11 @@ from quarl.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     compute_gae,
-    informative_groups,
     last_token_rewards,
     whiten,
 )
 from quarl.algos.aggregation import AGG_MODES, agg_loss, masked_mean, masked_sum, seq_mean
+from quarl.algos.filters import drop_rows, informative_groups
 from quarl.algos.corrections import SEQ_CORRECTIONS, TOKEN_CORRECTIONS
 from quarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from quarl.algos.losses import (
@@ -44,6 +45,7 @@ __all__ = [
     "compute_advantages",
     "compute_gae",
     "compute_policy_loss",
+    "drop_rows",
     "informative_groups",
     "is_repetitive",
     "kl_penalty",

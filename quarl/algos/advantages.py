@@ -147,10 +147,3 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch
     sd = picked.std() if picked.numel() > 1 else torch.ones((), dtype=values.dtype, device=values.device)
     return torch.where(m, (values - picked.mean()) / (sd + eps), torch.zeros_like(values))
 
-
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[G]`` bool: groups whose rewards are not all equal. DAPO's dynamic sampling
-    (Yu et al. 2025, eq. 11) keeps only these: a uniform group has zero group-relative
-    advantage and so no policy gradient."""
-    g = _grouped(rewards, group_size)
-    return g.amax(-1) != g.amin(-1)

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.scheme:
-        overrides += [f"--quant.scheme={args.scheme}", "--quant.mode=rollout"]
+        mode = "bf16" if args.scheme == "bf16" else "rollout"  # the engine in that scheme, the weights as trained
+        overrides += [f"--quant.scheme={args.scheme}", f"--quant.mode={mode}"]
     if args.run_dir:
         run_dir = Path(args.run_dir)
         cfg_file = run_dir / "config.yaml"

@@ -6,6 +6,7 @@ definitions and bit layouts and :mod:`quarl.quant.kernels` for the fast paths.
 """
 
 from quarl.quant.linear import QATLinear, QuantLinear, load_published, publish_model, quantize_model
+from quarl.quant.mode import QuantMode
 from quarl.quant.metrics import rel_quant_err, rel_update, update_visible_frac
 from quarl.quant.ops import get_backend, quant_linear, set_backend, use_backend
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
@@ -18,6 +19,7 @@ __all__ = [
     "SCHEMES",
     "QATLinear",
     "QuantLinear",
+    "QuantMode",
     "QuantScheme",
     "QuantizedWeight",
     "apply_uaq",

@@ -16,7 +16,7 @@ class EngineConfig:
 
     max_num_seqs: int = 256  # sequences decoded together
     max_num_batched_tokens: int = 16384  # prompt tokens per prefill step
-    max_model_len: int = 4096  # prompt + completion
+    max_model_len: int | None = None  # prompt + completion; None: the model's context, at most 4096
     block_size: int = 16  # tokens per KV block
     gpu_memory_utilization: float = 0.85
     num_kv_blocks: int | None = None  # fixed cache size (CPU default 512)
@@ -30,7 +30,7 @@ class EngineConfig:
     lookahead: bool = True  # plan decode step t + 1 on the host while the GPU runs step t
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
             # A preempted sequence is recomputed in one prefill, so it must fit one step.
             self.max_num_batched_tokens = self.max_model_len
         if self.attention_backend not in ("auto", "triton", "torch"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -61,10 +62,11 @@ class Engine:
     """Continuous-batching generation over a paged KV cache (see the package docstring).
 
     ``model`` is a :class:`Transformer` or a checkpoint directory; ``scheme`` a
-    ``quarl.quant.QuantScheme``, a scheme name or ``None`` (``"bf16"`` and ``None``
-    keep the model's linears). A quantized scheme swaps every decoder linear for a
-    ``quarl.quant.QuantLinear`` holding packed weights; embeddings, norms and the LM
-    head stay in the model dtype.
+    ``quarl.quant.QuantScheme`` or a scheme name (``None`` = ``"bf16"``); ``engine.scheme``
+    is always the scheme the engine runs. A quantized scheme swaps the decoder linears
+    selected by ``include``/``exclude`` (fnmatch patterns over module names, default
+    every ``layers.*`` linear) for ``quarl.quant.QuantLinear`` holding packed weights;
+    embeddings, norms and the LM head stay in the model dtype.
     """
 
     def __init__(
@@ -74,8 +76,9 @@ class Engine:
         config: EngineConfig | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | tuple[str, ...] = (),
     ) -> None:
-        self.config = config or EngineConfig()
         if not isinstance(model, Transformer):
             from quarl.model.loading import load_model
 
@@ -83,9 +86,13 @@ class Engine:
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
             model = load_model(model, dtype=dtype, device=device)
         self.model = model.eval()
-        self.scheme = quantize_for_engine(self.model, scheme)
+        self.scheme = quantize_for_engine(self.model, scheme, include, exclude)
         mc = self.model.config
-        self.max_model_len = self.config.max_model_len
+        config = config or EngineConfig()
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=min(mc.max_position_embeddings, 4096))
+        self.config = config
+        self.max_model_len = config.max_model_len
         self.eos_ids = frozenset(
             [] if mc.eos_token_id is None else [mc.eos_token_id] if isinstance(mc.eos_token_id, int) else mc.eos_token_id
         )

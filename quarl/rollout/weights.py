@@ -9,26 +9,17 @@ from torch import nn
 
 from quarl.model.transformer import Transformer
 
-_FULL_PRECISION = (None, "bf16", "fp16", "fp32", "none")
+def quantize_for_engine(model: Transformer, scheme: Any, include=None, exclude=()) -> Any:
+    """Swap the selected decoder linears of ``model`` for ``QuantLinear``; returns the scheme.
 
-
-def quantize_for_engine(model: Transformer, scheme: Any) -> Any:
-    """Swap the decoder linears of ``model`` for ``quarl.quant.QuantLinear``; returns the scheme.
-
-    ``scheme`` is a ``QuantScheme``, a name for ``quarl.quant.get_scheme`` or ``None``.
-    Full-precision schemes leave the model untouched (returns ``None``).
+    ``scheme`` is a ``QuantScheme``, a name, or ``None`` (= ``bf16``, which leaves the
+    model untouched).
     """
-    if scheme in _FULL_PRECISION or getattr(scheme, "name", None) in _FULL_PRECISION[1:]:
-        return None
-    try:
-        from quarl.quant import QuantLinear, get_scheme, quantize_model
-    except ImportError as e:  # quarl.quant not built yet
-        raise NotImplementedError(f"scheme {scheme!r} needs quarl.quant.quantize_model / get_scheme: {e}") from e
-    if isinstance(scheme, str):
-        scheme = get_scheme(scheme)
-    if not scheme.quantizes_weights and not scheme.quantizes_activations:
-        return None
-    quantize_model(model, scheme, QuantLinear)
+    from quarl.quant import QuantLinear, get_scheme, quantize_model
+
+    scheme = get_scheme("bf16" if scheme is None else scheme)
+    if scheme.quantizes_weights or scheme.quantizes_activations:
+        quantize_model(model, scheme, QuantLinear, include=include, exclude=exclude)
     return scheme
 
 

@@ -21,22 +21,32 @@ the steps of an uninterrupted one exactly.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from quarl.algos import compute_advantages, compute_gae, mismatch_metrics, repeat_fraction
+from quarl.algos import (
+    compute_advantages,
+    compute_gae,
+    drop_rows,
+    informative_groups,
+    last_token_rewards,
+    mismatch_metrics,
+    repeat_fraction,
+    whiten,
+)
 from quarl.algos.losses import policy_loss_defaults
 from quarl.config import RunConfig
 from quarl.configuration import dump_yaml, to_dict
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
-from quarl.rollout import Engine, EngineConfig, SamplingParams
+from quarl.quant import QuantMode
+from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
 from quarl.trainer.interrupt import GracefulStop
@@ -44,7 +54,8 @@ from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
-from quarl.trainer.weights import Publisher, build_engine_model
+from quarl.trainer.stages import Rollout, StageClock, UpdateResult
+from quarl.trainer.weights import build_engine_and_publisher
 
 
 class TrainingAborted(RuntimeError):
@@ -80,10 +91,7 @@ class Trainer:
         base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say,
                                 console)
 
-        q = cfg.quant
-        engine_model = build_engine_model(copy.deepcopy(base), q.mode, q.scheme, q.include, q.exclude)
-        self.engine = Engine(engine_model, scheme=None, config=self._engine_config())
-        self.publisher = Publisher(base, self.engine, q.mode, q.scheme, q.include, q.exclude)
+        self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config())
         ref = copy.deepcopy(base).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         critic = Critic(base) if cfg.algo.advantage == "gae" else None
         self.learner = Learner(
@@ -146,15 +154,8 @@ class Trainer:
         return found
 
     def _engine_config(self) -> EngineConfig:
-        r, d = self.cfg.rollout, self.cfg.data
-        return EngineConfig(
-            max_num_seqs=r.max_num_seqs,
-            max_model_len=d.max_prompt_len + r.max_new_tokens,
-            block_size=r.block_size,
-            gpu_memory_utilization=r.kv_cache_fraction,
-            num_kv_blocks=None if self.device.type == "cuda" else r.num_kv_blocks,
-            cuda_graphs=r.cuda_graphs,
-        )
+        r = self.cfg.rollout
+        return dataclasses.replace(r.engine, max_model_len=self.cfg.data.max_prompt_len + r.max_new_tokens)
 
     def _check_engine_sync(self) -> float:
         """Engine vs learner log-probs of one fixed sequence right after publishing."""
@@ -164,7 +165,7 @@ class Trainer:
         ref = self.learner.logprobs(batch, 1 << 30)[0]
         diff = self.engine.check_logprobs(ids, ref.cpu())
         # A stale or mis-published weight shows as a gap of order 1; quantization noise is far smaller.
-        if self.cfg.quant.mode != "rollout" and diff > 0.5:
+        if self.cfg.quant.mode is not QuantMode.ROLLOUT and diff > 0.5:
             raise RuntimeError(f"engine and learner disagree after publishing (max |dlogp| = {diff:.3f})")
         return diff
 
@@ -207,73 +208,84 @@ class Trainer:
         return metrics
 
     def train_step(self) -> dict[str, float]:
-        cfg = self.cfg
-        t_step = time.perf_counter()
-        prompts, examples = self._next_prompts(cfg.trainer.prompts_per_step)           # 1
-        self._peak_memory_gb()
-        t0 = time.perf_counter()
-        completions = self._rollout(prompts, seed_offset=0)                            # 2
-        rollout_s = time.perf_counter() - t0
-        gen_tokens = sum(len(c.token_ids) for c in completions)
-        rewards, reward_metrics = self._score(completions, examples)                   # 3
-        if cfg.trainer.dynamic_sampling:
-            prompts, examples, completions, rewards, extra = self._dynamic_sampling(
-                prompts, examples, completions, rewards
-            )
-            reward_metrics.update(extra)
-        n = cfg.rollout.n
-        batch = self._make_batch(prompts, completions, rewards, n)                     # 4 (group advantages)
-        rollout_mem = self._peak_memory_gb()
-        t1 = time.perf_counter()
-        if cfg.rollout.release_kv_cache:
-            self.engine.release_kv_cache()
-        self._peak_memory_gb()
-        batch = batch.to(self.device)
-        settings = self._update_settings()
-        single_step = (settings.ppo_epochs, settings.mini_batches) == (1, 1)
-        if not single_step:  # 5: otherwise the update's own forward is the proximal policy
-            batch.old_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature)
-        if cfg.algo.kl_coef > 0:
-            batch.ref_logp = self.learner.logprobs(batch, cfg.trainer.token_budget, cfg.rollout.temperature, ref=True)
-        returns = self._gae(batch) if cfg.algo.advantage == "gae" else None
-        update = self.learner.update(batch, settings, returns)                         # 6
-        old_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
-        mis = mismatch_metrics(old_logp, batch.sampler_logp, batch.response_mask)
-        learner_s = time.perf_counter() - t1
-        learner_mem = self._peak_memory_gb()
-        memory = {} if learner_mem is None else {
-            "memory/rollout_peak_gb": rollout_mem, "memory/learner_peak_gb": learner_mem,
-        }
-        t2 = time.perf_counter()
-        if cfg.rollout.release_kv_cache:
-            self.engine.reallocate_kv_cache()
-        kv_s = time.perf_counter() - t2
-        t2 = time.perf_counter()
-        quant_metrics = self.publisher.publish()                                       # 7
-        publish_s = time.perf_counter() - t2
-        self._check_finite(update, mis)
-        metrics = {
-            **reward_metrics,
-            **_rollout_metrics(completions, rewards),
-            **mis,
-            **update,
-            **quant_metrics,
-            **memory,
-            "loss/policy": update.get("loss/policy", float("nan")),
-            "tbpo/drop_frac_pos": update.get("tbpo/drop_frac_pos", 0.0),
-            "tbpo/drop_frac_neg": update.get("tbpo/drop_frac_neg", 0.0),
-            "train/lr": self.learner.scheduler.get_last_lr()[0],
-            "train/bad_steps": float(self.bad_steps),
-            "time/rollout": rollout_s,
-            "time/learner": learner_s,
-            "time/publish": publish_s,
-            "time/kv_cache": kv_s,
-            "time/step": time.perf_counter() - t_step,
-            "rollout/tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
-        }
-        return metrics
+        """One step: rollout -> advantages -> update -> publish; returns its metrics."""
+        clock = StageClock(self.device)
+        with clock.stage("step"):
+            rollout = self.collect_rollout(clock)                                          # 1-3
+            batch = self.score(rollout).to(self.device)                                    # 4
+            release = self.cfg.rollout.release_kv_cache
+            with clock.stage("kv_cache"):
+                if release:
+                    self.engine.release_kv_cache()
+            with clock.stage("learner", memory=True):
+                update = self.update_policy(batch)                                         # 5-6
+            with clock.stage("kv_cache"):
+                if release:
+                    self.engine.reallocate_kv_cache()
+            with clock.stage("publish"):
+                quant_metrics = self.publisher.publish()                                   # 7
+        self._check_finite(update)
+        return self._step_metrics(rollout, update, quant_metrics, clock)
 
     # ------------------------------------------------------------------ stages
+    def collect_rollout(self, clock: StageClock) -> Rollout:
+        """Stages 1-3: the next prompts, ``n`` completions each, their rewards (DAPO refills)."""
+        prompts, examples = self._next_prompts(self.cfg.trainer.prompts_per_step)
+        with clock.stage("rollout", memory=True):
+            completions = self._rollout(prompts, seed_offset=0)
+        rewards, reward_metrics = self._score(completions, examples)
+        rollout = Rollout(prompts, examples, completions, rewards, reward_metrics,
+                          sum(len(c.token_ids) for c in completions))
+        if self.cfg.trainer.dynamic_sampling:
+            rollout = self._dynamic_sampling(rollout)
+        return rollout
+
+    def score(self, rollout: Rollout) -> RolloutBatch:
+        """Stage 4: the learner's batch with group-relative advantages (GAE fills them in the update)."""
+        a, n = self.cfg.algo, self.cfg.rollout.n
+        adv = torch.zeros_like(rollout.rewards) if a.advantage == "gae" else \
+            compute_advantages(a.advantage, rollout.rewards, n)
+        comps = rollout.completions
+        batch = build_batch([rollout.prompts[c.prompt_index] for c in comps], [c.token_ids for c in comps],
+                            [c.logprobs for c in comps], rollout.rewards.tolist(), adv)
+        if self.cfg.trainer.overlong_filter:
+            truncated = torch.tensor([c.finish_reason == "length" for c in comps])
+            batch.response_mask = drop_rows(batch.response_mask, truncated)
+        return batch
+
+    def update_policy(self, batch: RolloutBatch) -> UpdateResult:
+        """Stages 5-6: old / reference log-probs when the update needs them, then the update."""
+        cfg = self.cfg
+        settings = self._update_settings()
+        budget, temp = cfg.trainer.token_budget, cfg.rollout.temperature
+        if (settings.ppo_epochs, settings.mini_batches) != (1, 1):  # else the update's own forward is it
+            batch.old_logp = self.learner.logprobs(batch, budget, temp)
+        if cfg.algo.kl_coef > 0:
+            batch.ref_logp = self.learner.logprobs(batch, budget, temp, ref=True)
+        returns = self._gae(batch) if cfg.algo.advantage == "gae" else None
+        metrics = self.learner.update(batch, settings, returns)
+        old_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
+        return UpdateResult(metrics, mismatch_metrics(old_logp, batch.sampler_logp, batch.response_mask))
+
+    def _step_metrics(self, rollout: Rollout, update: UpdateResult, quant_metrics: dict[str, float],
+                      clock: StageClock) -> dict[str, float]:
+        m = update.metrics
+        timing = clock.metrics()
+        return {
+            **rollout.reward_metrics,
+            **_rollout_metrics(rollout.completions, rollout.rewards),
+            **update.mismatch,
+            **m,
+            **quant_metrics,
+            **timing,
+            "loss/policy": m.get("loss/policy", float("nan")),
+            "tbpo/drop_frac_pos": m.get("tbpo/drop_frac_pos", 0.0),
+            "tbpo/drop_frac_neg": m.get("tbpo/drop_frac_neg", 0.0),
+            "train/lr": self.learner.scheduler.get_last_lr()[0],
+            "train/bad_steps": float(self.bad_steps),
+            "rollout/tokens_per_s": rollout.generated_tokens / max(timing["time/rollout"], 1e-9),
+        }
+
     def _next_prompts(self, count: int):
         """The next ``count`` examples of a seeded, per-epoch shuffle (resumable by position)."""
         n = len(self.train_examples)
@@ -313,74 +325,41 @@ class Trainer:
         assert len(scores) == len(completions) == len(examples) * n
         return torch.tensor(scores, dtype=torch.float32), stats
 
-    def _dynamic_sampling(self, prompts, examples, completions, rewards):
-        """DAPO: drop groups whose rewards are all equal, refill with fresh prompts."""
-        n, want = self.cfg.rollout.n, len(prompts)
-        keep_p, keep_e, keep_c, keep_r = [], [], [], []
-        dropped, rounds = 0, 0
+    def _dynamic_sampling(self, first: Rollout) -> Rollout:
+        """DAPO: keep the groups whose rewards differ, refill from fresh prompts (3 rounds at most)."""
+        n, want = self.cfg.rollout.n, len(first.prompts)
+        kept, current, dropped, rounds = None, first, 0, 0
         while True:
-            groups = rewards.view(-1, n)
-            for g in range(groups.shape[0]):
-                if len(keep_p) == want:
+            take = []
+            for g, informative in enumerate(informative_groups(current.rewards, n).tolist()):
+                if len(take) + (len(kept.prompts) if kept else 0) == want:
                     break
-                if float(groups[g].max() - groups[g].min()) == 0.0:
+                if informative:
+                    take.append(g)
+                else:
                     dropped += 1
-                    continue
-                keep_p.append(prompts[g])
-                keep_e.append(examples[g])
-                cs = [c for c in completions if c.prompt_index == g]
-                keep_c.append(cs)
-                keep_r.append(groups[g])
-            if len(keep_p) == want or rounds >= 3:
+            part = current.select(take, n)
+            kept = part if kept is None else kept.extend(part)
+            if len(kept.prompts) == want or rounds >= 3:
                 break
             rounds += 1
             prompts, examples = self._next_prompts(want)
             completions = self._rollout(prompts, seed_offset=rounds)
             rewards, _ = self._score(completions, examples)
-        if not keep_p:  # every group was uniform: train on the last batch as is (zero advantages)
-            keep_p, keep_e = prompts, examples
-            keep_c = [[c for c in completions if c.prompt_index == g] for g in range(len(prompts))]
-            keep_r = list(rewards.view(-1, n))
-        flat = []
-        for gi, cs in enumerate(keep_c):
-            for c in cs:
-                c.prompt_index = gi
-                flat.append(c)
+            current = Rollout(prompts, examples, completions, rewards, {}, 0)
+        if not kept.prompts:  # every group was uniform: train on the last batch as is (zero advantages)
+            kept = current
         extra = {"dapo/dropped_groups": float(dropped), "dapo/refill_rounds": float(rounds)}
-        return keep_p, keep_e, flat, torch.cat(keep_r), extra
-
-    def _make_batch(self, prompts, completions, rewards: torch.Tensor, n: int) -> RolloutBatch:
-        a = self.cfg.algo
-        if a.advantage == "gae":
-            adv = torch.zeros_like(rewards)
-        else:
-            adv = compute_advantages(a.advantage, rewards, n)
-        batch = build_batch(
-            [prompts[c.prompt_index] for c in completions],
-            [c.token_ids for c in completions],
-            [c.logprobs for c in completions],
-            rewards.tolist(),
-            adv,
-        )
-        if self.cfg.trainer.overlong_filter:
-            # DAPO overlong filtering: truncated responses carry no learning signal.
-            truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-            batch.response_mask[truncated] = 0.0
-        return batch
+        return dataclasses.replace(kept, reward_metrics={**first.reward_metrics, **extra},
+                                   generated_tokens=first.generated_tokens)
 
     def _gae(self, batch: RolloutBatch) -> torch.Tensor:
-        """Token-level advantages from the critic (reward on each response's last token)."""
+        """Token-level advantages from the critic, whitened over the batch's response tokens."""
         mask = batch.response_mask
         values = self.learner.values(batch, self.cfg.trainer.token_budget)
-        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
-        token_rewards = torch.where(last, batch.rewards[:, None].to(mask.dtype), torch.zeros_like(mask))
-        adv, returns = compute_gae(token_rewards, values, mask, self.cfg.algo.gamma, self.cfg.algo.lam)
-        # whiten over the batch's response tokens, as PPO implementations do
-        m = mask > 0
-        if m.any():
-            mu, sd = adv[m].mean(), adv[m].std() if int(m.sum()) > 1 else torch.tensor(1.0)
-            adv = torch.where(m, (adv - mu) / (sd + 1e-8), torch.zeros_like(adv))
-        batch.advantages = adv
+        adv, returns = compute_gae(last_token_rewards(batch.rewards, mask), values, mask,
+                                   self.cfg.algo.gamma, self.cfg.algo.lam)
+        batch.advantages = whiten(adv, mask)
         return returns
 
     def _update_settings(self) -> UpdateSettings:
@@ -402,10 +381,10 @@ class Trainer:
             value_coef=a.value_coef,
         )
 
-    def _check_finite(self, update: dict[str, float], mismatch: dict[str, float]) -> None:
-        if update.get("train/skipped_updates", 0) > 0:
+    def _check_finite(self, update: UpdateResult) -> None:
+        if update.metrics.get("train/skipped_updates", 0) > 0:
             self.bad_steps += 1
-            bad = self.learner.last_nonfinite + sorted(k for k, v in mismatch.items() if not math.isfinite(v))
+            bad = self.learner.last_nonfinite + sorted(k for k, v in update.mismatch.items() if not math.isfinite(v))
             self._say(f"[yellow]step {self.step + 1}: non-finite loss or gradient ({', '.join(bad) or 'grad_norm'}), "
                       f"update skipped ({self.bad_steps} in a row)[/yellow]")
             if self.bad_steps >= self.cfg.trainer.max_bad_steps:
@@ -416,14 +395,6 @@ class Trainer:
                 )
         else:
             self.bad_steps = 0
-
-    def _peak_memory_gb(self) -> float | None:
-        """Peak CUDA memory since the last call (None on CPU)."""
-        if self.device.type != "cuda":
-            return None
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()

@@ -14,13 +14,17 @@ models these are estimated on up to four decoder layers (first, two middle, last
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
+from quarl.config import QuantConfig
+from quarl.model.transformer import Transformer
 from quarl.quant import (
     QATLinear,
     QuantLinear,
-    get_scheme,
+    QuantMode,
     publish_model,
     quantize_model,
     quantize_weight,
@@ -28,14 +32,23 @@ from quarl.quant import (
     rel_update,
     update_visible_frac,
 )
-from quarl.rollout import Engine
+from quarl.rollout import Engine, EngineConfig
 
 
-def build_engine_model(model: nn.Module, mode: str, scheme: str, include, exclude) -> nn.Module:
-    """Swap the engine copy's selected linears for packed :class:`QuantLinear` (not in bf16 mode)."""
-    if mode != "bf16":
-        quantize_model(model, scheme, QuantLinear, include=include, exclude=exclude)
-    return model
+def build_engine_and_publisher(
+    learner_model: Transformer, quant: QuantConfig, engine_config: EngineConfig
+) -> tuple[Engine, "Publisher"]:
+    """The one place where the quantization mode shapes the models.
+
+    The engine gets a copy of ``learner_model`` in ``quant.scheme`` (bf16 in ``bf16``
+    mode); in ``aligned`` mode the learner's selected linears become :class:`QATLinear`
+    over the same parameters. The publisher keeps the engine equal to the learner.
+    """
+    engine = Engine(copy.deepcopy(learner_model), scheme=quant.scheme, config=engine_config,
+                    include=quant.include, exclude=quant.exclude)
+    if quant.mode.learner_quantized:
+        quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
+    return engine, Publisher(learner_model, engine, quant.mode)
 
 
 def _metric_layers(num_layers: int) -> set[int]:
@@ -43,12 +56,10 @@ def _metric_layers(num_layers: int) -> set[int]:
 
 
 class Publisher:
-    def __init__(self, learner_model: nn.Module, engine: Engine, mode: str, scheme: str, include, exclude) -> None:
+    def __init__(self, learner_model: nn.Module, engine: Engine, mode: QuantMode) -> None:
         self.mode = mode
         self.engine = engine
-        self.scheme = None if mode == "bf16" else get_scheme(scheme)
-        if mode == "aligned":
-            quantize_model(learner_model, self.scheme, QATLinear, include=include, exclude=exclude)
+        self.scheme = engine.scheme if mode.engine_quantized else None
         self.learner_model = learner_model
         self.quantized = [n + ".weight" for n, m in engine.model.named_modules() if isinstance(m, QuantLinear)]
         keep = _metric_layers(len(learner_model.layers))
@@ -58,7 +69,7 @@ class Publisher:
 
     @torch.no_grad()
     def published(self) -> dict:
-        if self.mode == "aligned":
+        if self.mode.learner_quantized:
             return publish_model(self.learner_model)
         out = {n: p.detach() for n, p in self.learner_model.named_parameters()}
         for n in self.quantized:

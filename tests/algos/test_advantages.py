@@ -134,11 +134,3 @@ def test_whiten_by_hand():
     assert torch.equal(one, torch.tensor([[0.0, 0.0]]))
     assert torch.equal(whiten(v, torch.zeros(2, 2)), torch.zeros(2, 2, dtype=torch.float64))
 
-
-def test_informative_groups_by_hand():
-    from quarl.algos.advantages import informative_groups
-
-    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
-    assert informative_groups(r, 3).tolist() == [False, True, False]
-    with pytest.raises(ValueError):
-        informative_groups(r, 4)

@@ -1,0 +1,84 @@
+"""What the stages of a training step hand each other, and the clock that times them.
+
+rollout (prompts -> completions -> rewards)  ->  :class:`Rollout`
+advantages (group-relative or GAE)           ->  ``RolloutBatch`` (the scored batch)
+update (old / ref log-probs, the loss)       ->  :class:`UpdateResult`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from quarl.rollout import Completion
+
+
+@dataclass
+class Rollout:
+    """A step's prompts, their ``n`` completions each (sorted by prompt, then sample) and
+    the completions' rewards ``[len(prompts) * n]``."""
+
+    prompts: list[list[int]]
+    examples: list[Any]
+    completions: list[Completion]
+    rewards: torch.Tensor
+    reward_metrics: dict[str, float]
+    generated_tokens: int
+
+    def select(self, groups: list[int], n: int) -> "Rollout":
+        """The prompt groups ``groups`` (each prompt with its ``n`` completions), renumbered."""
+        comps = [dataclasses.replace(c, prompt_index=new)
+                 for new, g in enumerate(groups) for c in self.completions[g * n:(g + 1) * n]]
+        rows = torch.tensor([g * n + j for g in groups for j in range(n)], dtype=torch.long)
+        return Rollout([self.prompts[g] for g in groups], [self.examples[g] for g in groups], comps,
+                       self.rewards[rows], self.reward_metrics, self.generated_tokens)
+
+    def extend(self, other: "Rollout") -> "Rollout":
+        """This rollout's groups followed by ``other``'s (metrics and token count stay this one's)."""
+        shift = len(self.prompts)
+        comps = self.completions + [dataclasses.replace(c, prompt_index=c.prompt_index + shift)
+                                    for c in other.completions]
+        return Rollout(self.prompts + other.prompts, self.examples + other.examples, comps,
+                       torch.cat([self.rewards, other.rewards]), self.reward_metrics, self.generated_tokens)
+
+
+@dataclass
+class UpdateResult:
+    """The learner's update metrics and the sampler/learner mismatch it measured."""
+
+    metrics: dict[str, float]
+    mismatch: dict[str, float]
+
+
+class StageClock:
+    """Wall time (``time/<stage>``, summed over repeats) and, for stages asked to, peak
+    CUDA memory (``memory/<stage>_peak_gb``) of one step's stages."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.peak_gb: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str, memory: bool = False) -> Iterator[None]:
+        if memory and self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+            if memory and self.cuda:
+                self.peak_gb[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out.update({f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()})
+        return out
