@@ -31,7 +31,7 @@ from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.sampling_params import SamplingParams
 from quarl.bench.common import git_commit
-from quarl.quant.bench import Ceilings, measure_ceilings, median_cuda_time
+from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
