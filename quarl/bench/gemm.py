@@ -118,7 +118,7 @@ def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str
     return counts, {}
 
 
-def _quantized_operands(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int):
+def quantized_operands(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int):
     """Rotating sets of (weight of format ``fmt``, activations already quantized per token)."""
     from quarl.quant.kernels import launch
 
@@ -137,7 +137,7 @@ def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.d
     """As :func:`make_calls`, on activations quantized beforehand: the GEMM alone."""
     from quarl.quant.kernels import launch
 
-    qws, xs = _quantized_operands(fmt, m, n, k, device, l2, seed)
+    qws, xs = quantized_operands(fmt, m, n, k, device, l2, seed)
     return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(len(qws))]
 
 
@@ -174,7 +174,7 @@ def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2:
     from quarl.quant.kernels import launch
 
     act = get_scheme(fmt).act_format
-    qws, xs = _quantized_operands(fmt, m, n, k, device, l2, seed)
+    qws, xs = quantized_operands(fmt, m, n, k, device, l2, seed)
 
     def call(i):
         y, amax = launch.gated_silu_gemm(*xs[i], qws[i], torch.bfloat16)
