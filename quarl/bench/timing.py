@@ -82,20 +82,6 @@ def time_per_call(calls: list[Callable[[], object]], reps: int = 20, min_calls: 
     return median_cuda_time(run_all, reps) / len(seq)
 
 
-def time_checked_codes(fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]], ref: tuple[torch.Tensor, torch.Tensor],
-                       sets: int) -> tuple[float, str | None]:
-    """Sweep candidate timing: ``fn(i)`` returns per-token codes and scales of input set
-    ``i``; seconds per call over the rotating sets once ``fn(0)`` equals ``ref`` bit for bit,
-    else ``(nan, reason)`` (a failing candidate is a result, not a crash)."""
-    try:
-        q, s = fn(0)
-        if not (torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(s, ref[1])):
-            raise RuntimeError("codes differ from the reference path")
-        return time_per_call([lambda i=i: fn(i) for i in range(sets)]), None
-    except Exception as e:  # noqa: BLE001
-        return float("nan"), f"{type(e).__name__}: {str(e)[:200]}"
-
-
 def n_sets(bytes_per_set: int, l2: int) -> int:
     """Rotating operand sets of ``bytes_per_set`` each that exceed ``l2`` bytes three times
     (2 to 128 sets)."""
