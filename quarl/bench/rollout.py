@@ -31,7 +31,7 @@ from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.sampling_params import SamplingParams
 from quarl.bench.common import git_commit
-from quarl.quant.bench import Ceilings, measure_ceilings, median_cuda_time
+from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -217,6 +217,46 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2))
     return result
+
+
+def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int = 10, top: int = 14,
+                    device: torch.device | None = None) -> str:
+    """Per-kernel GPU time of one decode step: the engine on random weights generates a few
+    tokens, then its largest captured decode graph is replayed under torch.profiler. A table
+    of the kernels by total time per step (ms, launches per step, name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = device or torch.device("cuda")
+    cfg = shape_config(shape, prompt_len + 64)
+    model = random_model(cfg, device)
+    engine = Engine(model, scheme=None if fmt == "bf16" else fmt,
+                    config=EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64))
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    graph = engine.runner.graphs[max(engine.runner.graphs)][0]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay_ms = 1e3 * median_cuda_time(graph.replay, 50)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            t, n = kernels.get(e.name[:90], (0.0, 0))
+            kernels[e.name[:90]] = (t + e.device_time, n + 1)
+    total_us = sum(t for t, _ in kernels.values()) / reps
+    lines = [f"{shape} {fmt} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
+             f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "
+             f"{torch.cuda.get_device_name(device)}, commit {git_commit()[:10]})"]
+    for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name}")
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return "\n".join(lines)
 
 
 def summary_table(result: dict[str, Any]) -> str:

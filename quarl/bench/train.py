@@ -139,7 +139,7 @@ def summarize(rows, info, matmul_params: int, bf16_rate: float, rollouts: int) -
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None) -> dict[str, Any]:
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
-    from quarl.quant.bench import measure_ceilings
+    from quarl.bench.timing import measure_ceilings
     from quarl.bench.rollout import matmul_params
 
     if workload not in WORKLOADS:

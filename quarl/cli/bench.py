@@ -1,14 +1,14 @@
-"""``quarl bench gemm|rollout|train``: the benchmark suites (GPU; JSON under bench/results/)."""
+"""``quarl bench gemm|sweep|rollout|train``: the benchmark suites (GPU; JSON under bench/results/)."""
 
 from __future__ import annotations
 
 import importlib
 
-SUITES = ("gemm", "rollout", "train")
+SUITES = ("gemm", "sweep", "rollout", "train")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (GEMM kernels, rollout engine, the whole RL step)")
+    p = sub.add_parser("bench", help="benchmarks (GEMM kernels, kernel-config sweeps, rollout engine, the whole RL step)")
     inner = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
     for suite in SUITES:
         importlib.import_module(f"quarl.cli.bench_{suite}").add_parser(inner)

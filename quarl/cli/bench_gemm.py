@@ -10,7 +10,7 @@ import argparse
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from quarl.quant.bench import ALL_FORMATS, M_VALUES, MODELS, SHAPE_SETS
+    from quarl.bench.gemm import ALL_FORMATS, M_VALUES, MODELS, SHAPE_SETS
 
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (tokens)")
@@ -25,7 +25,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _shape_sets(spec: str) -> tuple[str, ...]:
-    from quarl.quant.bench import SHAPE_SETS
+    from quarl.bench.gemm import SHAPE_SETS
 
     sets = tuple(x for x in spec.split(",") if x)
     bad = [x for x in sets if x not in SHAPE_SETS]
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from quarl.quant.bench import format_table, run_benchmark, save
+    from quarl.bench.gemm import format_table, run_benchmark, save
 
     if not torch.cuda.is_available():
         raise ValueError("quarl bench gemm needs a CUDA GPU (it times the fast kernels); run it on a GPU machine")

@@ -1,9 +1,11 @@
-"""``quarl bench rollout``: engine throughput on random weights vs its floor and HF generate."""
+"""``quarl bench rollout``: engine throughput on random weights vs its floor and HF generate;
+``--profile-kernels``: the decode step's kernels by GPU time."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,16 +24,27 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-len", type=int, default=1024)
     p.add_argument("--formats", default="bf16", help="comma list: bf16,w8a8-fp8,w8a8-int8,w4a16,...")
     p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--out", default=None, help="write the JSON result here (--profile-kernels: the table, as text)")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="instead of throughput: per-kernel GPU time of one decode step (torch.profiler over replays "
+                        "of the largest decode graph), one table per format")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from quarl.bench.rollout import run_benchmark, summary_table
+    from quarl.bench.rollout import profile_kernels, run_benchmark, summary_table
 
     if not torch.cuda.is_available():
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
+    if args.profile_kernels:
+        text = "\n".join(profile_kernels(args.shape, f, args.batch, args.prompt_len)
+                         for f in args.formats.split(",") if f)
+        print(text)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text + "\n")
+        return 0
     result = run_benchmark(
         args.shape, args.batch, args.prompt_len, args.gen_len, [f for f in args.formats.split(",") if f],
         hf_gen_len=args.hf_gen_len, out=args.out,

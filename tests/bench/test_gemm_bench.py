@@ -1,10 +1,10 @@
-"""The GEMM benchmark's bookkeeping (shapes, per-layer sums, targets): pure functions, CPU."""
+"""quarl.bench.gemm: the GEMM benchmark's bookkeeping (shapes, per-layer sums, targets): pure functions, CPU."""
 
 from __future__ import annotations
 
 import math
 
-from quarl.quant.bench import MODELS, check_targets, layer_speedups, linear_shapes
+from quarl.bench.gemm import MODELS, check_targets, layer_speedups, linear_shapes
 
 
 def test_shape_sets_of_qwen_7b():
@@ -46,7 +46,7 @@ def test_layer_speedups_and_targets_per_shape_set():
 
 
 def test_engine_split_times_fused_input_gemms_apart():
-    from quarl.quant.bench import engine_split
+    from quarl.bench.gemm import engine_split
 
     both = {"modules": 1, "engine": 1}
     # down_proj: the engine's SiLU-and-mul quantizes its input, a module's QuantLinear launches the quantizer
@@ -59,7 +59,7 @@ def test_engine_split_times_fused_input_gemms_apart():
 
 
 def test_format_table_lists_engine_rows_apart():
-    from quarl.quant.bench import format_table
+    from quarl.bench.gemm import format_table
 
     def row(fmt, ms, **kw):
         return dict(model="m", layer="down_proj", counts={"modules": 1}, M=256, format=fmt, ms=ms, speedup=2.0 / ms, floor_frac=0.5, **kw)
@@ -76,7 +76,7 @@ def test_format_table_lists_engine_rows_apart():
 def test_summarize_counts_engine_rows():
     """A W8A8 format's engine-set layer time and targets come from its engine rows (GEMM on
     fused-quantizer input), not from its standalone rows that the engine never runs."""
-    from quarl.quant.bench import summarize
+    from quarl.bench.gemm import summarize
 
     def row(layer, counts, fmt, ms, **kw):
         return dict(model="qwen2.5-7b", layer=layer, counts=counts, M=256, format=fmt, ms=ms, speedup=0.0, **kw)
@@ -93,7 +93,7 @@ def test_engine_rows_of_a_gated_mlp(monkeypatch):
     """Where the MLP runs the gated gate/up GEMM, its row is the gated GEMM + down's
     quantizer - the bf16 SiLU-and-mul + the RMSNorm quantizer's extra, and down's row is its
     GEMM alone; elsewhere each GEMM on codes carries its producer's extra."""
-    from quarl.quant import bench
+    from quarl.bench import gemm as bench
 
     cost = {"gemm": 5.0, "gated": 9.0, "silu": 2.0, "norm_extra": 0.5, "silu_extra": 3.0}
     monkeypatch.setattr(bench, "time_per_call", lambda calls, **kw: calls)

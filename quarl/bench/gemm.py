@@ -23,14 +23,14 @@ import datetime
 import json
 import math
 import os
-import statistics
-import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from quarl.bench.common import git_commit
+from quarl.bench.timing import Ceilings, measure_ceilings, n_sets, time_per_call
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.ops import quant_linear
 from quarl.quant.qweight import QuantizedWeight, quantize_weight
@@ -81,93 +81,7 @@ def linear_shapes(cfg: dict[str, int], sets: tuple[str, ...] = SHAPE_SETS) -> li
     return out
 
 
-@dataclass
-class Ceilings:
-    bandwidth: float  # bytes/s (read + write)
-    bf16_flops: float
-    fp8_flops: float
-
-
-def median_cuda_time(fn: Callable[[], object], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def measure_ceilings(device: torch.device) -> Ceilings:
-    a = torch.randn(256 * 2**20, device=device, dtype=torch.bfloat16)  # 512 MiB
-    b = torch.empty_like(a)
-    b.copy_(a)
-    t_copy = median_cuda_time(lambda: b.copy_(a), 20)
-    del a, b
-    n = 8192
-    x, y = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    x @ y
-    t_bf16 = median_cuda_time(lambda: x @ y, 20)
-    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()
-    one_m, one_n = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
-
-    def fp8():
-        return torch._scaled_mm(x8, y8, scale_a=one_m, scale_b=one_n, out_dtype=torch.bfloat16)
-
-    fp8()
-    t_fp8 = median_cuda_time(fp8, 20)
-    return Ceilings(2 * 512 * 2**20 / t_copy, 2 * n**3 / t_bf16, 2 * n**3 / t_fp8)
-
-
-def time_per_call(calls: list[Callable[[], object]], reps: int = 20, min_calls: int = 8, graph: bool = True) -> float:
-    """Median seconds per call of ``calls`` (rotating sets) replayed in a CUDA graph."""
-    seq = calls * max(1, math.ceil(min_calls / len(calls)))
-    for f in calls:  # compile / autotune / handle creation outside the timing
-        f()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for f in calls:
-                f()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(g):
-            for f in seq:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        return median_cuda_time(g.replay, reps) / len(seq)
-
-    def run_all():
-        for f in seq:
-            f()
-
-    return median_cuda_time(run_all, reps) / len(seq)
-
-
-def time_checked_codes(fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]], ref: tuple[torch.Tensor, torch.Tensor],
-                       sets: int) -> tuple[float, str | None]:
-    """Sweep candidate timing: ``fn(i)`` returns per-token codes and scales of input set
-    ``i``; seconds per call over the rotating sets once ``fn(0)`` equals ``ref`` bit for bit,
-    else ``(nan, reason)`` (a failing candidate is a result, not a crash)."""
-    try:
-        q, s = fn(0)
-        if not (torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(s, ref[1])):
-            raise RuntimeError("codes differ from the reference path")
-        return time_per_call([lambda i=i: fn(i) for i in range(sets)]), None
-    except Exception as e:  # noqa: BLE001
-        return float("nan"), f"{type(e).__name__}: {str(e)[:200]}"
-
-
-def _n_sets(bytes_per_set: int, l2: int) -> int:
-    return int(min(128, max(2, math.ceil(3 * l2 / max(bytes_per_set, 1)))))
-
-
-def _slice_qw(big: QuantizedWeight, i: int, n: int, k: int) -> QuantizedWeight:
+def slice_qw(big: QuantizedWeight, i: int, n: int, k: int) -> QuantizedWeight:
     parts = {f: (t[i * n : (i + 1) * n] if t.dim() > 0 else t) for f, t in big.tensors().items()}
     return QuantizedWeight(big.scheme, (n, k), **parts)
 
@@ -177,14 +91,14 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, 
     sc = get_scheme(fmt)
     gen = torch.Generator(device=device).manual_seed(seed)
     per_set = int(n * k * sc.bits_per_weight / 8 + m * k * 2)
-    sets = _n_sets(per_set, l2)
+    sets = n_sets(per_set, l2)
     w = torch.randn(sets * n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     x = torch.randn(sets, m, k, device=device, dtype=torch.bfloat16, generator=gen)
     if not sc.quantizes_weights:
         return [lambda i=i: F.linear(x[i], w[i * n : (i + 1) * n]) for i in range(sets)]
     big = quantize_weight(w, sc)
     del w
-    qws = [_slice_qw(big, i, n, k) for i in range(sets)]
+    qws = [slice_qw(big, i, n, k) for i in range(sets)]
     repacked = [RepackCache() for _ in range(sets)]  # as each QuantLinear owns its kernel layouts
     return [lambda i=i: quant_linear(x[i], qws[i], None, repacked[i]) for i in range(sets)]
 
@@ -204,17 +118,17 @@ def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str
     return counts, {}
 
 
-def _quantized_operands(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int):
+def quantized_operands(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int):
     """Rotating sets of (weight of format ``fmt``, activations already quantized per token)."""
     from quarl.quant.kernels import launch
 
     sc = get_scheme(fmt)
     gen = torch.Generator(device=device).manual_seed(seed)
-    sets = _n_sets(int(n * k * sc.bits_per_weight / 8 + m * k), l2)
+    sets = n_sets(int(n * k * sc.bits_per_weight / 8 + m * k), l2)
     w = torch.randn(sets * n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     big = quantize_weight(w, sc)
     del w
-    qws = [_slice_qw(big, i, n, k) for i in range(sets)]
+    qws = [slice_qw(big, i, n, k) for i in range(sets)]
     xs = [launch.act_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen), sc.act_format) for _ in range(sets)]
     return qws, xs
 
@@ -223,7 +137,7 @@ def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.d
     """As :func:`make_calls`, on activations quantized beforehand: the GEMM alone."""
     from quarl.quant.kernels import launch
 
-    qws, xs = _quantized_operands(fmt, m, n, k, device, l2, seed)
+    qws, xs = quantized_operands(fmt, m, n, k, device, l2, seed)
     return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(len(qws))]
 
 
@@ -260,7 +174,7 @@ def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2:
     from quarl.quant.kernels import launch
 
     act = get_scheme(fmt).act_format
-    qws, xs = _quantized_operands(fmt, m, n, k, device, l2, seed)
+    qws, xs = quantized_operands(fmt, m, n, k, device, l2, seed)
 
     def call(i):
         y, amax = launch.gated_silu_gemm(*xs[i], qws[i], torch.bfloat16)
@@ -282,16 +196,6 @@ def floor_seconds(fmt: str, m: int, n: int, k: int, ceil: Ceilings) -> float:
     nbytes = n * k * sc.bits_per_weight / 8 + 2 * m * k + 2 * m * n
     rate = ceil.fp8_flops if sc.quantizes_activations else ceil.bf16_flops
     return max(nbytes / ceil.bandwidth, 2 * m * n * k / rate)
-
-
-def git_commit() -> str:
-    env = os.environ.get("QUARL_GIT_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict) -> tuple[float, dict]:

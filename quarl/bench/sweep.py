@@ -1,0 +1,574 @@
+"""Kernel-config sweeps behind the dispatch tables (``quarl bench sweep FAMILY``).
+
+One question per call: at each M and shape, which candidate config of one kernel family
+is fastest, against bf16 and the table's current choice? Every candidate runs through
+``dispatch.overrides`` on the same path the engine and ``QuantLinear`` take, is checked
+once against the default's output on the first operand set (GEMMs: relative error below
+``REL_TOL`` and the same bits on a second run; quantizers and the gated GEMM: the same
+codes bit for bit), then timed as ``quarl bench gemm`` times (CUDA-graph replays over
+rotating operand sets beyond L2, median of CUDA events). A failing candidate is a row
+with an error, not a crash.
+
+Candidates are written as specs (``parse_candidates``): ``[kernel:]values`` where values
+are the config's fields in order and/or ``field=value``, and any value may be a grid
+``a|b|c``; ``;`` or newlines separate candidates. E.g. for ``wgmma``:
+``2,4,blocks_per_sm=1|2,cluster=1`` is ``WgConfig(2, 4, 1.0, cluster=True)`` and the same
+at 2 blocks per SM. The winners go into the rows of ``quarl/quant/kernels/dispatch.py`` by
+hand, with the measurement in bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, NamedTuple
+
+from quarl.quant.kernels.config import FragConfig, TileConfig, TileKConfig, WgConfig
+from quarl.quant.kernels.dispatch import Plan
+
+REL_TOL = 1e-2  # GEMM candidates: relative error against the default's output (bf16 outputs)
+
+
+class ActQuantConfig(NamedTuple):
+    """The activation quantizer's launch (``dispatch.overrides(act_quant=...)``)."""
+
+    block: int  # columns per block: one pass when block >= K
+    warps: int
+
+
+# kernel name -> the config type its Plan carries (None: the kernel takes no config)
+KERNEL_CONFIGS: dict[str, type | None] = {
+    "wgmma": WgConfig, "tile": TileKConfig, "frag": FragConfig, "swap": TileConfig, "tiled": TileConfig,
+    "dequant": None, "pointer": TileConfig, "tma": TileConfig, "cublas": None, "w4a8": TileConfig,
+    "gated": TileConfig, "act_quant": ActQuantConfig,
+}
+
+Candidate = Any  # a Plan, or an ActQuantConfig for the act-quant family
+M_DEFAULT_W4 = (8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A sweepable kernel family: which dispatch table it overrides, with which kernels,
+    on which operands, and its default candidates at each M."""
+
+    table: str  # key of dispatch.overrides: a dispatch.TABLES family or "act_quant"
+    kernels: tuple[str, ...]  # kernels a spec may name; the first is the default
+    format: str  # scheme of the weights (act-quant: of the activations)
+    operands: str  # "weight_only" | "quantized_input" | "gated" | "act_quant"
+    ms: tuple[int, ...]
+    candidates: Callable[[int], list[Candidate]] = field(repr=False)
+    doc: str = ""
+
+
+def _tiles(kernel: str, rows: list[tuple], **fixed) -> list[Plan]:
+    """Plans of ``kernel`` from ``(bm, bn, bk, warps, stages, waves[, split_k])`` rows."""
+    out = []
+    for bm, bn, bk, w, st, wv, *sk in rows:
+        out.append(Plan(kernel, TileConfig(bm, bn, bk, split_k=sk[0] if sk else 0, num_warps=w, num_stages=st,
+                                           waves=wv, **fixed)))
+    return out
+
+
+def _wgmma(m: int) -> list[Plan]:
+    """H100 runs 18-19 (bench/NOTES.md): 1-3 warpgroups, 3-6 ring slots, 1-4 blocks per SM,
+    with and without the cluster split."""
+    shapes = [(1, 3, False, 1), (1, 4, False, 1), (2, 3, False, 1), (2, 4, False, 1), (2, 6, False, 1),
+              (1, 3, True, 4), (3, 4, True, 1)]
+    return [Plan("wgmma", WgConfig(nwg, st, float(bps), single, minb, tail=True, cluster=cl))
+            for nwg, st, single, minb in shapes for bps in (1, 2, 4) for cl in (False, True)]
+
+
+def _tile(m: int) -> list[Plan]:
+    """The block-tiled CUDA kernel (H200 run 11): (slabs, NT, MT, WM, stages) by M bucket."""
+    by_m = {
+        16: [(4, 4, 1, 1, 4), (4, 4, 1, 1, 6), (4, 8, 1, 1, 4), (8, 4, 1, 1, 4), (2, 4, 1, 1, 6)],
+        32: [(4, 4, 2, 1, 4), (4, 4, 2, 1, 6), (2, 4, 2, 1, 6), (8, 4, 2, 1, 4)],
+        64: [(4, 4, 4, 1, 4), (4, 4, 4, 1, 5), (2, 4, 4, 1, 6), (4, 4, 2, 2, 4), (4, 4, 2, 2, 5), (2, 4, 2, 2, 6),
+             (4, 8, 2, 2, 4)],
+    }
+    rows = by_m[16 if m <= 16 else 32 if m <= 32 else 64]
+    return [Plan("tile", TileKConfig(*c, float(bps))) for c in rows for bps in (1, 2, 4)]
+
+
+def _frag(m: int) -> list[Plan]:
+    """The CUDA fragment kernel (M <= 16): warps x ring slots x blocks per SM."""
+    return [Plan("frag", FragConfig(nw=nw, blocks_per_sm=float(bps), stages=st)) for nw in (1, 2, 4, 8) for st in (2, 4, 8) if nw * st <= 32
+            for bps in (2, 4, 8)]
+
+
+def _swap(m: int) -> list[Plan]:
+    """The Triton swap kernel (H200 run 10) and dequantize + cuBLAS."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    return [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st, waves=wv))
+            for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0, 0.5, 1, 2, 4, 8)] + [Plan("dequant")]
+
+
+def _weight_only(m: int) -> list[Plan]:
+    """``wo_gemm_kernel`` tiles of the other weight-only formats, and dequantize + cuBLAS."""
+    return [Plan("tiled", TileConfig(bm, bn, num_stages=st, post_scale=ps))
+            for bm in (16, 32, 64) if bm >= min(m, 64) for bn in (32, 64, 128) for st in (3, 4)
+            for ps in (True, False)] + [Plan("dequant")]
+
+
+# W8A8 TMA tiles (H200 runs 12-13, H100 run 17): (bm, bn, bk, warps, stages, programs per SM[, K splits])
+_TMA = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1), (64, 128, 128, 4, 4, 2),
+        (64, 64, 128, 4, 5, 3), (128, 64, 128, 4, 4, 2), (256, 128, 128, 8, 3, 1), (128, 128, 256, 8, 3, 1)]
+_TMA_SPLIT = [(128, 128, 128, 8, 4, 1, 2), (128, 128, 128, 8, 4, 1, 3), (128, 128, 128, 8, 4, 1, 4),
+              (128, 128, 128, 4, 4, 1, 2), (64, 128, 128, 4, 4, 2, 2), (128, 64, 128, 4, 4, 2, 2),
+              (128, 256, 128, 8, 3, 1, 4)]
+_TMA_TAIL = [(128, 128, 128, 8, 4, 1, -1), (128, 256, 128, 8, 3, 1, -1), (128, 128, 128, 4, 4, 1, -1),
+             (64, 128, 128, 4, 4, 2, -1), (128, 64, 128, 4, 4, 2, -1)]
+_POINTER = [(16, 64, 256, 4, 3, 0), (64, 64, 128, 4, 4, 0), (64, 128, 128, 4, 4, 0, 1), (128, 128, 128, 8, 3, 0, 1),
+            (128, 128, 128, 8, 3, 0, 2), (128, 128, 128, 8, 3, 0, 4)]
+
+
+def _w8a8(cublas: bool) -> Callable[[int], list[Plan]]:
+    def candidates(m: int) -> list[Plan]:
+        out = [Plan("cublas")] if cublas else []
+        out += _tiles("pointer", [r for r in _POINTER if m > 16 or r[0] == 16])
+        out += _tiles("tma", [r for r in _TMA if m > 64 or r[0] <= 64])
+        if 128 <= m <= 512:  # too few 128 x 128 tiles to fill the GPU: split K
+            out += _tiles("tma", _TMA_SPLIT)
+        if m >= 256:  # whole tiles for the full waves, the last partial wave split along K
+            out += _tiles("tma", _TMA_TAIL)
+        return out
+
+    return candidates
+
+
+def _w4a8(m: int) -> list[Plan]:
+    return [Plan("w4a8", TileConfig(bm, bn, split_k=sk, num_warps=w))
+            for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8))
+            if bm <= max(16, 2 * m) for sk in (0, 1)]
+
+
+def _gated(m: int) -> list[Plan]:
+    """Gated W8A8 tiles (H200 run 13)."""
+    rows = [(64, 64, 128, 4, 4, 2), (64, 64, 128, 4, 3, 3), (64, 32, 128, 4, 4, 3), (64, 32, 128, 4, 6, 3),
+            (64, 64, 64, 4, 6, 2), (64, 64, 128, 8, 4, 2), (64, 128, 128, 8, 3, 1), (128, 64, 128, 8, 3, 1),
+            (128, 128, 128, 8, 3, 1)]
+    return _tiles("gated", rows)
+
+
+def _act_quant(m: int) -> list[ActQuantConfig]:
+    """Columns per block x warps (H200 run 12): one pass up to the row, or several blocks."""
+    return [ActQuantConfig(b, w) for b, w in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 16), (8192, 8),
+                                              (8192, 16), (32768, 32))]
+
+
+FAMILIES: dict[str, Family] = {
+    "wgmma": Family("w4a16", ("wgmma",), "w4a16", "weight_only", (64, 16, 32, 8), _wgmma,
+                    "int4 g128 weight-only, Hopper wgmma kernel (W4A16 rows on sm90)"),
+    "tile": Family("w4a16", ("tile",), "w4a16", "weight_only", (8, 16, 32, 48, 64), _tile,
+                   "int4 g128 weight-only, block-tiled CUDA kernel (sm80 / sm89, 4 < M <= 8)"),
+    "frag": Family("w4a16", ("frag",), "w4a16", "weight_only", (1, 4, 8, 16), _frag,
+                   "int4 g128 weight-only, CUDA fragment kernel (sm80 / sm89, M <= 4)"),
+    "swap": Family("w4a16", ("swap", "dequant"), "w4a16", "weight_only", (16, 32, 64), _swap,
+                   "int4 g128 weight-only, Triton swap kernel and dequantize + cuBLAS (no wgmma)"),
+    "weight-only": Family("weight_only", ("tiled", "dequant"), "nvfp4", "weight_only", (16, 32, 64, 128), _weight_only,
+                          "other weight-only formats (--format nvfp4, mxfp4, w2a16): wo_gemm_kernel tiles"),
+    "fp8": Family("fp8", ("tma", "pointer", "cublas"), "w8a8-fp8", "quantized_input", (64, 256, 1024, 4096), _w8a8(True),
+                  "W8A8 fp8 GEMM on per-token codes: TMA / pointer Triton tiles and _scaled_mm"),
+    "int8": Family("int8", ("tma", "pointer"), "w8a8-int8", "quantized_input", (64, 256, 1024, 4096), _w8a8(False),
+                   "W8A8 int8 GEMM on per-token codes: TMA / pointer Triton tiles"),
+    "w4a8": Family("w4a8", ("w4a8",), "w4a8-int8", "quantized_input", (16, 64, 256), _w4a8,
+                   "W4A8 GEMM on int8 codes"),
+    "gated-fp8": Family("gated_fp8", ("gated",), "w8a8-fp8", "gated", (17, 32, 64, 128, 256, 512), _gated,
+                        "fp8 gate/up GEMM with SiLU-and-mul in its epilogue + down's quantizer, vs the plain path"),
+    "gated-int8": Family("gated_int8", ("gated",), "w8a8-int8", "gated", (17, 32, 64, 128, 256, 512), _gated,
+                         "int8 gate/up GEMM with SiLU-and-mul in its epilogue + down's quantizer, vs the plain path"),
+    "act-quant": Family("act_quant", ("act_quant",), "w8a8-fp8", "act_quant", (64, 256, 1024, 4096), _act_quant,
+                        "per-token activation quantizer (--format w8a8-fp8 / w8a8-int8) at each distinct K"),
+}
+
+
+# ---------------------------------------------------------------- candidate specs (pure)
+
+def _parse_value(text: str, kind: str, where: str) -> Any:
+    try:
+        if kind == "bool":
+            if text.lower() in ("1", "true", "yes"):
+                return True
+            if text.lower() in ("0", "false", "no"):
+                return False
+            raise ValueError
+        return int(text) if kind == "int" else float(text)
+    except ValueError:
+        raise ValueError(f"{where}: {text!r} is not a {kind}") from None
+
+
+def _type_name(t: Any) -> str:
+    """``int`` / ``float`` / ``bool`` of an annotation (a type, a string, or a ForwardRef)."""
+    name = getattr(t, "__forward_arg__", None) or getattr(t, "__name__", None) or str(t)
+    if name not in ("int", "float", "bool"):
+        raise TypeError(f"config field annotated {t!r}: the spec parser reads int, float and bool")
+    return name
+
+
+def _expand(fam_name: str, kernel: str, body: str, item: str) -> list[Candidate]:
+    cls = KERNEL_CONFIGS[kernel]
+    where = f"sweep {fam_name}: candidate {item!r}"
+    if cls is None:
+        if body:
+            raise ValueError(f"{where}: kernel {kernel} takes no config")
+        return [Plan(kernel)]
+    fields = cls._fields
+    kinds = {f: _type_name(t) for f, t in cls.__annotations__.items()}
+    given: dict[str, list[Any]] = {}
+    positional = True
+    for i, part in enumerate(p.strip() for p in body.split(",") if p.strip()):
+        if "=" in part:
+            name, text = (s.strip() for s in part.split("=", 1))
+            positional = False
+        elif not positional:
+            raise ValueError(f"{where}: a positional value after a field=value one")
+        elif i >= len(fields):
+            raise ValueError(f"{where}: {cls.__name__} has {len(fields)} fields ({', '.join(fields)})")
+        else:
+            name, text = fields[i], part
+        if name not in fields:
+            raise ValueError(f"{where}: unknown field {name!r}; {cls.__name__} fields: {', '.join(fields)}")
+        if name in given:
+            raise ValueError(f"{where}: field {name!r} given twice")
+        given[name] = [_parse_value(v.strip(), kinds[name], f"{where}, field {name}") for v in text.split("|")]
+    missing = [f for f in fields if f not in cls._field_defaults and f not in given]
+    if missing:
+        raise ValueError(f"{where}: {cls.__name__} needs {', '.join(missing)} (fields: {', '.join(fields)})")
+    names = list(given)
+    configs = [cls(**dict(zip(names, combo))) for combo in itertools.product(*(given[n] for n in names))]
+    return configs if kernel == "act_quant" else [Plan(kernel, c) for c in configs]
+
+
+def parse_candidates(fam_name: str, spec: str) -> list[Candidate]:
+    """Candidates of family ``fam_name`` from a spec (see the module docstring); ``#`` starts a
+    comment. Raises ValueError naming the family, the item and the valid kernels / fields."""
+    fam = family(fam_name)
+    out: list[Candidate] = []
+    for line in spec.splitlines():
+        for item in line.split("#", 1)[0].split(";"):
+            item = item.strip()
+            if not item:
+                continue
+            kernel, body = item.split(":", 1) if ":" in item else (fam.kernels[0], item)
+            kernel, body = kernel.strip(), body.strip()
+            if kernel not in fam.kernels:
+                raise ValueError(f"sweep {fam_name}: candidate {item!r}: kernel {kernel!r} is not one of this family's "
+                                 f"({', '.join(fam.kernels)})")
+            out += _expand(fam_name, kernel, body, item)
+    if not out:
+        raise ValueError(f"sweep {fam_name}: no candidates in {spec!r}")
+    return out
+
+
+def format_candidate(c: Candidate) -> str:
+    """The spec of one candidate (``parse_candidates`` reads it back): the kernel and the
+    fields that differ from their defaults (required fields always)."""
+    if isinstance(c, ActQuantConfig):
+        return f"act_quant:{c.block},{c.warps}"
+    if c.config is None:
+        return f"{c.kernel}:"
+    cfg = c.config
+    parts = [f"{f}={_fmt(v)}" for f, v in zip(cfg._fields, cfg)
+             if f not in cfg._field_defaults or cfg._field_defaults[f] != v]
+    return f"{c.kernel}:{','.join(parts)}"
+
+
+def _fmt(v: Any) -> str:
+    return str(int(v)) if isinstance(v, bool) else repr(v)
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown sweep family {name!r}; valid: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def parse_shapes(spec: str, model: str) -> list[tuple[str, int, int]]:
+    """``(label, N, K)`` of a comma list of shape sets of ``model`` (``engine``, ``modules``)
+    and/or ``NxK`` items."""
+    from quarl.bench.gemm import MODELS, SHAPE_SETS, linear_shapes
+
+    out: list[tuple[str, int, int]] = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        if item in SHAPE_SETS:
+            out += [(s.label, s.n, s.k) for s in linear_shapes(MODELS[model], (item,))]
+        elif "x" in item and all(p.isdigit() for p in item.split("x", 1)):
+            n, k = (int(p) for p in item.split("x", 1))
+            out.append((item, n, k))
+        else:
+            raise ValueError(f"--shapes: {item!r} is neither a shape set ({', '.join(SHAPE_SETS)}) nor NxK")
+    seen, unique = set(), []
+    for s in out:
+        if (s[1], s[2]) not in seen:
+            seen.add((s[1], s[2]))
+            unique.append(s)
+    return unique
+
+
+def family_shapes(fam: Family, shapes: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The shapes a family runs on: the gated GEMM only on [gate; up] weights (the engine's
+    fused gate_up, or NxK items), the quantizer once per distinct K (N unused)."""
+    if fam.operands == "gated":
+        return [s for s in shapes if "gate_up" in s[0] or s[0][0].isdigit()]
+    if fam.operands == "act_quant":
+        ks = sorted({k for _, _, k in shapes})
+        return [(f"K={k}", 0, k) for k in ks]
+    return shapes
+
+
+# ---------------------------------------------------------------- summary (pure)
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs and all(x > 0 for x in xs) else math.nan
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per M, over the shapes where the default ran: geomean time ratios of the default over
+    bf16 (``default_speedup``), and of the best candidate per shape and the best single
+    candidate (the one with the best geomean among those that ran on every shape) over
+    bf16 and over the default."""
+    out = []
+    for m in sorted({r["M"] for r in rows}):
+        mine = [r for r in rows if r["M"] == m and r["us"] == r["us"]]
+        times: dict[str, dict[str, float]] = {}
+        for r in mine:
+            times.setdefault(r["cfg"], {})[r["layer"]] = r["us"]
+        default = times.get("default", {})
+        layers = sorted(default)
+        if not layers:
+            continue
+        bf16 = {r["layer"]: r["bf16_us"] for r in mine}
+        cands = {c: t for c, t in times.items() if c not in ("default", "plain")}
+        best = {lay: min((t[lay] for t in cands.values() if lay in t), default=math.nan) for lay in layers}
+        full = {c: _geomean([t[lay] for lay in layers]) for c, t in cands.items() if all(lay in t for lay in layers)}
+        single = min(full, key=full.get) if full else None
+        single_t = cands[single] if single else {lay: math.nan for lay in layers}
+
+        def ratio(num, den):
+            return _geomean([num[lay] / den[lay] for lay in layers])
+
+        out.append(dict(
+            M=m, layers=layers, default_speedup=ratio(bf16, default),
+            best_per_shape_speedup=ratio(bf16, best), best_per_shape_vs_default=ratio(default, best),
+            best_single=single, best_single_speedup=ratio(bf16, single_t), best_single_vs_default=ratio(default, single_t),
+        ))
+    return out
+
+
+def summary_lines(summary: list[dict]) -> list[str]:
+    return [f"M={s['M']}: {len(s['layers'])} shapes, geomean over bf16 / over the default: default "
+            f"{s['default_speedup']:.2f}x, best per shape {s['best_per_shape_speedup']:.2f}x / "
+            f"{s['best_per_shape_vs_default']:.2f}x, best single {s['best_single_speedup']:.2f}x / "
+            f"{s['best_single_vs_default']:.2f}x ({s['best_single']})" for s in summary]
+
+
+def best_line(rows: list[dict]) -> str:
+    """One line per (M, shape): bf16, the default's speedup and the fastest candidate."""
+    r0 = rows[0]
+    ok = [r for r in rows if r["us"] == r["us"] and r["cfg"] != "default"]
+    dflt = next((r for r in rows if r["cfg"] == "default"), None)
+    best = min(ok, key=lambda r: r["us"]) if ok else None
+    dtext = f"{dflt['speedup']:.2f}x ({dflt['plan']})" if dflt else "-"
+    btext = f"{best['us']:7.1f}us {best['speedup']:.2f}x {best['cfg']}" if best else "none ran"
+    return f"M={r0['M']:<5} {r0['layer']:>22} bf16 {r0['bf16_us']:7.1f}us default {dtext}  best {btext}"
+
+
+# ---------------------------------------------------------------- GPU
+
+@dataclass
+class Bench:
+    """One (M, shape) of a family: the op over rotating operand sets (it picks its kernel
+    when called, so ``dispatch.overrides`` around a call or a graph capture decides),
+    and bf16 doing the same work."""
+
+    calls: list[Callable[[], Any]]
+    bf16: list[Callable[[], Any]] | None
+    exact: bool  # outputs are codes: compare bit for bit
+    bytes: float  # moved per call at the format's storage cost (for the floor)
+    plain: list[Callable[[], Any]] | None = None  # gated: the path without the gated GEMM
+
+
+def _build(fam: Family, fmt: str, m: int, n: int, k: int, dev, l2: int) -> Bench:
+    import torch
+
+    from quarl.bench import gemm
+    from quarl.quant.kernels import dispatch, launch
+    from quarl.quant.scheme import get_scheme
+
+    sc = get_scheme(fmt)
+    if fam.operands == "act_quant":
+        xs = torch.randn(8, m, k, device=dev, dtype=torch.bfloat16)
+        return Bench([lambda i=i: launch.act_quant(xs[i], sc.act_format) for i in range(8)], None, True,
+                     3 * m * k + 4 * m)
+    nbytes = n * k * sc.bits_per_weight / 8 + 2 * m * k + 2 * m * n
+    bf16 = gemm.make_calls("bf16", m, n, k, dev, l2)
+    if fam.operands == "weight_only":
+        return Bench(gemm.make_calls(fmt, m, n, k, dev, l2), bf16, False, nbytes)
+    if fam.operands == "quantized_input":
+        return Bench(gemm.make_calls_quantized_input(fmt, m, n, k, dev, l2), bf16, False, nbytes)
+    from quarl.rollout import fused
+
+    inter, act = n // 2, sc.act_format
+    qws, xs = gemm.quantized_operands(fmt, m, n, k, dev, l2, 0)
+
+    def plain(i):
+        gu = launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16)
+        return fused.silu_mul(gu[:, :inter], gu[:, inter:], quant=act)
+
+    def engine(i):  # what the engine runs: the gated GEMM where a plan applies, else the plain path
+        plan = dispatch.pick_gated(qws[i], m)
+        if plan is None:
+            return plain(i)
+        r = plan.run(*xs[i], qws[i], torch.bfloat16)
+        if r is None:  # the engine would fall back to the plain path: not this candidate's time
+            raise RuntimeError(f"{plan} declined these operands (TMA cannot describe them)")
+        return launch.act_quant_from_partials(*r, act)
+
+    def bf16_gated(i):
+        gu = bf16[i % len(bf16)]()
+        return fused.silu_mul(gu[:, :inter], gu[:, inter:])
+
+    return Bench([lambda i=i: engine(i) for i in range(len(qws))], [lambda i=i: bf16_gated(i) for i in range(len(bf16))],
+                 True, nbytes, plain=[lambda i=i: plain(i) for i in range(len(qws))])
+
+
+def _same_bits(a, b) -> bool:
+    import torch
+
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+
+
+def _differs(out, ref, exact: bool) -> str | None:
+    if exact:
+        return None if _same_bits(out, ref) else "codes differ from the reference path's"
+    err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+    return None if err < REL_TOL else f"relative error {err:.3g} against the default (limit {REL_TOL})"
+
+
+def _override(fam: Family, cand: Candidate | None):
+    from quarl.quant.kernels import dispatch
+
+    return dispatch.overrides(**({} if cand is None else {fam.table: cand}))
+
+
+def _default_plan(fam: Family, fmt: str, m: int, n: int, k: int, dev) -> str:
+    from quarl.quant.kernels import dispatch
+    from quarl.quant.kernels.device import gpu_gen
+    from quarl.quant.scheme import get_scheme
+
+    if fam.operands == "act_quant":
+        return format_candidate(ActQuantConfig(*dispatch.act_quant_plan(m, k)))
+    if fam.operands == "gated":
+        plan = dispatch.gated_plan(get_scheme(fmt).act_format, m, n, k)
+        return "plain (no gated GEMM)" if plan is None else format_candidate(plan)
+    gen = gpu_gen(dev, __import__("torch").bfloat16) if fam.table == "w4a16" else "none"
+    plan = dispatch.lookup(fam.table, gen, m, n, k)
+    return "-" if plan is None else format_candidate(plan)
+
+
+def time_candidate(fam: Family, b: Bench, cand: Candidate | None, ref, reps: int) -> tuple[float, Any, str | None]:
+    """``(seconds per call, output on set 0, error)`` of one candidate (None: the default)."""
+    from quarl.bench.timing import time_per_call
+
+    try:
+        with _override(fam, cand):
+            out = b.calls[0]()
+            again = b.calls[0]()
+            if not _same_bits(again, out):
+                return math.nan, out, "not deterministic (two runs on the same input differ)"
+            if ref is not None and (why := _differs(out, ref, b.exact)):
+                return math.nan, out, why
+            return time_per_call(b.calls, reps=reps), out, None
+    except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+        return math.nan, None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def run_sweep(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], candidates: list[Candidate] | None,
+              fmt: str | None = None, budget_s: float = 300.0, reps: int = 20, log=print,
+              save: Callable[[dict], None] | None = None) -> dict:
+    """Time the default and each candidate (the family's own list at each M when None) at
+    every M and shape; stops starting new shapes after ``budget_s``."""
+    import torch
+
+    from quarl.bench.common import git_commit
+    from quarl.bench.timing import measure_ceilings, time_per_call
+
+    fam = family(fam_name)
+    fmt = fmt or fam.format
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    ceil = measure_ceilings(dev)
+    result = dict(benchmark="sweep", family=fam_name, table=fam.table, format=fmt, device=props.name,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  git_commit=git_commit(), torch=torch.__version__, ceilings=asdict(ceil), reps=reps,
+                  candidates="given" if candidates is not None else "family default", budget_spent=False, rows=[])
+    rows: list[dict] = result["rows"]
+    t0 = time.time()
+    for m in ms:
+        for label, n, k in family_shapes(fam, shapes):
+            if time.time() - t0 > budget_s:
+                result["budget_spent"] = True
+                log(f"budget of {budget_s:.0f}s spent: stopped before M={m} {label}")
+                break
+            b = _build(fam, fmt, m, n, k, dev, l2)
+            base = dict(family=fam_name, format=fmt, M=m, layer=label, N=n, K=k)
+            t_bf16 = time_per_call(b.bf16, reps=reps) if b.bf16 else math.nan
+            here: list[dict] = []
+
+            def add(cfg: str, t: float, err: str | None, **kw) -> None:
+                here.append(dict(base, cfg=cfg, us=t * 1e6, bf16_us=t_bf16 * 1e6, speedup=t_bf16 / t,
+                                 floor_us=b.bytes / ceil.bandwidth * 1e6, eff_TBps=b.bytes / t / 1e12, error=err, **kw))
+                if err:
+                    log(f"M={m} {label} {cfg}: {err}")
+
+            ref = None
+            if b.plain is not None:  # gated: the plain path is the reference and a row of its own
+                ref = b.plain[0]()
+                add("plain", time_per_call(b.plain, reps=reps), None)
+            t, out, err = time_candidate(fam, b, None, ref, reps)
+            add("default", t, err, plan=_default_plan(fam, fmt, m, n, k, dev))
+            ref = ref if ref is not None else out
+            for cand in candidates if candidates is not None else fam.candidates(m):
+                t, _, err = time_candidate(fam, b, cand, ref, reps)
+                add(format_candidate(cand), t, err)
+            rows += here
+            log(best_line(here))
+            del b
+            torch.cuda.empty_cache()
+            if save:
+                save(result)
+        if result["budget_spent"]:
+            break
+    result["summary"] = summarize(rows)
+    for line in summary_lines(result["summary"]):
+        log(line)
+    return result
+
+
+def run_once(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], candidates: list[Candidate],
+             fmt: str | None = None, log=print) -> None:
+    """Each candidate once at each M and shape, eagerly, nothing timed: the launches for a
+    profiler (``ncu -k regex:KERNEL python3 -m quarl bench sweep ... --once``)."""
+    import torch
+
+    fam = family(fam_name)
+    dev = torch.device("cuda")
+    for m in ms:
+        for label, n, k in family_shapes(fam, shapes):
+            b = _build(fam, fmt or fam.format, m, n, k, dev, l2=1)
+            for cand in candidates:
+                with _override(fam, cand):
+                    b.calls[0]()
+                torch.cuda.synchronize()
+                log(f"ran M={m} {label} {format_candidate(cand)}")
+            del b
+            torch.cuda.empty_cache()

@@ -1,0 +1,98 @@
+"""``quarl bench sweep FAMILY``: candidate kernel configs of one dispatch family, timed
+against bf16 and the table's choice (GPU; the winners become rows of the dispatch tables)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from quarl.bench.gemm import MODELS
+    from quarl.bench.sweep import FAMILIES
+
+    families = "\n".join(f"  {name:12s} {f.doc} (M {','.join(map(str, f.ms))})" for name, f in FAMILIES.items())
+    p = subparsers.add_parser(
+        "sweep", help="time candidate configs of one kernel family (behind the dispatch tables)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"{__doc__}\n\nfamilies:\n{families}\n\n"
+        "A candidate spec is [kernel:]values: the config's fields in order and/or field=value, a value may be a "
+        "grid a|b|c; ';' or newlines separate candidates, '#' starts a comment. E.g. wgmma '2,4,blocks_per_sm=1|2'; "
+        "fp8 'cublas:;tma:64,64,128,num_stages=5,waves=3'. --list prints a family's own candidates as specs.",
+    )
+    p.add_argument("family", choices=list(FAMILIES), metavar="FAMILY", help=", ".join(FAMILIES))
+    p.add_argument("--m", help="comma list of M (tokens); default: the family's")
+    p.add_argument("--model", choices=list(MODELS), default="qwen2.5-7b", help="whose linear shapes")
+    p.add_argument("--shapes", default="engine",
+                   help="comma list of shape sets (engine: as the rollout engine runs them, modules: the checkpoint's "
+                        "linears) and/or NxK items")
+    p.add_argument("--candidates", help="candidate specs, or @FILE with one spec a line; default: the family's list")
+    p.add_argument("--format", help="scheme of the operands (default: the family's)")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds; no new shape starts after (default 300)")
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays per measurement (median)")
+    p.add_argument("--once", action="store_true",
+                   help="run each candidate once at each M and shape, untimed (for ncu / nsys); needs --candidates")
+    p.add_argument("--list", action="store_true", help="print the candidates at each M as specs and exit (no GPU)")
+    p.add_argument("--out", help="write the JSON result here (rows, summary, device, commit)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _candidates(family: str, spec: str | None):
+    from quarl.bench.sweep import parse_candidates
+
+    if spec is None:
+        return None
+    if spec.startswith("@"):
+        spec = Path(spec[1:]).read_text()
+    return parse_candidates(family, spec)
+
+
+def _check_format(family: str, fmt: str | None) -> None:
+    from quarl.bench.sweep import family as get_family
+    from quarl.quant.kernels import dispatch
+    from quarl.quant.scheme import get_scheme
+
+    fam = get_family(family)
+    if fmt is None:
+        return
+    sc = get_scheme(fmt)
+    table = "act_quant" if sc.act_format in ("fp8", "int8") and fam.table == "act_quant" else dispatch.family(sc)
+    if fam.table.startswith("gated_"):
+        table = "gated_" + str(sc.act_format)
+    if table != fam.table:
+        raise ValueError(f"--format {fmt}: its GEMM is picked from table {table}, family {family} overrides {fam.table}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from quarl.bench.sweep import family, format_candidate, parse_shapes, run_once, run_sweep
+
+    fam = family(args.family)
+    cands = _candidates(args.family, args.candidates)
+    ms = [int(m) for m in args.m.split(",")] if args.m else list(fam.ms)
+    shapes = parse_shapes(args.shapes, args.model)
+    _check_format(args.family, args.format)
+    if args.list:
+        for m in ms:
+            print(f"M={m}:\n" + "\n".join(f"  {format_candidate(c)}" for c in (cands or fam.candidates(m))))
+        return 0
+    if args.once and cands is None:
+        raise ValueError("--once runs the given candidates: pass --candidates SPEC")
+    if not torch.cuda.is_available():
+        raise ValueError("quarl bench sweep needs a CUDA GPU (it times the kernels); run it on a GPU machine")
+    if args.once:
+        run_once(args.family, ms, shapes, cands, args.format, log=lambda s: print(s, flush=True))
+        return 0
+
+    def save(result: dict, path: str | None = args.out) -> None:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(result, indent=1))
+
+    result = run_sweep(args.family, ms, shapes, cands, args.format, args.budget, args.reps,
+                       log=lambda s: print(s, flush=True), save=save)
+    save(result)
+    return 0

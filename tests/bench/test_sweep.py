@@ -1,0 +1,130 @@
+"""quarl.bench.sweep on CPU: the family table, candidate specs, the summary, and the CLI's
+answers without a GPU."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quarl.bench import sweep
+from quarl.bench.sweep import FAMILIES, KERNEL_CONFIGS, ActQuantConfig, format_candidate, parse_candidates
+from quarl.quant.kernels import dispatch
+from quarl.quant.kernels.config import TileConfig, WgConfig
+from quarl.quant.kernels.dispatch import Plan
+from quarl.quant.scheme import get_scheme
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_builds_candidates_that_its_specs_read_back(name):
+    fam = FAMILIES[name]
+    assert fam.table in dispatch.TABLES or fam.table == "act_quant"
+    with dispatch.overrides(**{fam.table: None}):  # a family the override mechanism accepts
+        pass
+    for m in fam.ms:
+        cands = fam.candidates(m)
+        assert cands and len(set(cands)) == len(cands), (name, m)
+        for c in cands:
+            kernel = "act_quant" if isinstance(c, ActQuantConfig) else c.kernel
+            assert kernel in fam.kernels
+            cls = KERNEL_CONFIGS[kernel]
+            assert (c if kernel == "act_quant" else c.config) is None if cls is None else isinstance(
+                c if kernel == "act_quant" else c.config, cls)
+            assert parse_candidates(name, format_candidate(c)) == [c]
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.operands != "act_quant"])
+def test_family_format_is_picked_from_the_table_it_overrides(name):
+    fam = FAMILIES[name]
+    sc = get_scheme(fam.format)
+    table = ("gated_" + sc.act_format) if fam.operands == "gated" else dispatch.family(sc)
+    assert table == fam.table
+
+
+def test_spec_fields_positional_named_and_grids():
+    got = parse_candidates("wgmma", "2,4,blocks_per_sm=1|2,cluster=1")
+    assert got == [Plan("wgmma", WgConfig(2, 4, 1.0, cluster=True)), Plan("wgmma", WgConfig(2, 4, 2.0, cluster=True))]
+    assert all(type(p.config.nwg) is int and type(p.config.blocks_per_sm) is float for p in got)
+    assert parse_candidates("fp8", "cublas:; tma:64,64,waves=3  # a comment\npointer:16,64,256") == [
+        Plan("cublas"), Plan("tma", TileConfig(64, 64, waves=3.0)), Plan("pointer", TileConfig(16, 64, 256))]
+    assert parse_candidates("act-quant", "4096,4|16") == [ActQuantConfig(4096, 4), ActQuantConfig(4096, 16)]
+    assert parse_candidates("wgmma", "1,3,single=true,minb=4,tail=0")[0].config == WgConfig(1, 3, single=True, minb=4)
+
+
+@pytest.mark.parametrize("fam, spec, words", [
+    ("wgmma", "2,4,zz=1", ["sweep wgmma", "unknown field 'zz'", "WgConfig fields: nwg, stages, blocks_per_sm"]),
+    ("wgmma", "tma:64,64", ["sweep wgmma", "kernel 'tma'", "(wgmma)"]),
+    ("fp8", "bm=64", ["sweep fp8", "TileConfig needs bn", "fields: bm, bn, bk"]),
+    ("fp8", "cublas:128", ["sweep fp8", "cublas takes no config"]),
+    ("wgmma", "blocks_per_sm=fast", ["sweep wgmma", "field blocks_per_sm", "'fast' is not a float"]),
+    ("tile", "nt=4,2", ["sweep tile", "positional value after"]),
+    ("int8", "64,64,nan_k=1", ["sweep int8", "unknown field 'nan_k'", "split_k"]),
+    ("frag", "1,2,3,4", ["sweep frag", "FragConfig has 3 fields (nw, blocks_per_sm, stages)"]),
+    ("gated-int8", " ; ", ["sweep gated-int8", "no candidates"]),
+    ("nope", "1", ["unknown sweep family 'nope'", "wgmma"]),
+])
+def test_bad_specs_name_the_family_and_the_valid_fields(fam, spec, words):
+    with pytest.raises(ValueError) as e:
+        parse_candidates(fam, spec)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_shapes_and_family_shapes():
+    shapes = sweep.parse_shapes("engine,1000x1041,engine", "qwen2.5-7b")
+    assert [s[1:] for s in shapes] == [(3584, 3584), (4608, 3584), (37888, 3584), (3584, 18944), (1000, 1041)]
+    assert [s[1:] for s in sweep.family_shapes(FAMILIES["gated-fp8"], shapes)] == [(37888, 3584), (1000, 1041)]
+    assert sweep.family_shapes(FAMILIES["act-quant"], shapes) == [("K=1041", 0, 1041), ("K=3584", 0, 3584),
+                                                                  ("K=18944", 0, 18944)]
+    with pytest.raises(ValueError, match="neither a shape set"):
+        sweep.parse_shapes("engine,37888by3584", "qwen2.5-7b")
+
+
+def test_summarize_default_best_per_shape_and_best_single():
+    # two shapes at M = 64; bf16 4 / 8 us, default 2 / 4, a: 1 / 8, b: 2 / 2, c: only on A (0.5)
+    def row(layer, cfg, us):
+        return dict(M=64, layer=layer, cfg=cfg, us=us, bf16_us={"A": 4.0, "B": 8.0}[layer])
+
+    rows = [row("A", "default", 2.0), row("B", "default", 4.0), row("A", "a", 1.0), row("B", "a", 8.0),
+            row("A", "b", 2.0), row("B", "b", 2.0), row("A", "c", 0.5), row("B", "c", math.nan), row("A", "plain", 0.1)]
+    (s,) = sweep.summarize(rows)
+    assert s["layers"] == ["A", "B"]
+    assert math.isclose(s["default_speedup"], 2.0)  # 4/2 and 8/4
+    assert math.isclose(s["best_per_shape_speedup"], math.sqrt(8 * 4))  # A: c 0.5 us, B: b 2 us; plain is no candidate
+    assert s["best_single"] == "b"  # a: sqrt(1 * 8) = 2.83, b: 2; c did not run on B
+    assert math.isclose(s["best_single_speedup"], math.sqrt(2 * 4)) and math.isclose(s["best_single_vs_default"], math.sqrt(2))  # 2/2, 4/2
+    assert "best single 2.83x / 1.41x (b)" in sweep.summary_lines([s])[0]
+
+
+def _quarl(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "quarl", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_sweep_cli_without_a_gpu():
+    r = _quarl("bench", "sweep", "--help")
+    assert r.returncode == 0 and "--out" in r.stdout and "--candidates" in r.stdout and "gated-fp8" in r.stdout
+    r = _quarl("bench", "sweep", "wgmma", "--m", "64", "--candidates", "2,4,2")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
+    r = _quarl("bench", "sweep", "fp8", "--candidates", "tma:64")
+    assert r.returncode == 2 and "sweep fp8" in r.stderr and "needs bn" in r.stderr and "Traceback" not in r.stderr
+    r = _quarl("bench", "sweep", "int8", "--format", "w4a16")
+    assert r.returncode == 2 and "table w4a16" in r.stderr
+    r = _quarl("bench", "sweep", "wgmma", "--m", "16", "--list")  # no GPU needed
+    assert r.returncode == 0 and "wgmma:nwg=1,stages=3,tail=1\n" in r.stdout
+    r = _quarl("bench", "rollout", "--profile-kernels")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
+
+
+def test_candidates_from_a_file(tmp_path):
+    from quarl.cli.bench_sweep import _candidates
+
+    f = tmp_path / "c.txt"
+    f.write_text("# wgmma shapes of run 19\n2,3,2,single=1\n1,4,blocks_per_sm=2|4\n")
+    assert _candidates("wgmma", f"@{f}") == [Plan("wgmma", WgConfig(2, 3, 2.0, True)), Plan("wgmma", WgConfig(1, 4, 2.0)),
+                                             Plan("wgmma", WgConfig(1, 4, 4.0))]
