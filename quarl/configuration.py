@@ -96,6 +96,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return _build(tp, value, where)
+    if tp in (bool, int, float, str):
+        return _coerce_scalar(value, tp, where)
+    raise ConfigError(f"{where}: unsupported annotation {tp!r}")
+
+
+def _coerce_scalar(value: Any, tp: type, where: str) -> Any:
+    """bool / int / float / str, from YAML values or CLI strings."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -128,7 +135,6 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
-    raise ConfigError(f"{where}: unsupported annotation {tp!r}")
 
 
 def _build(cls, data: dict[str, Any], where: str = ""):

@@ -30,7 +30,7 @@ BAD = [
     ("--data.reward_timeout_s=0", r"data.reward_timeout_s must be > 0"),
     ("--optim.lr=0", r"optim.lr must be > 0"),
     ("--optim.lr=-1e-6", r"optim.lr must be > 0"),
-    ("--quant.scheme=w5a5", r"unknown quant.scheme 'w5a5' \(did you mean 'w4a16'\?\); schemes: bf16, w8a8-int8"),
+    ("--quant.scheme=w5a5", r"quant.scheme: unknown quantization scheme 'w5a5' \(did you mean 'w4a16'\?\); schemes: bf16, w8a8-int8"),
     ("--algo.correction=tiss", r"unknown algo.correction 'tiss' \(did you mean 'tis'\?\); corrections: none, tis"),
     ("--algo.correction=tis", r"algo.loss=tbpo takes no correction; set algo.correction=none"),
     ("--algo.loss=gspo --algo.correction=tis", r"does not apply to algo.loss=gspo; it takes none, seq-tis, mis"),
@@ -58,5 +58,5 @@ def test_dry_run_fails_on_a_bad_value():
     r = subprocess.run([sys.executable, "-m", "quarl", "train", "--dry-run", "--quant.scheme=w5a5"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("quarl train: error: unknown quant.scheme 'w5a5' (did you mean 'w4a16'?)")
+    assert r.stderr.startswith("quarl train: error: quant.scheme: unknown quantization scheme 'w5a5' (did you mean 'w4a16'?)")
     assert "Traceback" not in r.stderr and r.stdout == ""

@@ -15,7 +15,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
                                    "--quant.exclude=layers.0.*,layers.1.*"])
     assert isinstance(cfg, RunConfig)
     assert cfg.rollout.temperature == 0.9 and cfg.rollout.n == 4
-    assert cfg.quant.scheme == "w8a8-fp8"
+    assert cfg.quant.scheme.name == "w8a8-fp8"
     assert cfg.optim.lr == 3e-6 and cfg.trainer.on_policy is True
     assert cfg.quant.exclude == ["layers.0.*", "layers.1.*"]
     assert cfg.algo.eps_low is None
@@ -67,3 +67,43 @@ def test_example_configs_load():
     for f in examples:
         cfg = load_run_config(str(f), ["--model.path=/models/x", "--data.path=train.jsonl"])
         assert cfg.data.task == "file" and cfg.optim.lr == 1e-6, f
+
+
+def test_quant_mode_and_scheme_are_resolved_once():
+    from quarl.config import load_run_config
+    from quarl.quant import SCHEMES, QuantMode
+
+    cfg = load_run_config(None, ["--quant.mode=rollout", "--quant.scheme=w8a8-fp8"])
+    assert cfg.quant.mode is QuantMode.ROLLOUT and cfg.quant.scheme is SCHEMES["w8a8-fp8"]
+    assert load_run_config(None, ["--quant.mode=bf16"]).quant.scheme is SCHEMES["bf16"]  # bf16 mode: nothing quantized
+    with pytest.raises(ConfigError, match="quantizes nothing"):
+        load_run_config(None, ["--quant.mode=aligned", "--quant.scheme=bf16"])
+    with pytest.raises(ConfigError, match="did you mean 'aligned'"):
+        load_run_config(None, ["--quant.mode=aligend"])
+
+
+def test_resolved_config_dumps_to_plain_yaml_and_back(tmp_path):
+    import yaml
+
+    from quarl.config import RunConfig, load_run_config
+    from quarl.configuration import dump_yaml
+
+    cfg = load_run_config(None, ["--quant.scheme=nvfp4", "--rollout.engine.block_size=32"])
+    text = dump_yaml(cfg)
+    data = yaml.safe_load(text)  # plain data only: safe_load would fail on Python objects
+    assert data["quant"]["mode"] == "aligned" and data["quant"]["scheme"] == "nvfp4"
+    assert data["rollout"]["engine"]["block_size"] == 32
+    (tmp_path / "run.yaml").write_text(text)
+    assert load_run_config(str(tmp_path / "run.yaml")) == cfg
+    assert isinstance(cfg, RunConfig)
+
+
+def test_moved_rollout_keys_say_where_they_went():
+    from quarl.config import load_run_config
+
+    with pytest.raises(ConfigError, match="has moved: use rollout.engine.gpu_memory_utilization"):
+        load_run_config(None, ["--rollout.kv_cache_fraction=0.5"])
+    with pytest.raises(ConfigError, match="use rollout.engine.block_size"):
+        load_run_config(None, ["--rollout.block_size=8"])
+    with pytest.raises(ConfigError, match="set by the trainer"):
+        load_run_config(None, ["--rollout.engine.max_model_len=512"])
