@@ -167,6 +167,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``; the residual stream is
+    carried by :meth:`Transformer.hidden_states`."""
+
     def __init__(self, cfg: TransformerConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -174,9 +177,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+class TorchOps:
+    """The steps of :meth:`Transformer.hidden_states` as the model's own modules (the
+    learner's forward and the reference). The engine's GPU path passes its fused kernels
+    (``quarl.rollout.fused.FusedOps``) with the same methods and rounding steps.
+
+    ``norm(x, norm, residual, consumer)`` adds ``x`` to the residual stream (``x`` starts
+    it when ``residual`` is None) and returns ``(norm(stream), stream)``; ``consumer`` is
+    the module that reads the result (a fused kernel may quantize for it).
+    """
+
+    def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
+        residual = x if residual is None else residual + x
+        return norm(residual), residual
+
+    def attention(self, module: "Attention", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttnFn) -> torch.Tensor:
+        return module(h, cos, sin, attn)
+
+    def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
+        return module(h)
+
+
+TORCH_OPS = TorchOps()
 
 
 class Transformer(nn.Module):
@@ -195,13 +219,22 @@ class Transformer(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn, ops: TorchOps = TORCH_OPS
+    ) -> torch.Tensor:
         """Final normed hidden states ``[B, T, H]`` for ``input_ids``/``positions`` ``[B, T]``."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        layers = self.layers
+        h, residual = ops.norm(x, layers[0].input_layernorm, None, layers[0].self_attn)
+        for i, layer in enumerate(layers):
+            a = ops.attention(layer.self_attn, h, cos, sin, attn)
+            h, residual = ops.norm(a, layer.post_attention_layernorm, residual, layer.mlp)
+            m = ops.mlp(layer.mlp, h)
+            last = i + 1 == len(layers)
+            h, residual = ops.norm(m, self.norm if last else layers[i + 1].input_layernorm, residual,
+                                   None if last else layers[i + 1].self_attn)
+        return h.view(*input_ids.shape, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)

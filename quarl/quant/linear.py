@@ -239,14 +239,31 @@ def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]
 
 @torch.no_grad()
 def load_published(model: nn.Module, published: dict[str, QuantizedWeight | torch.Tensor]) -> None:
-    """Engine side of :func:`publish_model`: copy everything in place (storage kept)."""
-    modules = dict(model.named_modules())
+    """Engine side of :func:`publish_model`: copy ``published`` into ``model`` in place, never
+    reallocating a parameter or buffer (captured CUDA graphs stay valid).
+
+    Keys are parameter names (HF's ``model.`` prefix optional; ``lm_head.weight`` of a tied
+    model goes to ``embed_tokens.weight``). A tensor goes into the parameter of that name;
+    a :class:`QuantizedWeight`, or a tensor for a :class:`QuantLinear`'s weight (quantized
+    with the module's scheme first), goes to that module's ``load_quantized``.
+    """
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    tied = getattr(model, "lm_head", "absent") is None
     for name, value in published.items():
-        if isinstance(value, QuantizedWeight):
-            mod = modules[name.rsplit(".", 1)[0]] if "." in name else model
-            if not isinstance(mod, QuantLinear):
-                raise TypeError(f"{name}: target is {type(mod).__name__}, not QuantLinear")
-            mod.load_quantized(value)
-        else:
-            params[name].copy_(value)
+        key = name.removeprefix("model.")
+        if key == "lm_head.weight" and tied:
+            key = "embed_tokens.weight"
+        if isinstance(value, torch.Tensor) and key in params:
+            target = params[key]
+            if tuple(target.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: published shape {tuple(value.shape)} vs model {tuple(target.shape)}")
+            target.copy_(value)
+            continue
+        module = modules.get(key.removesuffix(".weight"))
+        if not isinstance(module, QuantLinear):
+            what = "no parameter or linear" if module is None else f"a {type(module).__name__}, not a QuantLinear"
+            raise KeyError(f"{name}: {what} of that name in the model")
+        if isinstance(value, torch.Tensor):
+            value = quantize_weight(value.to(next(module.buffers()).device), module.scheme)
+        module.load_quantized(value)

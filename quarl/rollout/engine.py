@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from quarl.model.transformer import Transformer
+from quarl.quant import QuantLinear, get_scheme, load_published, quantize_model
 from quarl.rollout.block_manager import BlockManager
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.model_runner import ModelRunner
@@ -20,7 +21,6 @@ from quarl.rollout.sampler import completion_key
 from quarl.rollout.sampling_params import SamplingParams
 from quarl.rollout.scheduler import Scheduler
 from quarl.rollout.sequence import Sequence
-from quarl.rollout.weights import load_weights_in_place, quantize_for_engine
 
 
 class LogprobMismatchError(RuntimeError):
@@ -86,7 +86,9 @@ class Engine:
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
             model = load_model(model, dtype=dtype, device=device)
         self.model = model.eval()
-        self.scheme = quantize_for_engine(self.model, scheme, include, exclude)
+        self.scheme = get_scheme("bf16" if scheme is None else scheme)
+        if self.scheme.quantizes_weights or self.scheme.quantizes_activations:
+            quantize_model(self.model, self.scheme, QuantLinear, include=include, exclude=exclude)
         mc = self.model.config
         config = config or EngineConfig()
         if config.max_model_len is None:
@@ -193,7 +195,7 @@ class Engine:
         ``QuantizedWeight`` that ``QuantLinear.load_quantized`` takes (keyed by the
         module name or ``<module>.weight``).
         """
-        load_weights_in_place(self.model, published)
+        load_published(self.model, published)
 
     def check_logprobs(
         self, token_ids: list[int], reference_logprobs: Any, tol: float | None = None

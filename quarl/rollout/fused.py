@@ -6,10 +6,9 @@ kernels do each group in one pass and reproduce the reference's bf16 rounding st
 (``quarl.model.transformer``): RMSNorm in float32 then cast, then times the weight;
 rotary as ``bf16(bf16(x*cos) + bf16(rot(x)*sin))``; ``bf16(bf16(silu(g)) * u)``; residual
 adds in the activation dtype. Launched without FMA contraction (``NO_FMA``), they equal
-torch's ops bit for bit on the H200 (bench/diag_fused_bitwise.py; with contraction ~25%
-of rotary outputs differed). :func:`fused_hidden_states` is the
-model's ``hidden_states`` rewritten over them, for the engine's GPU path only; the
-CPU path and the learner keep the model's own forward.
+torch's ops bit for bit on the H200 (with contraction ~25% of rotary outputs differed). :class:`FusedOps` runs the
+model's own ``hidden_states`` loop over them, for the engine's GPU path only; the CPU
+path and the learner run the same loop over the model's modules.
 """
 
 from __future__ import annotations
@@ -422,30 +421,32 @@ def supports_fused(model: Transformer) -> bool:
     return cfg.hidden_act == "silu" and cfg.head_dim % 2 == 0
 
 
-def _norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: FusedLinear | None):
-    """RMSNorm for ``consumer``: plain rows, or ``(codes, scales, dtype)`` for a W8A8 GEMM."""
-    fmt = consumer.act_format if consumer is not None else None
-    if fmt is None:
-        return rmsnorm(x, norm.weight, norm.eps, residual)
-    q, s = rmsnorm(x, norm.weight, norm.eps, residual, quant=fmt)
-    return q, s, x.dtype
+class FusedOps:
+    """The steps of ``Transformer.hidden_states`` over the fused kernels (same weights, same
+    rounding steps as :class:`~quarl.model.transformer.TorchOps`), on 2-D ``[B*T, H]`` rows.
 
+    W8A8: the per-token quantizer of the fused q/k/v, gate/up and down GEMMs runs inside
+    the RMSNorm / SiLU-and-mul kernel before them (same codes, one launch fewer each); the
+    paged attention's ``rope_store`` rotates q / k and writes K / V in one launch.
+    """
 
-def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-    """``model.hidden_states`` over the fused kernels (same weights, same rounding steps)."""
-    x = model.embed_tokens(input_ids)
-    b, t, hidden = x.shape
-    cos, sin = model.rotary(positions, x.dtype)
-    cos, sin = cos.reshape(b * t, -1), sin.reshape(b * t, -1)
-    residual = x.reshape(b * t, hidden).clone()
-    h = None
-    # W8A8: the per-token quantizer of the fused q/k/v, gate/up and down GEMMs runs inside
-    # the RMSNorm / SiLU-and-mul kernel before them (same codes, one launch fewer each)
-    for i, layer in enumerate(model.layers):
-        a, mlp = layer.self_attn, layer.mlp
+    def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
+        if residual is None:  # the embeddings start the residual stream
+            residual = x.reshape(-1, x.shape[-1]).clone()
+            src, add_into = residual, None
+        else:
+            src, add_into = x, residual  # the kernel adds x into the stream in place
+        linear = getattr(consumer, "_fused_qkv", getattr(consumer, "_fused_gate_up", None))
+        fmt = linear.act_format if linear is not None else None
+        if fmt is None:
+            return rmsnorm(src, norm.weight, norm.eps, add_into), residual
+        q, s = rmsnorm(src, norm.weight, norm.eps, add_into, quant=fmt)
+        return (q, s, residual.dtype), residual
+
+    def attention(self, a: nn.Module, h, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        b, t = cos.shape[:2]
+        cos, sin = cos.reshape(b * t, -1), sin.reshape(b * t, -1)
         fused_qkv = getattr(a, "_fused_qkv", None)
-        if h is None:
-            h = _norm(residual, layer.input_layernorm, None, fused_qkv)
         if fused_qkv is not None:
             qkv = fused_qkv(h)
             nq, nkv = a.n_heads * a.head_dim, a.n_kv * a.head_dim
@@ -467,21 +468,22 @@ def fused_hidden_states(model: Transformer, input_ids: torch.Tensor, positions: 
             q, k = rope(q, cos, sin), rope(k, cos, sin)
             out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
                        v.reshape(b, t, a.n_kv, a.head_dim))
-        o = a.o_proj(out.reshape(b * t, -1))
+        return a.o_proj(out.reshape(b * t, -1))
+
+    def mlp(self, mlp: nn.Module, h) -> torch.Tensor:
         fused_gu = getattr(mlp, "_fused_gate_up", None)
-        h = _norm(o, layer.post_attention_layernorm, residual, fused_gu)
-        if fused_gu is not None:
-            down_fmt = act_format_of(getattr(mlp.down_proj, "qweight", None))
-            y = silu_mul_for(fused_gu, h, down_fmt)
-            if down_fmt is not None:
-                m = ops.quant_linear_quantized_input(*y, mlp.down_proj.qweight, mlp.down_proj.bias, o.dtype)
-            else:
-                m = mlp.down_proj(y)
-        else:
-            m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        if i + 1 < len(model.layers):
-            nxt = model.layers[i + 1]
-            h = _norm(m, nxt.input_layernorm, residual, getattr(nxt.self_attn, "_fused_qkv", None))
-        else:
-            h = rmsnorm(m, model.norm.weight, model.norm.eps, residual)
-    return h.view(b, t, hidden)
+        if fused_gu is None:
+            return mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        down_fmt = act_format_of(getattr(mlp.down_proj, "qweight", None))
+        y = silu_mul_for(fused_gu, h, down_fmt)
+        if down_fmt is not None:
+            return ops.quant_linear_quantized_input(*y, mlp.down_proj.qweight, mlp.down_proj.bias, h_dtype(h))
+        return mlp.down_proj(y)
+
+
+FUSED_OPS = FusedOps()
+
+
+def h_dtype(h) -> torch.dtype:
+    """The activation dtype of ``h``: a tensor, or a quantized ``(codes, scales, dtype)``."""
+    return h[2] if isinstance(h, tuple) else h.dtype

@@ -226,9 +226,9 @@ class ModelRunner:
 
     def _hidden_states(self, ids: torch.Tensor, pos: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         if self.fused:
-            from quarl.rollout.fused import fused_hidden_states
+            from quarl.rollout.fused import FUSED_OPS
 
-            return fused_hidden_states(self.model, ids, pos, attn)
+            return self.model.hidden_states(ids, pos, attn, FUSED_OPS)
         return self.model.hidden_states(ids, pos, attn)
 
     # ---------------------------------------------------------------- prefill

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from quarl.model.presets import build_random_model
-from quarl.quant import QuantLinear, quantize_weight
+from quarl.quant import QuantLinear, load_published, quantize_model, quantize_weight
 from quarl.quant.kernels.w4_layout import repack_w4
 from quarl.model.transformer import batch_attention
-from quarl.rollout.fused import fuse_projections, fused_hidden_states
-from quarl.rollout.weights import load_weights_in_place, quantize_for_engine
+from quarl.rollout.fused import FUSED_OPS, fuse_projections
 
 
 def test_fused_projections_are_views_and_forward_matches():
@@ -31,16 +30,16 @@ def test_fused_projections_are_views_and_forward_matches():
     positions, attn = batch_attention(ids)
     with torch.no_grad():
         want = ref.hidden_states(ids, positions, attn)
-        got = fused_hidden_states(model, ids, positions, attn)
+        got = model.hidden_states(ids, positions, attn, FUSED_OPS)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
     # loading weights by name writes into the fused buffers
     new = {n: p.detach() * 0.5 for n, p in ref.named_parameters()}
-    load_weights_in_place(model, new)
+    load_published(model, new)
     for n, p in ref.named_parameters():
         p.data.mul_(0.5)
     with torch.no_grad():
-        torch.testing.assert_close(fused_hidden_states(model, ids, positions, attn),
+        torch.testing.assert_close(model.hidden_states(ids, positions, attn, FUSED_OPS),
                                    ref.hidden_states(ids, positions, attn), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w[: a.q_proj.out_features], ref.layers[0].self_attn.q_proj.weight)
 
@@ -53,7 +52,7 @@ def test_fused_quantized_projections_match_and_load_in_place(scheme):
         for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
             lin.bias = torch.nn.Parameter(0.1 * torch.randn(lin.out_features))
     model = copy.deepcopy(master)
-    quantize_for_engine(model, scheme)
+    quantize_model(model, scheme, QuantLinear)
     ref = copy.deepcopy(model)
     assert fuse_projections(model) == 2 * len(model.layers)
     a = model.layers[0].self_attn
@@ -64,7 +63,7 @@ def test_fused_quantized_projections_match_and_load_in_place(scheme):
     ids = torch.randint(0, 128, (2, 7))
     positions, attn = batch_attention(ids)
     with torch.no_grad():
-        torch.testing.assert_close(fused_hidden_states(model, ids, positions, attn),
+        torch.testing.assert_close(model.hidden_states(ids, positions, attn, FUSED_OPS),
                                    ref.hidden_states(ids, positions, attn), rtol=1e-5, atol=1e-5)
 
     # publish new weights by module name (packed, as QATLinear.publish hands them over)
@@ -74,12 +73,12 @@ def test_fused_quantized_projections_match_and_load_in_place(scheme):
             w = dict(master.named_modules())[name].weight.detach() * -0.7
             published[name] = quantize_weight(w, mod.scheme)
             mod.load_quantized(published[name])
-    load_weights_in_place(model, published)
+    load_published(model, published)
     with torch.no_grad():
-        got = fused_hidden_states(model, ids, positions, attn)
+        got = model.hidden_states(ids, positions, attn, FUSED_OPS)
         want = ref.hidden_states(ids, positions, attn)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(got, fused_hidden_states(copy.deepcopy(master), ids, positions, attn))
+    assert not torch.allclose(got, copy.deepcopy(master).hidden_states(ids, positions, attn, FUSED_OPS))
 
 
 @pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
@@ -90,7 +89,7 @@ def test_gated_gate_up_gemm_in_the_fused_forward(scheme, monkeypatch):
     from quarl.quant import ops, use_backend
 
     model = build_random_model("tiny", seed=4, std=0.2)
-    quantize_for_engine(model, scheme)
+    quantize_model(model, scheme, QuantLinear)
     ref = copy.deepcopy(model)
     fuse_projections(model)
     ids = torch.randint(0, 128, (3, 9))  # M = 27
@@ -99,10 +98,10 @@ def test_gated_gate_up_gemm_in_the_fused_forward(scheme, monkeypatch):
     gated = ops.gated_silu_quantized_input
     monkeypatch.setattr(ops, "gated_silu_quantized_input", lambda *a: ran.append(gated(*a)) or ran[-1])
     with torch.no_grad(), use_backend("triton"):
-        got = fused_hidden_states(model, ids, positions, attn)
+        got = model.hidden_states(ids, positions, attn, FUSED_OPS)
         assert len(ran) == len(model.layers) and all(r is not None for r in ran)
         monkeypatch.setattr(ops, "gated_silu_quantized_input", lambda *a: None)
-        plain = fused_hidden_states(model, ids, positions, attn)
+        plain = model.hidden_states(ids, positions, attn, FUSED_OPS)
     with torch.no_grad():  # the reference backend (Triton's fp32 sums in another order flip fp8 codes)
         want = ref.hidden_states(ids, positions, attn)
     assert torch.equal(got, plain)
@@ -111,7 +110,7 @@ def test_gated_gate_up_gemm_in_the_fused_forward(scheme, monkeypatch):
 
 def test_nvfp4_projections_stay_separate():
     model = build_random_model("tiny", seed=2)
-    quantize_for_engine(model, "nvfp4")  # one fp32 tensor scale per module: rows cannot be concatenated
+    quantize_model(model, "nvfp4", QuantLinear)  # one fp32 tensor scale per module: rows cannot be concatenated
     assert fuse_projections(model) == 0
 
 
