@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run on CPU through the interpreter; triton.jit reads this when a kernel
+# module is first imported, and any test folder may import one first (tests/bench does).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
