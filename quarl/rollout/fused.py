@@ -204,8 +204,8 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
     ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
     ``y`` to the program's own scratch row ``y_ptr[p]`` (marked evict-last) and keeps the
     running ``max |y|``; pass 2 reads ``y`` back from that scratch row, just written and
-    reused for every row, and writes the codes. One launch and one grid instead of two; the
-    H200 sweeps show the scratch rows do not all stay in L2 (bench/NOTES.md, run 14)."""
+    reused for every row, and writes the codes. One launch and one grid instead of two (the
+    scratch rows need not stay in L2 for this to pay; bench/NOTES.md)."""
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     scratch = y_ptr + pid.to(tl.int64) * n_cols
@@ -234,11 +234,8 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
 
 
 # Rows from which silu_mul(quant=) runs the persistent kernel on the GPU, its programs per
-# SM, columns per block and warps (H200 sweeps, bench/results/silu_quant_sweep_h200*.json,
-# I = 18944: 4 x 16 warps fill an SM; extra over the bf16 SiLU-and-mul at 1024 / 4096 rows
-# fp8 +14.5 / +48 us, int8 +9.7 / +29 us, vs +20.5 / +76 and +17 / +62 for the two-kernel
-# path; at 256 rows the two-kernel path is as fast). The scratch rows do not fully stay
-# in L2 (it moves more than g, u and the codes), but the extra launch and pass are gone.
+# SM, columns per block and warps: below that row count the two-kernel path is as fast
+# (the sweeps behind these numbers are in bench/NOTES.md, "Session 13").
 SILU_QUANT_ROWS_MIN = 512
 SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=4096, num_warps=16)
 
@@ -258,8 +255,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None, persist
     ``quant="int8" | "fp8"`` its per-token codes and scales ``(q [rows, I], s [rows])``
     (as :func:`rmsnorm`). Below ``SILU_QUANT_ROWS_MIN`` rows (or ``persistent=False``) the
     SiLU-and-mul writes ``y`` and per-block row maxima, then a parallel pass quantizes
-    ``y`` (a one-kernel version, one program per row reading g and u twice, had only 64
-    programs at decode batch 64: 7 us over the plain op at I = 18944); from there on
+    ``y`` (one program per row would leave most SMs idle at decode batch sizes); from there on
     (prefill, the learner's batches) the persistent :func:`_silu_mul_quant_rows_kernel`
     does both in one launch (GPU only)."""
     n = g.shape[-1]

@@ -206,7 +206,7 @@ class ModelRunner:
                 calls[(block_n, warps, per_sm)] = call
         torch.cuda.synchronize()
         # Rounds over all candidates, median per candidate: the tilings are within a few % of
-        # each other, so a single timing each picked among them at random (bench/NOTES.md, run 14).
+        # each other, so a single timing each would pick among them at random.
         times: dict[tuple[int, int, int], list[float]] = {c: [] for c in calls}
         for _ in range(7):
             for cand, call in calls.items():
