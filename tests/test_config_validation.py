@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from quarl.config import load_run_config
-from quarl.configuration import ConfigError
+from quarl.config.typed import ConfigError
 
 BAD = [
     ("--trainer.steps=0", r"trainer.steps must be >= 1, got 0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quarl.config import RunConfig, load_run_config
-from quarl.configuration import ConfigError, parse_overrides
+from quarl.config.typed import ConfigError, parse_overrides
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -86,7 +86,7 @@ def test_resolved_config_dumps_to_plain_yaml_and_back(tmp_path):
     import yaml
 
     from quarl.config import RunConfig, load_run_config
-    from quarl.configuration import dump_yaml
+    from quarl.config.typed import dump_yaml
 
     cfg = load_run_config(None, ["--quant.scheme=nvfp4", "--rollout.engine.block_size=32"])
     text = dump_yaml(cfg)

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quarl.configuration import dump_yaml
+    from quarl.config.typed import dump_yaml
 
     cfg = resolve_config(args)
     if args.dry_run:

@@ -28,6 +28,7 @@ All weight quantizers round to nearest (ties to even) with scales from the max-a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 
 # Sub-byte formats pad K to a multiple of this and pack within each chunk of PACK_K
@@ -107,10 +108,9 @@ class QuantScheme:
         if isinstance(value, QuantScheme):
             return value
         if not isinstance(value, str) or value not in SCHEMES:
-            from quarl.configuration import closest
-
-            raise ValueError(f"unknown quantization scheme {value!r}{closest(str(value), list(SCHEMES))}; "
-                             f"schemes: {', '.join(SCHEMES)}")
+            close = difflib.get_close_matches(str(value), list(SCHEMES), n=1, cutoff=0.4)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown quantization scheme {value!r}{hint}; schemes: {', '.join(SCHEMES)}")
         return SCHEMES[value]
 
     def to_config(self) -> str:

@@ -42,7 +42,7 @@ from quarl.algos import (
 )
 from quarl.algos.losses import policy_loss_defaults
 from quarl.config import RunConfig
-from quarl.configuration import dump_yaml, to_dict
+from quarl.config.typed import dump_yaml, to_dict
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.quant import QuantMode

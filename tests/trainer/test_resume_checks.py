@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from quarl.config import RunConfig
-from quarl.configuration import to_dict
+from quarl.config.typed import to_dict
 from quarl.trainer import checkpoint as ckpt
 from quarl.trainer.logger import read_jsonl, truncate_after
 from quarl.trainer.progress import StepProgress

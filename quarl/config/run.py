@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from quarl.configuration import ConfigError, closest, load
+from quarl.config.typed import ConfigError, closest, load
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import SCHEMES, QuantScheme
 from quarl.rollout.config import EngineConfig
