@@ -86,7 +86,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 48
-    release_kv_cache: bool = True  # free the KV cache while the learner steps (recaptures graphs after)
+    # the KV cache and decode graphs through the learner phase: "keep" them, "release" them
+    # (re-created after, ~1 s on a 1.5B model), or "auto": on GPU, release at step 1, then keep
+    # from step 2 when the learner's step-1 peak plus the cache fit in 90% of the GPU
+    kv_cache_in_update: Literal["auto", "keep", "release"] = "auto"
     engine: EngineConfig = field(default_factory=_trainer_engine)
 
     _moved = {  # old key -> where it lives now
@@ -94,6 +97,7 @@ class RolloutConfig:
                              "the process may hold once the KV cache exists; README, 'One GPU for engine and learner')",
         "num_kv_blocks": "rollout.engine.num_kv_blocks", "block_size": "rollout.engine.block_size",
         "max_num_seqs": "rollout.engine.max_num_seqs", "cuda_graphs": "rollout.engine.cuda_graphs",
+        "release_kv_cache": "rollout.kv_cache_in_update=release (or keep, or auto: the default)",
     }
 
     def validate(self) -> None:

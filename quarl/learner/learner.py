@@ -23,6 +23,7 @@ from quarl.learner.batch import RolloutBatch, split_by_token_budget
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
 from quarl.model.transformer import Transformer, batch_attention
+from quarl.quant.linear import drop_dequantized
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Learner:
                     if math.isfinite(v):
                         sums[k] = sums.get(k, 0.0) + v
                         counts[k] = counts.get(k, 0) + 1
+        drop_dequantized(self.model)  # stale after the optimizer step; not kept through the rollout
         out = {k: sums[k] / counts[k] for k in sums}
         out["train/skipped_updates"] = float(skipped)
         return out

@@ -99,7 +99,7 @@ class _QATMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
         ctx.save_for_backward(x)
-        ctx.qw, ctx.has_bias, ctx.w_dtype = qw, bias is not None, weight.dtype
+        ctx.qw, ctx.repacked, ctx.has_bias, ctx.w_dtype = qw, repacked, bias is not None, weight.dtype
         return ops.quant_linear(x, qw, bias, repacked)
 
     @staticmethod
@@ -109,7 +109,8 @@ class _QATMatmul(torch.autograd.Function):
         gy = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (gy @ qw.dequantize(grad_y.dtype)).view(*grad_y.shape[:-1], -1).to(x.dtype)
+            w = ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
+            grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(x.dtype)
         if ctx.needs_input_grad[1]:
             x_seen = ops.fake_quantize_input(x.reshape(-1, x.shape[-1]), qw.scheme.act_format)
             grad_w = (gy.T @ x_seen.to(gy.dtype)).to(ctx.w_dtype)
@@ -138,7 +139,7 @@ class QATLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
         self._qw: QuantizedWeight | None = None
         self._qw_key: tuple | None = None
-        self.repacked = RepackCache()  # kernel layouts of the quantized weight
+        self.repacked = RepackCache(keep_dequantized=True)  # kernel layouts of the quantized weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QATLinear":
@@ -150,7 +151,7 @@ class QATLinear(nn.Module):
         mod.weight = linear.weight
         mod.bias = linear.bias
         mod._qw, mod._qw_key = None, None
-        mod.repacked = RepackCache()
+        mod.repacked = RepackCache(keep_dequantized=True)
         return mod
 
     def _key(self) -> tuple:
@@ -216,6 +217,13 @@ def quantize_model(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer.from_linear(mod, scheme))
     return [name for name, _ in targets]
+
+
+def drop_dequantized(model: nn.Module) -> None:
+    """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
+    for mod in model.modules():
+        if isinstance(mod, QATLinear):
+            mod.repacked.drop_dequantized()
 
 
 def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]:

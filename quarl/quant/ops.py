@@ -106,6 +106,17 @@ def gated_silu_quantized_input(
     return launch.gated_silu_gemm(xq, sx, qw, out_dtype)
 
 
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``qw``'s weight ``[N, K]`` in ``dtype``: the fast kernel for a CUDA weight in a 16-bit
+    dtype, the reference otherwise (the same values)."""
+    if qw.qdata.is_cuda and dtype in (torch.bfloat16, torch.float16) and _backend != "reference" \
+            and triton_available():
+        from quarl.quant.kernels import weight_only
+
+        return weight_only.dequantize(qw, dtype)
+    return qw.dequantize(dtype)
+
+
 def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:
     """``x`` as the GEMM of :func:`quant_linear` sees it, with the same quantizer it uses."""
     if act_format == "none":

@@ -16,6 +16,7 @@ from quarl.model.transformer import Transformer
 from quarl.quant import QuantLinear, get_scheme, load_published, quantize_model
 from quarl.rollout.block_manager import BlockManager
 from quarl.rollout.config import EngineConfig
+from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.model_runner import ModelRunner
 from quarl.rollout.sampler import completion_key
 from quarl.rollout.sampling_params import SamplingParams
@@ -233,6 +234,12 @@ class Engine:
         if not self.scheduler.is_finished():
             raise RuntimeError("cannot release the KV cache while requests are running")
         self.runner.release()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache takes while allocated."""
+        r = self.runner
+        return r.num_blocks * KVCache.bytes_per_block(r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, r.dtype)
 
     def reallocate_kv_cache(self) -> None:
         """Re-create the KV cache (same number of blocks) and recapture the graphs."""

@@ -46,6 +46,7 @@ from quarl.config.typed import dump_yaml, to_dict
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.quant import QuantMode
+from quarl.quant.linear import drop_dequantized
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
@@ -92,6 +93,9 @@ class Trainer:
                                 console)
 
         self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config())
+        # None: decided after the first learner phase (GPU, auto); on CPU the cache is host memory
+        self._keep_kv = {"keep": True, "release": False}.get(
+            cfg.rollout.kv_cache_in_update, True if self.device.type != "cuda" else None)
         ref = copy.deepcopy(base).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         critic = Critic(base) if cfg.algo.advantage == "gae" else None
         self.learner = Learner(
@@ -163,6 +167,7 @@ class Trainer:
         ids = self.tokenizer.apply_chat_template(self.task.messages(ex))[-32:] + self.tokenizer.encode("12")
         batch = build_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], [0.0], torch.zeros(1)).to(self.device)
         ref = self.learner.logprobs(batch, 1 << 30)[0]
+        drop_dequantized(self.learner.model)
         diff = self.engine.check_logprobs(ids, ref.cpu())
         # A stale or mis-published weight shows as a gap of order 1; quantization noise is far smaller.
         if self.cfg.quant.mode is not QuantMode.ROLLOUT and diff > 0.5:
@@ -213,7 +218,7 @@ class Trainer:
         with clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
             batch = self.score(rollout).to(self.device)                                    # 4
-            release = self.cfg.rollout.release_kv_cache
+            release = not self._keep_kv
             with clock.stage("kv_cache"):
                 if release:
                     self.engine.release_kv_cache()
@@ -224,8 +229,19 @@ class Trainer:
                     self.engine.reallocate_kv_cache()
             with clock.stage("publish"):
                 quant_metrics = self.publisher.publish()                                   # 7
+        if self._keep_kv is None:
+            self._keep_kv = self._kv_cache_fits(clock.peak_gb["learner"])
         self._check_finite(update)
         return self._step_metrics(rollout, update, quant_metrics, clock)
+
+    def _kv_cache_fits(self, learner_peak_gb: float) -> bool:
+        """Whether the KV cache can stay through the learner phase (``kv_cache_in_update=auto``)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        kv = self.engine.kv_cache_bytes
+        fits = learner_peak_gb * 2**30 + kv <= 0.9 * total
+        self._say(f"KV cache ({kv / 2**30:.1f} GB) {'kept' if fits else 'released'} during the learner phase: "
+                  f"learner peak {learner_peak_gb:.1f} GB, GPU {total / 2**30:.0f} GB")
+        return fits
 
     # ------------------------------------------------------------------ stages
     def collect_rollout(self, clock: StageClock) -> Rollout:

@@ -153,3 +153,41 @@ def test_publish_model_to_engine_model_gives_same_logits(name):
     assert isinstance(published["embed_tokens.weight"], torch.Tensor)
     load_published(engine, published)
     assert torch.equal(engine(ids), learner_logits)
+
+
+def test_qat_dequantizes_once_per_weight_version(monkeypatch, needs_triton):
+    """At training batch sizes the forward (dequant + GEMM) and the backward share one
+    dequantized weight per weight version: made once for several micro-batches, remade after
+    the optimizer changes the weight, freed by drop_dequantized; the engine's QuantLinear keeps none."""
+    from quarl.quant import ops
+    from quarl.quant.kernels import weight_only
+    from quarl.quant.linear import drop_dequantized
+
+    made = []
+    real = weight_only.dequantize
+    monkeypatch.setattr(weight_only, "dequantize", lambda qw, dt: made.append(dt) or real(qw, dt))
+    monkeypatch.setattr(ops, "dequantize", lambda qw, dt: made.append(dt) or qw.dequantize(dt))
+    lin = nn.Linear(256, 64, bias=False)
+    qat = QATLinear.from_linear(lin, "w4a16")
+    model = nn.Sequential(qat)
+    grads = []
+    with use_backend("triton"):
+        for _ in range(3):  # three micro-batches of 200 rows (the dequant + GEMM plan)
+            x = torch.randn(200, 256, requires_grad=True)
+            y = model(x)
+            y.backward(torch.ones_like(y))
+            grads.append(x.grad)
+        assert len(made) == 1
+        with torch.no_grad():
+            lin.weight.add_(0.5)  # an optimizer step: a new weight version
+        model(torch.randn(200, 256)).sum().backward()
+        assert len(made) == 2
+        drop_dequantized(model)
+        assert qat.repacked.layouts() == ()
+        inf = QuantLinear.from_linear(nn.Linear(256, 64, bias=False), "w4a16")
+        inf(torch.randn(200, 256))
+        inf(torch.randn(200, 256))
+        assert len(made) == 4 and inf.repacked.layouts() == ()
+    # the cached weight gives the reference's gradients: grad_x = 1 @ W_deq for every row
+    w_deq = quantize_weight(lin.weight.detach() - 0.5, "w4a16").dequantize(torch.float32)
+    torch.testing.assert_close(grads[0], torch.ones(200, 64) @ w_deq, rtol=1e-5, atol=1e-5)

@@ -206,3 +206,16 @@ def test_existing_run_dir_needs_resume(tmp_path):
     _train(tmp_path, steps=1)
     with pytest.raises(ValueError, match="already holds a run.*--resume"):
         Trainer(load_run_config(None, TINY + [f"--trainer.run_dir={tmp_path}", "--trainer.steps=2"]))
+
+
+@pytest.mark.parametrize("choice, kept", [("keep", True), ("release", False), ("auto", True)])  # auto on CPU: keep
+def test_kv_cache_through_the_learner_phase(tmp_path, choice, kept):
+    cfg = load_run_config(None, TINY + [f"--trainer.run_dir={tmp_path}", "--trainer.steps=2",
+                                        f"--rollout.kv_cache_in_update={choice}"])
+    trainer = Trainer(cfg)
+    kv = trainer.engine.runner.kv
+    trainer.train_step()
+    trainer.step += 1
+    assert (trainer.engine.runner.kv is kv) == kept  # kept: the same cache at the same addresses
+    assert trainer.engine.runner.kv is not None
+    trainer.rewards.close()

@@ -36,7 +36,7 @@ _WEIGHT_ONLY = {
     "wgmma": cuda_w4.wgmma_gemm,
     "swap": lambda x, qw, bias, cfg, repacked=None: weight_only.swap_gemm(x, qw, bias, cfg),
     "tiled": lambda x, qw, bias, cfg, repacked=None: weight_only.tiled_gemm(x, qw, bias, cfg),
-    "dequant": lambda x, qw, bias, cfg, repacked=None: weight_only.dequant_gemm(x, qw, bias),
+    "dequant": lambda x, qw, bias, cfg, repacked=None: weight_only.dequant_gemm(x, qw, bias, repacked=repacked),
 }
 # kernels on quantized activations: (xq, sx, qw, bias, out_dtype, cfg) -> y
 _QUANTIZED_INPUT = {

@@ -19,7 +19,7 @@ Pure torch (any device): imported by the modules that own a cache without import
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -121,7 +121,7 @@ def repack_w4(qw: QuantizedWeight, layout: str = "frag") -> FragWeight:
 
 
 def _versions(qw: QuantizedWeight) -> tuple:
-    return (qw.qdata._version, qw.scales._version, None if qw.zeros is None else qw.zeros._version)
+    return tuple(None if t is None else t._version for t in (qw.qdata, qw.scales, qw.zeros))
 
 
 class _Entry(NamedTuple):
@@ -139,15 +139,38 @@ class RepackCache:
     storage when the shapes agree, so CUDA graphs captured over it see the new weights; it
     cannot run inside capture. After an in-place load, call :meth:`refresh` eagerly."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_dequantized: bool = False) -> None:
         self._entries: dict[str, _Entry] = {}
+        self.keep_dequantized = keep_dequantized
 
     # copies of the owning module start empty: the layouts are rebuilt from its weight at first use
     def __getstate__(self) -> dict:
-        return {"_entries": {}}
+        return {"_entries": {}, "keep_dequantized": self.keep_dequantized}
 
     def __deepcopy__(self, memo) -> "RepackCache":
-        return RepackCache()
+        return RepackCache(self.keep_dequantized)
+
+    def dequantized(self, qw: QuantizedWeight, dtype: torch.dtype,
+                    make: Callable[[QuantizedWeight, torch.dtype], torch.Tensor]) -> torch.Tensor:
+        """``make(qw, dtype)``: the weight ``[N, K]`` dequantized. Kept per weight version when
+        this cache keeps dequantized weights (the learner's ``QATLinear``: at training batch
+        sizes its forward and backward run on the dequantized weight, which is then made once
+        per optimizer step instead of twice per micro-batch); made per call otherwise (the
+        engine's weights stay low-bit in memory)."""
+        if not self.keep_dequantized:
+            return make(qw, dtype)
+        layout = f"dequant-{dtype}"
+        e = self._entries.get(layout)
+        if e is not None and self._matches(e, qw):
+            return e.copy
+        w = make(qw, dtype)
+        self._entries[layout] = _Entry(weakref.ref(qw.qdata), _versions(qw), w)
+        return w
+
+    def drop_dequantized(self) -> None:
+        """Free the dequantized copies (the learner's phase is over; they go stale at the next step)."""
+        for layout in [k for k in self._entries if k.startswith("dequant-")]:
+            del self._entries[layout]
 
     def _matches(self, e: _Entry, qw: QuantizedWeight) -> bool:
         return e.source() is qw.qdata and e.versions == _versions(qw)
@@ -185,6 +208,7 @@ class RepackCache:
         With ``rows = (start, stop)`` only the 64-row slabs covering those output rows are
         repacked (a fused q/k/v weight loading one of its parts); the caller guarantees the
         rest of each copy was fresh before the write."""
+        self.drop_dequantized()  # remade from the new codes at next use
         for layout, e in list(self._entries.items()):
             if rows is None or e.source() is not qw.qdata:
                 self.get(qw, layout)

@@ -19,6 +19,7 @@ from quarl.quant.kernels.act_quant import interpreting
 from quarl.quant.kernels.config import TileConfig
 from quarl.quant.kernels.device import num_sms
 from quarl.quant.kernels.splitk import cdiv
+from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
@@ -111,5 +112,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def dequant_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, dequantize(qw, x.dtype), bias)
+def dequant_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: None = None,
+                 repacked: RepackCache | None = None) -> torch.Tensor:
+    w = dequantize(qw, x.dtype) if repacked is None else repacked.dequantized(qw, x.dtype, dequantize)
+    return torch.nn.functional.linear(x, w, bias)
