@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from quarl.quant import ops
+from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
@@ -94,25 +95,40 @@ class QuantLinear(nn.Module):
 
 
 class _QATMatmul(torch.autograd.Function):
-    """Forward: the engine's kernel on ``qw``. Backward: straight-through (module docstring)."""
+    """Forward: the engine's kernel on ``qw``. Backward: straight-through (module docstring).
+
+    For schemes that quantize activations the forward quantizes ``x`` once, runs the GEMM on
+    the codes and keeps the codes (1 byte each) for ``grad_W``, which needs ``x`` as the
+    GEMM saw it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
-        ctx.save_for_backward(x)
         ctx.qw, ctx.repacked, ctx.has_bias, ctx.w_dtype = qw, repacked, bias is not None, weight.dtype
-        return ops.quant_linear(x, qw, bias, repacked)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        fmt = qw.scheme.act_format
+        if fmt == "none":
+            ctx.save_for_backward(x)
+            return ops.quant_linear(x, qw, bias, repacked)
+        xq, sx = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt)
+        ctx.save_for_backward(xq, sx)
+        y = ops.quant_linear_quantized_input(xq, sx, qw, bias, x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
         qw: QuantizedWeight = ctx.qw
         gy = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             w = ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
-            grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(x.dtype)
+            grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            x_seen = ops.fake_quantize_input(x.reshape(-1, x.shape[-1]), qw.scheme.act_format)
+            if qw.scheme.act_format == "none":
+                (x,) = ctx.saved_tensors
+                x_seen = x.reshape(-1, x.shape[-1])
+            else:
+                xq, sx = ctx.saved_tensors
+                x_seen = ref.dequantize_activations(xq, sx, ctx.x_dtype)
             grad_w = (gy.T @ x_seen.to(gy.dtype)).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.sum(0)

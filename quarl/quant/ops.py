@@ -117,6 +117,15 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return qw.dequantize(dtype)
 
 
+def quantize_input(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token codes and scales of ``x [M, K]`` with the quantizer :func:`quant_linear` runs."""
+    if not uses_fast_path(x):
+        return ref.quantize_activations(x, act_format)
+    from quarl.quant.kernels import launch
+
+    return launch.act_quant(x.contiguous(), act_format)
+
+
 def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:
     """``x`` as the GEMM of :func:`quant_linear` sees it, with the same quantizer it uses."""
     if act_format == "none":
