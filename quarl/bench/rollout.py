@@ -77,9 +77,7 @@ def step_weight_bytes(model: Transformer) -> int:
 
 
 def matmul_params(cfg: TransformerConfig) -> int:
-    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    return cfg.matmul_params
 
 
 def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: int, gen_len: int,

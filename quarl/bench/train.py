@@ -8,10 +8,10 @@ fresh :class:`~quarl.trainer.loop.Trainer` over that directory whose steps are r
 without checkpoints or evaluation; the numbers are medians of steps 2..N (step 1 pays
 compilation and graph capture).
 
-Learner model-FLOPs utilisation: a forward + backward over ``T`` tokens costs
-``6 * P * T`` FLOPs (``P`` = matmul parameters incl. the LM head), plus ``2 * P * T``
-per extra forward (old log-probs when the update is not a single step, a reference
-model); divided by the learner time and the GPU's measured bf16 matrix rate.
+Learner model-FLOPs utilisation is the trainer's ``perf/learner_mfu``: ``6 * P * T`` FLOPs
+for a forward + backward over ``T`` tokens (``P`` = matmul parameters incl. the LM head),
+plus ``2 * P * T`` per extra forward, over the learner time and the GPU's measured bf16
+matrix rate.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ KEYS = {
     "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
     "time/kv_cache": "kv_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
     "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
-    "response/len_mean": "len_mean",
+    "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens",
+    "perf/learner_tflops": "learner_tflops", "perf/learner_mfu": "learner_mfu",
 }
 
 
@@ -83,11 +84,6 @@ def save_random_model(shape: str, out: Path) -> Path:
     return out
 
 
-def learner_flops(matmul_params: int, tokens: float, extra_forwards: int) -> float:
-    """Model FLOPs of one update: 6 P T for forward + backward, 2 P T per extra forward."""
-    return (6 + 2 * extra_forwards) * matmul_params * tokens
-
-
 def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     steady = rows[1:] if len(rows) > 1 else rows
     out = {}
@@ -98,21 +94,13 @@ def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run_mode(name: str, overrides: list[str], run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_mode(name: str, overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
+    """One mode's steps (the metrics of each), without checkpoints or evaluation."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
 
     cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
     trainer = Trainer(cfg)
-    prompt_len = statistics.mean(
-        len(trainer.tokenizer.apply_chat_template(trainer.task.messages(e))) for e in trainer.train_examples[:64]
-    )
-    single = (cfg.trainer.ppo_epochs, cfg.trainer.mini_batches) == (1, 1) or cfg.trainer.on_policy
-    info = {
-        "prompt_len_mean": prompt_len,
-        "extra_forwards": (0 if single else 1) + (1 if cfg.algo.kl_coef > 0 else 0),
-        "overrides": overrides,
-    }
     rows = []
     for _ in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
         metrics = trainer.train_step()
@@ -121,19 +109,9 @@ def run_mode(name: str, overrides: list[str], run_dir: Path) -> tuple[list[dict[
     trainer.rewards.close()
     del trainer
     gc.collect()
-    torch.cuda.empty_cache()
-    return rows, info
-
-
-def summarize(rows, info, matmul_params: int, bf16_rate: float, rollouts: int) -> dict[str, Any]:
-    med = median_metrics(rows)
-    tokens = rollouts * (info["prompt_len_mean"] + med.get("len_mean", 0.0))
-    if med.get("learner_s"):
-        flops = learner_flops(matmul_params, tokens, info["extra_forwards"])
-        med["learner_tflops"] = flops / med["learner_s"] / 1e12
-        med["learner_mfu"] = flops / med["learner_s"] / bf16_rate
-    med["learner_tokens"] = tokens
-    return med
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None) -> dict[str, Any]:
@@ -161,11 +139,9 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
         model_dir = save_random_model(w.shape, Path(tmp) / "model")
         for mode in modes:
-            rows, info = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode] + extra, Path(tmp) / mode)
-            result["modes"][mode] = {
-                "median": summarize(rows, info, params, ceil.bf16_flops, w.prompts * w.n),
-                "steps": rows, "overrides": info["overrides"],
-            }
+            overrides = workload_overrides(w, model_dir) + MODES[mode] + extra
+            rows = run_mode(mode, overrides, Path(tmp) / mode)
+            result["modes"][mode] = {"median": median_metrics(rows), "steps": rows, "overrides": overrides}
             print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
     base = result["modes"].get("bf16", {}).get("median", {})
     for mode, r in result["modes"].items():

@@ -48,6 +48,14 @@ class TransformerConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def matmul_params(self) -> int:
+        """Weights of the decoder's matrix products plus the LM head: a forward costs 2 FLOPs
+        per such weight per token (attention's score products not counted)."""
+        per_layer = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        per_layer += 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

@@ -54,6 +54,7 @@ from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
+from quarl.runtime import matmul_rate
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
 from quarl.trainer.weights import build_engine_and_publisher
@@ -93,6 +94,8 @@ class Trainer:
                                 console)
 
         self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config())
+        self._matmul_params = base.config.matmul_params
+        self._matmul_rate = matmul_rate(self.device)  # the denominator of perf/learner_mfu (None on CPU)
         # None: decided after the first learner phase (GPU, auto); on CPU the cache is host memory
         self._keep_kv = {"keep": True, "release": False}.get(
             cfg.rollout.kv_cache_in_update, True if self.device.type != "cuda" else None)
@@ -279,15 +282,22 @@ class Trainer:
         if cfg.algo.kl_coef > 0:
             batch.ref_logp = self.learner.logprobs(batch, budget, temp, ref=True)
         returns = self._gae(batch) if cfg.algo.advantage == "gae" else None
+        extra = (batch.old_logp is not None) + (batch.ref_logp is not None) + (returns is not None)
         metrics = self.learner.update(batch, settings, returns)
         old_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
-        return UpdateResult(metrics, mismatch_metrics(old_logp, batch.sampler_logp, batch.response_mask))
+        return UpdateResult(metrics, mismatch_metrics(old_logp, batch.sampler_logp, batch.response_mask),
+                            tokens=int(batch.attention_mask.sum()), extra_forwards=int(extra))
 
     def _step_metrics(self, rollout: Rollout, update: UpdateResult, quant_metrics: dict[str, float],
                       clock: StageClock) -> dict[str, float]:
         m = update.metrics
         timing = clock.metrics()
+        flops = update.model_flops(self._matmul_params) / max(timing["time/learner"], 1e-9)
+        perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12}
+        if self._matmul_rate:
+            perf["perf/learner_mfu"] = flops / self._matmul_rate
         return {
+            **perf,
             **rollout.reward_metrics,
             **_rollout_metrics(rollout.completions, rollout.rewards),
             **update.mismatch,

@@ -50,10 +50,18 @@ class Rollout:
 
 @dataclass
 class UpdateResult:
-    """The learner's update metrics and the sampler/learner mismatch it measured."""
+    """The learner's update metrics, the sampler/learner mismatch it measured, and its work:
+    ``tokens`` through forward + backward, ``extra_forwards`` forward-only passes over them
+    (old / reference log-probs, critic values)."""
 
     metrics: dict[str, float]
     mismatch: dict[str, float]
+    tokens: int = 0
+    extra_forwards: int = 0
+
+    def model_flops(self, matmul_params: int) -> float:
+        """``(6 + 2 * extra_forwards) * P * tokens`` (forward 2 P T, backward 4 P T)."""
+        return (6 + 2 * self.extra_forwards) * matmul_params * self.tokens
 
 
 class StageClock:

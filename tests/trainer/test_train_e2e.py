@@ -219,3 +219,10 @@ def test_kv_cache_through_the_learner_phase(tmp_path, choice, kept):
     assert (trainer.engine.runner.kv is kv) == kept  # kept: the same cache at the same addresses
     assert trainer.engine.runner.kv is not None
     trainer.rewards.close()
+
+
+def test_update_result_model_flops_by_hand():
+    from quarl.trainer.stages import UpdateResult
+
+    # forward + backward 6 P T; each extra forward adds 2 P T: (6 + 2 * 2) * 1000 * 50 = 500000
+    assert UpdateResult({}, {}, tokens=50, extra_forwards=2).model_flops(1000) == 500_000
