@@ -1,8 +1,9 @@
 """The dispatch tables pick exactly what the branching config functions of c62667c picked.
 
 ``data/dispatch_c62667c.json`` holds, for a grid of (M, N, K) and each GPU generation, the
-kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). No row was
-removed on purpose, so every case must match.
+kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). One row was
+added on purpose (w4a16 on sm90 at M = 65-128: 64-row chunks instead of dequantize + cuBLAS);
+every other case must match.
 """
 
 import json
@@ -50,6 +51,10 @@ def test_tables_match_the_old_dispatch():
     bad, count = [], 0
     for gen, m, n, k, fam, want in _cases():
         count += 1
+        if fam == "w4" and gen == "sm90" and 64 < m <= 128:  # the added row
+            assert want == ["dequant"] or want[0] == "TileConfig", want
+            assert dispatch.lookup("w4a16", gen, m, n, k) == Plan("chunked"), (m, n, k)
+            continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))
         else:
@@ -71,7 +76,8 @@ def test_every_generation_has_a_row_for_every_shape():
 def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 1, 4608, 3584).kernel == "wgmma"
     assert dispatch.lookup("w4a16", "sm90", 64, 37888, 3584).config.nwg == 3
-    assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584) == dispatch.DEQUANT
+    assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584) == Plan("chunked")
+    assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584) == dispatch.DEQUANT
     for gen in ("sm80", "sm89"):
         assert dispatch.lookup("w4a16", gen, 4, 4608, 3584).kernel == "frag"
         assert dispatch.lookup("w4a16", gen, 8, 37888, 3584).kernel == "tile"
@@ -97,3 +103,18 @@ def test_overrides_replace_a_family_inside_the_block_only():
     with pytest.raises(ValueError, match="unknown kernel families"):
         with dispatch.overrides(w5=forced):
             pass
+
+
+def test_chunked_plan_is_the_per_chunk_plans_output(needs_triton):
+    """M = 65-128 in 64-row chunks: the result is, bit for bit, each chunk's own plan's output."""
+    import torch
+
+    from quarl.quant import quantize_weight
+
+    qw = quantize_weight(torch.randn(96, 256), "w4a16")
+    x = torch.randn(100, 256)
+    got = Plan("chunked").run(x, qw, None)
+    parts = [dispatch.lookup("w4a16", "none", r.shape[0], 96, 256).run(r, qw, None) for r in (x[:64], x[64:])]
+    assert torch.equal(got, torch.cat(parts))
+    ref = x @ qw.dequantize(torch.float32).T
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
