@@ -5,6 +5,8 @@
 # gemm, 7B shapes), rollout (7B, B = 64, bf16 / w4a16 / fp8), train (quarl bench train, TRAIN_WORKLOAD,
 # default w1, TRAIN_MODES). Each part has a time limit (env *_S) so one slow part cannot eat the call.
 set -u
+# git inside the device's copy of the checkout reports the session's first commit, not this one
+: "${QUARL_GIT_COMMIT:?set QUARL_GIT_COMMIT=<sha of the code sent> (git on the device copy is stale)}"
 OUT=$1
 PARTS=${2:-tests}
 LABEL=${3:-a}
