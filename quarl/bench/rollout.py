@@ -17,7 +17,6 @@ import datetime
 import gc
 import json
 import math
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 from rich.console import Console
