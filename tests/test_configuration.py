@@ -107,3 +107,23 @@ def test_moved_rollout_keys_say_where_they_went():
         load_run_config(None, ["--rollout.block_size=8"])
     with pytest.raises(ConfigError, match="set by the trainer"):
         load_run_config(None, ["--rollout.engine.max_model_len=512"])
+
+
+def test_an_older_runs_config_file_still_loads(tmp_path):
+    """config.yaml written before rollout.engine existed: its values land in the new keys."""
+    from quarl.config import load_run_config
+    from quarl.config.run import upgrade
+
+    old = tmp_path / "config.yaml"
+    old.write_text("rollout:\n  n: 4\n  kv_cache_fraction: 0.5\n  num_kv_blocks: 512\n  block_size: 32\n"
+                   "  max_num_seqs: 64\n  cuda_graphs: false\n  release_kv_cache: false\n"
+                   "quant:\n  mode: bf16\n  scheme: w4a16\n")
+    cfg = load_run_config(str(old), ["--trainer.steps=3"])
+    e = cfg.rollout.engine
+    assert (e.gpu_memory_utilization, e.block_size, e.max_num_seqs, e.cuda_graphs) == (0.5, 32, 64, False)
+    assert e.num_kv_blocks is None  # 512 was the old CPU default, not a cap
+    assert cfg.rollout.kv_cache_in_update == "keep" and cfg.rollout.n == 4 and cfg.trainer.steps == 3
+    assert cfg.quant.scheme.name == "bf16"
+    assert upgrade({"rollout": {"release_kv_cache": True}})["rollout"] == {"engine": {}}  # old default: today's auto
+    with pytest.raises(ConfigError, match="has moved"):  # typed by hand in the old layout: told where it went
+        load_run_config(None, ["--rollout.kv_cache_fraction=0.5"])

@@ -8,10 +8,11 @@ resolved configuration.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from quarl.config.typed import ConfigError, closest, load
+from quarl.config.typed import ConfigError, closest, from_dict, merge, parse_overrides, read_yaml
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import SCHEMES, QuantScheme
 from quarl.rollout.config import EngineConfig
@@ -227,4 +228,30 @@ class RunConfig:
 
 
 def load_run_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    return load(RunConfig, path, overrides)
+    """Defaults <- YAML file (an older run's layout upgraded, :func:`upgrade`) <- CLI flags."""
+    data = upgrade(read_yaml(path)) if path else {}
+    return from_dict(RunConfig, merge(data, parse_overrides(overrides or [])))
+
+
+def upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A run config written by an older quarl (a run's config.yaml, a checkpoint's config) in
+    today's layout, so that its runs still resume, evaluate and export. Flags given by hand
+    in the old layout still fail with the new key's name (``RolloutConfig._moved``)."""
+    data = copy.deepcopy(data)
+    rollout = data.get("rollout") or {}
+    engine = rollout.setdefault("engine", {}) if isinstance(rollout, dict) else {}
+    if "kv_cache_fraction" in rollout:
+        engine.setdefault("gpu_memory_utilization", rollout.pop("kv_cache_fraction"))
+    for key in ("block_size", "max_num_seqs", "cuda_graphs"):
+        if key in rollout:
+            engine.setdefault(key, rollout.pop(key))
+    if rollout.get("num_kv_blocks", 512) != 512:  # 512 was the CPU default, never a cap on GPU
+        engine.setdefault("num_kv_blocks", rollout["num_kv_blocks"])
+    rollout.pop("num_kv_blocks", None)
+    if "release_kv_cache" in rollout:
+        if not rollout.pop("release_kv_cache"):
+            rollout.setdefault("kv_cache_in_update", "keep")
+    quant = data.get("quant") or {}
+    if quant.get("mode") == "bf16":
+        quant["scheme"] = "bf16"  # the scheme is resolved to bf16 in bf16 mode
+    return data

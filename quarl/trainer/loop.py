@@ -42,6 +42,7 @@ from quarl.algos import (
 )
 from quarl.algos.losses import policy_loss_defaults
 from quarl.config import RunConfig
+from quarl.config.run import upgrade
 from quarl.config.typed import dump_yaml, to_dict
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
@@ -155,7 +156,7 @@ class Trainer:
                        "instead")
         if not evaluation_only and isinstance(state.get("config"), dict):
             source = f"the config stored in {path}"
-            for notice in check_config_change(state["config"], to_dict(self.cfg), source, allow_config_change,
+            for notice in check_config_change(upgrade(state["config"]), to_dict(self.cfg), source, allow_config_change,
                                               self.run_dir):
                 self._warn(notice)
         return found
