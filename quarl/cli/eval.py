@@ -78,11 +78,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overrides(args: argparse.Namespace, scheme: str | None) -> list[str]:
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides)
-    if scheme:
-        mode = "bf16" if scheme == "bf16" else "rollout"  # the engine in that scheme, the weights as trained
-        overrides += [f"--quant.scheme={scheme}", f"--quant.mode={mode}"]
     if args.model:
         overrides.append(f"--model.path={args.model}")
     if args.reward:
@@ -97,7 +94,12 @@ def _overrides(args: argparse.Namespace, scheme: str | None) -> list[str]:
 def _load_config(args: argparse.Namespace, scheme: str | None, extra: list[str]):
     from quarl.config import load_run_config
 
-    overrides = _overrides(args, scheme) + extra
+    overrides = _overrides(args) + extra
+    if scheme:
+        base = _load_config(args, None, extra)
+        if scheme != base.quant.scheme:  # the engine in that scheme, the weights as trained
+            mode = "bf16" if scheme == "bf16" else "rollout"
+            overrides += [f"--quant.scheme={scheme}", f"--quant.mode={mode}"]
     if args.run_dir:
         run_dir = Path(args.run_dir)
         cfg_file = run_dir / "config.yaml"
