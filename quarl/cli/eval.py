@@ -221,7 +221,7 @@ def _print_table(results: dict[str, dict], n: int) -> None:
 
     from quarl.evaluation import ks_up_to
 
-    table = Table(title=f"pass@k and avg@{n} ({n} sample{'s' if n > 1 else ''} per problem)")
+    table = Table(title=f"quarl eval: {n} sample{'s' if n > 1 else ''} per problem")
     table.add_column("set")
     table.add_column("problems", justify="right")
     table.add_column("metric")

@@ -106,3 +106,20 @@ def test_eval_cuts_off_a_hung_verifier(tiny_run, tmp_path, monkeypatch):
     res = json.loads(out.read_text())
     assert (tmp_path / "hung").exists() and res["sets"]["mini"]["reward_timeouts"] == 1
     assert "hang_once: 1 of 10 items timed out (> 1.0s)" in r.stderr  # cut off, scored 0, the rest scored
+
+
+def test_eval_a_model_directory_on_a_parquet_set(tiny_run, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    hf = tmp_path / "hf"
+    _quarl("export", str(tiny_run), "--out", str(hf), "--format", "hf-fp32")
+    data = tmp_path / "pq_set.parquet"
+    pq.write_table(pa.table({"question": [p for p, _ in PROBLEMS], "answer": [a for _, a in PROBLEMS]}), data)
+    out = tmp_path / "res.json"
+    _quarl("eval", "--model", str(hf), "--model.tokenizer=builtin", "--data", str(data),
+           "--data.prompt_key=question", "--reward", "tests.trainer.reward_fns:even_length", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert res["config"]["model"] == str(hf) and res["sets"]["pq_set"]["num_problems"] == 5
+    assert [p["n"] for p in res["sets"]["pq_set"]["problems"]] == [1] * 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "pq_set.parquet", "res.json"]  # no run left
