@@ -52,6 +52,10 @@ class EvalSettings:
 def run(args: argparse.Namespace) -> int:
     schemes = [s.strip() for arg in args.scheme or [] for s in arg.split(",") if s.strip()]
     if not args.data:
+        sampling = [f for f, v in (("--n", args.n != 1), ("--temperature", args.temperature is not None),
+                                   ("--top-p", args.top_p != 1.0), ("--out", args.out)) if v]
+        if sampling:
+            raise ValueError(f"{', '.join(sampling)} {'need' if len(sampling) > 1 else 'needs'} --data (the eval split is scored greedily, as JSON on stdout)")
         if len(schemes) > 1:
             raise ValueError("several --scheme values need --data (the eval split reports one scheme)")
         return _with_config(args, schemes[0] if schemes else None, _evaluate_split)
@@ -241,4 +245,7 @@ def _print_table(results: dict[str, dict], n: int) -> None:
                 cells.append(f"{value:.3f}")
             table.add_row(name if j == 0 else "", str(count) if j == 0 else "", metric, *cells,
                           end_section=j == len(metrics) - 1 and i < len(rows) - 1)
+    cut = {s: sum(v["reward_timeouts"] for v in r["sets"].values()) for s, r in results.items()}
+    if any(cut.values()):
+        table.caption = "verifier timeouts (scored 0): " + ", ".join(f"{s} {c}" for s, c in cut.items())
     Console().print(table)

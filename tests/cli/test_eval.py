@@ -84,6 +84,8 @@ def test_eval_sets_agree_with_the_engine_scored_by_hand(tiny_run, tmp_path):
 def test_eval_without_data_is_greedy_on_the_eval_split(tiny_run):
     metrics = json.loads(_quarl("eval", str(tiny_run)).stdout)
     assert set(metrics) >= {"eval/acc", "eval/reward_mean", "step"} and metrics["step"] == 1
+    err = _one_line_error(_quarl("eval", str(tiny_run), "--n", "4", "--out", "x.json", check=False), "eval")
+    assert "--n, --out need --data" in err
 
 
 def test_eval_malformed_data_names_file_and_line(tiny_run, tmp_path):
@@ -106,6 +108,7 @@ def test_eval_cuts_off_a_hung_verifier(tiny_run, tmp_path, monkeypatch):
     res = json.loads(out.read_text())
     assert (tmp_path / "hung").exists() and res["sets"]["mini"]["reward_timeouts"] == 1
     assert "hang_once: 1 of 10 items timed out (> 1.0s)" in r.stderr  # cut off, scored 0, the rest scored
+    assert "verifier timeouts (scored 0)" in r.stdout
 
 
 def test_eval_a_model_directory_on_a_parquet_set(tiny_run, tmp_path):
