@@ -55,15 +55,19 @@ def run(args: argparse.Namespace) -> int:
         sampling = [f for f, v in (("--n", args.n != 1), ("--temperature", args.temperature is not None),
                                    ("--top-p", args.top_p != 1.0), ("--out", args.out)) if v]
         if sampling:
-            raise ValueError(f"{', '.join(sampling)} {'need' if len(sampling) > 1 else 'needs'} --data (the eval split is scored greedily, as JSON on stdout)")
+            verb = "need" if len(sampling) > 1 else "needs"
+            raise ValueError(
+                f"{', '.join(sampling)} {verb} --data (the eval split is scored greedily, as JSON on stdout)")
         if len(schemes) > 1:
             raise ValueError("several --scheme values need --data (the eval split reports one scheme)")
         return _with_config(args, schemes[0] if schemes else None, _evaluate_split)
+    from quarl.rollout import SamplingParams
     from quarl.tasks import read_examples
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
+    SamplingParams(n=args.n, temperature=temperature, top_p=args.top_p)  # bad values fail before a model loads
     settings = EvalSettings(args.n, temperature, args.top_p, args.seed)
     names = [Path(f).stem for f in args.data]
     if len(set(names)) != len(names):
