@@ -40,3 +40,8 @@ def raises_after_16_calls(completion: str, answer: str, meta: dict) -> float:
     if _calls > 16:
         raise KeyError("gold_answer")
     return 0.0
+
+
+def even_length(completion: str, answer: str, meta: dict) -> float:
+    """1.0 for a completion of even length: right about half the time, whatever the model."""
+    return 1.0 if len(completion) % 2 == 0 else 0.0
