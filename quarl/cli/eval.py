@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -41,15 +40,9 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, accepts_overrides=True)
 
 
-@dataclass(frozen=True)
-class EvalSettings:
-    n: int
-    temperature: float
-    top_p: float
-    seed: int
-
-
 def run(args: argparse.Namespace) -> int:
+    from quarl.trainer.eval_sets import EvalSettings, evaluate_sets
+
     schemes = [s.strip() for arg in args.scheme or [] for s in arg.split(",") if s.strip()]
     if not args.data:
         sampling = [f for f, v in (("--n", args.n != 1), ("--temperature", args.temperature is not None),
@@ -77,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     sets = {name: read_examples(f, probe.data.prompt_key, probe.data.answer_key) for name, f in zip(names, args.data)}
     results: dict[str, dict] = {}
     for scheme in schemes or [None]:
-        res = _with_config(args, scheme, lambda cfg, resume: _evaluate_sets(cfg, resume, sets, settings, args.quiet))
+        res = _with_config(args, scheme, lambda cfg, resume: evaluate_sets(cfg, resume, sets, settings, args.quiet))
         results[res["scheme"]] = res
     report = _report(results, args, settings)
     _print_table(results, settings.n)
@@ -150,66 +143,7 @@ def _evaluate_split(cfg, resume: bool) -> int:
     return 0
 
 
-def _evaluate_sets(cfg, resume: bool, sets: dict, settings: EvalSettings, quiet: bool) -> dict:
-    """One scheme: every set sampled, scored and summarised."""
-    from rich.console import Console
-
-    from quarl.evaluation import ProblemResult, summarize
-    from quarl.trainer.loop import Trainer
-    from quarl.trainer.progress import StepProgress
-
-    trainer = Trainer(cfg, resume=resume, evaluation_only=True)
-    scheme = trainer.engine.scheme.name
-    console = None if quiet else Console(stderr=True)
-    total = sum(len(exs) for exs in sets.values())
-    out: dict = {"scheme": scheme, "step": trainer.step, "reward_spec": trainer.task.reward_spec, "sets": {}}
-    done, everything = 0, []
-    try:
-        with StepProgress(total, 0, console, label=f"eval {scheme}", describe=lambda m: m["info"]) as bar:
-            for name, exs in sets.items():
-                problems, timeouts, errors = [], 0, 0
-                for start in range(0, len(exs), 16):
-                    chunk = exs[start:start + 16]
-                    correct, stats = score_problems(trainer, chunk, start, settings)
-                    problems += [ProblemResult(start + i, settings.n, c) for i, c in enumerate(correct)]
-                    timeouts += int(stats["reward/timeouts"])
-                    errors += int(stats["reward/errors"])
-                    done += len(chunk)
-                    bar.update(done, {"info": f"{name}: {len(problems)}/{len(exs)}"})
-                everything += problems
-                out["sets"][name] = {
-                    **summarize(problems, settings.n), "reward_timeouts": timeouts, "reward_errors": errors,
-                    "problems": [{"index": p.index, "n": p.n, "correct": p.correct} for p in problems],
-                }
-    finally:
-        trainer.rewards.close()
-    out["overall"] = summarize(everything, settings.n)
-    return out
-
-
-def score_problems(trainer, examples: list, first_index: int, settings: EvalSettings) -> tuple[list[int], dict]:
-    """Correct samples (reward >= 1) of each example, sampled with the trainer's engine."""
-    from quarl.evaluation import problem_seed
-    from quarl.rollout import SamplingParams
-
-    tok, r = trainer.tokenizer, trainer.cfg.rollout
-    prompts = [tok.apply_chat_template(trainer.task.messages(e))[-trainer.cfg.data.max_prompt_len:] for e in examples]
-    params = [
-        SamplingParams(n=settings.n, temperature=settings.temperature, top_p=settings.top_p,
-                       max_new_tokens=r.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
-                       seed=problem_seed(settings.seed, first_index + i))
-        for i in range(len(examples))
-    ]
-    comps = trainer.engine.generate(prompts, params)
-    texts = [tok.decode(c.token_ids) for c in comps]
-    rewards, stats = trainer.rewards.score(texts, [examples[c.prompt_index] for c in comps])
-    correct = [0] * len(examples)
-    for c, reward in zip(comps, rewards):
-        correct[c.prompt_index] += reward >= 1.0
-    return correct, stats
-
-
-def _report(results: dict[str, dict], args: argparse.Namespace, settings: EvalSettings) -> dict:
+def _report(results: dict[str, dict], args: argparse.Namespace, settings) -> dict:
     first = next(iter(results.values()))
     config = {
         "run_dir": args.run_dir, "model": args.model, "step": first["step"],
