@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+from typing import Callable
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,6 +26,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def median_cuda_time(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls, each between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def matmul_rate(device: torch.device) -> float | None:
     """The GPU's bf16 matrix rate in FLOP/s, measured on an 8192^3 product (median of 10 after
     warm-up; ~790 TFLOP/s on an H100 SXM, whose dense spec is 989): the denominator of
@@ -31,14 +47,5 @@ def matmul_rate(device: torch.device) -> float | None:
         return None
     n = 8192
     a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / sorted(times)[len(times) // 2]
+    a @ b
+    return 2 * n**3 / median_cuda_time(lambda: a @ b, 10)

@@ -75,14 +75,10 @@ def step_weight_bytes(model: Transformer) -> int:
     return total
 
 
-def matmul_params(cfg: TransformerConfig) -> int:
-    return cfg.matmul_params
-
-
 def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: int, gen_len: int,
            ceil: Ceilings) -> dict[str, float]:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    flops_per_token = 2 * matmul_params(cfg)
+    flops_per_token = 2 * cfg.matmul_params
     decode = []
     for k in range(1, gen_len):  # decode step k runs token prompt_len + k - 1, context prompt_len + k
         mem = (weight_bytes + batch * (prompt_len + k) * kv_per_token) / ceil.bandwidth

@@ -5,11 +5,12 @@ not L2, as in a real model's forward)."""
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from quarl.runtime import median_cuda_time
 
 
 @dataclass
@@ -17,19 +18,6 @@ class Ceilings:
     bandwidth: float  # bytes/s (read + write)
     bf16_flops: float
     fp8_flops: float
-
-
-def median_cuda_time(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls, each between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:

@@ -118,7 +118,6 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
-    from quarl.bench.rollout import matmul_params
 
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
@@ -128,7 +127,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     w = WORKLOADS[workload]
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
-    params = matmul_params(preset_config(w.shape))
+    params = preset_config(w.shape).matmul_params
     result: dict[str, Any] = {
         "benchmark": "train_step", "workload": workload, "workload_spec": w.__dict__ | {"extra": list(w.extra)},
         "device": torch.cuda.get_device_name(device),

@@ -111,6 +111,10 @@ class Learner:
         return _per_response_token(batch, token_budget, lambda mb: self.critic(mb.input_ids, mb.attention_mask))
 
     # ---- the update -----------------------------------------------------------------
+    def release_caches(self) -> None:
+        """Free the dequantized weights the model's quantized linears keep between forwards."""
+        drop_dequantized(self.model)
+
     def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
         """``ppo_epochs`` x ``mini_batches`` optimizer steps on ``batch`` (already on device).
 
@@ -135,7 +139,7 @@ class Learner:
                     if math.isfinite(v):
                         sums[k] = sums.get(k, 0.0) + v
                         counts[k] = counts.get(k, 0) + 1
-        drop_dequantized(self.model)  # stale after the optimizer step; not kept through the rollout
+        self.release_caches()  # stale after the optimizer step; not kept through the rollout
         out = {k: sums[k] / counts[k] for k in sums}
         out["train/skipped_updates"] = float(skipped)
         return out

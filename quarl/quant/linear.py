@@ -104,7 +104,7 @@ class _QATMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
         ctx.qw, ctx.repacked, ctx.has_bias, ctx.w_dtype = qw, repacked, bias is not None, weight.dtype
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.x_dtype = x.dtype
         fmt = qw.scheme.act_format
         if fmt == "none":
             ctx.save_for_backward(x)

@@ -47,11 +47,15 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def uses_fast_path(x: torch.Tensor) -> bool:
+    return _fast(x.device, x.dtype)
+
+
+def _fast(device: torch.device, dtype: torch.dtype) -> bool:
     if _backend == "reference" or not triton_available():
         return False
     if _backend == "triton":
         return True
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def quant_linear(
@@ -107,10 +111,9 @@ def gated_silu_quantized_input(
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """``qw``'s weight ``[N, K]`` in ``dtype``: the fast kernel for a CUDA weight in a 16-bit
-    dtype, the reference otherwise (the same values)."""
-    if qw.qdata.is_cuda and dtype in (torch.bfloat16, torch.float16) and _backend != "reference" \
-            and triton_available():
+    """``qw``'s weight ``[N, K]`` in ``dtype``: the Triton kernel where :func:`quant_linear` runs
+    its fast path, the reference otherwise (the same values)."""
+    if dtype in (torch.bfloat16, torch.float16) and _fast(qw.qdata.device, dtype):  # the kernel writes 16-bit
         from quarl.quant.kernels import weight_only
 
         return weight_only.dequantize(qw, dtype)

@@ -47,7 +47,6 @@ from quarl.config.typed import dump_yaml, to_dict
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.quant import QuantMode
-from quarl.quant.linear import drop_dequantized
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
@@ -171,7 +170,7 @@ class Trainer:
         ids = self.tokenizer.apply_chat_template(self.task.messages(ex))[-32:] + self.tokenizer.encode("12")
         batch = build_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], [0.0], torch.zeros(1)).to(self.device)
         ref = self.learner.logprobs(batch, 1 << 30)[0]
-        drop_dequantized(self.learner.model)
+        self.learner.release_caches()
         diff = self.engine.check_logprobs(ids, ref.cpu())
         # A stale or mis-published weight shows as a gap of order 1; quantization noise is far smaller.
         if self.cfg.quant.mode is not QuantMode.ROLLOUT and diff > 0.5:
