@@ -94,16 +94,30 @@ def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run_mode(name: str, overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
-    """One mode's steps (the metrics of each), without checkpoints or evaluation."""
+def run_mode(name: str, overrides: list[str], run_dir: Path, profile: bool = False) -> tuple[list[dict[str, Any]], str]:
+    """One mode's steps (the metrics of each), without checkpoints or evaluation, and with
+    ``profile`` the kernel table of the last step's learner stage (else "")."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
 
     cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
     trainer = Trainer(cfg)
-    rows = []
-    for _ in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
-        metrics = trainer.train_step()
+    rows, table = [], ""
+    for i in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
+        if profile and i == cfg.trainer.steps - 1:
+            update = trainer.update_policy
+            holder: dict[str, str] = {}
+
+            def profiled(batch, update=update, holder=holder):
+                result, holder["table"] = profile_call(lambda: update(batch), f"{name} learner")
+                return result
+
+            trainer.update_policy = profiled
+            metrics = trainer.train_step()
+            del trainer.update_policy
+            table = holder["table"]
+        else:
+            metrics = trainer.train_step()
         trainer.step += 1
         rows.append({"step": trainer.step, **metrics})
     trainer.rewards.close()
@@ -111,10 +125,38 @@ def run_mode(name: str, overrides: list[str], run_dir: Path) -> list[dict[str, A
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
+    return rows, table
 
 
-def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None) -> dict[str, Any]:
+def profile_call(fn, label: str, top: int = 30):
+    """``fn()`` under torch.profiler: its result and a table of its GPU kernels by total
+    time (ms, launches, name), headed by the wall time and the GPU's busy time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.name[:100], [0.0, 0])
+            k[0] += e.device_time
+            k[1] += 1
+    busy = sum(t for t, _ in kernels.values()) / 1e6
+    lines = [f"{label}: wall {wall:.3f} s under the profiler, GPU kernels {busy:.3f} s "
+             f"({busy / wall:.0%} busy), {sum(n for _, n in kernels.values())} launches"]
+    for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / busy:5.1f}% {n:6d}x  {kname}")
+    return result, "\n".join(lines)
+
+
+def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
+                  profile: bool = False) -> dict[str, Any]:
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
@@ -139,8 +181,12 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         model_dir = save_random_model(w.shape, Path(tmp) / "model")
         for mode in modes:
             overrides = workload_overrides(w, model_dir) + MODES[mode] + extra
-            rows = run_mode(mode, overrides, Path(tmp) / mode)
-            result["modes"][mode] = {"median": median_metrics(rows), "steps": rows, "overrides": overrides}
+            rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
+            timed = rows[:-1] if table else rows  # the profiled step runs slower
+            result["modes"][mode] = {"median": median_metrics(timed), "steps": rows, "overrides": overrides}
+            if table:
+                result["modes"][mode]["learner_profile"] = table.splitlines()
+                print(table, flush=True)
             print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
     base = result["modes"].get("bf16", {}).get("median", {})
     for mode, r in result["modes"].items():

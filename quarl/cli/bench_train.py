@@ -18,6 +18,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(m for m in MODES if m != "aligned-w8a8-int8"),
                    help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last step's learner stage of each mode: its GPU kernels by total time "
+                   "(that step is slower; leave it out of timing runs)")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("quarl bench train needs a CUDA GPU; run it on a GPU machine")
     extra = list(args.overrides) + ([f"--trainer.steps={args.steps}"] if args.steps else [])
     modes = [m for m in args.modes.split(",") if m]
-    result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None)
+    result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile)
     print(summary_table(result))
     if not args.out:
         print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))
