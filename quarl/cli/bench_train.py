@@ -20,7 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
     p.add_argument("--profile", action="store_true",
                    help="profile the last step's learner stage of each mode: its GPU kernels by total time "
-                   "(that step is slower; leave it out of timing runs)")
+                   "(that step is left out of the medians; the profiler also slows the CUDA graphs of the modes run after "
+                   "it, so take timings from a run without --profile)")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p

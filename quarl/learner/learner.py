@@ -22,7 +22,8 @@ from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.learner.batch import RolloutBatch, split_by_token_budget
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
-from quarl.model.transformer import Transformer, batch_attention
+from quarl.model.compiled_ops import COMPILED_OPS
+from quarl.model.transformer import TORCH_OPS, Transformer, batch_attention
 from quarl.quant.linear import drop_dequantized
 
 
@@ -74,8 +75,11 @@ class Learner:
         ref_model: Transformer | None = None,
         critic: Critic | None = None,
         fp32_master: bool = True,
+        compile_ops: bool = False,
     ) -> None:
         self.model = model
+        # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
+        self.ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
         self.ref_model = ref_model
         self.critic = critic
         low_precision = model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
@@ -102,7 +106,8 @@ class Learner:
         """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference)."""
         model = self.ref_model if ref else self.model
         return _per_response_token(
-            batch, token_budget, lambda mb: sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)[0]
+            batch, token_budget, lambda mb: sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
+                                         ops=self.ops)[0]
         )
 
     @torch.no_grad()
@@ -170,7 +175,7 @@ class Learner:
             token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
             weight = mb.num_response_tokens / total_tokens if token_mean else mb.size / total_rows
             logp, entropy = sequence_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True
+                self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True, ops=self.ops
             )
             mask = mb.response_mask
             old = mb.old_logp if mb.old_logp is not None else logp.detach()

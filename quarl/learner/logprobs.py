@@ -7,6 +7,12 @@ and the target logit of each token; the backward recomputes each chunk's logits 
 forms ``d logp / d logits = onehot(target) - softmax`` on the fly. Peak extra memory
 is one ``[chunk, V]`` block.
 
+For 16-bit weights on the GPU the logits stay in their own dtype (the GEMM's output,
+which the float32 formulation would only cast) and two Triton kernels
+(:mod:`quarl.learner.kernels`) do the vocabulary-wide math in float32 in one pass each;
+the backward's products with the LM head run on the tensor cores in 16 bit, like every
+other layer's backward.
+
 All log-probs are those of ``softmax(logits / temperature)``: the rollout engine
 reports the same quantity for the tokens it samples, so the two can be compared.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quarl.model.transformer import Transformer, batch_attention
+from quarl.model.transformer import TORCH_OPS, TorchOps, Transformer, batch_attention
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -33,6 +39,56 @@ def _chunk_stats(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, inv_t: flo
         p = torch.softmax(logits, dim=-1)
         ent = lse - (p * logits).sum(-1)
     return logp, ent
+
+
+def use_kernels(hidden: torch.Tensor) -> bool:
+    """The fused path: 16-bit hidden states on a CUDA device (Triton present)."""
+    from quarl.quant.kernels import triton_available
+
+    return hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and triton_available()
+
+
+class _FusedTokenLogprob(torch.autograd.Function):
+    """Chunked log-probs with 16-bit logits and the Triton kernels (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, chunk, want_entropy):  # type: ignore[override]
+        from quarl.learner.kernels import logit_stats
+
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if want_entropy else None
+        for s in range(0, n, chunk):
+            lp, ls, e = logit_stats(hidden[s : s + chunk] @ weight.t(), targets[s : s + chunk], inv_t, want_entropy)
+            logp[s : s + chunk], lse[s : s + chunk] = lp, ls
+            if want_entropy:
+                ent[s : s + chunk] = e
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        if want_entropy:
+            ctx.mark_non_differentiable(ent)
+            return logp, ent
+        return logp, torch.empty(0, device=hidden.device)
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):  # type: ignore[override]
+        from quarl.learner.kernels import logit_grad_
+
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_logp = grad_logp.float().contiguous()
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk]
+            d = logit_grad_(h @ weight.t(), targets[s : s + ctx.chunk], lse[s : s + ctx.chunk],
+                            grad_logp[s : s + ctx.chunk], ctx.inv_t)
+            if need_h:
+                grad_h[s : s + ctx.chunk] = d @ weight
+            if need_w:
+                grad_w += d.t() @ h
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
@@ -80,19 +136,23 @@ def token_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(hidden @ weight.T / temperature)[targets]`` in float32 (float64 for float64 input).
 
     hidden ``[..., H]``, weight ``[V, H]``, targets ``[...]`` (long) -> logp ``[...]`` and,
-    if asked, the entropy ``[...]`` of the same distribution (no gradient).
+    if asked, the entropy ``[...]`` of the same distribution (no gradient). ``fused``
+    picks the Triton path (default: :func:`use_kernels`); ``chunk_size`` rows of logits
+    are live at a time (default 4096 fused, 1024 otherwise).
     """
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
-    logp, ent = _ChunkedTokenLogprob.apply(
-        h, weight, targets.reshape(-1), 1.0 / temperature, chunk_size, with_entropy
-    )
+    fused = use_kernels(h) if fused is None else fused
+    fn = _FusedTokenLogprob if fused else _ChunkedTokenLogprob
+    chunk = chunk_size or (4096 if fused else 1024)
+    logp, ent = fn.apply(h, weight, targets.reshape(-1).contiguous(), 1.0 / temperature, chunk, with_entropy)
     return logp.view(shape), (ent.view(shape) if with_entropy else None)
 
 
@@ -102,15 +162,17 @@ def sequence_logprobs(
     attention_mask: torch.Tensor | None = None,
     seq_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
+    ops: TorchOps = TORCH_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token: ``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
 
     Returns ``[B, T-1]`` (float32). Padded and packed batches as in
     :meth:`Transformer.forward`; positions whose target is padding or belongs to the
-    next packed sequence hold meaningless values and must be masked by the caller.
+    next packed sequence hold meaningless values and must be masked by the caller. ``ops``
+    runs the forward's steps (the learner passes :class:`~quarl.model.compiled_ops.CompiledOps` on CUDA).
     """
     positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids)
-    hidden = model.hidden_states(input_ids, positions, attn)[:, :-1]
+    hidden = model.hidden_states(input_ids, positions, attn, ops)[:, :-1]
     return token_logprobs(hidden, model.lm_head_weight, input_ids[:, 1:], temperature, chunk_size, with_entropy)

@@ -104,6 +104,7 @@ class Trainer:
         self.learner = Learner(
             self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
             tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic, cfg.optim.fp32_master,
+            cfg.trainer.compile,
         )
         self.step = 0
         self.data_pos = 0

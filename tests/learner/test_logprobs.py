@@ -89,3 +89,67 @@ def test_right_padded_batch_takes_the_causal_path_exactly():
             full = torch.log_softmax(m(seq[None])[0], -1)
             ref = full[:-1].gather(-1, seq[1:, None]).squeeze(-1)
             torch.testing.assert_close(lp[i, : n - 1].double(), ref, rtol=1e-9, atol=1e-9)
+
+
+def _fused_case(n: int, v: int, hdim: int = 24, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, hdim, generator=gen) * 0.5).bfloat16().requires_grad_(True)
+    w = (torch.randn(v, hdim, generator=gen) * 0.5).bfloat16().requires_grad_(True)
+    tgt = torch.randint(0, v, (n,), generator=gen)
+    g = torch.randn(n, generator=gen)
+    return h, w, tgt, g
+
+
+def test_fused_logprobs_match_float64_math_on_the_bf16_logits():
+    """The Triton path (interpreter on CPU): the 16-bit logits' float64 log-softmax, target
+    log-prob and entropy to float32 accuracy, over several vocabulary blocks and a partial chunk."""
+    for v, temp in ((5000, 1.0), (29, 0.6)):
+        h, w, tgt, _ = _fused_case(37, v)
+        lp, ent = token_logprobs(h, w, tgt, temperature=temp, chunk_size=16, with_entropy=True, fused=True)
+        assert lp.dtype == ent.dtype == torch.float32
+        x = (h @ w.t()).double() / temp  # the GEMM's bf16 output, then float math
+        full = torch.log_softmax(x, -1)
+        torch.testing.assert_close(lp.double(), full.gather(-1, tgt[:, None]).squeeze(-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.double(), -(full.exp() * full).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_logit_grad_is_the_softmax_gradient_rounded_once():
+    from quarl.learner.kernels import logit_grad_, logit_stats
+
+    for v, temp in ((5000, 1.0), (29, 0.6)):
+        h, w, tgt, g = _fused_case(37, v, seed=2)
+        logits = (h @ w.t()).detach()
+        _, lse, _ = logit_stats(logits, tgt, 1 / temp, False)
+        x = logits.double() / temp
+        d = (torch.nn.functional.one_hot(tgt, v).double() - torch.softmax(x, -1)) * g[:, None].double() / temp
+        out = logit_grad_(logits.clone(), tgt, lse, g, 1 / temp)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), d.bfloat16().double(), rtol=2 ** -7, atol=1e-12)
+
+
+def test_fused_logprob_gradients_chain_through_the_lm_head():
+    """The backward is the kernel's gradient times the LM head, chunk by chunk (bf16 GEMMs,
+    float32 sum over chunks): equal to those steps done by hand, and within bf16 accuracy
+    of the float64 gradient."""
+    from quarl.learner.kernels import logit_grad_, logit_stats
+
+    for v, temp in ((5000, 1.0), (29, 0.6)):
+        h, w, tgt, g = _fused_case(37, v, seed=1)
+        lp, _ = token_logprobs(h, w, tgt, temperature=temp, chunk_size=16, fused=True)
+        gh, gw = torch.autograd.grad((lp * g).sum(), (h, w))
+        assert gh.dtype == gw.dtype == torch.bfloat16
+        hand_h, hand_w = [], torch.zeros(v, 24)
+        with torch.no_grad():
+            for s in range(0, 37, 16):
+                hc, tc = h[s:s + 16], tgt[s:s + 16]
+                _, lse, _ = logit_stats(hc @ w.t(), tc, 1 / temp, False)
+                d = logit_grad_(hc @ w.t(), tc, lse, g[s:s + 16], 1 / temp)
+                hand_h.append(d @ w)
+                hand_w += d.t() @ hc
+        torch.testing.assert_close(gh, torch.cat(hand_h), rtol=0, atol=0)
+        torch.testing.assert_close(gw, hand_w.bfloat16(), rtol=0, atol=0)
+        hd, wd = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        ref = torch.log_softmax((hd @ wd.t()) / temp, -1).gather(-1, tgt[:, None]).squeeze(-1)
+        rh, rw = torch.autograd.grad((ref * g.double()).sum(), (hd, wd))
+        assert (gh.double() - rh).norm() <= 2e-2 * rh.norm()
+        assert (gw.double() - rw).norm() <= 2e-2 * rw.norm()

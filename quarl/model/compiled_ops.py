@@ -1,0 +1,73 @@
+"""The learner's forward with its elementwise steps compiled (CUDA).
+
+Eagerly, every RMSNorm, rotary embedding and SwiGLU of a training forward is a chain of
+small float32 and bf16 kernels (cast, square, mean, rsqrt, multiply, cat, ...), forward
+and backward. :class:`CompiledOps` runs the same steps, written as the model writes
+them, through ``torch.compile`` so that each becomes one or two fused kernels with the
+backward derived by AOTAutograd. The linears and attention stay outside the compiled
+regions (the quantized linears have their own autograd functions). Casts are emulated
+as eager rounds them, so the values stay those of :class:`~quarl.model.transformer.TorchOps`
+up to the order of float32 sums.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quarl.model.transformer import MLP, Attention, AttnFn, TorchOps, apply_rotary, rms_norm
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    stream = residual + x
+    return rms_norm(stream, weight, eps), stream
+
+
+def _qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rotary(rms_norm(q, qw, eps), cos, sin), apply_rotary(rms_norm(k, kw, eps), cos, sin)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+
+
+class CompiledOps(TorchOps):
+    """:class:`TorchOps` with RMSNorm (+ residual add), q/k norm + rotary and SwiGLU compiled."""
+
+    def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
+        if residual is None:
+            return _compiled(rms_norm)(x, norm.weight, norm.eps), x
+        return _compiled(_add_rms_norm)(x, residual, norm.weight, norm.eps)
+
+    def attention(self, module: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttnFn) -> torch.Tensor:
+        b, t, _ = h.shape
+        q = module.q_proj(h).view(b, t, module.n_heads, module.head_dim)
+        k = module.k_proj(h).view(b, t, module.n_kv, module.head_dim)
+        v = module.v_proj(h).view(b, t, module.n_kv, module.head_dim)
+        if module.q_norm is not None:
+            q, k = _compiled(_qk_norm_rope)(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.eps,
+                                            cos, sin)
+        else:
+            q, k = _compiled(_qk_rope)(q, k, cos, sin)
+        out = attn(module.layer_idx, q, k, v)
+        return module.o_proj(out.reshape(b, t, -1))
+
+    def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
+        return module.down_proj(_compiled(_swiglu)(module.gate_proj(h), module.up_proj(h)))
+
+
+COMPILED_OPS = CompiledOps()
