@@ -30,24 +30,29 @@ def test_fused_lm_head_logprobs_match_float32_formulation():
         assert (gw.float() - gw0.float()).norm() <= 1e-2 * gw0.float().norm()
 
 
-def test_compiled_forward_matches_eager_on_a_bf16_model():
+def test_compiled_forward_is_as_accurate_as_eager_on_a_bf16_model():
+    """Against the same weights in float32, the compiled bf16 forward's log-probs and
+    gradients are as close as the eager bf16 forward's (the two round at the same steps)."""
+    import copy
+
     torch.manual_seed(0)
     model = build_random_model("100m", dtype=torch.bfloat16).to(DEV)
+    ref_model = copy.deepcopy(model).float()
     ids = torch.randint(0, model.config.vocab_size, (4, 300), device=DEV)
     mask = torch.ones_like(ids)
     mask[1, 250:] = 0
-    g = torch.randn(4, 299, device=DEV)
+    g = torch.randn(4, 299, device=DEV) * mask[:, 1:]
     out = []
-    for ops in (None, COMPILED_OPS):
-        model.zero_grad()
-        kw = {} if ops is None else {"ops": ops}
-        lp, _ = sequence_logprobs(model, ids, mask, **kw)
-        (lp * g * mask[:, 1:]).sum().backward()
-        out.append((lp.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
-    (lp0, g0), (lp1, g1) = out
+    for m, kw in ((ref_model, {}), (model, {}), (model, {"ops": COMPILED_OPS})):
+        m.zero_grad()
+        lp, _ = sequence_logprobs(m, ids, mask, **kw)
+        (lp * g).sum().backward()
+        out.append((lp.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}))
+    (lp_ref, g_ref), (lp0, g0), (lp1, g1) = out
     real = mask[:, 1:].bool()
-    # bf16 model: fused kernels may round a few intermediate values differently
-    assert (lp1 - lp0)[real].abs().max() < 0.05
-    assert (lp1 - lp0)[real].abs().mean() < 2e-3
-    for n in g0:
-        assert (g1[n] - g0[n]).norm() <= 5e-2 * g0[n].norm() + 1e-6, n
+    err0, err1 = (lp0 - lp_ref)[real].abs().mean(), (lp1 - lp_ref)[real].abs().mean()
+    assert err1 <= 1.5 * err0 + 1e-5, (float(err0), float(err1))
+    assert g0.keys() == g1.keys() == g_ref.keys()
+    for n in g_ref:
+        e0, e1 = (g0[n] - g_ref[n]).norm(), (g1[n] - g_ref[n]).norm()
+        assert e1 <= 1.5 * e0 + 1e-3 * g_ref[n].norm(), (n, float(e0), float(e1), float(g_ref[n].norm()))
