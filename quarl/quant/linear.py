@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from quarl.quant import ops
-from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
@@ -128,7 +127,7 @@ class _QATMatmul(torch.autograd.Function):
                 x_seen = x.reshape(-1, x.shape[-1])
             else:
                 xq, sx = ctx.saved_tensors
-                x_seen = ref.dequantize_activations(xq, sx, ctx.x_dtype)
+                x_seen = ops.dequantize_activations(xq, sx, ctx.x_dtype)
             grad_w = (gy.T @ x_seen.to(gy.dtype)).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.sum(0)

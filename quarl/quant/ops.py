@@ -79,6 +79,17 @@ def _fast_quantized_input(xq: torch.Tensor) -> bool:
     return _backend != "reference" and triton_available() and (_backend == "triton" or xq.is_cuda)
 
 
+def dequantize_activations(xq: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token codes ``xq [M, K]`` times scales ``sx [M]`` in ``dtype``: one Triton pass
+    where the quantized-input GEMM runs its kernels and ``dtype`` is 16-bit, the reference
+    otherwise (the same values)."""
+    if dtype in (torch.bfloat16, torch.float16) and _fast_quantized_input(xq) and xq.is_contiguous():
+        from quarl.quant.kernels.act_quant import act_dequant
+
+        return act_dequant(xq, sx, dtype)
+    return ref.dequantize_activations(xq, sx, dtype)
+
+
 def quant_linear_quantized_input(
     xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:

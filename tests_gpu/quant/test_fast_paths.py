@@ -72,6 +72,18 @@ def test_act_quant_codes_equal_reference(act, dtype):
         pytest.fail(f"{int(bad.sum())} codes differ; x/s={v} kernel={q.float()[bad][:8].tolist()} torch={q_ref.float()[bad][:8].tolist()}")
 
 
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+def test_act_dequant_equals_reference(act):
+    """The learner's grad_W input: codes x per-token scales, rounded once to bf16 on the GPU
+    (hardware round-to-nearest-even), bit for bit the reference."""
+    from quarl.quant import ops
+
+    x = torch.randn(300, 5000, device="cuda") * torch.logspace(-4, 3, 300, device="cuda")[:, None]
+    q, s = ref.quantize_activations(x, act)
+    out = ops.dequantize_activations(q, s, torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), ref.dequantize_activations(q, s, torch.bfloat16).view(torch.int16))
+
+
 def test_e4m3_hardware_conversion_equals_torch_cast():
     """The GPU quantizers' e4m3 codes come from the hardware conversion: bit for bit torch's
     clamp + cast on every e4m3 value, midpoint, subnormal, saturation, inf and NaN."""

@@ -54,6 +54,22 @@ def act_quant(x: torch.Tensor, act_format: str, cfg: tuple[int, int] | None = No
     return q, s
 
 
+def act_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(q [M, K] int8 / e4m3 codes) * (s [M] fp32)`` rounded to ``dtype``, in one pass
+    (the values of ``reference.dequantize_activations``)."""
+    m, k = q.shape
+    # The interpreter's float -> bf16 cast truncates: there it writes fp32 and torch rounds.
+    out = torch.empty(m, k, dtype=torch.float32 if interpreting(q) else dtype, device=q.device)
+    if m:
+        fp8 = q.dtype == torch.float8_e4m3fn
+        block = min(next_pow2(k), 64 if interpreting(q) else 1024)
+        tk.act_dequant_kernel[(m, cdiv(k, block))](
+            q.view(torch.uint8) if fp8 else q, s, out, k, q.stride(0), out.stride(0), IS_FP8=fp8, BLOCK=block,
+            num_warps=4,
+        )
+    return out.to(dtype)
+
+
 def act_quant_from_partials(y: torch.Tensor, amax: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``act_quant(y)`` when the kernel that wrote ``y [M, K]`` also wrote its row maxima
     as partials ``amax [M, P]``: one parallel pass over y (no per-row reduction over K)."""

@@ -162,6 +162,21 @@ def act_quant_kernel(
 
 
 @triton.jit
+def act_dequant_kernel(q_ptr, s_ptr, out_ptr, K, stride_qm, stride_om, IS_FP8: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = codes * scale`` per token, in fp32, rounded once to out's dtype (e4m3 read as bytes)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    msk = cols < K
+    if IS_FP8:
+        b = tl.load(q_ptr + row * stride_qm + cols, mask=msk, other=0).to(tl.int32)
+        v = _e4m3_value(b & 0x7F) * (1.0 - 2.0 * ((b >> 7) & 1).to(tl.float32))
+    else:
+        v = tl.load(q_ptr + row * stride_qm + cols, mask=msk, other=0).to(tl.float32)
+    s = tl.load(s_ptr + row)
+    tl.store(out_ptr + row * stride_om + cols, (v * s).to(out_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
 def _dense_parts(offs_m, offs_n, M, N):
     """Partials layout ``part [n_split, M, N]``: (offsets of a tile's elements inside one
     split's slab, the slab size), for :func:`_store_tile`."""
