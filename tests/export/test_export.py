@@ -31,16 +31,16 @@ def _original(builtin: str = "tiny") -> torch.nn.Module:
 
 
 def _make_run(run_dir: Path, model, mode: str = "aligned", scheme: str = "w4a16", uaq: float = 1.0,
-              step: int = 3, builtin: str = "tiny") -> Path:
+              step: int = 3, builtin: str = "tiny", exclude: tuple[str, ...] = ()) -> Path:
     """A checkpoint laid out as the trainer writes it: UAQ applied, QATLinear in aligned mode."""
     policy = copy.deepcopy(model)
     if uaq != 1.0:
         apply_uaq(policy, uaq)
     if mode == "aligned":
-        quantize_model(policy, scheme, QATLinear)
+        quantize_model(policy, scheme, QATLinear, exclude=exclude)
     config = {
         "model": {"path": None, "builtin": builtin, "tokenizer": None},
-        "quant": {"mode": mode, "scheme": scheme, "uaq_scale": uaq, "include": ["layers.*"], "exclude": []},
+        "quant": {"mode": mode, "scheme": scheme, "uaq_scale": uaq, "include": ["layers.*"], "exclude": list(exclude)},
         "algo": {"loss": "tbpo"},
     }
     state = {"step": step, "learner": {"model": policy.state_dict(), "optimizer": {}}, "config": config}
