@@ -80,8 +80,7 @@ from quarl.quant.uaq import ATTN_INPUTS, MLP_INPUTS
 
 REST_DTYPE = torch.bfloat16
 INSTALL = "pip install compressed-tensors"
-# Formats the library must infer for each kind of scheme; anything else is refused.
-_SERVED_INT_BITS = (4, 8)
+_SERVED_INT_BITS = (4, 8)  # integer weight widths vLLM's compressed-tensors kernels take
 _E4M3_FINITE = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # positive e4m3 values
 _E2M1_NONZERO = torch.tensor(ref.E2M1_GRID[1:], dtype=torch.float32)
 
@@ -103,7 +102,7 @@ def _hf_name(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- scheme
-def quantization_scheme(scheme: QuantScheme, targets: list[str] | None = None):
+def quantization_scheme(scheme: QuantScheme):
     """The ``compressed_tensors`` ``QuantizationScheme`` that stores ``scheme``'s codes
     exactly, its ``format`` inferred by the library; ValueError for schemes it cannot hold."""
     _library()
@@ -137,12 +136,12 @@ def quantization_scheme(scheme: QuantScheme, targets: list[str] | None = None):
     if scheme.quantizes_activations:
         acts = QuantizationArgs(num_bits=8, type="int" if scheme.act_format == "int8" else "float",
                                 strategy="token", symmetric=True, dynamic=True)
-    ct = QuantizationScheme(targets=targets or ["Linear"], weights=weights, input_activations=acts)
-    ct.format = infer_module_format(nn.Linear, ct)
+    ct = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+    ct.format = infer_module_format(nn.Linear, ct).value
     expected = _expected_format(scheme)
-    if ct.format.value != expected:
+    if ct.format != expected:
         raise ValueError(f"scheme {scheme.name}: compressed-tensors {_library().__version__} stores it as "
-                         f"{ct.format.value}, not {expected}; this quarl cannot export it exactly")
+                         f"{ct.format}, not {expected}; this quarl cannot export it exactly")
     return ct
 
 
@@ -230,8 +229,7 @@ def compress_weight(qw: QuantizedWeight, ct_scheme) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    scheme, (n, k) = qw.scheme, qw.shape
-    fmt = ct_scheme.format.value if hasattr(ct_scheme.format, "value") else ct_scheme.format
+    scheme, (n, k), fmt = qw.scheme, qw.shape, ct_scheme.format
     g = scheme.group_size or k
     if k % g:
         raise ValueError(f"in_features {k} is not a multiple of {scheme.name}'s group size {g}: compressed-tensors "
@@ -240,12 +238,10 @@ def compress_weight(qw: QuantizedWeight, ct_scheme) -> dict[str, torch.Tensor]:
     codes = qw.codes()  # [N, K]: unsigned ints, int8, or the raw bits of fp8 / e2m1
     out: dict[str, torch.Tensor] = {}
     if scheme.weight_format == "fp4":
-        out["weight_packed"] = pack_fp4_to_uint8(ref.e2m1_to_float(codes))
+        out["weight_packed"] = pack_fp4_to_uint8(ref.e2m1_to_float(codes))  # keeps the sign of -0 codes
+        out["weight_scale"] = qw.scales[:, :groups].contiguous()  # e4m3 (nvfp4) or e8m0 bytes (mxfp4)
         if scheme.scale_format == "e4m3":
-            out["weight_scale"] = qw.scales[:, :groups].contiguous()
             out["weight_global_scale"] = nvfp4_global_scale(qw.global_scale)
-        else:
-            out["weight_scale"] = qw.scales[:, :groups].contiguous()
     elif not scheme.packed:  # int8 / fp8 per output channel
         out["weight"] = qw.qdata.contiguous()
         out["weight_scale"] = qw.scales[:, None].contiguous()
@@ -274,8 +270,7 @@ def decompress_weight(tensors: dict[str, torch.Tensor], ct_scheme) -> torch.Tens
     _library()
     from compressed_tensors.compressors import BaseCompressor
 
-    fmt = ct_scheme.format.value if hasattr(ct_scheme.format, "value") else ct_scheme.format
-    return BaseCompressor.get_value_from_registry(fmt).decompress(dict(tensors), ct_scheme)["weight"]
+    return BaseCompressor.get_value_from_registry(ct_scheme.format).decompress(dict(tensors), ct_scheme)["weight"]
 
 
 def expected_decompressed(qw: QuantizedWeight) -> torch.Tensor:
@@ -285,14 +280,9 @@ def expected_decompressed(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype:
-        a = a.float() if a.element_size() < b.element_size() else a
-        b = b.float() if b.element_size() < a.element_size() else b
-        if a.dtype != b.dtype:
-            return False
-    ints = {2: torch.int16, 4: torch.int32}
-    return a.shape == b.shape and torch.equal(a.contiguous().view(ints[a.element_size()]),
-                                              b.contiguous().view(ints[b.element_size()]))
+    """Equal bit for bit once widened to fp32 (exact from bf16; -0.0 differs from 0.0)."""
+    return a.shape == b.shape and torch.equal(a.float().contiguous().view(torch.int32),
+                                              b.float().contiguous().view(torch.int32))
 
 
 # ---------------------------------------------------------------------------- export

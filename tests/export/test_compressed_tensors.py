@@ -319,3 +319,87 @@ def test_missing_library_names_the_install_command(tmp_path, monkeypatch):
         export_checkpoint(run, tmp_path / "ct", "compressed-tensors")
     export_checkpoint(run, tmp_path / "hf", "hf-bf16")  # the other formats need no library
     export_checkpoint(run, tmp_path / "packed", "quarl-packed")
+
+
+def test_cli_exports_a_hf_run_with_tokenizer_chat_template_and_metadata(tmp_path, capsys):
+    """A run from a local Qwen2 checkpoint (q/k/v biases, untied LM head) with an HF tokenizer
+    and chat template, trained aligned in w4a16 with UAQ: both exports carry the tokenizer
+    files, the chat template, the training config and the scheme."""
+    import transformers as tf
+
+    import quarl
+    from quarl.cli.main import main
+    from quarl.trainer.checkpoint import save_checkpoint
+    from tests.trainer.test_train_hf_file import _tokenizer
+
+    model_dir = tmp_path / "model"
+    tok = _tokenizer(model_dir)
+    hf_cfg = tf.Qwen2Config(vocab_size=len(tok) + 6, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                            use_sliding_window=False, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    tf.Qwen2ForCausalLM(hf_cfg).save_pretrained(str(model_dir))
+    original = quarl.load_model(model_dir)
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    policy = _trained(original, "w4a16", 1.5)
+    config = {"model": {"path": str(model_dir), "builtin": None, "tokenizer": None},
+              "quant": {"mode": "aligned", "scheme": "w4a16", "uaq_scale": 1.5, "include": ["layers.*"], "exclude": []},
+              "algo": {"loss": "tbpo"}}
+    save_checkpoint(tmp_path / "run", 7, {"step": 7, "learner": {"model": policy.state_dict(), "optimizer": {}},
+                                          "config": config})
+    for fmt in ("compressed-tensors", "hf-bf16"):
+        assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+        assert "tokenizer files: tokenizer.json, tokenizer_config.json, chat_template.jinja" in capsys.readouterr().out
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            assert (tmp_path / fmt / name).read_bytes() == (model_dir / name).read_bytes()
+        meta = json.loads((tmp_path / fmt / "quarl_export.json").read_text())
+        assert meta["run_config"] == config and meta["step"] == 7 and meta["format"] == fmt
+        assert meta["trained_with"] == {"mode": "aligned", "scheme": "w4a16", "uaq_scale": 1.5}
+        with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+            assert json.loads(f.metadata()["quarl_export"]) == meta
+        exported_tok = tf.AutoTokenizer.from_pretrained(str(tmp_path / fmt))
+        chat = [{"role": "user", "content": "What is 2 plus 3?"}]
+        assert exported_tok.apply_chat_template(chat, add_generation_prompt=True) == \
+            tok.apply_chat_template(chat, add_generation_prompt=True)
+    ct_meta = json.loads((tmp_path / "compressed-tensors" / "quarl_export.json").read_text())
+    assert (ct_meta["scheme"], ct_meta["scheme_fields"]["group_size"], ct_meta["uaq"]) == ("w4a16", 128, "folded")
+    hf_meta = json.loads((tmp_path / "hf-bf16" / "quarl_export.json").read_text())
+    assert (hf_meta["scheme"], hf_meta["uaq"]) == (None, "removed")
+
+    qc = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"]
+    hf = _load_hf(tmp_path / "compressed-tensors", dequantize=False)
+    engine = _engine(original, "w4a16", 1.5)
+    with torch.no_grad():
+        got, want = hf(IDS % len(tok)).logits, engine(IDS % len(tok))
+    assert ((got - want).norm() / want.norm()).item() < LOGIT_TOL["w4a16"]
+    assert torch.equal(hf.model.layers[1].self_attn.k_proj.bias, engine.layers[1].self_attn.k_proj.bias)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from quarl.cli.main import main
+
+    run, _ = _run(tmp_path, "w4a16", mode="bf16")
+    args = ["export", str(run), "--out", str(tmp_path / "ct"), "--format", "compressed-tensors"]
+    assert main(args) == 2
+    assert "quant.mode=bf16" in capsys.readouterr().err
+    assert main([*args, "--scheme", "w2a16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quarl export: error: scheme w2a16:") and "Traceback" not in err
+    assert main([*args, "--scheme", "w8a8-fp8"]) == 0
+    assert json.loads((tmp_path / "ct" / "quarl_export.json").read_text())["scheme"] == "w8a8-fp8"
+
+
+def test_an_export_that_would_decompress_differently_is_not_written(tmp_path, monkeypatch):
+    import quarl.export.compressed as compressed
+
+    run, _ = _run(tmp_path, "nvfp4")
+    exact = compressed.nvfp4_global_scale
+    monkeypatch.setattr(compressed, "nvfp4_global_scale", lambda t: exact(t) * (1 + 2**-8))
+    with pytest.raises(RuntimeError, match="layers.0.self_attn.q_proj: compressed-tensors decompresses the export "
+                                           "to other weights"):
+        export_checkpoint(run, tmp_path / "ct", "compressed-tensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-nvfp4"]
