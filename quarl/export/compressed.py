@@ -90,6 +90,8 @@ def _library():
     try:
         import compressed_tensors
     except ImportError as e:
+        if e.name and e.name.split(".")[0] != "compressed_tensors":
+            raise  # a dependency of the library is missing: the CLI names its install command
         raise ValueError(
             f"--format compressed-tensors needs the Python package compressed-tensors, which is not installed: "
             f"{INSTALL} (or pip install -e \".[train]\")"

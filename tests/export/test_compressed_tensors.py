@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,6 @@ from quarl.quant import (
     QATLinear, QuantizedWeight, QuantLinear, apply_uaq, get_scheme, quantize_model, quantize_weight,
 )
 from tests.export.test_export import _make_run, _original
-
-pytest.importorskip("compressed_tensors")
 
 EXPORTED = ("w4a16", "w4a16-asym", "w4a8-int8", "w8a8-int8", "w8a8-fp8", "nvfp4", "mxfp4")
 # the library's own preset for each scheme, and the format it stores it in
@@ -186,7 +185,10 @@ def _load_hf(out: Path, dequantize: bool):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     kwargs = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize else {}
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+    with warnings.catch_warnings():  # "the quantization_config from the model will be used": as meant
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+                                                    **kwargs).eval()
 
 
 # Relative logit error of transformers against quarl's forward, and why it is not 0 (the weights
@@ -312,11 +314,17 @@ def test_k_not_a_multiple_of_the_group_is_refused(tmp_path):
     export_checkpoint(run, tmp_path / "ct", "compressed-tensors", scheme="nvfp4")  # groups of 16 fit
 
 
-def test_missing_library_names_the_install_command(tmp_path, monkeypatch):
+def test_missing_library_names_the_install_command(tmp_path, monkeypatch, capsys):
+    from quarl.cli.main import main
+
     run, _ = _run(tmp_path, "w4a16")
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)
     with pytest.raises(ValueError, match="pip install compressed-tensors"):
         export_checkpoint(run, tmp_path / "ct", "compressed-tensors")
+    assert main(["export", str(run), "--out", str(tmp_path / "ct"), "--format", "compressed-tensors"]) == 2
+    assert capsys.readouterr().err.startswith("quarl export: error: --format compressed-tensors needs the Python "
+                                              "package compressed-tensors, which is not installed: "
+                                              "pip install compressed-tensors")
     export_checkpoint(run, tmp_path / "hf", "hf-bf16")  # the other formats need no library
     export_checkpoint(run, tmp_path / "packed", "quarl-packed")
 
