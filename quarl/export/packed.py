@@ -51,11 +51,11 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme_obj: QuantScheme, metadata: dict[str, Any]) -> list[str]:
+def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, metadata: dict[str, Any]) -> list[str]:
     """Write ``ckpt``'s policy as a quarl-packed directory; returns the quantized module names."""
     quant = ckpt.section("quant")
     model = build_policy(ckpt, dtype=None)  # the learner's own dtype: the codes the engine got
-    modules = quantize_model(model, scheme_obj, QuantLinear, include=quant.get("include") or None,
+    modules = quantize_model(model, scheme, QuantLinear, include=quant.get("include") or None,
                              exclude=quant.get("exclude") or ())
     if not modules:
         raise ValueError(f"quant.include={quant.get('include')} / exclude={quant.get('exclude')} select no linear")
@@ -75,8 +75,8 @@ def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme_obj: QuantScheme, me
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
-        "scheme": scheme_obj.name,
-        "scheme_fields": dataclasses.asdict(scheme_obj),
+        "scheme": scheme.name,
+        "scheme_fields": dataclasses.asdict(scheme),
         "modules": modules,
         "uaq_scale": ckpt.uaq_scale,
         "dtype": _DTYPE_NAMES[REST_DTYPE],
