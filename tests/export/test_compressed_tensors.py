@@ -71,6 +71,30 @@ def _unscaled(qw: QuantizedWeight, s: float) -> QuantizedWeight:
     return QuantizedWeight(qw.scheme, qw.shape, **t)
 
 
+def _stored_codes(tensors: dict[str, torch.Tensor], scheme: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """quarl-style codes ``[N, K]`` (and zero points) read back from one module's stored tensors."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    sch = get_scheme(scheme)
+    if sch.weight_format == "fp4":
+        packed = tensors["weight_packed"]
+        return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(1), None
+    if sch.weight_format == "fp8":
+        return tensors["weight"].view(torch.uint8), None
+    if not sch.packed:
+        return tensors["weight"], None
+    if "weight_packed" not in tensors:  # int4 one per int8
+        return (tensors["weight"].to(torch.int16) + 8).to(torch.uint8), None
+    shape = torch.Size(tensors["weight_shape"].tolist())
+    codes = (unpack_from_int32(tensors["weight_packed"], 4, shape).to(torch.int16) + 8).to(torch.uint8)
+    zeros = None
+    if "weight_zero_point" in tensors:
+        zp_shape = torch.Size([shape[0], tensors["weight_scale"].shape[1]])
+        zp = unpack_from_int32(tensors["weight_zero_point"], 4, zp_shape, packed_dim=0)
+        zeros = (zp.to(torch.int16) + 8).to(torch.uint8)
+    return codes, zeros
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -109,7 +133,15 @@ def test_library_decompresses_to_the_trained_codes(tmp_path, scheme, uaq):
         if not isinstance(mod, QATLinear):
             continue
         fed_by_a_norm = name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-        qw = _unscaled(mod.quantized_weight(), uaq if fed_by_a_norm else 1.0)  # trained codes, UAQ folded
+        trained_qw = mod.quantized_weight()
+        codes, zeros = _stored_codes(stored[f"model.{name}"], scheme)
+        assert torch.equal(codes, trained_qw.codes()), name  # the integers training saw
+        if zeros is not None:
+            assert torch.equal(zeros, trained_qw.zeros), name
+        if scheme in ("nvfp4", "mxfp4"):  # the e4m3 / e8m0 group scales are codes too
+            assert torch.equal(stored[f"model.{name}"]["weight_scale"].view(torch.uint8),
+                               trained_qw.scales.view(torch.uint8)), name
+        qw = _unscaled(trained_qw, uaq if fed_by_a_norm else 1.0)  # trained codes, UAQ folded into the scales
         got = decompress_weight(stored[f"model.{name}"], ct_scheme)
         if scheme == "nvfp4":  # the library decompresses nvfp4 to bf16: quarl's weights rounded once
             assert got.dtype == torch.bfloat16
