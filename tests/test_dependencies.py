@@ -15,7 +15,7 @@ from quarl.cli.main import OPTIONAL
 
 ROOT = Path(__file__).resolve().parents[1]
 # Import name -> distribution, where they differ.
-DIST = {"yaml": "pyyaml", "math_verify": "math-verify"}
+DIST = {"yaml": "pyyaml", "math_verify": "math-verify", "compressed_tensors": "compressed-tensors"}
 CORE = {"torch", "triton", "numpy", "yaml", "safetensors", "tokenizers"}
 OPT_IN = {"wandb"}  # trainer.wandb_project: its own extra, an account, and its own "pip install wandb" error
 

@@ -1,4 +1,4 @@
-"""``quarl export``: a training checkpoint's policy as a HF or quarl-packed checkpoint dir."""
+"""``quarl export``: a training checkpoint's policy as a HF, quarl-packed or compressed-tensors checkpoint dir."""
 
 from __future__ import annotations
 
@@ -10,17 +10,20 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser(
         "export",
-        help="export a checkpoint's policy (HF bf16/fp32, or the engine's packed low-bit weights)",
+        help="export a checkpoint's policy (HF bf16/fp32, or the engine's low-bit weights)",
         description="Export the policy of a run's latest checkpoint (or --step N, or a checkpoint dir). "
         "hf-bf16/hf-fp32 write a plain HF model (UAQ undone); quarl-packed writes the low-bit "
-        "tensors of quant.scheme that the rollout engine ran on (load with quarl.export.load_packed).",
+        "tensors of quant.scheme that the rollout engine ran on (load with quarl.export.load_packed); "
+        "compressed-tensors writes the same codes in the format vLLM and transformers load "
+        "(needs pip install compressed-tensors).",
     )
     p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT", help="run directory or checkpoints/step_NNNNNN")
     p.add_argument("--out", required=True, help="output directory (new or empty; see --force)")
     p.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     p.add_argument("--format", default="hf-bf16", choices=FORMATS)
     p.add_argument("--step", type=int, help="export this step's checkpoint instead of the latest")
-    p.add_argument("--scheme", help="quarl-packed: quantize with this scheme instead of the run's quant.scheme")
+    p.add_argument("--scheme", help="quarl-packed / compressed-tensors: quantize with this scheme instead of the "
+                   "run's quant.scheme")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     p.set_defaults(run=run)
 

@@ -11,7 +11,7 @@ COMMANDS = ("train", "eval", "generate", "bench", "export", "report")
 # Import name -> package of the optional dependencies in the "train" extra (pyproject.toml).
 OPTIONAL = {
     "transformers": "transformers", "rich": "rich", "tensorboard": "tensorboard", "math_verify": "math-verify",
-    "matplotlib": "matplotlib", "pyarrow": "pyarrow",
+    "matplotlib": "matplotlib", "pyarrow": "pyarrow", "compressed_tensors": "compressed-tensors",
 }
 
 

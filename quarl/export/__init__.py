@@ -1,4 +1,4 @@
-"""Export trained policies: plain HF checkpoints (BF16/FP32) and quarl-packed low-bit ones."""
+"""Export trained policies: plain HF checkpoints (BF16/FP32), quarl-packed and compressed-tensors low-bit ones."""
 
 from quarl.export.hf import find_checkpoint, read_policy
 from quarl.export.packed import load_packed

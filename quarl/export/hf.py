@@ -15,14 +15,19 @@ Formats:
   loadable by ``quarl.load_model`` and ``transformers.AutoModelForCausalLM``.
 * ``quarl-packed``: the low-bit tensors the rollout engine ran on (see
   :mod:`quarl.export.packed`), UAQ kept since the codes were made from scaled weights.
+* ``compressed-tensors``: the same low-bit codes in the format vLLM and transformers
+  load (see :mod:`quarl.export.compressed`), UAQ folded into the scales.
 
-Tokenizer files (and ``generation_config.json``) are copied from ``model.tokenizer`` or
-``model.path`` when the run used a local HF directory; runs on the built-in character
-tokenizer have none to copy.
+Every format carries the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``,
+the chat template, ``generation_config.json``, ...) copied from ``model.tokenizer`` or
+``model.path`` when the run used a local HF directory (runs on the built-in character
+tokenizer have none to copy), and :func:`export_metadata`: the training config and the
+schemes, in ``quarl_export.json`` and in the safetensors header under ``quarl_export``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ from quarl.model.config import TransformerConfig
 from quarl.model.loading import CheckpointError, save_model
 from quarl.model.presets import preset_config
 from quarl.model.transformer import Rotary, Transformer
+from quarl.quant import QuantScheme, get_scheme
 from quarl.trainer.checkpoint import list_checkpoints, load_checkpoint
 
 TOKENIZER_FILES = (
@@ -42,6 +48,8 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP wrappers
+METADATA_FILE = "quarl_export.json"
+METADATA_KEY = "quarl_export"  # safetensors header entry holding the same JSON
 
 
 @dataclass
@@ -148,14 +156,52 @@ def build_policy(ckpt: PolicyCheckpoint, dtype: torch.dtype | None = None) -> Tr
     return model.eval().requires_grad_(False)
 
 
-def export_hf(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype) -> None:
+def engine_scheme(ckpt: PolicyCheckpoint, scheme: str | QuantScheme | None, fmt: str) -> QuantScheme:
+    """The scheme a low-bit export ``fmt`` writes: ``scheme`` if given, else the run's ``quant.scheme``."""
+    if scheme is not None:
+        return get_scheme(scheme)
+    quant = ckpt.section("quant")
+    if quant.get("mode", "bf16") == "bf16":
+        raise ValueError(
+            f"this run's rollouts were not quantized (quant.mode=bf16), so there are no engine weights "
+            f"to export as {fmt}; use --format hf-bf16, or pass --scheme NAME to quantize it anyway"
+        )
+    return get_scheme(quant.get("scheme"))
+
+
+def export_metadata(ckpt: PolicyCheckpoint, fmt: str, scheme: QuantScheme | None, uaq: str) -> dict[str, Any]:
+    """What an export says about itself: format, step, the weights' scheme, how UAQ was
+    treated (``removed`` / ``folded`` / ``applied`` / ``none``), the tokenizer and the run config."""
+    import quarl
+
+    quant, model = ckpt.section("quant"), ckpt.section("model")
+    return {
+        "quarl_version": quarl.__version__,
+        "format": fmt,
+        "step": ckpt.step,
+        "checkpoint": str(ckpt.path),
+        "scheme": scheme.name if scheme is not None else None,
+        "scheme_fields": dataclasses.asdict(scheme) if scheme is not None else None,
+        "trained_with": {"mode": quant.get("mode"), "scheme": quant.get("scheme"), "uaq_scale": ckpt.uaq_scale},
+        "uaq": uaq if ckpt.uaq_scale != 1.0 else "none",
+        "tokenizer": model.get("tokenizer") or model.get("path") or "builtin",
+        "run_config": ckpt.run_config,
+    }
+
+
+def metadata_header(metadata: dict[str, Any]) -> dict[str, str]:
+    """``metadata`` as a safetensors header entry (its values must be strings)."""
+    return {METADATA_KEY: json.dumps(metadata, default=str)}
+
+
+def export_hf(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype, metadata: dict[str, Any]) -> None:
     """Write the plain (UAQ removed) policy as ``config.json`` + ``model.safetensors`` in ``dtype``."""
     from quarl.quant import remove_uaq
 
     model = build_policy(ckpt, torch.float32)  # undo UAQ in fp32: one rounding, at the final cast
     if ckpt.uaq_scale != 1.0:
         remove_uaq(model, ckpt.uaq_scale)
-    save_model(model, out, dtype=dtype)
+    save_model(model, out, dtype=dtype, metadata=metadata_header(metadata))
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     (out / "config.json").write_text(json.dumps(config, indent=2))

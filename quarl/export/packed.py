@@ -29,16 +29,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quarl.export.hf import PolicyCheckpoint, build_policy
+from quarl.export.hf import PolicyCheckpoint, build_policy, metadata_header
 from quarl.model.config import TransformerConfig
 from quarl.model.loading import CheckpointError, damaged_file_error
 from quarl.model.transformer import Rotary, Transformer
-from quarl.quant import QuantLinear, QuantScheme, get_scheme, quantize_model
+from quarl.quant import QuantLinear, QuantScheme, quantize_model
 
 QUANT_METHOD = "quarl-packed"
 FORMAT_VERSION = 1
@@ -50,19 +51,11 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: str | None = None) -> list[str]:
+def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, metadata: dict[str, Any]) -> list[str]:
     """Write ``ckpt``'s policy as a quarl-packed directory; returns the quantized module names."""
     quant = ckpt.section("quant")
-    if scheme is None:
-        if quant.get("mode", "bf16") == "bf16":
-            raise ValueError(
-                "this run's rollouts were not quantized (quant.mode=bf16), so there are no engine weights "
-                "to export; use --format hf-bf16, or pass --scheme NAME to quantize it anyway"
-            )
-        scheme = quant.get("scheme")
-    scheme_obj = get_scheme(scheme)
     model = build_policy(ckpt, dtype=None)  # the learner's own dtype: the codes the engine got
-    modules = quantize_model(model, scheme_obj, QuantLinear, include=quant.get("include") or None,
+    modules = quantize_model(model, scheme, QuantLinear, include=quant.get("include") or None,
                              exclude=quant.get("exclude") or ())
     if not modules:
         raise ValueError(f"quant.include={quant.get('include')} / exclude={quant.get('exclude')} select no linear")
@@ -75,15 +68,15 @@ def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: str | None = None) 
         tensors[_hf_name(name)] = t.contiguous()
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_file(tensors, str(tmp), metadata={**metadata_header(metadata), "format": "pt"})
     tmp.replace(out / "model.safetensors")
     config = ckpt.arch.to_hf_dict()
     config["torch_dtype"] = _DTYPE_NAMES[REST_DTYPE]
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
-        "scheme": scheme_obj.name,
-        "scheme_fields": dataclasses.asdict(scheme_obj),
+        "scheme": scheme.name,
+        "scheme_fields": dataclasses.asdict(scheme),
         "modules": modules,
         "uaq_scale": ckpt.uaq_scale,
         "dtype": _DTYPE_NAMES[REST_DTYPE],

@@ -3,6 +3,7 @@ directory beside ``--out``, and rename it into place (a crash leaves ``--out`` a
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -10,11 +11,14 @@ from pathlib import Path
 
 import torch
 
-from quarl.export.hf import copy_tokenizer, export_hf, find_checkpoint, read_policy
+from quarl.export.hf import (
+    METADATA_FILE, copy_tokenizer, engine_scheme, export_hf, export_metadata, find_checkpoint, read_policy,
+)
 from quarl.export.packed import export_packed
 from quarl.model.loading import normal_permissions
 
-FORMATS = ("hf-bf16", "hf-fp32", "quarl-packed")
+FORMATS = ("hf-bf16", "hf-fp32", "quarl-packed", "compressed-tensors")
+LOW_BIT = ("quarl-packed", "compressed-tensors")  # formats that quantize (and take --scheme)
 
 
 @dataclass
@@ -32,27 +36,39 @@ def export_checkpoint(
 ) -> ExportResult:
     """Export the policy of ``src`` (run dir or checkpoint dir) into ``out`` in format ``fmt``.
 
-    ``scheme`` (quarl-packed only) overrides the run's ``quant.scheme``. A non-empty
+    ``scheme`` (low-bit formats only) overrides the run's ``quant.scheme``. A non-empty
     ``out`` is replaced only with ``force``. The export is written into a temporary
     directory beside ``out`` and renamed into place at the end, so a crash leaves
     ``out`` as it was.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if scheme is not None and fmt != "quarl-packed":
-        raise ValueError("--scheme applies to --format quarl-packed only")
+    if scheme is not None and fmt not in LOW_BIT:
+        raise ValueError(f"--scheme applies to --format {' / '.join(LOW_BIT)} only")
     out = Path(out)
     _check_out(out, force)
     ckpt = read_policy(find_checkpoint(src, step))
     if ckpt.model_dir is not None and out.resolve() == ckpt.model_dir.resolve():
         raise ValueError(f"--out {out} is the run's own model.path; pick another directory")
+    weights_scheme = engine_scheme(ckpt, scheme, fmt) if fmt in LOW_BIT else None
+    if fmt == "compressed-tensors":
+        from quarl.export.compressed import quantization_scheme
+
+        quantization_scheme(weights_scheme)  # refuse unexportable schemes before any work
+    uaq = {"quarl-packed": "applied", "compressed-tensors": "folded"}.get(fmt, "removed")
+    metadata = export_metadata(ckpt, fmt, weights_scheme, uaq)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         if fmt == "quarl-packed":
-            export_packed(ckpt, tmp, scheme)
+            export_packed(ckpt, tmp, weights_scheme, metadata)
+        elif fmt == "compressed-tensors":
+            from quarl.export.compressed import export_compressed
+
+            export_compressed(ckpt, tmp, weights_scheme, metadata)
         else:
-            export_hf(ckpt, tmp, torch.bfloat16 if fmt == "hf-bf16" else torch.float32)
+            export_hf(ckpt, tmp, torch.bfloat16 if fmt == "hf-bf16" else torch.float32, metadata)
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str))
         copied = copy_tokenizer(ckpt, tmp)
         normal_permissions(tmp)
         _move_into_place(tmp, out)

@@ -138,8 +138,12 @@ def load_model(
     return model.eval()
 
 
-def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Write ``model`` as a HF checkpoint directory (config.json + model.safetensors)."""
+def save_model(
+    model: Transformer, path: str | Path, dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``model`` as a HF checkpoint directory (config.json + model.safetensors).
+
+    ``metadata`` joins ``{"format": "pt"}`` in the safetensors header."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -147,7 +151,7 @@ def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None =
         t = p.detach()
         tensors[_hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
     tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": "pt"})
     normal_permissions(tmp)
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))

@@ -21,8 +21,8 @@ from quarl.trainer.checkpoint import save_checkpoint
 IDS = torch.tensor([[5, 17, 99, 3, 42, 64, 7, 120], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-def _original() -> torch.nn.Module:
-    model = build_random_model("tiny", seed=1)
+def _original(builtin: str = "tiny") -> torch.nn.Module:
+    model = build_random_model(builtin, seed=1)
     with torch.no_grad():  # norms away from 1 so that UAQ (which scales them) is visible
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -31,16 +31,16 @@ def _original() -> torch.nn.Module:
 
 
 def _make_run(run_dir: Path, model, mode: str = "aligned", scheme: str = "w4a16", uaq: float = 1.0,
-              step: int = 3) -> Path:
+              step: int = 3, builtin: str = "tiny", exclude: tuple[str, ...] = ()) -> Path:
     """A checkpoint laid out as the trainer writes it: UAQ applied, QATLinear in aligned mode."""
     policy = copy.deepcopy(model)
     if uaq != 1.0:
         apply_uaq(policy, uaq)
     if mode == "aligned":
-        quantize_model(policy, scheme, QATLinear)
+        quantize_model(policy, scheme, QATLinear, exclude=exclude)
     config = {
-        "model": {"path": None, "builtin": "tiny", "tokenizer": None},
-        "quant": {"mode": mode, "scheme": scheme, "uaq_scale": uaq, "include": ["layers.*"], "exclude": []},
+        "model": {"path": None, "builtin": builtin, "tokenizer": None},
+        "quant": {"mode": mode, "scheme": scheme, "uaq_scale": uaq, "include": ["layers.*"], "exclude": list(exclude)},
         "algo": {"loss": "tbpo"},
     }
     state = {"step": step, "learner": {"model": policy.state_dict(), "optimizer": {}}, "config": config}
