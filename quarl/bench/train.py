@@ -129,29 +129,37 @@ def run_mode(name: str, overrides: list[str], run_dir: Path, profile: bool = Fal
 
 
 def profile_call(fn, label: str, top: int = 30):
-    """``fn()`` under torch.profiler: its result and a table of its GPU kernels by total
-    time (ms, launches, name), headed by the wall time and the GPU's busy time."""
+    """``fn()`` under torch.profiler: its result and a table of its GPU kernels (CPU ops by
+    self time where there is no GPU) by total time (ms, share, launches, name), headed by
+    the wall time and the busy time."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         result = fn()
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t0
     kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            k = kernels.setdefault(e.name[:100], [0.0, 0])
-            k[0] += e.device_time
-            k[1] += 1
+    if cuda:
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                k = kernels.setdefault(e.name[:100], [0.0, 0])
+                k[0] += e.device_time
+                k[1] += 1
+    else:
+        for e in prof.key_averages():
+            kernels[e.key[:100]] = [e.self_cpu_time_total, e.count]
     busy = sum(t for t, _ in kernels.values()) / 1e6
-    lines = [f"{label}: wall {wall:.3f} s under the profiler, GPU kernels {busy:.3f} s "
+    what = "GPU kernels" if cuda else "CPU ops (self)"
+    lines = [f"{label}: wall {wall:.3f} s under the profiler, {what} {busy:.3f} s "
              f"({busy / wall:.0%} busy), {sum(n for _, n in kernels.values())} launches"]
     for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / busy:5.1f}% {n:6d}x  {kname}")
+        lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / max(busy, 1e-12):5.1f}% {n:6d}x  {kname}")
     return result, "\n".join(lines)
 
 

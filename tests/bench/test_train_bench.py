@@ -18,7 +18,13 @@ def test_medians_skip_the_first_step():
 def test_run_mode_on_a_saved_random_model(tmp_path, mode):
     w = Workload("tiny", prompts=2, n=2, gen=6, token_budget=256, steps=2)
     model_dir = save_random_model(w.shape, tmp_path / "model")
-    rows = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode], tmp_path / mode)
+    rows, table = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode], tmp_path / mode,
+                           profile=mode == "bf16")
+    if mode == "bf16":  # the last step's learner under the profiler: a table of its busiest ops
+        assert table.startswith("bf16 learner: wall") and len(table.splitlines()) > 5
+        assert "aten::" in table
+    else:
+        assert table == ""
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["response/len_mean"] == 6 for r in rows)  # random weights: forced length
     # the learner's model FLOPs: 6 P T over forward + backward of every prompt + response token
