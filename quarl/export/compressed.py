@@ -72,9 +72,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quarl.export.hf import PolicyCheckpoint, build_policy, metadata_header
+from quarl.export.hf import PolicyCheckpoint, metadata_header
+from quarl.export.packed import quantized_policy
 from quarl.model.loading import normal_permissions
-from quarl.quant import QuantizedWeight, QuantLinear, QuantScheme, quantize_model
+from quarl.quant import QuantizedWeight, QuantLinear, QuantScheme
 from quarl.quant import reference as ref
 from quarl.quant.uaq import ATTN_INPUTS, MLP_INPUTS
 
@@ -296,12 +297,7 @@ def export_compressed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, me
     from compressed_tensors.quantization import QuantizationConfig
 
     ct_scheme = quantization_scheme(scheme)
-    quant = ckpt.section("quant")
-    model = build_policy(ckpt, dtype=None)  # the learner's own dtype: the codes the engine got
-    modules = quantize_model(model, scheme, QuantLinear, include=quant.get("include") or None,
-                             exclude=quant.get("exclude") or ())
-    if not modules:
-        raise ValueError(f"quant.include={quant.get('include')} / exclude={quant.get('exclude')} select no linear")
+    model, modules = quantized_policy(ckpt, scheme)
     ignore = ["lm_head"] + [_hf_name(name) for name, mod in model.named_modules()
                             if type(mod) is nn.Linear and name != "lm_head"]
     fold_uaq(model, ckpt.uaq_scale)

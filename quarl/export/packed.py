@@ -51,14 +51,21 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, metadata: dict[str, Any]) -> list[str]:
-    """Write ``ckpt``'s policy as a quarl-packed directory; returns the quantized module names."""
+def quantized_policy(ckpt: PolicyCheckpoint, scheme: QuantScheme) -> tuple[Transformer, list[str]]:
+    """The policy with the run's selected linears as ``QuantLinear`` in ``scheme`` (quantized
+    from the learner's own dtype: the codes the engine got) and their module names."""
     quant = ckpt.section("quant")
-    model = build_policy(ckpt, dtype=None)  # the learner's own dtype: the codes the engine got
+    model = build_policy(ckpt, dtype=None)
     modules = quantize_model(model, scheme, QuantLinear, include=quant.get("include") or None,
                              exclude=quant.get("exclude") or ())
     if not modules:
         raise ValueError(f"quant.include={quant.get('include')} / exclude={quant.get('exclude')} select no linear")
+    return model, modules
+
+
+def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, metadata: dict[str, Any]) -> list[str]:
+    """Write ``ckpt``'s policy as a quarl-packed directory; returns the quantized module names."""
+    model, modules = quantized_policy(ckpt, scheme)
     quantized_fields = {f"{m}.{f}" for m in modules for f in model.get_submodule(m)._fields}
     tensors = {}
     for name, t in model.state_dict().items():

@@ -20,7 +20,6 @@ reports the same quantity for the tokens it samples, so the two can be compared.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from quarl.model.transformer import TORCH_OPS, TorchOps, Transformer, batch_attention
 
@@ -38,6 +37,16 @@ def _chunk_stats(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, inv_t: flo
     if want_entropy:
         p = torch.softmax(logits, dim=-1)
         ent = lse - (p * logits).sum(-1)
+    return logp, ent
+
+
+def _forward_outputs(ctx, saved: tuple, inv_t: float, chunk: int, logp: torch.Tensor, ent: torch.Tensor | None):
+    """Save what the backward needs; ``(logp, entropy)``, the entropy non-differentiable (or empty)."""
+    ctx.save_for_backward(*saved)
+    ctx.inv_t, ctx.chunk = inv_t, chunk
+    if ent is None:
+        return logp, torch.empty(0, device=logp.device)
+    ctx.mark_non_differentiable(ent)
     return logp, ent
 
 
@@ -64,12 +73,7 @@ class _FusedTokenLogprob(torch.autograd.Function):
             logp[s : s + chunk], lse[s : s + chunk] = lp, ls
             if want_entropy:
                 ent[s : s + chunk] = e
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_t, ctx.chunk = inv_t, chunk
-        if want_entropy:
-            ctx.mark_non_differentiable(ent)
-            return logp, ent
-        return logp, torch.empty(0, device=hidden.device)
+        return _forward_outputs(ctx, (hidden, weight, targets, lse), inv_t, chunk, logp, ent)
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):  # type: ignore[override]
@@ -103,12 +107,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             logp[s : s + chunk] = lp
             if want_entropy:
                 ent[s : s + chunk] = e
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.inv_t, ctx.chunk = inv_t, chunk
-        if want_entropy:
-            ctx.mark_non_differentiable(ent)
-            return logp, ent
-        return logp, torch.empty(0, device=hidden.device)
+        return _forward_outputs(ctx, (hidden, weight, targets), inv_t, chunk, logp, ent)
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):  # type: ignore[override]
