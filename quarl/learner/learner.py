@@ -105,10 +105,11 @@ class Learner:
     def logprobs(self, batch: RolloutBatch, token_budget: int, temperature: float = 1.0, ref: bool = False):
         """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference)."""
         model = self.ref_model if ref else self.model
-        return _per_response_token(
-            batch, token_budget, lambda mb: sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
-                                         ops=self.ops)[0]
-        )
+
+        def logp(mb: RolloutBatch) -> torch.Tensor:
+            return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature, ops=self.ops)[0]
+
+        return _per_response_token(batch, token_budget, logp)
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, token_budget: int) -> torch.Tensor:
