@@ -32,6 +32,7 @@ KEYS = {
     "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
     "time/kv_cache": "kv_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
     "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
+    "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens",
     "perf/learner_tflops": "learner_tflops", "perf/learner_mfu": "learner_mfu",
 }

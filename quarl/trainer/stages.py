@@ -66,18 +66,23 @@ class UpdateResult:
 
 class StageClock:
     """Wall time (``time/<stage>``, summed over repeats) and, for stages asked to, peak
-    CUDA memory (``memory/<stage>_peak_gb``) of one step's stages."""
+    CUDA memory (``memory/<stage>_peak_gb``) and the caching allocator's retries
+    (``memory/<stage>_alloc_retries``: allocations that had to free cached blocks and try
+    again, each a device synchronisation; non-zero means the stage runs at the memory limit)
+    of one step's stages."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
         self.peak_gb: dict[str, float] = {}
+        self.retries: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str, memory: bool = False) -> Iterator[None]:
         if memory and self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            retries0 = _alloc_retries(self.device)
         t0 = time.perf_counter()
         try:
             yield
@@ -85,8 +90,14 @@ class StageClock:
             self.seconds[name] += time.perf_counter() - t0
             if memory and self.cuda:
                 self.peak_gb[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.retries[name] = float(_alloc_retries(self.device) - retries0)
 
     def metrics(self) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()})
+        out.update({f"memory/{k}_alloc_retries": v for k, v in self.retries.items()})
         return out
+
+
+def _alloc_retries(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
