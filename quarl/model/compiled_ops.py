@@ -8,6 +8,10 @@ backward derived by AOTAutograd. The linears and attention stay outside the comp
 regions (the quantized linears have their own autograd functions). Casts are emulated
 as eager rounds them, so the values stay those of :class:`~quarl.model.transformer.TorchOps`
 up to the order of float32 sums.
+
+The batch dimension of every activation is marked unbacked before a compiled call: a
+backed size specialises on 1, and a run whose first micro-batch has one row would
+compile every function again at its first two-row micro-batch (seconds, mid-step).
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled(fn):
-    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+    compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 3:  # activations [B, T, ...], not weights
+                torch._dynamo.decorators.mark_unbacked(a, 0)
+        return compiled(*args)
+
+    return call
 
 
 class CompiledOps(TorchOps):

@@ -41,3 +41,29 @@ def test_compiled_ops_match_eager_values_and_grads(qk_norm):
         assert g0.keys() == g1.keys() and len(g0) > 10
         for n in g0:
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_one_row_then_two_rows_does_not_recompile():
+    """A first micro-batch of one row must not specialise the compiled steps to one row:
+    later micro-batches of 2 and 3 rows reuse the graphs (a recompile costs seconds mid-step
+    on a GPU)."""
+    from torch._dynamo.utils import counters
+
+    cfg = TransformerConfig(
+        model_type="qwen3", vocab_size=40, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=12, qk_norm=True,
+    )
+    torch.manual_seed(5)
+    model = Transformer(cfg).to(torch.bfloat16)  # a dtype the other tests do not compile for
+
+    def run(rows, t):
+        ids = torch.randint(0, 40, (rows, t))
+        pos, attn = batch_attention(ids)
+        model.hidden_states(ids, pos, attn, COMPILED_OPS).float().sum().backward()
+
+    run(1, 11)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for rows, t in ((2, 7), (3, 13), (1, 5)):
+        run(rows, t)
+    assert counters["stats"]["unique_graphs"] == graphs
