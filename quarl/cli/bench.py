@@ -1,10 +1,10 @@
-"""``quarl bench gemm|sweep|rollout|train``: the benchmark suites (GPU; JSON under bench/results/)."""
+"""``quarl bench gemm|sweep|rollout|train|mismatch``: the benchmark suites (GPU; JSON under bench/results/)."""
 
 from __future__ import annotations
 
 import importlib
 
-SUITES = ("gemm", "sweep", "rollout", "train")
+SUITES = ("gemm", "sweep", "rollout", "train", "mismatch")
 
 
 def add_parser(sub) -> None:

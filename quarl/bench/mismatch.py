@@ -1,0 +1,113 @@
+"""Where the sampler/learner mismatch comes from: the engine against the learner, and the
+learner against itself.
+
+For each mode, one rollout of a ``quarl bench train`` workload (the same random-weight
+model, prompts and sampling) is scored by the learner at two token budgets. The budgets
+cut the batch into micro-batches of other shapes, so the GEMM libraries run other
+kernels that sum in other orders; nothing else changes. Three KLs (``k3``, token mean,
+the trainer's ``mismatch/kl_k3``) come out per mode:
+
+- ``engine_vs_learner``: what training sees, at the workload's budget;
+- ``learner_vs_learner``: the learner at the workload's budget against itself at the
+  other one, the part of the mismatch that summation order alone makes;
+- ``engine_vs_learner_other``: the engine against the learner at the other budget.
+
+A mode whose ``learner_vs_learner`` is as large as its ``engine_vs_learner`` has no
+mismatch beyond what the order of float sums makes (sampler and learner run the same
+math); a mode where the first is far below the second has a gap in the math itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quarl.algos import mismatch_metrics
+
+
+def _kl_k3(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    m = mismatch_metrics(a, b, mask)
+    differ = ((a != b) & (mask > 0)).sum() / mask.sum().clamp(min=1)
+    return {"kl_k3": m["mismatch/kl_k3"], "abs_logp_diff_mean": m["mismatch/abs_logp_diff_mean"],
+            "abs_logp_diff_max": m["mismatch/abs_logp_diff_max"], "tokens_differ": float(differ)}
+
+
+def measure_mode(overrides: list[str], run_dir: Path, other_budget: int) -> dict[str, Any]:
+    """One rollout of the run ``overrides`` describe, its log-probs under the learner at the
+    run's token budget and at ``other_budget``, and the KLs between the three."""
+    from quarl.config import load_run_config
+    from quarl.trainer.loop import Trainer
+    from quarl.trainer.stages import StageClock
+
+    cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    try:
+        rollout = trainer.collect_rollout(StageClock(trainer.device))
+        batch = trainer.score(rollout).to(trainer.device)
+        budget, temp = cfg.trainer.token_budget, cfg.rollout.temperature
+        learner = trainer.learner.logprobs(batch, budget, temp)
+        other = trainer.learner.logprobs(batch, other_budget, temp)
+        mask, engine = batch.response_mask, batch.sampler_logp
+        return {
+            "tokens": int(mask.sum()), "budgets": [budget, other_budget],
+            "engine_vs_learner": _kl_k3(learner, engine, mask),
+            "learner_vs_learner": _kl_k3(other, learner, mask),
+            "engine_vs_learner_other": _kl_k3(other, engine, mask),
+        }
+    finally:
+        trainer.rewards.close()
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list[str],
+                 out: Path | None) -> dict[str, Any]:
+    from quarl.bench.common import git_commit
+    from quarl.bench.train import MODES, WORKLOADS, save_random_model, workload_overrides
+
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    w = WORKLOADS[workload]
+    if other_budget == w.token_budget:
+        raise ValueError(f"--other-budget must differ from the workload's token budget ({w.token_budget})")
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {
+        "benchmark": "mismatch_sources", "workload": workload, "workload_spec": w.__dict__ | {"extra": list(w.extra)},
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "torch": torch.__version__, "modes": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="quarl_bench_mismatch_") as tmp:
+        model_dir = save_random_model(w.shape, Path(tmp) / "model")
+        for mode in modes:
+            overrides = workload_overrides(w, model_dir) + MODES[mode] + ["--trainer.steps=1"] + extra
+            r = measure_mode(overrides, Path(tmp) / mode, other_budget)
+            result["modes"][mode] = r
+            print(mode, json.dumps(r), flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['workload']} on {result['device']} at {result['git_commit'][:7]}: kl_k3 (token mean) and the "
+             "share of tokens whose log-probs differ at all",
+             "| mode | engine vs learner | learner vs learner (other budget) | engine vs learner (other budget) |",
+             "|---|---|---|---|"]
+    for mode, r in result["modes"].items():
+        cells = [f"{r[k]['kl_k3']:.2e} ({r[k]['tokens_differ']:.0%})"
+                 for k in ("engine_vs_learner", "learner_vs_learner", "engine_vs_learner_other")]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
