@@ -10,11 +10,18 @@ the trainer's ``mismatch/kl_k3``) come out per mode:
 - ``engine_vs_learner``: what training sees, at the workload's budget;
 - ``learner_vs_learner``: the learner at the workload's budget against itself at the
   other one, the part of the mismatch that summation order alone makes;
-- ``engine_vs_learner_other``: the engine against the learner at the other budget.
+- ``engine_vs_learner_other``: the engine against the learner at the other budget;
+- ``nudged_vs_learner``: the learner against itself with the input of every decoder
+  linear moved by one unit in the last place on a random fraction ``nudge`` of its
+  elements (16-bit models), a controlled stand-in for the last-bit differences that
+  another summation order leaves. Its ratio to bf16's is how much a mode's arithmetic
+  amplifies such differences (an activation quantizer turns a last-bit change into a
+  whole code step whenever it crosses a rounding boundary).
 
-A mode whose ``learner_vs_learner`` is as large as its ``engine_vs_learner`` has no
-mismatch beyond what the order of float sums makes (sampler and learner run the same
-math); a mode where the first is far below the second has a gap in the math itself.
+Read together: when the learner agrees with itself across budgets, the engine/learner
+gap comes from the engine's kernels summing in another order than the learner's; a
+mode's gap is explained by that order noise when its ``engine_vs_learner`` relative to
+bf16's is about its ``nudged_vs_learner`` relative to bf16's.
 """
 
 from __future__ import annotations
@@ -38,9 +45,31 @@ def _kl_k3(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, fl
             "abs_logp_diff_max": m["mismatch/abs_logp_diff_max"], "tokens_differ": float(differ)}
 
 
-def measure_mode(overrides: list[str], run_dir: Path, other_budget: int) -> dict[str, Any]:
+def nudge_inputs(model: torch.nn.Module, frac: float, seed: int = 0) -> list:
+    """Forward pre-hooks on every linear of ``model.layers`` that move a random fraction
+    ``frac`` of each 16-bit input's nonzero elements one unit in the last place away from
+    zero; returns the hook handles (``.remove()`` them)."""
+    gen: dict[torch.device, torch.Generator] = {}
+
+    def hook(module, args):
+        x = args[0]
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        g = gen.setdefault(x.device, torch.Generator(device=x.device).manual_seed(seed))
+        pick = (torch.rand(x.shape, device=x.device, generator=g) < frac) & (x != 0) & x.isfinite()
+        bits = x.view(torch.int16)  # sign-magnitude: +1 is one ulp up in magnitude either sign
+        return (torch.where(pick, bits + 1, bits).view(x.dtype), *args[1:])
+
+    from quarl.quant.linear import QATLinear
+
+    return [m.register_forward_pre_hook(hook) for m in model.layers.modules()
+            if isinstance(m, (torch.nn.Linear, QATLinear))]
+
+
+def measure_mode(overrides: list[str], run_dir: Path, other_budget: int, nudge: float = 0.1) -> dict[str, Any]:
     """One rollout of the run ``overrides`` describe, its log-probs under the learner at the
-    run's token budget and at ``other_budget``, and the KLs between the three."""
+    run's token budget, at ``other_budget``, and with its linears' inputs nudged, and the
+    KLs between them."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
     from quarl.trainer.stages import StageClock
@@ -53,12 +82,19 @@ def measure_mode(overrides: list[str], run_dir: Path, other_budget: int) -> dict
         budget, temp = cfg.trainer.token_budget, cfg.rollout.temperature
         learner = trainer.learner.logprobs(batch, budget, temp)
         other = trainer.learner.logprobs(batch, other_budget, temp)
+        hooks = nudge_inputs(trainer.learner.model, nudge)
+        try:
+            nudged = trainer.learner.logprobs(batch, budget, temp)
+        finally:
+            for h in hooks:
+                h.remove()
         mask, engine = batch.response_mask, batch.sampler_logp
         return {
-            "tokens": int(mask.sum()), "budgets": [budget, other_budget],
+            "tokens": int(mask.sum()), "budgets": [budget, other_budget], "nudge": nudge,
             "engine_vs_learner": _kl_k3(learner, engine, mask),
             "learner_vs_learner": _kl_k3(other, learner, mask),
             "engine_vs_learner_other": _kl_k3(other, engine, mask),
+            "nudged_vs_learner": _kl_k3(nudged, learner, mask),
         }
     finally:
         trainer.rewards.close()
@@ -69,7 +105,7 @@ def measure_mode(overrides: list[str], run_dir: Path, other_budget: int) -> dict
 
 
 def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list[str],
-                 out: Path | None) -> dict[str, Any]:
+                 out: Path | None, nudge: float = 0.1) -> dict[str, Any]:
     from quarl.bench.common import git_commit
     from quarl.bench.train import MODES, WORKLOADS, save_random_model, workload_overrides
 
@@ -92,7 +128,7 @@ def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list
         model_dir = save_random_model(w.shape, Path(tmp) / "model")
         for mode in modes:
             overrides = workload_overrides(w, model_dir) + MODES[mode] + ["--trainer.steps=1"] + extra
-            r = measure_mode(overrides, Path(tmp) / mode, other_budget)
+            r = measure_mode(overrides, Path(tmp) / mode, other_budget, nudge)
             result["modes"][mode] = r
             print(mode, json.dumps(r), flush=True)
     if out is not None:
@@ -104,10 +140,14 @@ def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list
 def summary_table(result: dict[str, Any]) -> str:
     lines = [f"{result['workload']} on {result['device']} at {result['git_commit'][:7]}: kl_k3 (token mean) and the "
              "share of tokens whose log-probs differ at all",
-             "| mode | engine vs learner | learner vs learner (other budget) | engine vs learner (other budget) |",
-             "|---|---|---|---|"]
+             "| mode | engine vs learner | learner vs learner (other budget) | engine vs learner (other budget) | "
+             "learner nudged vs learner | engine gap / bf16's | nudge gap / bf16's |",
+             "|---|---|---|---|---|---|---|"]
+    keys = ("engine_vs_learner", "learner_vs_learner", "engine_vs_learner_other", "nudged_vs_learner")
+    base = result["modes"].get("bf16")
     for mode, r in result["modes"].items():
-        cells = [f"{r[k]['kl_k3']:.2e} ({r[k]['tokens_differ']:.0%})"
-                 for k in ("engine_vs_learner", "learner_vs_learner", "engine_vs_learner_other")]
+        cells = [f"{r[k]['kl_k3']:.2e} ({r[k]['tokens_differ']:.0%})" for k in keys]
+        for k in ("engine_vs_learner", "nudged_vs_learner"):
+            cells.append(f"{r[k]['kl_k3'] / base[k]['kl_k3']:.1f}x" if base and base[k]["kl_k3"] > 0 else "-")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
