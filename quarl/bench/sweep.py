@@ -75,9 +75,11 @@ def _tiles(kernel: str, rows: list[tuple], **fixed) -> list[Plan]:
 
 def _wgmma(m: int) -> list[Plan]:
     """H100 runs 18-19 (bench/NOTES.md): 1-3 warpgroups, 3-6 ring slots, 1-4 blocks per SM,
-    with and without the cluster split."""
+    with and without the cluster split; M > 64 (128-token tiles) single-tile shapes only."""
     shapes = [(1, 3, False, 1), (1, 4, False, 1), (2, 3, False, 1), (2, 4, False, 1), (2, 6, False, 1),
               (1, 3, True, 4), (3, 4, True, 1)]
+    if m > 64:  # 128 tokens: one fp32 tile only, 36-41 KB a ring slot
+        shapes = [(1, 3, True, 2), (1, 4, True, 1), (2, 3, True, 1), (2, 4, True, 1), (3, 3, True, 1)]
     return [Plan("wgmma", WgConfig(nwg, st, float(bps), single, minb, tail=True, cluster=cl))
             for nwg, st, single, minb in shapes for bps in (1, 2, 4) for cl in (False, True)]
 
@@ -161,7 +163,7 @@ def _act_quant(m: int) -> list[ActQuantConfig]:
 
 
 FAMILIES: dict[str, Family] = {
-    "wgmma": Family("w4a16", ("wgmma",), "w4a16", "weight_only", (64, 16, 32, 8), _wgmma,
+    "wgmma": Family("w4a16", ("wgmma",), "w4a16", "weight_only", (64, 16, 32, 8, 128), _wgmma,
                     "int4 g128 weight-only, Hopper wgmma kernel (W4A16 rows on sm90)"),
     "tile": Family("w4a16", ("tile",), "w4a16", "weight_only", (8, 16, 32, 48, 64), _tile,
                    "int4 g128 weight-only, block-tiled CUDA kernel (sm80 / sm89, 4 < M <= 8)"),

@@ -396,6 +396,30 @@ def test_wgmma_cluster_split_equals_global_split(name, m, shape):
                 assert torch.equal(a, b), (cfg, plan)
 
 
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [65, 100, 128])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (17920, 1536)])
+def test_wgmma_128_token_tiles(name, m, shape):
+    """M = 65-128 in one 128-token tile (single-tile loop; 1-3 warpgroups, K split through
+    global partials or a cluster): deterministic, equal to the float64 reference, and without
+    a K split equal bit for bit to the same block shape run on 64-row chunks (the numerics of
+    the 64-token kernel)."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+
+    n, k = shape
+    qw, x, bias, expect = _w4_case(n, k, m, name)
+    for nwg, st, minb in ((1, 3, 2), (2, 3, 1), (2, 4, 1), (3, 3, 1)):
+        for bps, cluster in ((0.3, False), (2, False), (2, True), (4, True)):
+            _check_block_config(cuda_w4.wgmma_gemm, WgConfig(nwg, st, bps, True, minb, True, cluster), x, qw, bias,
+                                expect, None)
+        whole = WgConfig(nwg, st, 1e-3, True, minb, False, False)  # one block per column block: no K split
+        chunks = torch.cat([cuda_w4.wgmma_gemm(x[i:i + 64], qw, bias, whole) for i in range(0, m, 64)])
+        assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, whole), chunks), (nwg, st)
+    with pytest.raises(ValueError, match="single=True"):
+        cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 3, 1.0, False))
+
+
 def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
     from quarl.quant.kernels import dispatch
     from quarl.quant.kernels.config import WgConfig

@@ -75,7 +75,7 @@ class TileKConfig(NamedTuple):
             raise ValueError(f"block-tiled w4 kernel: {self} needs {self.smem_bytes()} bytes of shared memory (> 227 KB)")
 
 
-WGMMA_TOKENS = (8, 16, 32, 64)  # wgmma N sides compiled: M is padded up to the next one
+WGMMA_TOKENS = (8, 16, 32, 64, 128)  # wgmma N sides compiled: M is padded up to the next one
 
 
 def wgmma_tokens(m: int) -> int:
@@ -103,6 +103,9 @@ class WgConfig(NamedTuple):
     def check(self, m: int) -> None:
         if self.nwg not in (1, 2, 3, 4) or self.stages < 3 or self.blocks_per_sm <= 0 or not 1 <= self.minb * self.nwg <= 16:
             raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, 1 <= minb x nwg <= 16; got {self}")
+        if wgmma_tokens(m) > 64 and not self.single:
+            raise ValueError(f"wgmma w4 kernel: M={m} (128 tokens) needs single=True (a second fp32 tile of 64 "
+                             f"registers a thread would spill); got {self}")
         smem = self.smem_bytes(wgmma_tokens(m))
         if smem > 227 * 1024:
             raise ValueError(f"wgmma w4 kernel: {self} needs {smem} bytes of shared memory at M={m} (> 227 KB)")

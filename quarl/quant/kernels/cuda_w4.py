@@ -19,7 +19,7 @@ Three kernels read that layout. ``w4a16_frag`` (M <= 16): every warp streams its
 and K range through a private cp.async ring, activation tile included. ``w4a16_tile`` (M <=
 64): a block owns SW adjacent slabs and a K range; one ring slot holds a whole group (the
 slabs' fragments, the activation tile of all M rows, the group's scales and zero points) and
-is shared by the block's warps. On Hopper, ``w4a16_wgmma`` (M <= 64) feeds the dequantized
+is shared by the block's warps. On Hopper, ``w4a16_wgmma`` (M <= 128) feeds the dequantized
 weights to wgmma as its register A operand; its ``w4a16_wgmma_cluster`` entry runs the K
 splits of a column block as one thread-block cluster and sums them through distributed
 shared memory, in the same order.
@@ -174,7 +174,7 @@ def wgmma_available() -> bool:
 
 def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig = WgConfig(),
                repacked: RepackCache | None = None, defines: tuple[str, ...] = ()) -> torch.Tensor:
-    """``x [M, K] (bf16, M <= 64) @ W.T + bias`` with the wgmma kernel (Hopper): same fragment
+    """``x [M, K] (bf16, M <= 128) @ W.T + bias`` with the wgmma kernel (Hopper): same fragment
     words (reordered, :func:`~.w4_layout.wgmma_words`) and numerics as :func:`frag_gemm`."""
     m = x.shape[0]
     cfg.check(m)

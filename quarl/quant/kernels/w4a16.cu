@@ -1,5 +1,5 @@
 // W4A16 CUDA kernels (int4, groups of 128, bf16 activations): w4a16_frag (M <= 16),
-// w4a16_tile (M <= 64) and, on sm_90a, w4a16_wgmma / w4a16_wgmma_cluster (M <= 64). They read
+// w4a16_tile (M <= 64) and, on sm_90a, w4a16_wgmma / w4a16_wgmma_cluster (M <= 128). They read
 // the fragment-ordered weight of quarl/quant/kernels/w4_layout.py; launched by cuda_w4.py,
 // which compiles this file with NVRTC at first use.
 
@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
 }
 
 // ----------------------------------------------------------------------------- wgmma (sm90a)
-// W4A16 for 8 < M <= 64 on Hopper: the dequantized weight is the register A operand of
+// W4A16 for 8 < M <= 128 on Hopper: the dequantized weight is the register A operand of
 // wgmma.m64nNk16 (64 weight rows per warpgroup on the MMA's M side), the activation tile
 // (N = NTOK tokens) the B operand, read by the tensor cores straight from shared memory.
 // grid (ceil(Np / (64 NWG)), split), block NWG warpgroups. Block (cb, sp) owns slabs cb * NWG ..
@@ -537,7 +537,8 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
 // scale, to the accumulator (two tiles in turn; the numerics of w4a16_frag). Slots are
 // refilled two groups behind (ST >= 3), once the wgmmas that read them are done. SINGLE: one
 // tile, waited for before each fold (~126 registers: up to 4 warpgroups per SM), slots refilled
-// one group behind.
+// one group behind. NTOK = 128 (M = 65-128) runs the single-tile loop only: its fp32 tile is 64
+// registers a thread, and a second one would spill.
 __device__ __forceinline__ unsigned long long desc_sw128(u32 addr) {
   // K-major operand, 128-byte swizzle, 8-row core groups 1024 bytes apart
   return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
@@ -606,6 +607,7 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
+  static_assert(NTOK <= 64 || SINGLE, "128-token tiles run the single-tile loop");
   W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
