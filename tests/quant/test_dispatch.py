@@ -51,9 +51,10 @@ def test_tables_match_the_old_dispatch():
     bad, count = [], 0
     for gen, m, n, k, fam, want in _cases():
         count += 1
-        if fam == "w4" and gen == "sm90" and 64 < m <= 128:  # the added row
+        if fam == "w4" and gen == "sm90" and 64 < m <= 128:  # the added rows: 128-token wgmma tiles
             assert want == ["dequant"] or want[0] == "TileConfig", want
-            assert dispatch.lookup("w4a16", gen, m, n, k) == Plan("chunked"), (m, n, k)
+            got = dispatch.lookup("w4a16", gen, m, n, k)
+            assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 else 2), (m, n, k)
             continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))
@@ -76,7 +77,8 @@ def test_every_generation_has_a_row_for_every_shape():
 def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 1, 4608, 3584).kernel == "wgmma"
     assert dispatch.lookup("w4a16", "sm90", 64, 37888, 3584).config.nwg == 3
-    assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584) == Plan("chunked")
+    assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
+    assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584) == dispatch.DEQUANT
     for gen in ("sm80", "sm89"):
         assert dispatch.lookup("w4a16", gen, 4, 4608, 3584).kernel == "frag"
@@ -103,18 +105,3 @@ def test_overrides_replace_a_family_inside_the_block_only():
     with pytest.raises(ValueError, match="unknown kernel families"):
         with dispatch.overrides(w5=forced):
             pass
-
-
-def test_chunked_plan_is_the_per_chunk_plans_output(needs_triton):
-    """M = 65-128 in 64-row chunks: the result is, bit for bit, each chunk's own plan's output."""
-    import torch
-
-    from quarl.quant import quantize_weight
-
-    qw = quantize_weight(torch.randn(96, 256), "w4a16")
-    x = torch.randn(100, 256)
-    got = Plan("chunked").run(x, qw, None)
-    parts = [dispatch.lookup("w4a16", "none", r.shape[0], 96, 256).run(r, qw, None) for r in (x[:64], x[64:])]
-    assert torch.equal(got, torch.cat(parts))
-    ref = x @ qw.dequantize(torch.float32).T
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -420,7 +420,7 @@ def test_wgmma_128_token_tiles(name, m, shape):
         cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 3, 1.0, False))
 
 
-def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
+def test_wgmma_kernel_is_the_default_up_to_m_128_and_follows_loads():
     from quarl.quant.kernels import dispatch
     from quarl.quant.kernels.config import WgConfig
     from quarl.quant.kernels.device import gpu_gen
@@ -437,7 +437,7 @@ def test_wgmma_kernel_is_the_default_up_to_m_64_and_follows_loads():
     for m in (1, 4, 64):  # small weights and k/v too (K splits summed in a cluster)
         for n in (3584, 512):
             assert pick(m, n, 3584).kernel == "wgmma"
-    assert pick(65, 3584, 3584).kernel == "chunked" and pick(128, 37888, 3584).kernel == "chunked"
+    assert pick(65, 3584, 3584).kernel == "wgmma" and pick(128, 37888, 3584).config.single  # 128-token tiles
     assert pick(129, 3584, 3584).kernel == "dequant"
     # the block shapes: clusters where every column block is split, 2 warpgroups on long K,
     # 3 on the widest weights at M > 32

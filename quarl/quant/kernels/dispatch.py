@@ -37,19 +37,7 @@ _WEIGHT_ONLY = {
     "swap": lambda x, qw, bias, cfg, repacked=None: weight_only.swap_gemm(x, qw, bias, cfg),
     "tiled": lambda x, qw, bias, cfg, repacked=None: weight_only.tiled_gemm(x, qw, bias, cfg),
     "dequant": lambda x, qw, bias, cfg, repacked=None: weight_only.dequant_gemm(x, qw, bias, repacked=repacked),
-    "chunked": lambda x, qw, bias, cfg, repacked=None: _chunked(x, qw, bias, repacked),
 }
-
-
-def _chunked(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, repacked) -> torch.Tensor:
-    """The rows in chunks of 64 through the table's own plans for them (never overridden): each
-    chunk re-reads the int4 weight, and two reads of a quarter of bf16's bytes beat first
-    dequantizing the whole weight to bf16 (M = 65-128 on Hopper)."""
-    n, k = qw.shape
-    gen = gpu_gen(x.device, x.dtype)
-    outs = [lookup("w4a16", gen, min(64, x.shape[0] - i), n, k).run(x[i:i + 64], qw, bias, repacked=repacked)
-            for i in range(0, x.shape[0], 64)]
-    return torch.cat(outs)
 # kernels on quantized activations: (xq, sx, qw, bias, out_dtype, cfg) -> y
 _QUANTIZED_INPUT = {
     "pointer": w8a8.pointer_gemm,
@@ -105,6 +93,10 @@ def n_below_32768(m: int, n: int, k: int) -> bool:
     return n < 32768
 
 
+def n_below_2048(m: int, n: int, k: int) -> bool:
+    return n < 2048
+
+
 def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
 
@@ -138,7 +130,8 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)), 64, None, SM90),
-    Row(Plan("chunked"), 128, None, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, n_below_2048, SM90),
+    Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=4, stages=8)), 4, big_weight, MMA),
     Row(Plan("frag", FragConfig(nw=4, blocks_per_sm=8, stages=8)), 4, None, MMA),
