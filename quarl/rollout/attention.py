@@ -127,7 +127,8 @@ class PagedAttention:
         )
 
 
-KVScales = tuple  # (k_scale, v_scale) of one layer: [blocks, block_size, Hkv] float32 each, or (None, None)
+# (k_scale, v_scale) of one layer's fp8 cache: [blocks, block_size, Hkv] float32 each; (None, None) otherwise
+KVScales = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
