@@ -75,9 +75,15 @@ def step_weight_bytes(model: Transformer) -> int:
     return total
 
 
+def kv_bytes_per_token(cfg: TransformerConfig, kv_cache_dtype: str = "auto") -> int:
+    """K and V bytes of one token across layers: bf16 rows, or fp8 codes plus a float32 scale per row."""
+    row = cfg.head_dim + 4 if kv_cache_dtype == "fp8" else 2 * cfg.head_dim
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row
+
+
 def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: int, gen_len: int,
-           ceil: Ceilings) -> dict[str, float]:
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+           ceil: Ceilings, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    kv_per_token = kv_bytes_per_token(cfg, kv_cache_dtype)
     flops_per_token = 2 * cfg.matmul_params
     decode = []
     for k in range(1, gen_len):  # decode step k runs token prompt_len + k - 1, context prompt_len + k
@@ -115,15 +121,15 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
     st = engine.stats
     assert all(len(o.token_ids) == gen_len for o in outs)
     assert all(math.isfinite(lp) for o in outs[:4] for lp in o.logprobs)
-    fl = floors(cfg, step_weight_bytes(engine.model), batch, prompt_len, gen_len, ceil)
+    fl = floors(cfg, step_weight_bytes(engine.model), batch, prompt_len, gen_len, ceil, config.kv_cache_dtype)
     replay_ms = float("nan")
     if engine.runner.graphs:  # GPU time of one decode step alone: the last step's inputs replayed
         graph = engine.runner.graphs[max(engine.runner.graphs)][0]
         replay_ms = 1e3 * median_cuda_time(graph.replay, 20)
     steps = sorted(st.decode_step_s)
     row = {
-        "shape": shape, "format": fmt, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-        "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
+        "shape": shape, "format": fmt, "kv_cache_dtype": config.kv_cache_dtype, "batch": batch,
+        "prompt_len": prompt_len, "gen_len": gen_len, "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
         "prefill_s": st.prefill_s, "prefill_steps": st.prefill_steps, "decode_s": st.decode_s,
         "decode_steps": st.decode_steps, "planned_steps": st.planned_steps, "preemptions": st.preemptions,
         "decode_step_ms_mean": 1e3 * st.decode_s / max(st.decode_steps, 1),
@@ -175,18 +181,24 @@ def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.
 
 
 def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats: list[str],
-                  hf_gen_len: int = 0, out: str | None = None, engine_kw: dict | None = None) -> dict[str, Any]:
+                  hf_gen_len: int = 0, out: str | None = None, engine_kw: dict | None = None,
+                  kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+    """One row per weight format and KV-cache dtype; ``speedup_vs_bf16`` against the bf16
+    row with the model-dtype cache (the first bf16 row when there is none)."""
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
     rows = []
     for fmt in formats:
-        try:
-            rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=engine_kw))
-        except Exception as e:  # keep the other rows of a long run
-            rows.append({"shape": shape, "format": fmt, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-        gc.collect()  # the failed engine's frames are gone with the exception; free its memory
-        torch.cuda.empty_cache()
-        print(json.dumps(rows[-1]), flush=True)
+        for kv in kv_cache_dtypes:
+            kw = {**(engine_kw or {}), "kv_cache_dtype": kv}
+            try:
+                rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw))
+            except Exception as e:  # keep the other rows of a long run
+                rows.append({"shape": shape, "format": fmt, "kv_cache_dtype": kv,
+                             "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            gc.collect()  # the failed engine's frames are gone with the exception; free its memory
+            torch.cuda.empty_cache()
+            print(json.dumps(rows[-1]), flush=True)
     result = {
         "benchmark": "rollout", "device": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -202,7 +214,8 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
         for r in rows:
             if "generated_tok_per_s" in r:
                 r["speedup_vs_hf"] = r["generated_tok_per_s"] / hf["generated_tok_per_s"]
-    base = next((r for r in rows if r.get("format") == "bf16" and "generated_tok_per_s" in r), None)
+    bf16_rows = [r for r in rows if r.get("format") == "bf16" and "generated_tok_per_s" in r]
+    base = next((r for r in bf16_rows if r.get("kv_cache_dtype") == "auto"), bf16_rows[0] if bf16_rows else None)
     for r in rows:
         if base is not None and "generated_tok_per_s" in r:
             r["speedup_vs_bf16"] = r["generated_tok_per_s"] / base["generated_tok_per_s"]
@@ -213,7 +226,7 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
 
 
 def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int = 10, top: int = 14,
-                    device: torch.device | None = None) -> str:
+                    device: torch.device | None = None, kv_cache_dtype: str = "auto") -> str:
     """Per-kernel GPU time of one decode step: the engine on random weights generates a few
     tokens, then its largest captured decode graph is replayed under torch.profiler. A table
     of the kernels by total time per step (ms, launches per step, name)."""
@@ -223,7 +236,7 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
     cfg = shape_config(shape, prompt_len + 64)
     model = random_model(cfg, device)
     engine = Engine(model, scheme=None if fmt == "bf16" else fmt,
-                    config=EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64))
+                    config=EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64, kv_cache_dtype=kv_cache_dtype))
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
     engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     graph = engine.runner.graphs[max(engine.runner.graphs)][0]
@@ -241,7 +254,7 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
             t, n = kernels.get(e.name[:90], (0.0, 0))
             kernels[e.name[:90]] = (t + e.device_time, n + 1)
     total_us = sum(t for t, _ in kernels.values()) / reps
-    lines = [f"{shape} {fmt} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
+    lines = [f"{shape} {fmt} kv={kv_cache_dtype} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
              f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "
              f"{torch.cuda.get_device_name(device)}, commit {git_commit()[:10]})"]
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -255,13 +268,14 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
 def summary_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device']}  bw {result['ceilings']['bandwidth'] / 1e12:.2f} TB/s  "
              f"bf16 {result['ceilings']['bf16_flops'] / 1e12:.0f} TFLOP/s"]
-    lines.append("shape         fmt         B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf   last_replay_ms/floor")
+    lines.append("shape         fmt        kv    B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf   last_replay_ms/floor")
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['shape']:13s} {r['format']:10s} ERROR {r['error'][:120]}")
+            lines.append(f"{r['shape']:13s} {r['format']:10s} {r.get('kv_cache_dtype', 'auto'):4s} ERROR {r['error'][:120]}")
             continue
         lines.append(
-            f"{r['shape']:13s} {r['format']:10s} {r['batch']:4d} {r['generated_tok_per_s']:9.0f} "
+            f"{r['shape']:13s} {r['format']:10s} {r.get('kv_cache_dtype', 'auto'):4s} {r['batch']:4d} "
+            f"{r['generated_tok_per_s']:9.0f} "
             f"{r['decode_step_ms_mean']:8.3f} {r['decode_step_floor_ms_mean']:8.3f} {r['decode_floor_fraction']:5.2f} "
             f"{r.get('speedup_vs_bf16', float('nan')):6.2f} {r.get('speedup_vs_hf', float('nan')):6.1f} "
             f"{r['last_step_graph_replay_ms']:7.3f}/{r['decode_step_floor_ms_last']:.3f} {r['decode_tiling']}"

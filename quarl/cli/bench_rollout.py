@@ -23,6 +23,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=1024)
     p.add_argument("--formats", default="bf16", help="comma list: bf16,w8a8-fp8,w8a8-int8,w4a16,...")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma list of KV-cache dtypes: auto (the model dtype), fp8 (e4m3 + per-token scales); "
+                        "each format runs with each")
     p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
     p.add_argument("--out", default=None, help="write the JSON result here (--profile-kernels: the table, as text)")
     p.add_argument("--profile-kernels", action="store_true",
@@ -35,11 +38,14 @@ def run(args: argparse.Namespace) -> int:
 
     from quarl.bench.rollout import profile_kernels, run_benchmark, summary_table
 
+    from quarl.quant.kv import check_kv_cache_dtype
+
+    kv_dtypes = tuple(check_kv_cache_dtype(k) for k in args.kv_cache_dtype.split(",") if k)
     if not torch.cuda.is_available():
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
     if args.profile_kernels:
-        text = "\n".join(profile_kernels(args.shape, f, args.batch, args.prompt_len)
-                         for f in args.formats.split(",") if f)
+        text = "\n".join(profile_kernels(args.shape, f, args.batch, args.prompt_len, kv_cache_dtype=kv)
+                         for f in args.formats.split(",") if f for kv in kv_dtypes)
         print(text)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     result = run_benchmark(
         args.shape, args.batch, args.prompt_len, args.gen_len, [f for f in args.formats.split(",") if f],
-        hf_gen_len=args.hf_gen_len, out=args.out,
+        hf_gen_len=args.hf_gen_len, out=args.out, kv_cache_dtypes=kv_dtypes,
     )
     print(summary_table(result))
     if not args.out:

@@ -80,7 +80,12 @@ def _trainer_engine() -> EngineConfig:
 class RolloutConfig:
     """Sampling settings plus the engine's own config (``rollout.engine.*``, one
     :class:`~quarl.rollout.EngineConfig`). The trainer sets the engine's
-    ``max_model_len`` to ``data.max_prompt_len + rollout.max_new_tokens``."""
+    ``max_model_len`` to ``data.max_prompt_len + rollout.max_new_tokens``.
+
+    ``rollout.engine.kv_cache_dtype=fp8`` stores the rollout's K/V as e4m3 codes with
+    per-(token, kv head) scales (:mod:`quarl.quant.kv`); with ``quant.mode=aligned`` the
+    learner's attention then rounds its K/V the same way, in ``bf16`` and ``rollout``
+    modes the rounding is part of the rollout-only mismatch."""
 
     n: int = 8  # samples per prompt
     temperature: float = 1.0
@@ -99,6 +104,7 @@ class RolloutConfig:
         "num_kv_blocks": "rollout.engine.num_kv_blocks", "block_size": "rollout.engine.block_size",
         "max_num_seqs": "rollout.engine.max_num_seqs", "cuda_graphs": "rollout.engine.cuda_graphs",
         "release_kv_cache": "rollout.kv_cache_in_update=release (or keep, or auto: the default)",
+        "kv_cache_dtype": "rollout.engine.kv_cache_dtype (auto or fp8)",
     }
 
     def validate(self) -> None:

@@ -171,7 +171,9 @@ def sequence_logprobs(
     :meth:`Transformer.forward`; positions whose target is padding or belongs to the
     next packed sequence hold meaningless values and must be masked by the caller. ``ops``
     runs the forward's steps (the learner passes :class:`~quarl.model.compiled_ops.CompiledOps` on CUDA).
+    With ``model.kv_quant = "fp8"`` attention sees K/V rounded as the engine's fp8 KV cache
+    stores them (:func:`~quarl.model.transformer.batch_attention`).
     """
-    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids)
+    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant)
     hidden = model.hidden_states(input_ids, positions, attn, ops)[:, :-1]
     return token_logprobs(hidden, model.lm_head_weight, input_ids[:, 1:], temperature, chunk_size, with_entropy)

@@ -11,6 +11,11 @@ norm, rotary embedding) and hands them to an ``attn`` callable
 SDPA over the batch (padded or packed), the simple generator a KV-cached one, and the
 rollout engine its paged kernels; the weights and the math around attention are
 shared by all three, which is what keeps sampler and learner aligned.
+
+``Transformer.kv_quant`` (None, or ``"fp8"``) makes the batch forwards (:meth:`forward`,
+``quarl.learner.sequence_logprobs``) round K (after rotary) and V as the engine's fp8 KV
+cache stores them, with a straight-through gradient (:func:`batch_attention`); the
+trainer sets it in ``aligned`` mode with ``rollout.engine.kv_cache_dtype=fp8``.
 """
 
 from __future__ import annotations
@@ -218,6 +223,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
+        # K/V rounding of the batch forwards' attention: None, or "fp8" (quarl.quant.kv), the
+        # engine's fp8 KV cache seen by an aligned learner. Not a buffer: not in checkpoints.
+        self.kv_quant: str | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -256,7 +264,9 @@ class Transformer(nn.Module):
         ``seq_ids [B, T]`` marks packed sequences (attention stays within equal ids,
         positions restart at each new id unless ``positions`` is given).
         """
-        hidden = self.hidden_states(input_ids, *batch_attention(input_ids, attention_mask, positions, seq_ids))
+        hidden = self.hidden_states(
+            input_ids, *batch_attention(input_ids, attention_mask, positions, seq_ids, kv_quant=self.kv_quant)
+        )
         return self.logits(hidden)
 
 
@@ -265,8 +275,35 @@ def batch_attention(
     attention_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     seq_ids: torch.Tensor | None = None,
+    kv_quant: str | None = None,
 ) -> tuple[torch.Tensor, AttnFn]:
-    """Positions ``[B, T]`` and a masked causal SDPA for a padded and/or packed batch."""
+    """Positions ``[B, T]`` and a masked causal SDPA for a padded and/or packed batch.
+
+    ``kv_quant="fp8"``: the SDPA sees ``fake_quantize_kv`` of k (rotated) and v
+    (:mod:`quarl.quant.kv`), the values an fp8 KV cache gives the engine's attention."""
+    positions, attn = _batch_sdpa(input_ids, attention_mask, positions, seq_ids)
+    if kv_quant is None:
+        return positions, attn
+    if kv_quant != "fp8":
+        raise ValueError(f"kv_quant must be None or 'fp8', got {kv_quant!r}")
+    return positions, _with_fake_quantized_kv(attn)
+
+
+def _with_fake_quantized_kv(attn: AttnFn) -> AttnFn:
+    from quarl.quant.kv import fake_quantize_kv
+
+    def fp8_kv_attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attn(layer_idx, q, fake_quantize_kv(k), fake_quantize_kv(v))
+
+    return fp8_kv_attn
+
+
+def _batch_sdpa(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    seq_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, AttnFn]:
     b, t = input_ids.shape
     device = input_ids.device
     if attention_mask is None:

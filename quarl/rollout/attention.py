@@ -6,7 +6,8 @@ the cache. Every call first writes the new K/V into their slots, then attends ov
 cache: a prefill/extend step packs all new tokens as ``[1, N]``, a decode step has
 one token per sequence as ``[B, 1]``. Backends: Triton kernels on GPU
 (:mod:`quarl.rollout.kernels`), and a torch loop over sequences (SDPA) on CPU, used
-for parity tests.
+for parity tests. An fp8 cache (:mod:`quarl.quant.kv`) is quantized on the way in and
+dequantized on the way out, by both backends, to the same values.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from quarl.quant.kv import dequantize_kv, quantize_kv
 from quarl.rollout.kv_cache import KVCache
 
 
@@ -54,12 +56,17 @@ class PagedAttention:
         self.backend = backend
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, t, hq, d = q.shape
-        hkv = k.shape[2]
-        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        hkv, d = k.shape[2], k.shape[3]
         slots = self.ctx.slot_mapping
-        k_cache.view(-1, hkv, d).index_copy_(0, slots, k.reshape(-1, hkv, d).to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, slots, v.reshape(-1, hkv, d).to(v_cache.dtype))
+        for x, cache, scales in ((k, self.cache.k[layer_idx], self.cache.k_scale[layer_idx]),
+                                 (v, self.cache.v[layer_idx], self.cache.v_scale[layer_idx])):
+            rows = x.reshape(-1, hkv, d)
+            if scales is None:
+                cache.view(-1, hkv, d).index_copy_(0, slots, rows.to(cache.dtype))
+            else:  # fp8: codes through a byte view (no index_copy_ for float8)
+                codes, s = quantize_kv(rows)
+                cache.view(torch.uint8).view(-1, hkv, d).index_copy_(0, slots, codes.view(torch.uint8))
+                scales.view(-1, hkv).index_copy_(0, slots, s)
         return self.attend(layer_idx, q)
 
     @property
@@ -71,12 +78,15 @@ class PagedAttention:
     def _rope_store(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
         from quarl.rollout.fused import rope_store_kv
 
-        return rope_store_kv(q, k, v, cos, sin, self.cache.k[layer_idx], self.cache.v[layer_idx], self.ctx.slot_mapping)
+        c = self.cache
+        return rope_store_kv(q, k, v, cos, sin, c.k[layer_idx], c.v[layer_idx], self.ctx.slot_mapping,
+                             c.k_scale[layer_idx], c.v_scale[layer_idx])
 
     def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q [B, T, Hq, D]`` over the cache, this step's K/V already in it."""
         b, t, hq, d = q.shape
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        kv_scales = (self.cache.k_scale[layer_idx], self.cache.v_scale[layer_idx])  # (None, None) unless fp8
         scale = d**-0.5
         q_flat = q.reshape(b * t, hq, d)
         if self.backend == "triton":
@@ -85,22 +95,23 @@ class PagedAttention:
             if self.ctx.is_prefill:
                 out = kernels.paged_prefill_attention(
                     q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.cu_seqlens_q,
-                    self.ctx.context_lens, self.ctx.max_seqlen_q, scale,
+                    self.ctx.context_lens, self.ctx.max_seqlen_q, scale, kv_scales=kv_scales,
                 )
             else:
-                out = self._triton_decode(q_flat, k_cache, v_cache, scale)
+                out = self._triton_decode(q_flat, k_cache, v_cache, scale, kv_scales)
         elif self.ctx.is_prefill:
             out = torch_prefill_attention(
                 q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.host_cu_seqlens_q,
-                self.ctx.host_context_lens, scale,
+                self.ctx.host_context_lens, scale, kv_scales,
             )
         else:
             out = torch_decode_attention(
-                q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.host_context_lens, scale
+                q_flat, k_cache, v_cache, self.ctx.block_tables, self.ctx.host_context_lens, scale, kv_scales
             )
         return out.view(b, t, hq, d)
 
-    def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                       kv_scales: tuple) -> torch.Tensor:
         from quarl.rollout import kernels
 
         b, hq, d = q.shape
@@ -112,14 +123,23 @@ class PagedAttention:
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, self.ctx.block_tables, self.ctx.context_lens, self.ctx.split_len,
-            out, part_out, part_lse, splits, scale, self.ctx.decode_block_n, self.ctx.decode_warps,
+            out, part_out, part_lse, splits, scale, self.ctx.decode_block_n, self.ctx.decode_warps, kv_scales=kv_scales,
         )
 
 
+# (k_scale, v_scale) of one layer's fp8 cache: [blocks, block_size, Hkv] float32 each; (None, None) otherwise
+KVScales = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """``[length, Hkv, D]`` of one sequence from ``cache [blocks, block_size, Hkv, D]``."""
+    """``[length, ...]`` of one sequence from ``cache [blocks, block_size, ...]``."""
     n_blocks = -(-length // cache.shape[1])
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+
+
+def _values(cache: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as attention reads them: fp8 codes dequantized (:func:`dequantize_kv`), else cast."""
+    return cache.to(dtype) if scales is None else dequantize_kv(cache, scales, dtype)
 
 
 def torch_prefill_attention(
@@ -130,18 +150,21 @@ def torch_prefill_attention(
     cu_seqlens_q: list[int],
     kv_lens: list[int],
     scale: float,
+    kv_scales: KVScales = (None, None),
 ) -> torch.Tensor:
     """Reference of :func:`kernels.paged_prefill_attention` (same arguments, host lengths)."""
     out = torch.empty_like(q)
+    k_scale, v_scale = kv_scales
     for s, kv_len in enumerate(kv_lens):
         q0, q1 = cu_seqlens_q[s], cu_seqlens_q[s + 1]
         cached = kv_len - (q1 - q0)
-        k = _gather(k_cache, block_tables[s], kv_len)
-        v = _gather(v_cache, block_tables[s], kv_len)
+        bt = block_tables[s]
+        k = _values(_gather(k_cache, bt, kv_len), None if k_scale is None else _gather(k_scale, bt, kv_len), q.dtype)
+        v = _values(_gather(v_cache, bt, kv_len), None if v_scale is None else _gather(v_scale, bt, kv_len), q.dtype)
         rows = torch.arange(cached, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= rows[:, None]
         o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, scale=scale, enable_gqa=True,
         )
         out[q0:q1] = o.transpose(0, 1)
@@ -155,6 +178,7 @@ def torch_decode_attention(
     block_tables: torch.Tensor,
     context_lens: list[int],
     scale: float,
+    kv_scales: KVScales = (None, None),
 ) -> torch.Tensor:
     """Reference of :func:`kernels.paged_decode_attention`: q ``[B, Hq, D]``.
 
@@ -165,12 +189,13 @@ def torch_decode_attention(
     bs = k_cache.shape[1]
     n_blocks = -(-max(context_lens) // bs)
     idx = block_tables[:, :n_blocks].long()
-    k = k_cache[idx].flatten(1, 2)  # [B, L, Hkv, D]
-    v = v_cache[idx].flatten(1, 2)
+    k_scale, v_scale = kv_scales
+    k = _values(k_cache[idx].flatten(1, 2), None if k_scale is None else k_scale[idx].flatten(1, 2), q.dtype)
+    v = _values(v_cache[idx].flatten(1, 2), None if v_scale is None else v_scale[idx].flatten(1, 2), q.dtype)
     lens = torch.tensor(context_lens, device=q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
     o = F.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
     )
     return o[:, :, 0]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from quarl.quant.kv import check_kv_cache_dtype
 
 
 @dataclass
@@ -12,6 +15,10 @@ class EngineConfig:
     The KV cache gets ``gpu_memory_utilization`` of the GPU's total memory minus what
     the weights and the activations of a warm-up prefill take; on CPU it has
     ``num_kv_blocks`` blocks (also a cap on GPU when set).
+
+    ``kv_cache_dtype``: ``"auto"`` stores K/V in the model dtype; ``"fp8"`` stores e4m3
+    codes with a float32 scale per (token, kv head) (:mod:`quarl.quant.kv`): ~1.9x the
+    tokens in the same memory (head_dim 128) and half the K/V bytes read per decode step.
     """
 
     max_num_seqs: int = 256  # sequences decoded together
@@ -28,6 +35,7 @@ class EngineConfig:
     tune_decode: bool = True  # on GPU, time a few decode-attention tilings at start-up and keep the best
     share_prompt: bool = True  # the n samples of a prompt share its prefill and KV blocks
     lookahead: bool = True  # plan decode step t + 1 on the host while the GPU runs step t
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # K/V storage: "auto" (the model dtype) or "fp8" (e4m3 + scales)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
@@ -35,3 +43,4 @@ class EngineConfig:
             self.max_num_batched_tokens = self.max_model_len
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)

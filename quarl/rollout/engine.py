@@ -239,7 +239,8 @@ class Engine:
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache takes while allocated."""
         r = self.runner
-        return r.num_blocks * KVCache.bytes_per_block(r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, r.dtype)
+        return r.num_blocks * KVCache.bytes_per_block(r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, r.dtype,
+                                                      self.config.kv_cache_dtype)
 
     def reallocate_kv_cache(self) -> None:
         """Re-create the KV cache (same number of blocks) and recapture the graphs."""

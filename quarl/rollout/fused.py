@@ -26,7 +26,7 @@ from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
-from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, silu_mul_value, store_act_codes
+from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, e4m3_code, silu_mul_value, store_act_codes
 
 
 # Launch option of every kernel here: no contraction of a rounded product and an add into
@@ -99,11 +99,11 @@ def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
-def _rope_heads(x_ptr, stride_xh, out_ptr, stride_oh, n_heads, c1, c2, s1, s2, dt: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate one token's ``n_heads`` rows (``x_ptr`` / ``out_ptr`` at its first head):
-    out[:half] = x1*c1 + (-x2)*s1, out[half:] = x2*c2 + x1*s2, each product and the sum
-    rounded to ``dt`` as in torch, then stored in out's dtype."""
+def _rope_values(x_ptr, stride_xh, n_heads, c1, c2, s1, s2, dt: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one token's ``n_heads`` rows (``x_ptr`` at its first head): the halves
+    y1 = x1*c1 + (-x2)*s1, y2 = x2*c2 + x1*s2 ``[BLOCK_H, BLOCK_D]`` in ``dt``, each product and
+    the sum rounded to ``dt`` as in torch (0 off the mask), and the mask."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     m = (heads < n_heads)[:, None] & (d < HALF)[None, :]
@@ -112,10 +112,51 @@ def _rope_heads(x_ptr, stride_xh, out_ptr, stride_oh, n_heads, c1, c2, s1, s2, d
     x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
     y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    return y1, y2, m
+
+
+@triton.jit
+def _rope_heads(x_ptr, stride_xh, out_ptr, stride_oh, n_heads, c1, c2, s1, s2, dt: tl.constexpr,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """:func:`_rope_values` of one token's rows, stored at ``out_ptr`` (its first head) in out's dtype."""
+    y1, y2, m = _rope_values(x_ptr, stride_xh, n_heads, c1, c2, s1, s2, dt, HALF, BLOCK_H, BLOCK_D)
     st = out_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
     obase = out_ptr + heads[:, None] * stride_oh + d[None, :]
     tl.store(obase, y1.to(st), mask=m)
     tl.store(obase + HALF, y2.to(st), mask=m)
+
+
+# quarl.quant.kv: scale = max(amax, KV_AMAX_FLOOR) / 448, codes e4m3(x / scale)
+_KV_AMAX_FLOOR = tl.constexpr(2.0**-100)
+
+
+@triton.jit
+def _kv_fp8_scale(amax):
+    """Per-row scale ``max(amax, 2^-100) / 448`` (IEEE division, as quarl.quant.kv.kv_scales)."""
+    return tl.math.div_rn(tl.maximum(amax, _KV_AMAX_FLOOR), tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit
+def _kv_fp8_codes(x, s):
+    """e4m3 bytes of fp32 rows ``x [H, BLOCK]`` under their scales ``s [H]``: ``e4m3(x / s)``."""
+    return e4m3_code(tl.math.div_rn(x, s[:, None] + tl.zeros_like(x))).to(tl.uint8)
+
+
+@triton.jit
+def _store_k_fp8(y1, y2, m, codes_ptr, scale_ptr, n_heads, D: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's rotated K halves (``_rope_values``) as fp8 codes at ``codes_ptr [H, D]`` and
+    scales at ``scale_ptr [H]``: the row maximum spans both halves."""
+    a1, a2 = tl.abs(y1.to(tl.float32)), tl.abs(y2.to(tl.float32))
+    s = _kv_fp8_scale(tl.maximum(tl.max(a1, 1), tl.max(a2, 1)))
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    base = codes_ptr + heads[:, None] * D + d[None, :]
+    tl.store(base, _kv_fp8_codes(y1.to(tl.float32), s), mask=m)
+    tl.store(base + HALF, _kv_fp8_codes(y2.to(tl.float32), s), mask=m)
+    tl.store(scale_ptr + heads, s, mask=heads < n_heads)
 
 
 @triton.jit
@@ -128,26 +169,39 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, stride_xt, stride_xh
 
 
 @triton.jit
-def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, n_q, n_kv,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ot, stride_oh,
-                          D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+                          n_q, n_kv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+                          stride_ot, stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                          BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          KV_FP8: tl.constexpr):
     """One token: rotated q into ``qo``; rotated k and v into the paged caches' slot of the
     token (``[slots, n_kv, D]`` contiguous), in the cache dtype; the rotation rounds as
-    ``_rope_kernel`` with q's dtype."""
+    ``_rope_kernel`` with q's dtype. KV_FP8: the caches are e4m3 bytes and the token's
+    per-head scales go to ``ks`` / ``vs`` (``[slots, n_kv]``), as quarl.quant.kv.quantize_kv."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dt = qo_ptr.dtype.element_ty
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK_D)
     _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * stride_ot, stride_oh, n_q, c1, c2, s1, s2, dt, HALF,
                 BLOCK_HQ, BLOCK_D)
-    _rope_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + slot * (n_kv * D), D, n_kv, c1, c2, s1, s2, dt, HALF,
-                BLOCK_HKV, BLOCK_D)
     heads = tl.arange(0, BLOCK_HKV)
     d = tl.arange(0, BLOCK_DV)
     m = (heads < n_kv)[:, None] & (d < D)[None, :]
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=m, other=0.0)
-    tl.store(vc_ptr + slot * (n_kv * D) + heads[:, None] * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=m)
+    v_dst = vc_ptr + slot * (n_kv * D) + heads[:, None] * D + d[None, :]
+    if KV_FP8:
+        y1, y2, km = _rope_values(k_ptr + t * stride_kt, stride_kh, n_kv, c1, c2, s1, s2, dt, HALF, BLOCK_HKV,
+                                  BLOCK_D)
+        _store_k_fp8(y1, y2, km, kc_ptr + slot * (n_kv * D), ks_ptr + slot * n_kv, n_kv, D, HALF, BLOCK_HKV,
+                     BLOCK_D)
+        vf = v.to(tl.float32)
+        vs = _kv_fp8_scale(tl.max(tl.abs(vf), 1))
+        tl.store(v_dst, _kv_fp8_codes(vf, vs), mask=m)
+        tl.store(vs_ptr + slot * n_kv + heads, vs, mask=heads < n_kv)
+    else:
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + slot * (n_kv * D), D, n_kv, c1, c2, s1, s2, dt, HALF,
+                    BLOCK_HKV, BLOCK_D)
+        tl.store(v_dst, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -161,21 +215,30 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``rope(q, cos, sin)``, with ``rope(k, cos, sin)`` and ``v`` written into the paged
     caches at ``slots`` in one launch (what ``rope`` twice and two ``index_copy_`` do):
     q / k / v ``[N, H, D]`` (unit last stride), caches ``[..., Hkv, D]`` contiguous,
-    slots ``[N]`` (``block * block_size + offset``)."""
+    slots ``[N]`` (``block * block_size + offset``). An fp8 cache (float8_e4m3fn, with
+    ``k_scale`` / ``v_scale [..., Hkv]`` float32 contiguous) gets the codes and scales of
+    :func:`quarl.quant.kv.quantize_kv` of rope(k) and v, bit for bit."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    fp8 = k_scale is not None
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = k_cache  # unused
     if n:
         _rope_store_kv_kernel[(n,)](
-            q, k, v, cos, sin, out, k_cache, v_cache, slots, hq, hkv,
+            q, k, v, cos, sin, out, k_cache, v_cache, k_scale, v_scale, slots, hq, hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             out.stride(0), out.stride(1),
             D=d, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-            BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_DV=triton.next_power_of_2(d), num_warps=4, **NO_FMA,
+            BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_DV=triton.next_power_of_2(d), KV_FP8=fp8, num_warps=4,
+            **NO_FMA,
         )
     return out
 

@@ -12,6 +12,11 @@ per KV head; queries are padded to 16 rows for ``tl.dot``. Decode splits the con
 into ``NUM_SPLITS`` chunks (flash-decoding) whose length is read from device memory,
 so a CUDA graph captured once balances the splits at every context length.
 
+fp8 KV cache (``KV_FP8``, a constexpr: the model-dtype path compiles as before): the
+caches hold e4m3 bytes and a float32 scale per (token, kv head) in ``[num_blocks,
+block_size, Hkv]``; each tile is dequantized in registers as ``dtype(float32(code) *
+scale)`` (:func:`quarl.quant.kv.dequantize_kv`, bit for bit) before the dots.
+
 The sampling kernel streams a row of logits once: it computes the log-sum-exp of
 ``logits / T`` online and the Gumbel-max choice with counter-based noise (see
 :mod:`quarl.rollout.sampler` for the hash), so no full-vocabulary sort is done.
@@ -23,16 +28,34 @@ import torch
 import triton
 import triton.language as tl
 
+from quarl.quant.kernels.triton_kernels import e4m3_value
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_tile(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.constexpr, KV_FP8: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` K or V rows at element offsets ``row`` in the model dtype ``dt``.
+
+    KV_FP8: the cache holds e4m3 bytes and ``scale_ptr`` one float32 per (token, head) at
+    offsets ``srow``; the value is ``dt(float32(code) * scale)``, :func:`quarl.quant.kv.dequantize_kv`
+    exactly. Otherwise a plain load (the model-dtype cache)."""
+    if KV_FP8:
+        b = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        s = tl.load(scale_ptr + srow, mask=n_mask, other=0.0)
+        return (e4m3_value(b) * s[:, None]).to(dt)
+    else:
+        return tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -59,9 +82,10 @@ def _paged_decode_kernel(
         n_mask = offs_n < end
         page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
+        srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh  # fp8: the rows' scales
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _kv_tile(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        v = _kv_tile(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,10 +136,11 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr, out_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ot, stride_oh,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
+    out_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -146,9 +171,10 @@ def _paged_prefill_kernel(
         n_mask = offs_n < kv_len
         page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
+        srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _kv_tile(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        v = _kv_tile(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(valid, s, float("-inf"))
@@ -169,6 +195,20 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple) -> tuple:
+    """``(k, v, k_scale, v_scale, stride_sb, stride_st, fp8)`` kernel arguments: an fp8 cache
+    as bytes with its ``[blocks, block_size, Hkv]`` scales, else the caches themselves (the
+    scale pointers then unused)."""
+    k_scale, v_scale = kv_scales
+    if k_scale is None:
+        return k_cache, v_cache, k_cache, v_cache, 0, 0, False
+    if k_cache.dtype != torch.float8_e4m3fn or k_scale.stride() != v_scale.stride() or k_scale.stride(2) != 1:
+        raise ValueError("an fp8 KV cache takes float8_e4m3fn codes and scales [blocks, block_size, Hkv] "
+                         "with unit head stride (quarl.rollout.kv_cache.KVCache)")
+    return (k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale,
+            k_scale.stride(0), k_scale.stride(1), True)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,6 +223,7 @@ def paged_decode_attention(
     scale: float,
     block_n: int = 64,
     num_warps: int = 4,
+    kv_scales: tuple = (None, None),
 ) -> torch.Tensor:
     """One query token per sequence over its paged context.
 
@@ -190,7 +231,9 @@ def paged_decode_attention(
     ``[B, max_blocks]`` int32; context_lens ``[B]`` int32 (tokens to attend, the new
     one included, already in the cache); split_len ``[1]`` int32 tokens per split
     (a multiple of 64); out ``[B, Hq, D]``; part_out ``[B, Hq, S, D]`` and part_lse
-    ``[B, Hq, S]`` float32 scratch when ``num_splits > 1``.
+    ``[B, Hq, S]`` float32 scratch when ``num_splits > 1``. ``kv_scales``: an fp8 cache's
+    ``(k_scale, v_scale)``, each ``[num_blocks, block_size, Hkv]`` float32 (caches then
+    float8_e4m3fn); ``(None, None)`` for a cache in the model dtype.
     """
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
@@ -200,12 +243,13 @@ def paged_decode_attention(
         assert part_out is not None and part_lse is not None
     else:
         part_out = part_lse = out
+    k_arg, v_arg, ks, vs, stride_sb, stride_st, fp8 = _kv_args(k_cache, v_cache, kv_scales)
     _paged_decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, split_len, out, part_out, part_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_arg, v_arg, ks, vs, block_tables, context_lens, split_len, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
@@ -227,13 +271,15 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: tuple = (None, None),
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequences' paged context (prefill/extend).
 
     q ``[N, Hq, D]`` packs the new tokens of all sequences (``cu_seqlens_q [S+1]``
     int32); their K/V are already in the cache. ``kv_lens [S]`` int32 counts each
     sequence's cached + new tokens; new token ``i`` sits at position
-    ``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i``.
+    ``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i``. ``kv_scales`` as in
+    :func:`paged_decode_attention`.
     """
     n, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
@@ -242,12 +288,13 @@ def paged_prefill_attention(
     num_seqs = kv_lens.shape[0]
     block_m = 64 if max_seqlen_q > 32 else 16
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, hq)
+    k_arg, v_arg, ks, vs, stride_sb, stride_st, fp8 = _kv_args(k_cache, v_cache, kv_scales)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, kv_lens, out, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_arg, v_arg, ks, vs, block_tables, cu_seqlens_q, kv_lens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q.dtype), KV_FP8=fp8,
         num_warps=4, num_stages=2,
     )
     return out

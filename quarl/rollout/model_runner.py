@@ -24,6 +24,18 @@ def _graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def _check_fp8_kv_support(kv_cache_dtype: str, device: torch.device, backend: str) -> None:
+    """The Triton kernels convert to and from e4m3 in hardware, which needs sm89+ (Ada, Hopper)."""
+    if kv_cache_dtype != "fp8" or device.type != "cuda" or backend != "triton":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype=fp8 needs a GPU with fp8 conversions (compute capability 8.9+, e.g. L4/L40/H100); "
+            f"this one is {major}.{minor}: use kv_cache_dtype=auto"
+        )
+
+
 class ModelRunner:
     """Runs prefill and decode steps of the model over the paged cache and samples.
 
@@ -44,6 +56,7 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         backend = config.attention_backend
         self.backend = ("triton" if self.is_cuda else "torch") if backend == "auto" else backend
+        _check_fp8_kv_support(config.kv_cache_dtype, self.device, self.backend)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         model.rotary.ensure(max_model_len)
@@ -68,7 +81,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- memory
     def _new_cache(self, num_blocks: int) -> KVCache:
         return KVCache(
-            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+            self.config.kv_cache_dtype,
         )
 
     def _num_kv_blocks(self) -> int:
@@ -76,7 +90,7 @@ class ModelRunner:
         if not self.is_cuda:
             return cap or _CPU_DEFAULT_BLOCKS
         per_block = KVCache.bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.config.kv_cache_dtype
         )
         torch.cuda.synchronize()
         gc.collect()
@@ -185,8 +199,11 @@ class ModelRunner:
         if batch * nb > self.num_blocks:
             return
         k_cache, v_cache = self.kv.k[0], self.kv.v[0]
-        k_cache[: batch * nb].normal_()
-        v_cache[: batch * nb].normal_()
+        kv_scales = (self.kv.k_scale[0], self.kv.v_scale[0])
+        for cache in (k_cache, v_cache):  # normal_ has no float8 kernel: draw, then cast
+            cache[: batch * nb] = torch.randn(cache[: batch * nb].shape, device=self.device).to(cache.dtype)
+        for scales in kv_scales if self.kv.quantized else ():
+            scales[: batch * nb].fill_(1.0 / 448)
         tables = torch.randperm(batch * nb, device=self.device).view(batch, nb).to(torch.int32)
         hq = self.model.config.num_attention_heads
         q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
@@ -201,7 +218,7 @@ class ModelRunner:
             for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
                 def call(block_n=block_n, warps=warps, splits=splits, split_len=split_len, po=po, pl=pl):
                     kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, split_len, out, po, pl,
-                                                   splits, self.head_dim**-0.5, block_n, warps)
+                                                   splits, self.head_dim**-0.5, block_n, warps, kv_scales=kv_scales)
                 call()  # compile
                 calls[(block_n, warps, per_sm)] = call
         torch.cuda.synchronize()
@@ -222,7 +239,7 @@ class ModelRunner:
         best = min((m, cand) for cand, m in medians.items())
         self.decode_tiling = best[1]
         self.decode_tuning_ms = best[0]
-        self.kv.data.zero_()
+        self.kv.zero_()
 
     def _hidden_states(self, ids: torch.Tensor, pos: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         if self.fused:

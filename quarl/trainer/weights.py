@@ -42,13 +42,22 @@ def build_engine_and_publisher(
 
     The engine gets a copy of ``learner_model`` in ``quant.scheme`` (bf16 in ``bf16``
     mode); in ``aligned`` mode the learner's selected linears become :class:`QATLinear`
-    over the same parameters. The publisher keeps the engine equal to the learner.
+    over the same parameters, and with an fp8 KV cache (``engine_config.kv_cache_dtype``)
+    the learner's attention rounds K/V as that cache does (``learner_model.kv_quant``).
+    In ``bf16`` / ``rollout`` mode the learner stays full precision: the fp8 cache is then
+    part of the rollout-only mismatch. The publisher keeps the engine equal to the learner.
     """
     engine = Engine(copy.deepcopy(learner_model), scheme=quant.scheme, config=engine_config,
                     include=quant.include, exclude=quant.exclude)
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
+    learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
     return engine, Publisher(learner_model, engine, quant.mode)
+
+
+def learner_kv_quant(mode: QuantMode, kv_cache_dtype: str) -> str | None:
+    """The learner's K/V rounding: the engine's fp8 cache format in ``aligned`` mode, else none."""
+    return "fp8" if mode.learner_quantized and kv_cache_dtype == "fp8" else None
 
 
 def _metric_layers(num_layers: int) -> set[int]:

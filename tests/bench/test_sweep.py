@@ -119,6 +119,8 @@ def test_sweep_cli_without_a_gpu():
     assert r.returncode == 0 and "wgmma:nwg=1,stages=3,tail=1\n" in r.stdout
     r = _quarl("bench", "rollout", "--profile-kernels")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
+    r = _quarl("bench", "rollout", "--kv-cache-dtype", "auto,fp16")
+    assert r.returncode == 2 and "kv_cache_dtype must be 'auto'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_candidates_from_a_file(tmp_path):

@@ -141,3 +141,25 @@ def test_generate_applies_the_chat_template_by_default():
     default = logprobs()
     assert default == logprobs("--chat")  # same prompt ids, same greedy log-probs
     assert default != logprobs("--no-chat")
+
+
+def test_generate_with_fp8_kv_cache_is_the_fp8_engine():
+    import torch
+
+    from quarl.model.presets import build_random_model
+    from quarl.rollout import Engine, EngineConfig, SamplingParams
+    from quarl.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    ids = tok.apply_chat_template([{"role": "user", "content": "7+12="}])
+    r = _quarl("generate", "--builtin", "tiny", "--prompt", "7+12=", "--max-new-tokens", "6", "--greedy",
+               "--show-logprobs", "--kv-cache-dtype", "fp8")
+    engine = Engine(build_random_model("tiny", dtype=torch.float32),
+                    config=EngineConfig(max_model_len=64, num_kv_blocks=16, kv_cache_dtype="fp8"))
+    want = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                 stop_token_ids=(tok.eos_token_id,)))[0]
+    assert r.stdout.splitlines()[1] == tok.decode(want.token_ids)
+    assert r.stdout.splitlines()[2] == "logprobs: " + " ".join(f"{x:.3f}" for x in want.logprobs)
+    assert "fp8 KV cache" in r.stdout
+    r = _quarl("generate", "--prompt", "x", "--kv-cache-dtype", "fp16", check=False)
+    assert r.returncode == 2 and "invalid choice: 'fp16'" in r.stderr

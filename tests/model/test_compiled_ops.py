@@ -67,3 +67,33 @@ def test_one_row_then_two_rows_does_not_recompile():
     for rows, t in ((2, 7), (3, 13), (1, 5)):
         run(rows, t)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_ops_with_fp8_kv_fake_quant_match_eager():
+    """The learner's K/V rounding for an fp8 engine cache (``kv_quant="fp8"``) lives in the
+    attention callable, outside the compiled steps: compiled and eager forwards agree, and
+    the rounding is really applied (the hidden states differ from the unrounded ones)."""
+    cfg = TransformerConfig(
+        model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True,
+    )
+    torch.manual_seed(3)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    ids = torch.randint(0, 50, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, -2:] = 0
+    w = torch.randn(3, 9, 32)
+    out = {}
+    for kv_quant, ops in ((None, None), ("fp8", None), ("fp8", COMPILED_OPS)):
+        pos, attn = batch_attention(ids, mask, kv_quant=kv_quant)
+        model.zero_grad()
+        h = model.hidden_states(ids, pos, attn) if ops is None else model.hidden_states(ids, pos, attn, ops)
+        (h * w).sum().backward()
+        out[kv_quant, ops is not None] = (h.detach(), model.layers[0].self_attn.k_proj.weight.grad.clone())
+    (h_plain, _), (h_eager, g_eager), (h_comp, g_comp) = out.values()
+    torch.testing.assert_close(h_comp, h_eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_comp, g_eager, rtol=1e-4, atol=1e-5)
+    assert (h_eager - h_plain).abs().max() > 1e-3

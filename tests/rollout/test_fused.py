@@ -217,3 +217,39 @@ def test_persistent_silu_mul_quantizer_gives_the_quantizers_codes(fmt, dtype):
         q, s = _silu_mul_quant_rows(g, u, fmt, per_sm=per_sm, block=64, num_warps=4)
         assert torch.equal(s, s_ref) and s[5] == 1.0
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_writes_fp8_codes_of_the_quantizer(dtype):
+    """With an fp8 cache the one-launch rope + store writes exactly ``quantize_kv`` of rope(k)
+    and of v (codes and scales, bit for bit) into the token's slots; rope(q) is unchanged and
+    other slots stay untouched."""
+    from quarl.quant.kv import quantize_kv
+    from quarl.rollout.fused import rope, rope_store_kv
+
+    torch.manual_seed(5)
+    n, hq, hkv, d, blocks, bs = 6, 6, 3, 16, 4, 4
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)
+    qkv[:, hq * d :] *= torch.logspace(-3, 3, n)[:, None].to(dtype)  # rows of very different magnitude
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+    v[2, 1] = 0  # a zero row
+    ang = torch.randn(n, d // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    slots = torch.randperm(blocks * bs)[:n]
+    kc, vc = (torch.randn(blocks, bs, hkv, d).to(torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = torch.rand(blocks, bs, hkv), torch.rand(blocks, bs, hkv)
+    before = [t.clone() for t in (kc, vc, ks, vs)]
+    out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, ks, vs)
+    assert torch.equal(out, rope(q, cos, sin))
+    for (codes, scales), (cache, scale_cache), (old_c, old_s) in zip(
+        (quantize_kv(rope(k, cos, sin)), quantize_kv(v)), ((kc, ks), (vc, vs)), ((before[0], before[2]), (before[1], before[3]))
+    ):
+        rows, srows = cache.view(torch.uint8).view(-1, hkv, d), scale_cache.view(-1, hkv)
+        assert torch.equal(rows[slots], codes.view(torch.uint8))
+        assert torch.equal(srows[slots], scales)
+        others = torch.ones(blocks * bs, dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(rows[others], old_c.view(torch.uint8).view(-1, hkv, d)[others])
+        assert torch.equal(srows[others], old_s.view(-1, hkv)[others])

@@ -77,3 +77,64 @@ def test_sampling_kernel_matches_reference():
     assert tokens.tolist() == ref_tokens.tolist()
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-6)
+
+
+def _fp8_paged_cache(lens: list[int], page: int, hkv: int, d: int):
+    """A random fp8 cache: codes and scales of ``quantize_kv`` of rows of varied magnitude
+    (a zero row included), and the float32 values attention must read from it."""
+    from quarl.quant.kv import dequantize_kv, quantize_kv
+
+    k, v, tables = _paged_cache(lens, page, hkv, d, torch.float32)
+    magnitude = torch.logspace(-2, 2, k.shape[0] * page * hkv).view(k.shape[0], page, hkv, 1)
+    caches = []
+    for x in (k * magnitude, v * magnitude.flip(0)):
+        x[0, 0, 0] = 0
+        codes, scales = quantize_kv(x)
+        caches.append((codes, scales, dequantize_kv(codes, scales, torch.float32)))
+    return caches, tables
+
+
+@pytest.mark.parametrize("hq,hkv,d,page", [(4, 2, 16, 4), (6, 2, 12, 8), (4, 1, 32, 16)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_reads_fp8_cache(hq, hkv, d, page, splits):
+    """The kernel on fp8 codes + scales equals, bit for bit, the kernel on the dequantized
+    float32 cache, and the torch reference on the fp8 cache to float tolerance."""
+    from quarl.rollout.kernels import paged_decode_attention
+
+    lens = [1, 70, 13, 130]
+    ((kc, ks, k_deq), (vc, vs, v_deq)), tables = _fp8_paged_cache(lens, page, hkv, d)
+    q = torch.randn(len(lens), hq, d)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    per_split = -(-max(lens) // splits)
+    split_len = torch.tensor([-(-per_split // 64) * 64], dtype=torch.int32)
+
+    def run(k, v, kv_scales):
+        out = torch.full_like(q, float("nan"))
+        part_out = torch.empty(len(lens), hq, splits, d) if splits > 1 else None
+        part_lse = torch.empty(len(lens), hq, splits) if splits > 1 else None
+        return paged_decode_attention(q, k, v, tables, ctx, split_len, out, part_out, part_lse, splits, d**-0.5,
+                                      kv_scales=kv_scales)
+
+    got = run(kc, vc, (ks, vs))
+    assert torch.equal(got, run(k_deq, v_deq, (None, None)))
+    ref = torch_decode_attention(q, kc, vc, tables, lens, d**-0.5, (ks, vs))
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(ref, torch_decode_attention(q, k_deq, v_deq, tables, lens, d**-0.5))
+
+
+@pytest.mark.parametrize("hq,hkv,d,page", [(4, 2, 16, 4), (4, 1, 32, 16)])
+def test_paged_prefill_and_extend_read_fp8_cache(hq, hkv, d, page):
+    from quarl.rollout.kernels import paged_prefill_attention
+
+    kv_lens = [5, 90, 17, 1]
+    q_lens = [5, 70, 3, 1]  # sequence 1 and 2 extend a cached prefix
+    ((kc, ks, k_deq), (vc, vs, v_deq)), tables = _fp8_paged_cache(kv_lens, page, hkv, d)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    q = torch.randn(int(cu[-1]), hq, d)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    got = paged_prefill_attention(q, kc, vc, tables, cu, lens, max(q_lens), d**-0.5, kv_scales=(ks, vs))
+    assert torch.equal(got, paged_prefill_attention(q, k_deq, v_deq, tables, cu, lens, max(q_lens), d**-0.5))
+    ref = torch_prefill_attention(q, kc, vc, tables, cu.tolist(), kv_lens, d**-0.5, (ks, vs))
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(ref, torch_prefill_attention(q, k_deq, v_deq, tables, cu.tolist(), kv_lens, d**-0.5))

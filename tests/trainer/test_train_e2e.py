@@ -226,3 +226,18 @@ def test_update_result_model_flops_by_hand():
 
     # forward + backward 6 P T; each extra forward adds 2 P T: (6 + 2 * 2) * 1000 * 50 = 500000
     assert UpdateResult({}, {}, tokens=50, extra_forwards=2).model_flops(1000) == 500_000
+
+
+def test_fp8_kv_cache_in_aligned_mode_adds_no_mismatch(tmp_path):
+    """rollout.engine.kv_cache_dtype=fp8: the aligned learner rounds K/V as the cache does, so
+    the step's mismatch stays at the aligned level; a bf16-mode learner (which does not mirror
+    the cache) sees the cache's rounding as mismatch."""
+    kl = {}
+    for mode in ("aligned", "bf16"):
+        trainer, rows = _train(tmp_path / mode, f"--quant.mode={mode}", "--quant.scheme=w4a16", "--algo.loss=ppo",
+                               "--rollout.engine.kv_cache_dtype=fp8", steps=1)
+        assert trainer.engine.runner.kv.quantized
+        assert trainer.learner.model.kv_quant == ("fp8" if mode == "aligned" else None)
+        kl[mode] = rows[-1]["mismatch/kl_k3"]
+        trainer.rewards.close()
+    assert kl["bf16"] > 1e-6 and kl["aligned"] < kl["bf16"] / 100, kl

@@ -97,6 +97,18 @@ def e4m3_code(v):
 
 
 @triton.jit
+def e4m3_value(b):
+    """fp32 value of e4m3fn bytes ``b`` (uint8, sign bit included), exact: the hardware
+    conversion on the GPU, integer arithmetic under the interpreter. NaN bytes are not
+    decoded (the quantizers here never write them)."""
+    if HW_E4M3:
+        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bi = b.to(tl.int32)
+        return _e4m3_value(bi & 0x7F) * (1.0 - 2.0 * ((bi >> 7) & 1).to(tl.float32))
+
+
+@triton.jit
 def e4m3_byte_kernel(v_ptr, q_ptr, n, BLOCK: tl.constexpr):
     """``q = e4m3_code(v)`` elementwise (tests the conversion alone)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

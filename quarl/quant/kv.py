@@ -1,0 +1,90 @@
+"""The fp8 KV-cache format: one definition for the engine's cache and the learner's attention.
+
+With ``rollout.engine.kv_cache_dtype=fp8`` the engine stores each (token, kv head) row of
+K (after the rotary embedding: what the cache holds) and of V as ``D`` float8 e4m3fn codes
+plus one float32 scale:
+
+    amax  = max over the row's D values of |x|, in float32        x: the model-dtype row
+    s     = max(amax, KV_AMAX_FLOOR) / 448                         IEEE division
+    code  = e4m3fn(x_fp32 / s)                                     round to nearest even,
+                                                                   saturating at +-448
+    value = (float32(code) * s) rounded to the model dtype         what attention reads
+
+448 is e4m3fn's largest finite value, so the row's largest entry maps to +-448 and the
+others keep 3 mantissa bits (entries below 2^-6 / 448 of the row maximum fall into e4m3's
+subnormal range and keep fewer). The scale is dynamic per row: a token's K/V are quantized once, when
+they are written, and never requantized, so the stored value of a token does not depend
+on the batch, on later tokens or on the step that wrote it. ``KV_AMAX_FLOOR`` (2^-100)
+only matters for rows that are (almost) all zero: their scale stays a normal float32 and
+their codes 0.
+
+Cost: ``D + 4`` bytes per (token, kv head) instead of ``2 D`` in bf16 (132 vs 256 at
+``D = 128``), so a KV budget holds ~1.9x the tokens, and a decode step reads half the K/V
+bytes. In ``aligned`` training the learner's attention sees :func:`fake_quantize_kv` of its
+K (after rotary) and V, the very values the engine's attention reads, with a
+straight-through gradient; so the cache adds no sampler/learner mismatch there.
+
+Functions (shapes ``[..., D]``; scales ``[...]``):
+:func:`quantize_kv` ``x -> (codes e4m3fn, scales fp32)``; :func:`dequantize_kv`
+``(codes, scales, dtype) -> x_hat``; :func:`fake_quantize_kv` ``x -> x_hat`` (STE).
+The Triton kernels of :mod:`quarl.rollout.fused` (writes) and :mod:`quarl.rollout.kernels`
+(reads) reproduce these bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model dtype
+KV_FP8_MAX = 448.0  # largest finite float8 e4m3fn
+KV_AMAX_FLOOR = 2.0**-100  # keeps a zero row's scale a normal float32 (its codes are 0)
+KV_FP8_DTYPE = torch.float8_e4m3fn
+
+
+def check_kv_cache_dtype(value: str) -> str:
+    """``value`` if it names a KV-cache format, else a ValueError that names the fix."""
+    if value not in KV_CACHE_DTYPES:
+        hint = " (quarl's fp8 cache is e4m3: write 'fp8')" if str(value).lower().startswith("fp8") else ""
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' (K/V in the model dtype) or 'fp8' (e4m3 codes with a float32 scale "
+            f"per token and kv head), got {value!r}{hint}"
+        )
+    return value
+
+
+def kv_scales(x: torch.Tensor) -> torch.Tensor:
+    """Scales ``[...]`` float32 of rows ``x [..., D]``: ``max(amax, KV_AMAX_FLOOR) / 448``."""
+    amax = x.float().abs().amax(-1).clamp_min(KV_AMAX_FLOOR)
+    return amax / torch.full_like(amax, KV_FP8_MAX)  # tensor / tensor: IEEE division on every device
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [..., D]`` (bf16 / fp16 / fp32) -> ``(codes [..., D] e4m3fn, scales [...] fp32)``.
+
+    ``codes = e4m3fn(x_fp32 / s)`` rounded to nearest even and saturated at +-448 (torch's
+    cast alone turns values past 448 into NaN, so the quotient is clamped first; it can
+    pass 448 by an ulp of the division)."""
+    s = kv_scales(x)
+    t = x.float() / s[..., None]
+    return t.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE), s
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(float32(codes) * scales[..., None])`` rounded once to ``dtype``: what attention reads."""
+    return (codes.float() * scales[..., None]).to(dtype)
+
+
+class _FakeQuantizeKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return dequantize_kv(*quantize_kv(x), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad  # straight-through: d x_hat / d x taken as the identity
+
+
+def fake_quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """``dequantize_kv(*quantize_kv(x), x.dtype)`` with a straight-through (identity) gradient:
+    the learner's K (after rotary) and V as the engine's fp8 cache gives them back."""
+    return _FakeQuantizeKV.apply(x)

@@ -1,0 +1,106 @@
+"""The fp8 KV-cache format (quarl.quant.kv) against hand-computed values and float64 math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quarl.quant.kv import KV_AMAX_FLOOR, dequantize_kv, fake_quantize_kv, quantize_kv
+
+
+def _e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite non-negative e4m3fn value (float64) and its byte, ascending."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7f is NaN
+    return codes.view(torch.float8_e4m3fn).double(), codes
+
+
+def _reference_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 statement of the format: s = fp32(max(amax, floor) / 448), t = fp32(x / s),
+    the nearest e4m3 value to |t| (ties to the even code), capped at 448, sign restored.
+    (An fp32 quotient rounded through float64 equals the fp32 division: 53 >= 2 * 24 + 2.)"""
+    xd = x.double()
+    s = (xd.abs().amax(-1).clamp_min(KV_AMAX_FLOOR) / 448).float().double()
+    t = (xd / s[..., None]).float().double()
+    values, codes = _e4m3_grid()
+    a = t.abs().clamp_max(448.0).flatten()
+    dist = (a[:, None] - values[None, :]).abs()
+    best = dist.min(1, keepdim=True).values
+    tied = dist == best
+    # among the (at most two) nearest values, the even code (mantissa lsb 0)
+    pick = torch.where(tied & (codes[None, :] % 2 == 0), 1, 0) + tied.int()
+    idx = pick.argmax(1)
+    byte = codes[idx] | (torch.signbit(t.flatten()).to(torch.uint8) << 7)
+    return byte.view(t.shape), s.float()
+
+
+def test_known_values_round_trip():
+    # amax 448: scale 1, and 1, -2, 0.5, 448 are e4m3 values
+    x = torch.tensor([[448.0, 1.0, -2.0, 0.5]])
+    codes, s = quantize_kv(x)
+    assert s.tolist() == [1.0]
+    assert codes.float().tolist() == [[448.0, 1.0, -2.0, 0.5]]
+    assert dequantize_kv(codes, s, torch.float32).tolist() == [[448.0, 1.0, -2.0, 0.5]]
+    # amax 7: s = fp32(7 / 448) = 1/64 exactly; x / s = 64 x
+    codes, s = quantize_kv(torch.tensor([[7.0, -0.25, 3.0]]))
+    assert s.tolist() == [1 / 64]
+    assert codes.float().tolist() == [[448.0, -16.0, 192.0]]
+
+
+def test_rounding_ties_go_to_the_even_code():
+    # s = 1 (amax 448). e4m3 spacing is 2 in [16, 32) and 32 in [256, 448]:
+    # ties 17 -> 16 (mantissa 000b), 19 -> 20 (010b), 272 -> 256, 304 -> 320; no ties: 18.5 and 18.9 -> 18
+    x = torch.tensor([[448.0, 17.0, 19.0, 272.0, 304.0, -17.0, 18.5, 18.9]])
+    codes, _ = quantize_kv(x)
+    assert codes.float().tolist() == [[448.0, 16.0, 20.0, 256.0, 320.0, -16.0, 18.0, 18.0]]
+
+
+def test_saturation_of_the_rounded_quotient():
+    # fp32: 4.68228816986084 / fp32(4.68228816986084 / 448) = 448.00003 > 448. torch's cast
+    # alone is not saturating in general; the code must be 448, not NaN.
+    a = torch.tensor(4.68228816986084)
+    assert float(a / (a / torch.tensor(448.0))) > 448.0
+    codes, s = quantize_kv(torch.stack([a, -a, a / 3])[None])
+    assert not codes.float().isnan().any()
+    assert codes.float()[0, :2].tolist() == [448.0, -448.0]
+
+
+def test_zero_rows_get_zero_codes_and_a_normal_scale():
+    x = torch.zeros(2, 3, 8, dtype=torch.bfloat16)
+    x[1, 2] = torch.randn(8).to(torch.bfloat16)
+    codes, s = quantize_kv(x)
+    assert s[0, 0] == KV_AMAX_FLOOR / 448 and s[0, 0] >= torch.finfo(torch.float32).tiny
+    assert (codes[0].view(torch.uint8) == 0).all()
+    assert dequantize_kv(codes, s, torch.bfloat16)[0].eq(0).all()
+    assert (dequantize_kv(codes, s, torch.bfloat16)[1, 2] != 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_random_rows_match_float64_statement(dtype):
+    torch.manual_seed(1)
+    x = (torch.randn(6, 4, 64) * torch.logspace(-3, 3, 6)[:, None, None]).to(dtype)
+    x[0, 0, :] = 0  # a zero row
+    x[1, 1, 5] = 2.0 ** -130 if dtype != torch.float16 else 0.0  # subnormal input
+    codes, s = quantize_kv(x)
+    ref_codes, ref_s = _reference_codes(x)
+    assert codes.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.equal(s, ref_s)
+    assert torch.equal(codes.view(torch.uint8), ref_codes)
+    # value = fp32(code * s) rounded once more to the model dtype (the float64 product is exact)
+    want = (codes.double() * s.double()[..., None]).float().to(dtype)
+    got = dequantize_kv(codes, s, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    # 3 mantissa bits: error at most 2^-4 of the row maximum (+ the model dtype's rounding)
+    amax = x.float().abs().amax(-1, keepdim=True)
+    err = (got.float() - x.float()).abs()
+    assert (err <= amax * (2.0**-4 + 2.0**-7)).all()
+
+
+def test_fake_quantize_is_dequantize_of_quantize_with_identity_gradient():
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = fake_quantize_kv(x)
+    assert torch.equal(y.detach(), dequantize_kv(*quantize_kv(x.detach()), torch.bfloat16))
+    assert not torch.equal(y.detach(), x.detach())
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    assert torch.equal(x.grad, w)
