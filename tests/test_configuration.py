@@ -127,3 +127,14 @@ def test_an_older_runs_config_file_still_loads(tmp_path):
     assert upgrade({"rollout": {"release_kv_cache": True}})["rollout"] == {"engine": {}}  # old default: today's auto
     with pytest.raises(ConfigError, match="has moved"):  # typed by hand in the old layout: told where it went
         load_run_config(None, ["--rollout.kv_cache_fraction=0.5"])
+
+
+def test_a_nested_override_keeps_the_parents_defaults_for_the_other_keys(tmp_path):
+    """Setting one rollout.engine key (CLI or YAML) leaves the trainer's engine defaults (a
+    0.35 memory share, not EngineConfig's own 0.85) on every other key."""
+    cfg = load_run_config(None, ["--rollout.engine.block_size=32"])
+    assert cfg.rollout.engine.block_size == 32 and cfg.rollout.engine.gpu_memory_utilization == 0.35
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  engine:\n    max_num_seqs: 64\n")
+    cfg = load_run_config(path, [])
+    assert cfg.rollout.engine.max_num_seqs == 64 and cfg.rollout.engine.gpu_memory_utilization == 0.35

@@ -148,6 +148,11 @@ def _build(cls, data: dict[str, Any], where: str = ""):
             if moved:
                 raise ConfigError(f"config key {name!r} has moved: use {moved}")
             raise ConfigError(f"unknown config key {name!r}{_suggest(key, list(fields))}")
+        factory = fields[key].default_factory
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints[key]) and factory is not dataclasses.MISSING:
+            # keys not given keep the field's own default (rollout.engine's 0.35 memory share),
+            # not the nested class's defaults
+            value = merge(to_dict(factory()), value)
         kwargs[key] = _coerce(value, hints[key], name)
     try:
         obj = cls(**kwargs)
