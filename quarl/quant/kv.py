@@ -5,14 +5,18 @@ K (after the rotary embedding: what the cache holds) and of V as ``D`` float8 e4
 plus one float32 scale:
 
     amax  = max over the row's D values of |x|, in float32        x: the model-dtype row
-    s     = max(amax, KV_AMAX_FLOOR) / 448                         IEEE division
-    code  = e4m3fn(x_fp32 / s)                                     round to nearest even,
-                                                                   saturating at +-448
-    value = (float32(code) * s) rounded to the model dtype         what attention reads
+    s     = 2^ceil(log2(max(amax, KV_AMAX_FLOOR) / 448))           the power of two at or
+                                                                   above the IEEE quotient
+    code  = e4m3fn(x_fp32 / s)                                     round to nearest even
+    value = float32(code) * s, in the model dtype                  what attention reads
 
-448 is e4m3fn's largest finite value, so the row's largest entry maps to +-448 and the
-others keep 3 mantissa bits (entries below 2^-6 / 448 of the row maximum fall into e4m3's
-subnormal range and keep fewer). The scale is dynamic per row: a token's K/V are quantized once, when
+448 is e4m3fn's largest finite value, so the row's largest entry maps into (224, 448] and
+every entry keeps e4m3's 3 mantissa bits (entries below 2^-7 / 448 of the row maximum fall
+into e4m3's subnormal range and keep fewer). The scale is a power of two so that the value
+is exact in any model dtype (no second rounding) and so that attention can multiply the
+scale in after a dot product with the raw codes with the very same result: the decode
+kernels read the codes, convert them (exactly) to the model dtype and scale the scores
+and the probabilities instead of every element. The scale is dynamic per row: a token's K/V are quantized once, when
 they are written, and never requantized, so the stored value of a token does not depend
 on the batch, on later tokens or on the step that wrote it. ``KV_AMAX_FLOOR`` (2^-100)
 only matters for rows that are (almost) all zero: their scale stays a normal float32 and
@@ -53,24 +57,28 @@ def check_kv_cache_dtype(value: str) -> str:
 
 
 def kv_scales(x: torch.Tensor) -> torch.Tensor:
-    """Scales ``[...]`` float32 of rows ``x [..., D]``: ``max(amax, KV_AMAX_FLOOR) / 448``."""
+    """Scales ``[...]`` float32 of rows ``x [..., D]``: the power of two at or above
+    ``max(amax, KV_AMAX_FLOOR) / 448`` (IEEE division, then the exponent rounded up by bits)."""
     amax = x.float().abs().amax(-1).clamp_min(KV_AMAX_FLOOR)
-    return amax / torch.full_like(amax, KV_FP8_MAX)  # tensor / tensor: IEEE division on every device
+    r = amax / torch.full_like(amax, KV_FP8_MAX)  # tensor / tensor: IEEE division on every device
+    bits = r.view(torch.int32)
+    exp = bits & 0x7F800000
+    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x [..., D]`` (bf16 / fp16 / fp32) -> ``(codes [..., D] e4m3fn, scales [...] fp32)``.
 
-    ``codes = e4m3fn(x_fp32 / s)`` rounded to nearest even and saturated at +-448 (torch's
-    cast alone turns values past 448 into NaN, so the quotient is clamped first; it can
-    pass 448 by an ulp of the division)."""
+    ``codes = e4m3fn(x_fp32 / s)`` rounded to nearest even (the quotient is at most 448:
+    the clamp only guards torch's cast, which turns values past 448 into NaN)."""
     s = kv_scales(x)
     t = x.float() / s[..., None]
     return t.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE), s
 
 
 def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(float32(codes) * scales[..., None])`` rounded once to ``dtype``: what attention reads."""
+    """``float32(codes) * scales[..., None]`` in ``dtype`` (exact: the scale is a power of two):
+    what attention reads."""
     return (codes.float() * scales[..., None]).to(dtype)
 
 

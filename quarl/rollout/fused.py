@@ -134,8 +134,12 @@ _KV_AMAX_FLOOR = tl.constexpr(2.0**-100)
 
 @triton.jit
 def _kv_fp8_scale(amax):
-    """Per-row scale ``max(amax, 2^-100) / 448`` (IEEE division, as quarl.quant.kv.kv_scales)."""
-    return tl.math.div_rn(tl.maximum(amax, _KV_AMAX_FLOOR), tl.full(amax.shape, 448.0, tl.float32))
+    """Per-row scale: the power of two at or above ``max(amax, 2^-100) / 448`` (IEEE
+    division, then the exponent bits rounded up; as quarl.quant.kv.kv_scales)."""
+    r = tl.math.div_rn(tl.maximum(amax, _KV_AMAX_FLOOR), tl.full(amax.shape, 448.0, tl.float32))
+    bits = r.to(tl.int32, bitcast=True)
+    e = bits & 0x7F800000
+    return tl.where((bits & 0x007FFFFF) == 0, e, e + 0x00800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

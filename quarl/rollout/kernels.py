@@ -28,24 +28,30 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.quant.kernels.triton_kernels import e4m3_value
+from quarl.quant.kernels.triton_kernels import HW_E4M3, e4m3_value
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _kv_tile(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.constexpr, KV_FP8: tl.constexpr):
-    """``[BLOCK_N, BLOCK_D]`` K or V rows at element offsets ``row`` in the model dtype ``dt``.
+def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.constexpr, KV_FP8: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` K or V rows at element offsets ``row`` in the model dtype ``dt``,
+    and with KV_FP8 their ``[BLOCK_N]`` float32 scales.
 
-    KV_FP8: the cache holds e4m3 bytes and ``scale_ptr`` one float32 per (token, head) at
-    offsets ``srow``; the value is ``dt(float32(code) * scale)``, :func:`quarl.quant.kv.dequantize_kv`
-    exactly. Otherwise a plain load (the model-dtype cache)."""
+    KV_FP8: the cache holds e4m3 bytes, converted exactly to ``dt``, and ``scale_ptr`` each
+    row's power-of-two scale at offsets ``srow``; the value is code x scale
+    (:func:`quarl.quant.kv.dequantize_kv`), and the caller multiplies the scale into the
+    scores (K) or the probabilities (V): for a power of two that gives the same floats as
+    the dot products over the scaled rows. Otherwise a plain load (the scales are unused)."""
     if KV_FP8:
         b = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
-        s = tl.load(scale_ptr + srow, mask=n_mask, other=0.0)
-        return (e4m3_value(b) * s[:, None]).to(dt)
+        if HW_E4M3:
+            x = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dt)
+        else:
+            x = e4m3_value(b).to(dt)
+        return x, tl.load(scale_ptr + srow, mask=n_mask, other=1.0)
     else:
-        return tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        return tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), 1.0
 
 
 @triton.jit
@@ -84,14 +90,21 @@ def _paged_decode_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh  # fp8: the rows' scales
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _kv_tile(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        v = _kv_tile(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_FP8:
+            s = s * k_s[None, :]
+        s = s * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_FP8:
+            pv = (p * v_s[None, :]).to(v.dtype)
+        else:
+            pv = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -173,15 +186,22 @@ def _paged_prefill_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _kv_tile(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        v = _kv_tile(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_FP8:
+            s = s * k_s[None, :]
+        s = s * qk_scale
         valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_FP8:
+            pv = (p * v_s[None, :]).to(v.dtype)
+        else:
+            pv = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]

@@ -54,7 +54,7 @@ def test_tables_match_the_old_dispatch():
         if fam == "w4" and gen == "sm90" and 64 < m <= 128:  # the added rows: 128-token wgmma tiles
             assert want == ["dequant"] or want[0] == "TileConfig", want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 else 2), (m, n, k)
+            assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))
@@ -79,6 +79,7 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 64, 37888, 3584).config.nwg == 3
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
+    assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
     assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584) == dispatch.DEQUANT
     for gen in ("sm80", "sm89"):
         assert dispatch.lookup("w4a16", gen, 4, 4608, 3584).kernel == "frag"

@@ -93,8 +93,8 @@ def n_below_32768(m: int, n: int, k: int) -> bool:
     return n < 32768
 
 
-def n_below_2048(m: int, n: int, k: int) -> bool:
-    return n < 2048
+def small_weight(m: int, n: int, k: int) -> bool:
+    return n < 2048 and k <= 4096
 
 
 def n_below_16384(m: int, n: int, k: int) -> bool:
@@ -130,7 +130,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)), 64, None, SM90),
-    Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, n_below_2048, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, small_weight, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=4, stages=8)), 4, big_weight, MMA),
