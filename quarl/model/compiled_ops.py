@@ -44,7 +44,9 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled(fn):
+def compiled(fn):
+    """``fn`` through ``torch.compile`` (dynamic shapes, eager's rounding), the batch dimension
+    of its activation arguments unbacked (module docstring)."""
     compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
     def call(*args):
@@ -61,8 +63,8 @@ class CompiledOps(TorchOps):
 
     def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
         if residual is None:
-            return _compiled(rms_norm)(x, norm.weight, norm.eps), x
-        return _compiled(_add_rms_norm)(x, residual, norm.weight, norm.eps)
+            return compiled(rms_norm)(x, norm.weight, norm.eps), x
+        return compiled(_add_rms_norm)(x, residual, norm.weight, norm.eps)
 
     def attention(self, module: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttnFn) -> torch.Tensor:
@@ -71,15 +73,15 @@ class CompiledOps(TorchOps):
         k = module.k_proj(h).view(b, t, module.n_kv, module.head_dim)
         v = module.v_proj(h).view(b, t, module.n_kv, module.head_dim)
         if module.q_norm is not None:
-            q, k = _compiled(_qk_norm_rope)(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.eps,
+            q, k = compiled(_qk_norm_rope)(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.eps,
                                             cos, sin)
         else:
-            q, k = _compiled(_qk_rope)(q, k, cos, sin)
+            q, k = compiled(_qk_rope)(q, k, cos, sin)
         out = attn(module.layer_idx, q, k, v)
         return module.o_proj(out.reshape(b, t, -1))
 
     def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(_compiled(_swiglu)(module.gate_proj(h), module.up_proj(h)))
+        return module.down_proj(compiled(_swiglu)(module.gate_proj(h), module.up_proj(h)))
 
 
 COMPILED_OPS = CompiledOps()
