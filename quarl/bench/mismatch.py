@@ -107,14 +107,9 @@ def measure_mode(overrides: list[str], run_dir: Path, other_budget: int, nudge: 
 def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list[str],
                  out: Path | None, nudge: float = 0.1) -> dict[str, Any]:
     from quarl.bench.common import git_commit
-    from quarl.bench.train import MODES, WORKLOADS, save_random_model, workload_overrides
+    from quarl.bench.train import MODES, check_workload, save_random_model, workload_overrides
 
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    w = WORKLOADS[workload]
+    w = check_workload(workload, modes)
     if other_budget == w.token_budget:
         raise ValueError(f"--other-budget must differ from the workload's token budget ({w.token_budget})")
     cuda = torch.cuda.is_available()

@@ -164,18 +164,23 @@ def profile_call(fn, label: str, top: int = 30):
     return result, "\n".join(lines)
 
 
+def check_workload(workload: str, modes: list[str]) -> Workload:
+    """The workload of that name, once every mode is known (else a ValueError naming the choices)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    return WORKLOADS[workload]
+
+
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: bool = False) -> dict[str, Any]:
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
 
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    w = WORKLOADS[workload]
+    w = check_workload(workload, modes)
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
     params = preset_config(w.shape).matmul_params

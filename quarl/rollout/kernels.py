@@ -55,6 +55,26 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
 
 
 @triton.jit
+def _scores(q, k, k_s, qk_scale, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """``q k^T`` times ``qk_scale`` (and, fp8, each key's scale: see :func:`_kv_rows`)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if KV_FP8:
+        s = s * k_s[None, :]
+    return s * qk_scale
+
+
+@triton.jit
+def _probs_for_v(p, v_s, dt: tl.constexpr, KV_FP8: tl.constexpr):
+    """The probabilities ``p`` as the operand of the dot with V rows (fp8: times each value
+    row's scale first)."""
+    if KV_FP8:
+        out = (p * v_s[None, :]).to(dt)
+    else:
+        out = p.to(dt)
+    return out
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
@@ -92,19 +112,12 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
         v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if KV_FP8:
-            s = s * k_s[None, :]
-        s = s * qk_scale
+        s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        if KV_FP8:
-            pv = (p * v_s[None, :]).to(v.dtype)
-        else:
-            pv = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(_probs_for_v(p, v_s, v.dtype, KV_FP8), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -188,20 +201,13 @@ def _paged_prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
         v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if KV_FP8:
-            s = s * k_s[None, :]
-        s = s * qk_scale
+        s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        if KV_FP8:
-            pv = (p * v_s[None, :]).to(v.dtype)
-        else:
-            pv = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(_probs_for_v(p, v_s, v.dtype, KV_FP8), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
