@@ -1,7 +1,9 @@
-"""Where and in which dtype a command runs: ``auto`` resolved against the machine."""
+"""Where and in which dtype a command runs (``auto`` resolved against the machine), and how
+its compiled steps are built (:func:`compiled`)."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Callable
 
@@ -49,3 +51,20 @@ def matmul_rate(device: torch.device) -> float | None:
     a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
     a @ b
     return 2 * n**3 / median_cuda_time(lambda: a @ b, 10)
+
+
+@functools.cache
+def compiled(fn):
+    """``fn`` through ``torch.compile`` (dynamic shapes, eager's rounding as
+    ``emulate_precision_casts`` keeps it), the batch dimension of its activation arguments
+    (3 dimensions or more) unbacked: a backed size specialises on 1, so a first call with one
+    row would compile again at the first call with two."""
+    traced = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 3:  # activations [B, T, ...], not weights
+                torch._dynamo.decorators.mark_unbacked(a, 0)
+        return traced(*args)
+
+    return call

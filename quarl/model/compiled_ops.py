@@ -9,20 +9,20 @@ regions (the quantized linears have their own autograd functions). Casts are emu
 as eager rounds them, so the values stay those of :class:`~quarl.model.transformer.TorchOps`
 up to the order of float32 sums.
 
-The batch dimension of every activation is marked unbacked before a compiled call: a
-backed size specialises on 1, and a run whose first micro-batch has one row would
-compile every function again at its first two-row micro-batch (seconds, mid-step).
+Each function goes through :func:`quarl.runtime.compiled`, which marks the batch dimension
+of every activation unbacked: a backed size specialises on 1, and a run whose first
+micro-batch has one row would compile every function again at its first two-row
+micro-batch (seconds, mid-step).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quarl.model.transformer import MLP, Attention, AttnFn, TorchOps, apply_rotary, rms_norm
+from quarl.runtime import compiled
 
 
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -41,21 +41,6 @@ def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
-
-
-@functools.cache
-def compiled(fn):
-    """``fn`` through ``torch.compile`` (dynamic shapes, eager's rounding), the batch dimension
-    of its activation arguments unbacked (module docstring)."""
-    compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
-
-    def call(*args):
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() >= 3:  # activations [B, T, ...], not weights
-                torch._dynamo.decorators.mark_unbacked(a, 0)
-        return compiled(*args)
-
-    return call
 
 
 class CompiledOps(TorchOps):

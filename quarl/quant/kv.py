@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from quarl.runtime import compiled
+
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model dtype
 KV_FP8_MAX = 448.0  # largest finite float8 e4m3fn
 KV_AMAX_FLOOR = 2.0**-100  # keeps a zero row's scale a normal float32 (its codes are 0)
@@ -90,8 +92,6 @@ class _FakeQuantizeKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fused: bool) -> torch.Tensor:  # type: ignore[override]
         if fused:  # one compiled kernel instead of ~15 elementwise passes over K or V
-            from quarl.model.compiled_ops import compiled
-
             return compiled(_round_trip)(x)
         return _round_trip(x)
 
