@@ -28,6 +28,7 @@ from quarl.model.config import TransformerConfig
 from quarl.model.transformer import Rotary, Transformer
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
+from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampling_params import SamplingParams
 from quarl.bench.common import git_commit
 from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
@@ -75,15 +76,11 @@ def step_weight_bytes(model: Transformer) -> int:
     return total
 
 
-def kv_bytes_per_token(cfg: TransformerConfig, kv_cache_dtype: str = "auto") -> int:
-    """K and V bytes of one token across layers: bf16 rows, or fp8 codes plus a float32 scale per row."""
-    row = cfg.head_dim + 4 if kv_cache_dtype == "fp8" else 2 * cfg.head_dim
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row
-
-
 def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: int, gen_len: int,
            ceil: Ceilings, kv_cache_dtype: str = "auto") -> dict[str, float]:
-    kv_per_token = kv_bytes_per_token(cfg, kv_cache_dtype)
+    # K and V of one token across layers (a one-token block): bf16 rows, or fp8 codes plus scales
+    kv_per_token = KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim,
+                                           torch.bfloat16, kv_cache_dtype)
     flops_per_token = 2 * cfg.matmul_params
     decode = []
     for k in range(1, gen_len):  # decode step k runs token prompt_len + k - 1, context prompt_len + k

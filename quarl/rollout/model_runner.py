@@ -203,7 +203,7 @@ class ModelRunner:
         for cache in (k_cache, v_cache):  # normal_ has no float8 kernel: draw, then cast
             cache[: batch * nb] = torch.randn(cache[: batch * nb].shape, device=self.device).to(cache.dtype)
         for scales in kv_scales if self.kv.quantized else ():
-            scales[: batch * nb].fill_(1.0 / 448)
+            scales[: batch * nb].fill_(2.0**-9)  # a power of two, as quarl.quant.kv's scales
         tables = torch.randperm(batch * nb, device=self.device).view(batch, nb).to(torch.int32)
         hq = self.model.config.num_attention_heads
         q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
