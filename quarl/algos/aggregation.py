@@ -45,6 +45,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1.0)
 
 
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of ``x`` over the (boolean) mask, 0 when the mask is empty; no host sync."""
+    mask = mask.bool()
+    top = torch.where(mask, x, x.new_full((), float("-inf"))).max()
+    return torch.where(mask.any(), top, x.new_zeros(()))
+
+
 def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-response token mean ``mean_t`` of DESIGN.md: ``[B, T] -> [B]``; 0 for empty rows."""
     return masked_mean(x, mask, dim=-1)

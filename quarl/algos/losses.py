@@ -32,7 +32,8 @@ tokens contribute 0 but count in N; so do dropped responses)
                        ``1-delta_low <= r <= 1+delta_high`` if A < 0).
 
 Every loss returns ``(loss, metrics)``: ``loss`` a scalar tensor, ``metrics`` a dict of
-floats that always holds ``loss/policy``, ``loss/clip_frac`` (share of tokens -- or of
+detached 0-d tensors (:func:`compute_policy_loss` turns them into floats with one host
+sync, or hands them over as they are) that always holds ``loss/policy``, ``loss/clip_frac`` (share of tokens -- or of
 responses, for sequence losses -- whose gradient a clip or band cut),
 ``loss/ratio_mean``, ``loss/ratio_max``, ``correction/w_mean``, ``correction/w_max``
 (the applied correction weights) and ``correction/drop_frac`` (share removed by
@@ -46,7 +47,7 @@ from typing import Callable
 
 import torch
 
-from quarl.algos.aggregation import _masked, agg_loss, check_agg, masked_mean, seq_mean
+from quarl.algos.aggregation import _masked, agg_loss, check_agg, masked_max, masked_mean, seq_mean
 from quarl.algos.corrections import (
     TOKEN_CORRECTIONS,
     check_cap,
@@ -59,7 +60,7 @@ from quarl.algos.corrections import (
 # gradient would be NaN); e^20 is far outside every clip range used here.
 _MAX_LOG_RATIO = 20.0
 
-LossOutput = tuple[torch.Tensor, dict[str, float]]
+LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -122,16 +123,16 @@ def _frac(flags: torch.Tensor, over: torch.Tensor) -> torch.Tensor:
     return (flags.bool() & over).sum().double() / over.sum().clamp(min=1).double()
 
 
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max of ``x`` over the mask, 0 when the mask is empty (no host sync)."""
-    mask = mask.bool()
-    top = torch.where(mask, x, x.new_tensor(float("-inf"))).max()
-    return torch.where(mask.any(), top, x.new_zeros(()))
+def _scalars(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The metrics as detached 0-d float64 tensors on their device (no host sync)."""
+    return {n: v.detach().double().reshape(()) for n, v in metrics.items()}
 
 
-def _floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One host sync for all metrics."""
+def floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-d tensors to floats with one host sync for all of them."""
     names = list(metrics)
+    if not names:
+        return {}
     values = torch.stack([metrics[n].detach().double().reshape(()) for n in names]).tolist()
     return dict(zip(names, values))
 
@@ -155,9 +156,9 @@ def _token_metrics(loss, clip_frac, ratio, corr, mask) -> dict[str, torch.Tensor
         "loss/policy": loss,
         "loss/clip_frac": clip_frac,
         "loss/ratio_mean": masked_mean(ratio, mask),
-        "loss/ratio_max": _masked_max(ratio, mask),
+        "loss/ratio_max": masked_max(ratio, mask),
         "correction/w_mean": masked_mean(corr.weight, mask),
-        "correction/w_max": _masked_max(corr.weight, mask),
+        "correction/w_max": masked_max(corr.weight, mask),
         "correction/drop_frac": _frac(corr.dropped, mask),
     }
 
@@ -202,7 +203,7 @@ def ppo_loss(
     loss = agg_loss(corr.weight * surrogate, mask, agg, max_len)
     with torch.no_grad():
         metrics = _token_metrics(loss, _frac(cut, mask), ratio, corr, mask)
-    return loss, _floats(metrics)
+    return loss, _scalars(metrics)
 
 
 def positive_only_loss(
@@ -224,7 +225,7 @@ def positive_only_loss(
     kept = mask * (adv >= 0).to(mask.dtype)  # adv is 0 off the mask
     loss, metrics = ppo_loss(logp, old_logp, sampler_logp, advantages, kept, **ppo_hparams)
     with torch.no_grad():
-        metrics["positive_only/drop_frac"] = _frac(kept == 0, mask).item()
+        metrics["positive_only/drop_frac"] = _frac(kept == 0, mask)
     return loss, metrics
 
 
@@ -264,7 +265,7 @@ def sapo_loss(
     with torch.no_grad():
         metrics = _token_metrics(loss, logp.new_zeros(()), ratio, corr, mask)
         metrics["sapo/gate_mean"] = masked_mean(4.0 * gate * (1.0 - gate), mask)
-    return loss, _floats(metrics)
+    return loss, _scalars(metrics)
 
 
 # ---------------------------------------------------------------- sequence-level losses
@@ -283,9 +284,9 @@ def _seq_stats(
 ) -> dict[str, torch.Tensor]:
     return {
         "loss/ratio_mean": masked_mean(ratio, valid),
-        "loss/ratio_max": _masked_max(ratio, valid),
+        "loss/ratio_max": masked_max(ratio, valid),
         "correction/w_mean": masked_mean(weight, valid),
-        "correction/w_max": _masked_max(weight, valid),
+        "correction/w_max": masked_max(weight, valid),
     }
 
 
@@ -326,7 +327,7 @@ def gspo_loss(
             **_seq_stats(ratio, corr.weight, valid),
             "correction/drop_frac": _frac(corr.dropped, valid),
         }
-    return loss, _floats(metrics)
+    return loss, _scalars(metrics)
 
 
 def tbpo_loss(
@@ -374,7 +375,7 @@ def tbpo_loss(
             "tbpo/drop_frac_pos": _frac(dropped, valid & (adv > 0)),
             "tbpo/drop_frac_neg": _frac(dropped, valid & (adv < 0)),
         }
-    return loss, _floats(metrics)
+    return loss, _scalars(metrics)
 
 
 # ---------------------------------------------------------------- registry and entry point
@@ -429,15 +430,18 @@ def compute_policy_loss(
     sampler_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    on_device: bool = False,
     **hparams,
-) -> LossOutput:
+) -> tuple[torch.Tensor, dict[str, float]] | LossOutput:
     """Policy loss ``loss_type`` (one of :data:`POLICY_LOSSES`) and its metrics.
 
     Shapes: ``logp``, ``old_logp``, ``sampler_logp``, ``mask`` ``[B, T]``; ``advantages``
     ``[B]`` (token-level losses also accept ``[B, T]``). ``hparams`` are the loss's
     keyword hyperparameters (:func:`policy_loss_defaults`); unknown names raise
     ``ValueError`` listing the valid ones. Returns ``(loss, metrics)``: a scalar whose
-    gradient flows only through ``logp``, and a ``dict[str, float]``.
+    gradient flows only through ``logp``, and a ``dict[str, float]`` (one host sync), or
+    with ``on_device=True`` the same metrics as detached 0-d float64 tensors (no sync: a
+    learner reads them once after all its micro-batches are queued).
     """
     fn = _lookup(loss_type)
     valid = policy_loss_defaults(loss_type)
@@ -449,4 +453,5 @@ def compute_policy_loss(
         )
     tensors = {"logp": logp, "old_logp": old_logp, "sampler_logp": sampler_logp, "mask": mask}
     _check_shapes(loss_type, tensors, advantages)
-    return fn(logp, old_logp, sampler_logp, advantages, mask, **hparams)
+    loss, metrics = fn(logp, old_logp, sampler_logp, advantages, mask, **hparams)
+    return loss, (metrics if on_device else floats(metrics))

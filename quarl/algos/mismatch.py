@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from quarl.algos.aggregation import _masked, masked_mean, seq_mean
+from quarl.algos.aggregation import _masked, masked_max, masked_mean, seq_mean
 
 _NUM_QUARTILES = 4
 
@@ -57,19 +57,14 @@ def mismatch_metrics(
             "mismatch/kl_k1": masked_mean(k1, m),
             "mismatch/kl_k3": masked_mean(k3, m),
             "mismatch/abs_logp_diff_mean": masked_mean(abs_d, m),
-            "mismatch/abs_logp_diff_max": _masked_max(abs_d, m > 0),
+            "mismatch/abs_logp_diff_max": masked_max(abs_d, m > 0),
             "mismatch/ppl_ratio": torch.exp(learner_nll - sampler_nll),
-            "mismatch/seq_w_max": _masked_max(seq_w, valid),
+            "mismatch/seq_w_max": masked_max(seq_w, valid),
         }
         metrics.update(_by_length_quartile({"kl_k1": k1, "kl_k3": k3}, m, lengths))
         names = list(metrics)
         values = torch.stack([metrics[n].reshape(()) for n in names]).tolist()
     return dict(zip(names, values))
-
-
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    top = torch.where(mask, x, x.new_tensor(float("-inf"))).max()
-    return torch.where(mask.any(), top, x.new_zeros(()))
 
 
 def _by_length_quartile(
@@ -82,6 +77,6 @@ def _by_length_quartile(
     out = {}
     for q, rows in enumerate(chunks, start=1):
         for name, x in per_token.items():
-            value = masked_mean(x[rows], mask[rows]) if rows.numel() else x.new_tensor(float("nan"))
+            value = masked_mean(x[rows], mask[rows]) if rows.numel() else x.new_full((), float("nan"))
             out[f"mismatch/{name}_q{q}"] = value
     return out

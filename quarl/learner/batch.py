@@ -13,6 +13,7 @@ Shapes (B responses, T = longest prompt + response):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -39,20 +40,25 @@ class RolloutBatch:
     def to(self, device: torch.device) -> "RolloutBatch":
         return RolloutBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
+    def rows(self, mb: "MicroBatch") -> "RolloutBatch":
+        """Rows ``mb.lo:mb.hi`` trimmed to ``mb.width`` tokens: views, no device sync."""
+        return self._take(slice(mb.lo, mb.hi), mb.width)
+
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         """Rows ``idx``, trimmed to their longest sequence."""
         idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
-        t = int(self.attention_mask[idx].sum(-1).max())
+        return self._take(idx, int(self.attention_mask[idx].sum(-1).max()))
+
+    def _take(self, rows: slice | torch.Tensor, width: int) -> "RolloutBatch":
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
             elif v.dim() == 2:
-                width = t if v.shape[1] == self.input_ids.shape[1] else t - 1
-                out[f.name] = v[idx, :width]
+                out[f.name] = v[rows, : width if v.shape[1] == self.input_ids.shape[1] else width - 1]
             else:
-                out[f.name] = v[idx]
+                out[f.name] = v[rows]
         return RolloutBatch(**out)
 
 
@@ -91,19 +97,48 @@ def build_batch(
     )
 
 
+class MicroBatch(NamedTuple):
+    """Rows ``lo:hi`` of a batch, ``width`` its longest row (prompt + response tokens),
+    ``response_tokens`` its response-token count: known on the host, so slicing it
+    (:meth:`RolloutBatch.rows`) and weighting its loss need no device sync."""
+
+    lo: int
+    hi: int
+    width: int
+    response_tokens: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+def budget_ranges(lengths: list[int], token_budget: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges ``[lo, hi)`` whose padded size (rows x longest row) fits the
+    budget (a row longer than the budget gets a range of its own)."""
+    ranges: list[tuple[int, int]] = []
+    lo, cur_max = 0, 0
+    for i, n in enumerate(lengths):
+        new_max = max(cur_max, n)
+        if i > lo and new_max * (i - lo + 1) > token_budget:
+            ranges.append((lo, i))
+            lo, new_max = i, n
+        cur_max = new_max
+    if lo < len(lengths):
+        ranges.append((lo, len(lengths)))
+    return ranges
+
+
+def micro_batches(batch: RolloutBatch, token_budget: int) -> list[MicroBatch]:
+    """The batch cut into micro-batches of consecutive rows within ``token_budget`` padded
+    tokens, with one host transfer for the whole batch."""
+    counts = torch.stack([batch.attention_mask.sum(-1), batch.response_mask.sum(-1).to(batch.attention_mask.dtype)])
+    lengths, responses = counts.tolist()
+    lengths, responses = [int(n) for n in lengths], [int(n) for n in responses]
+    return [MicroBatch(lo, hi, max(max(lengths[lo:hi]), 1), sum(responses[lo:hi]))
+            for lo, hi in budget_ranges(lengths, token_budget)]
+
+
 def split_by_token_budget(batch: RolloutBatch, token_budget: int) -> list[torch.Tensor]:
     """Row indices of micro-batches whose padded size (rows x longest row) fits the budget."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    cur_max = 0
-    for i, n in enumerate(lengths):
-        new_max = max(cur_max, n)
-        if cur and new_max * (len(cur) + 1) > token_budget:
-            groups.append(cur)
-            cur, new_max = [], n
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        groups.append(cur)
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+    return [torch.arange(lo, hi, dtype=torch.long) for lo, hi in budget_ranges(lengths, token_budget)]

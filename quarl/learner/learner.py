@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
-from quarl.algos.losses import SEQUENCE_LOSSES
-from quarl.learner.batch import RolloutBatch, split_by_token_budget
+from quarl.algos.losses import SEQUENCE_LOSSES, floats
+from quarl.learner.batch import RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
 from quarl.model.compiled_ops import COMPILED_OPS
@@ -55,10 +55,10 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.head.to(device=policy.embed_tokens.weight.device, dtype=policy.embed_tokens.weight.dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, right_padded: bool | None = None) -> torch.Tensor:
         """Values ``[B, T-1]`` of the states that predict tokens 1..T-1."""
-        positions, attn = batch_attention(input_ids, attention_mask)
-        h = self.trunk.hidden_states(input_ids, positions, attn)[:, :-1]
+        positions, attn = batch_attention(input_ids, attention_mask, right_padded=right_padded)
+        h = self.trunk.hidden_states(input_ids, positions, attn, max_position=input_ids.shape[1])[:, :-1]
         return self.head(h).squeeze(-1).float()
 
 
@@ -107,14 +107,16 @@ class Learner:
         model = self.ref_model if ref else self.model
 
         def logp(mb: RolloutBatch) -> torch.Tensor:
-            return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature, ops=self.ops)[0]
+            return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature, ops=self.ops,
+                                     right_padded=True)[0]
 
         return _per_response_token(batch, token_budget, logp)
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, token_budget: int) -> torch.Tensor:
         """The critic's values ``[B, T-1]`` of the states that predict response tokens."""
-        return _per_response_token(batch, token_budget, lambda mb: self.critic(mb.input_ids, mb.attention_mask))
+        return _per_response_token(batch, token_budget,
+                                   lambda mb: self.critic(mb.input_ids, mb.attention_mask, right_padded=True))
 
     # ---- the update -----------------------------------------------------------------
     def release_caches(self) -> None:
@@ -153,57 +155,63 @@ class Learner:
     def _mini_batch_step(
         self, batch: RolloutBatch, rows: torch.Tensor, s: UpdateSettings, returns: torch.Tensor | None
     ) -> tuple[dict[str, float], bool]:
+        """Accumulate the gradients of the mini-batch ``rows`` over its micro-batches, then one
+        optimizer step. The micro-batches' sizes and weights are known on the host and their
+        metrics stay on the device until all of them are queued: the host reads the device
+        once per mini-batch (the step's finiteness check), not several times per micro-batch."""
         mini = batch.select(rows)
         ret = returns[rows] if returns is not None else None
         seq_loss = s.loss_type in SEQUENCE_LOSSES
-        total_tokens = max(mini.num_response_tokens, 1)
+        token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
+        parts = micro_batches(mini, s.token_budget)
+        total_tokens = max(sum(mb.response_tokens for mb in parts), 1)
         total_rows = mini.size
-        max_len = int(mini.response_mask.sum(-1).max().clamp(min=1))
         hparams = dict(s.loss_hparams)
         if s.loss_hparams.get("agg") == "seq-mean-token-sum-norm":
-            hparams.setdefault("max_len", max_len)
+            hparams.setdefault("max_len", _longest_response(mini))
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
             self.critic.zero_grad(set_to_none=True)
-        metric_acc: dict[str, float] = {}
-        for idx in split_by_token_budget(mini, s.token_budget):
-            mb = mini.select(idx)
+        metric_acc: dict[str, torch.Tensor] = {}
+        for part in parts:
+            mb = mini.rows(part)
             # Weight of this micro-batch in the mini-batch's mean (exact for token-mean and
             # the sequence means, since each micro-batch normalises by its own count).
-            token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
-            weight = mb.num_response_tokens / total_tokens if token_mean else mb.size / total_rows
+            weight = part.response_tokens / total_tokens if token_mean else part.size / total_rows
             logp, entropy = sequence_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True, ops=self.ops
+                self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True,
+                ops=self.ops, right_padded=True,
             )
             mask = mb.response_mask
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
-            self.last_logp[rows[idx], : logp.shape[1]] = logp.detach().float() * mask
+            self.last_logp[rows[part.lo : part.hi], : logp.shape[1]] = logp.detach().float() * mask
             loss, m = compute_policy_loss(
                 s.loss_type, logp=logp, old_logp=old, sampler_logp=mb.sampler_logp,
-                advantages=mb.advantages, mask=mask, **hparams,
+                advantages=mb.advantages, mask=mask, on_device=True, **hparams,
             )
-            m["entropy"] = float(masked_mean(entropy, mask))
+            m["entropy"] = masked_mean(entropy, mask).detach()
             if s.kl_coef > 0 and mb.ref_logp is not None:
                 kl = masked_mean(kl_penalty(logp, mb.ref_logp, s.kl_estimator, mask), mask)
                 loss = loss + s.kl_coef * kl
-                m["loss/kl"] = float(kl.detach())
+                m["loss/kl"] = kl.detach()
             if self.critic is not None and ret is not None:
-                v = self.critic(mb.input_ids, mb.attention_mask)
-                v_loss = 0.5 * masked_mean((v - ret[idx, : v.shape[1]]) ** 2, mask)
+                v = self.critic(mb.input_ids, mb.attention_mask, right_padded=True)
+                v_loss = 0.5 * masked_mean((v - ret[part.lo : part.hi, : v.shape[1]]) ** 2, mask)
                 loss = loss + s.value_coef * v_loss
-                m["loss/value"] = float(v_loss.detach())
+                m["loss/value"] = v_loss.detach()
             (loss * weight).backward()
             for k, v in m.items():
-                metric_acc[k] = metric_acc.get(k, 0.0) + float(v) * weight
+                term = v.double() * weight
+                metric_acc[k] = term if k not in metric_acc else metric_acc[k] + term
         if self.master is not None:
             self.master.grads_to_masters()
         stepped = self.master.masters() if self.master is not None else self.model.parameters()
-        grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip)
-        metric_acc["grad_norm"] = float(grad_norm)
-        self.last_nonfinite = sorted(k for k, v in metric_acc.items() if not math.isfinite(v))
+        metric_acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip)
+        metrics = floats(metric_acc)  # the one read of the device in this mini-batch
+        self.last_nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         ok = not self.last_nonfinite
         if ok:
             self.optimizer.step()
@@ -222,7 +230,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
-        return metric_acc, ok
+        return metrics, ok
 
     # ---- state ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -253,11 +261,15 @@ class Learner:
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
 
 
+def _longest_response(batch: RolloutBatch) -> int:
+    return int(batch.response_mask.sum(-1).max().clamp(min=1))
+
+
 def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:
     """``fn`` over micro-batches, gathered into ``[B, T-1]`` (0 off the response tokens)."""
     out = torch.zeros_like(batch.sampler_logp)
-    for idx in split_by_token_budget(batch, token_budget):
-        mb = batch.select(idx)
+    for part in micro_batches(batch, token_budget):
+        mb = batch.rows(part)
         v = fn(mb)
-        out[idx, : v.shape[1]] = v.float() * mb.response_mask
+        out[part.lo : part.hi, : v.shape[1]] = v.float() * mb.response_mask
     return out

@@ -164,6 +164,7 @@ def sequence_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     ops: TorchOps = TORCH_OPS,
+    right_padded: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token: ``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
 
@@ -172,8 +173,10 @@ def sequence_logprobs(
     next packed sequence hold meaningless values and must be masked by the caller. ``ops``
     runs the forward's steps (the learner passes :class:`~quarl.model.compiled_ops.CompiledOps` on CUDA).
     With ``model.kv_quant = "fp8"`` attention sees K/V rounded as the engine's fp8 KV cache
-    stores them (:func:`~quarl.model.transformer.batch_attention`).
+    stores them (:func:`~quarl.model.transformer.batch_attention`). ``right_padded=True``
+    (the learner's batches) spares reading the mask's layout back from the device.
     """
-    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant)
-    hidden = model.hidden_states(input_ids, positions, attn, ops)[:, :-1]
+    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant,
+                                      right_padded=right_padded)
+    hidden = model.hidden_states(input_ids, positions, attn, ops, max_position=input_ids.shape[1])[:, :-1]
     return token_logprobs(hidden, model.lm_head_weight, input_ids[:, 1:], temperature, chunk_size, with_entropy)

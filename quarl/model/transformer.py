@@ -119,10 +119,12 @@ class Rotary(nn.Module):
         self.cos_table = emb.cos() * self.attention_scaling
         self.sin_table = emb.sin() * self.attention_scaling
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[*positions.shape, D]`` in ``dtype``."""
-        if self.auto_grow:  # costs a host sync; engines call ensure() once and turn it off
-            self.ensure(int(positions.max()) + 1 if positions.numel() else 1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[*positions.shape, D]`` in ``dtype``. ``bound``: the caller knows every
+        position is below it (the table grows to it without reading positions back)."""
+        if self.auto_grow:  # without a bound, a host sync; engines call ensure() once and turn it off
+            self.ensure(bound if bound is not None else int(positions.max()) + 1 if positions.numel() else 1)
         return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
 
 
@@ -232,11 +234,14 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn, ops: TorchOps = TORCH_OPS
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn, ops: TorchOps = TORCH_OPS,
+        max_position: int | None = None,
     ) -> torch.Tensor:
-        """Final normed hidden states ``[B, T, H]`` for ``input_ids``/``positions`` ``[B, T]``."""
+        """Final normed hidden states ``[B, T, H]`` for ``input_ids``/``positions`` ``[B, T]``.
+        ``max_position``: a bound on the positions the caller knows (those
+        :func:`batch_attention` computes are below T), which spares a host sync."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype, max_position)
         layers = self.layers
         h, residual = ops.norm(x, layers[0].input_layernorm, None, layers[0].self_attn)
         for i, layer in enumerate(layers):
@@ -265,7 +270,8 @@ class Transformer(nn.Module):
         positions restart at each new id unless ``positions`` is given).
         """
         hidden = self.hidden_states(
-            input_ids, *batch_attention(input_ids, attention_mask, positions, seq_ids, kv_quant=self.kv_quant)
+            input_ids, *batch_attention(input_ids, attention_mask, positions, seq_ids, kv_quant=self.kv_quant),
+            max_position=input_ids.shape[1] if positions is None else None,
         )
         return self.logits(hidden)
 
@@ -276,12 +282,17 @@ def batch_attention(
     positions: torch.Tensor | None = None,
     seq_ids: torch.Tensor | None = None,
     kv_quant: str | None = None,
+    right_padded: bool | None = None,
 ) -> tuple[torch.Tensor, AttnFn]:
     """Positions ``[B, T]`` and a masked causal SDPA for a padded and/or packed batch.
 
+    A right-padded batch without packing runs plain causal attention (SDPA's flash kernel).
+    ``right_padded``: the caller knows whether the mask is right padding only (the learner's
+    batches are); None reads it from the mask (a host sync).
+
     ``kv_quant="fp8"``: the SDPA sees ``fake_quantize_kv`` of k (rotated) and v
     (:mod:`quarl.quant.kv`), the values an fp8 KV cache gives the engine's attention."""
-    positions, attn = _batch_sdpa(input_ids, attention_mask, positions, seq_ids)
+    positions, attn = _batch_sdpa(input_ids, attention_mask, positions, seq_ids, right_padded)
     if kv_quant is None:
         return positions, attn
     if kv_quant != "fp8":
@@ -303,6 +314,7 @@ def _batch_sdpa(
     attention_mask: torch.Tensor | None,
     positions: torch.Tensor | None,
     seq_ids: torch.Tensor | None,
+    right_padded: bool | None = None,
 ) -> tuple[torch.Tensor, AttnFn]:
     b, t = input_ids.shape
     device = input_ids.device
@@ -322,7 +334,9 @@ def _batch_sdpa(
         # starts is the count at the start of the current segment.
         base = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), dim=1).values
         positions = (before - base).clamp(min=0)
-    if not seq_ids_given and bool((real[:, 1:] <= real[:, :-1]).all()):
+    if right_padded is None:
+        right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
+    if not seq_ids_given and right_padded:
         # Right padding only: plain causal attention is exact for every real token (pads come
         # after them), and without an explicit mask SDPA can use its flash kernel.
         def causal_attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,13 @@
   (tracked through the parameter's version counter and storage pointer; in-place writes
   through ``.data`` bypass the counter, so call :meth:`QATLinear.invalidate` after those)
   and is what :meth:`QATLinear.publish` hands to the engine: no re-quantization.
+* Where the engine's own GEMM for the batch is a plain matmul over the dequantized weight
+  (weight-only schemes at prefill-sized M on the fast path: the ``dequant`` plan of
+  :mod:`quarl.quant.kernels.dispatch`), :class:`QATLinear` runs ``F.linear`` on a leaf
+  tensor holding that dequantized weight instead of the autograd function: the same
+  values, with autograd's C++ backward; a hook moves the leaf's gradient onto the master
+  weight (straight-through). Per micro-batch this saves a Python forward and backward per
+  linear, which is what bounds a learner whose kernels take tens of microseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import fnmatch
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quarl.quant import ops
@@ -154,6 +162,8 @@ class QATLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
         self._qw: QuantizedWeight | None = None
         self._qw_key: tuple | None = None
+        self._leaf: torch.Tensor | None = None  # the dequantized weight F.linear differentiates
+        self._leaf_of: QuantizedWeight | None = None
         self.repacked = RepackCache(keep_dequantized=True)  # kernel layouts of the quantized weight
 
     @classmethod
@@ -166,8 +176,13 @@ class QATLinear(nn.Module):
         mod.weight = linear.weight
         mod.bias = linear.bias
         mod._qw, mod._qw_key = None, None
+        mod._leaf, mod._leaf_of = None, None
         mod.repacked = RepackCache(keep_dequantized=True)
         return mod
+
+    def __getstate__(self) -> dict:
+        # copies (deepcopy, pickle) start without the leaf: its gradient hook belongs to this module
+        return {**self.__dict__, "_leaf": None, "_leaf_of": None}
 
     def _key(self) -> tuple:
         w = self.weight
@@ -176,6 +191,12 @@ class QATLinear(nn.Module):
     def invalidate(self) -> None:
         """Forget the cached quantized weight (needed after writes through ``.data``)."""
         self._qw, self._qw_key = None, None
+        self.drop_dequantized()
+
+    def drop_dequantized(self) -> None:
+        """Free the dequantized weight kept between forwards (remade at next use)."""
+        self.repacked.drop_dequantized()
+        self._leaf, self._leaf_of = None, None
 
     def quantized_weight(self) -> QuantizedWeight:
         """The quantized master weight, made once per weight version."""
@@ -190,7 +211,33 @@ class QATLinear(nn.Module):
         return self.quantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _QATMatmul.apply(x, self.weight, self.bias, self.quantized_weight(), self.repacked)
+        qw = self.quantized_weight()
+        if ops.runs_dequantized(x, qw):
+            return F.linear(x, self._dequantized_leaf(qw, x.dtype), self.bias)
+        return _QATMatmul.apply(x, self.weight, self.bias, qw, self.repacked)
+
+    def _dequantized_leaf(self, qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """``qw`` dequantized to ``dtype`` as a leaf that requires grad when the master weight
+        does; its gradient goes to the master weight as it is accumulated."""
+        leaf = self._leaf
+        if leaf is not None and self._leaf_of is qw and leaf.dtype == dtype:
+            return leaf
+        with torch.inference_mode(False), torch.no_grad():
+            w = self.repacked.dequantized(qw, dtype, ops.dequantize)
+            leaf = w.clone() if w.is_inference() else w.detach()
+        if self.weight.requires_grad:
+            leaf.requires_grad_(True)
+            leaf.register_post_accumulate_grad_hook(self._grad_to_master)
+        self._leaf, self._leaf_of = leaf, qw
+        return leaf
+
+    def _grad_to_master(self, leaf: torch.Tensor) -> None:
+        g, leaf.grad = leaf.grad, None
+        g = g.to(self.weight.dtype)
+        if self.weight.grad is None:
+            self.weight.grad = g
+        else:
+            self.weight.grad += g
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
@@ -238,7 +285,7 @@ def drop_dequantized(model: nn.Module) -> None:
     """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
     for mod in model.modules():
         if isinstance(mod, QATLinear):
-            mod.repacked.drop_dequantized()
+            mod.drop_dequantized()
 
 
 def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]:

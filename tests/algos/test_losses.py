@@ -533,3 +533,22 @@ def test_defaults_are_the_documented_ones():
     )
     assert policy_loss_defaults("gspo") == dict(eps_low=3e-4, eps_high=4e-4, correction="none", cap=2.0)
     assert policy_loss_defaults("tbpo") == dict(eps_high=4e-4, delta_low=3e-4, delta_high=7e-4, cap=2.0)
+
+
+@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
+def test_on_device_metrics_are_the_float_metrics_as_tensors(loss_type):
+    """``on_device=True`` hands over the same metrics as 0-d tensors (the learner reads them
+    once per mini-batch) and the same loss."""
+    g = torch.Generator().manual_seed(5)
+    logp = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 2
+    old = logp + 0.1 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    sampler = old + 0.05 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [0.0] * 6], dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
+    args = dict(logp=logp, old_logp=old, sampler_logp=sampler, advantages=adv, mask=mask)
+    loss, host = compute_policy_loss(loss_type, **args)
+    loss_d, dev = compute_policy_loss(loss_type, on_device=True, **args)
+    assert torch.equal(loss, loss_d) and set(host) == set(dev)
+    for k, v in dev.items():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad
+        assert v.item() == host[k] or (math.isnan(host[k]) and math.isnan(v.item()))

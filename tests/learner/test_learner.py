@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from quarl.learner.batch import build_batch, split_by_token_budget
+from quarl.learner.batch import budget_ranges, build_batch, micro_batches, split_by_token_budget
 from quarl.learner.learner import Learner, UpdateSettings
 from quarl.model.presets import build_random_model
 
@@ -41,6 +41,28 @@ def test_split_by_token_budget_respects_budget():
     assert sorted(torch.cat(groups).tolist()) == list(range(b.size))
     for g in groups:
         assert len(g) == 1 or int(lengths[g].max()) * len(g) <= 24
+
+
+def test_budget_ranges_hand_computed():
+    # budget 10: [3, 3, 3] fits (9), a 4 makes 4 x 4 = 16; [4, 2] = 8; a 12 is alone; [1, 1]
+    assert budget_ranges([3, 3, 3, 4, 2, 12, 1, 1], 10) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert budget_ranges([], 10) == []
+    assert budget_ranges([20, 20], 10) == [(0, 1), (1, 2)]
+
+
+def test_micro_batches_are_the_split_as_host_known_slices():
+    """Same rows as split_by_token_budget, with widths and response-token counts read once;
+    ``rows`` gives exactly what ``select`` gives for those rows."""
+    b = _batch()
+    parts = micro_batches(b, 24)
+    groups = split_by_token_budget(b, 24)
+    assert [list(range(p.lo, p.hi)) for p in parts] == [g.tolist() for g in groups]
+    for p, g in zip(parts, groups):
+        want = b.select(g)
+        got = b.rows(p)
+        assert p.width == want.input_ids.shape[1] and p.response_tokens == want.num_response_tokens
+        for name in ("input_ids", "attention_mask", "response_mask", "sampler_logp", "advantages"):
+            assert torch.equal(getattr(got, name), getattr(want, name))
 
 
 @pytest.mark.parametrize("loss_type,agg", [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"), ("tbpo", None),

@@ -191,3 +191,43 @@ def test_qat_dequantizes_once_per_weight_version(monkeypatch, needs_triton):
     # the cached weight gives the reference's gradients: grad_x = 1 @ W_deq for every row
     w_deq = quantize_weight(lin.weight.detach() - 0.5, "w4a16").dequantize(torch.float32)
     torch.testing.assert_close(grads[0], torch.ones(200, 64) @ w_deq, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "nvfp4"])
+def test_qat_dequant_plan_differentiates_a_leaf_and_moves_its_grad_to_the_master(name, needs_triton):
+    """Where the engine's GEMM is a matmul over the dequantized weight (M > 128 here), the
+    QAT forward is F.linear on a leaf holding that weight, with autograd's own backward: the
+    same outputs as the autograd function, straight-through gradients accumulated on the
+    master weight over micro-batches (float64, exact), none for a frozen weight, and copies
+    of the module (the critic deep-copies the policy) carry no leaf."""
+    import copy
+
+    from quarl.quant.linear import _QATMatmul
+
+    sc = get_scheme(name)
+    lin = nn.Linear(256, 48, bias=True).double()
+    qat = QATLinear.from_linear(lin, sc)
+    xs = [torch.randn(2, 100, 256, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gys = [torch.randn(2, 100, 48, dtype=torch.float64) for _ in range(2)]
+    with use_backend("triton"):
+        for x, gy in zip(xs, gys):  # two micro-batches accumulate
+            y = qat(x)
+            assert "QATMatmul" not in type(y.grad_fn).__name__
+            assert torch.equal(y, _QATMatmul.apply(x, qat.weight, qat.bias, qat.quantized_weight(), qat.repacked))
+            y.backward(gy)
+        assert qat._leaf.grad is None
+        w_deq = quantize_weight(lin.weight.detach(), sc).dequantize(torch.float64)
+        x_all = torch.cat([x.detach().reshape(-1, 256) for x in xs])
+        gy_all = torch.cat([g.reshape(-1, 48) for g in gys])
+        torch.testing.assert_close(lin.weight.grad, gy_all.T @ x_all, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lin.bias.grad, gy_all.sum(0), rtol=1e-12, atol=1e-12)
+        for x, gy in zip(xs, gys):
+            torch.testing.assert_close(x.grad, gy @ w_deq, rtol=1e-12, atol=1e-12)
+        twin, before = copy.deepcopy(qat), lin.weight.grad.clone()
+        assert twin._leaf is None
+        twin(xs[0].detach()).sum().backward()
+        assert twin.weight.grad is not None and torch.equal(lin.weight.grad, before)
+        frozen = QATLinear.from_linear(nn.Linear(256, 48).double().requires_grad_(False), sc)
+        x = torch.randn(200, 256, dtype=torch.float64, requires_grad=True)
+        frozen(x).sum().backward()
+        assert frozen.weight.grad is None and x.grad is not None and not frozen._leaf.requires_grad
