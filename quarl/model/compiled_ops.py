@@ -5,7 +5,9 @@ small float32 and bf16 kernels (cast, square, mean, rsqrt, multiply, cat, ...), 
 and backward. :class:`CompiledOps` runs the same steps, written as the model writes
 them, through ``torch.compile`` so that each becomes one or two fused kernels with the
 backward derived by AOTAutograd. The linears and attention stay outside the compiled
-regions (the quantized linears have their own autograd functions). Casts are emulated
+regions (the quantized linears have their own autograd functions). Aligned (QAT) q/k/v and
+gate/up projections run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the
+engine runs them: fewer launches and Python autograd nodes per micro-batch. Casts are emulated
 as eager rounds them, so the values stay those of :class:`~quarl.model.transformer.TorchOps`
 up to the order of float32 sums.
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.model.transformer import MLP, Attention, AttnFn, TorchOps, apply_rotary, rms_norm
+from quarl.quant.linear import qat_group
 from quarl.runtime import compiled
 
 
@@ -54,9 +57,11 @@ class CompiledOps(TorchOps):
     def attention(self, module: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttnFn) -> torch.Tensor:
         b, t, _ = h.shape
-        q = module.q_proj(h).view(b, t, module.n_heads, module.head_dim)
-        k = module.k_proj(h).view(b, t, module.n_kv, module.head_dim)
-        v = module.v_proj(h).view(b, t, module.n_kv, module.head_dim)
+        qkv = qat_group(module, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = qkv(h) if qkv is not None else (module.q_proj(h), module.k_proj(h), module.v_proj(h))
+        q = q.view(b, t, module.n_heads, module.head_dim)
+        k = k.view(b, t, module.n_kv, module.head_dim)
+        v = v.view(b, t, module.n_kv, module.head_dim)
         if module.q_norm is not None:
             q, k = compiled(_qk_norm_rope)(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.eps,
                                             cos, sin)
@@ -66,7 +71,9 @@ class CompiledOps(TorchOps):
         return module.o_proj(out.reshape(b, t, -1))
 
     def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(compiled(_swiglu)(module.gate_proj(h), module.up_proj(h)))
+        gu = qat_group(module, ("gate_proj", "up_proj"))
+        gate, up = gu(h) if gu is not None else (module.gate_proj(h), module.up_proj(h))
+        return module.down_proj(compiled(_swiglu)(gate, up))
 
 
 COMPILED_OPS = CompiledOps()

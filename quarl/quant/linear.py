@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from typing import Iterable
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 from quarl.quant import ops
 from quarl.quant.kernels.w4_layout import RepackCache
-from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
+from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
 
 DEFAULT_INCLUDE = ("layers.*",)
@@ -104,14 +105,15 @@ class QuantLinear(nn.Module):
 class _QATMatmul(torch.autograd.Function):
     """Forward: the engine's kernel on ``qw``. Backward: straight-through (module docstring).
 
-    For schemes that quantize activations the forward quantizes ``x`` once, runs the GEMM on
-    the codes and keeps the codes (1 byte each) for ``grad_W``, which needs ``x`` as the
-    GEMM saw it."""
+    ``weights`` are the master weights whose quantized rows ``qw`` stacks (one, or a fused
+    group's); each gets its row block of ``grad_W``. For schemes that quantize activations
+    the forward quantizes ``x`` once, runs the GEMM on the codes and keeps the codes (1 byte
+    each) for ``grad_W``, which needs ``x`` as the GEMM saw it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
-        ctx.qw, ctx.repacked, ctx.has_bias, ctx.w_dtype = qw, repacked, bias is not None, weight.dtype
-        ctx.x_dtype = x.dtype
+    def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache, *weights):  # type: ignore[override]
+        ctx.qw, ctx.repacked, ctx.has_bias = qw, repacked, bias is not None
+        ctx.sizes, ctx.w_dtypes, ctx.x_dtype = [w.shape[0] for w in weights], [w.dtype for w in weights], x.dtype
         fmt = qw.scheme.act_format
         if fmt == "none":
             ctx.save_for_backward(x)
@@ -125,21 +127,79 @@ class _QATMatmul(torch.autograd.Function):
     def backward(ctx, grad_y):  # type: ignore[override]
         qw: QuantizedWeight = ctx.qw
         gy = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = grad_w = grad_b = None
+        grad_x = grad_b = None
+        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.sizes)
         if ctx.needs_input_grad[0]:
             w = ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
             grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        if any(ctx.needs_input_grad[4:]):
             if qw.scheme.act_format == "none":
                 (x,) = ctx.saved_tensors
                 x_seen = x.reshape(-1, x.shape[-1])
             else:
                 xq, sx = ctx.saved_tensors
                 x_seen = ops.dequantize_activations(xq, sx, ctx.x_dtype)
-            grad_w = (gy.T @ x_seen.to(gy.dtype)).to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_w = gy.T @ x_seen.to(gy.dtype)
+            grad_ws = [g.to(dt) if need else None for g, dt, need in
+                       zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes, ctx.needs_input_grad[4:])]
+        if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_b = gy.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return (grad_x, grad_b, None, None, *grad_ws)
+
+
+class _DequantizedLeaf:
+    """The dequantized weight that ``F.linear`` differentiates where the engine's GEMM is a
+    matmul over it (module docstring): a leaf tensor made once per weight version, whose
+    accumulated gradient a hook hands, row block by row block, to the master weights."""
+
+    def __init__(self) -> None:
+        self.leaf: torch.Tensor | None = None
+        self.of: QuantizedWeight | None = None
+
+    def __deepcopy__(self, memo) -> "_DequantizedLeaf":  # a copy's hook would feed this one's masters
+        return _DequantizedLeaf()
+
+    def __getstate__(self) -> dict:
+        return {"leaf": None, "of": None}
+
+    def get(self, qw: QuantizedWeight, dtype: torch.dtype, repacked: RepackCache,
+            masters: list[torch.Tensor]) -> torch.Tensor:
+        if self.leaf is not None and self.of is qw and self.leaf.dtype == dtype:
+            return self.leaf
+        with torch.inference_mode(False), torch.no_grad():
+            w = repacked.dequantized(qw, dtype, ops.dequantize)
+            leaf = w.clone() if w.is_inference() else w.detach()
+        if any(p.requires_grad for p in masters):
+            leaf.requires_grad_(True)
+            leaf.register_post_accumulate_grad_hook(lambda t, masters=masters: _grad_to_masters(t, masters))
+        self.leaf, self.of = leaf, qw
+        return leaf
+
+    def drop(self) -> None:
+        self.leaf, self.of = None, None
+
+
+def _grad_to_masters(leaf: torch.Tensor, masters: list[torch.Tensor]) -> None:
+    g, leaf.grad = leaf.grad, None
+    row = 0
+    for p in masters:
+        part, row = g[row : row + p.shape[0]], row + p.shape[0]
+        if not p.requires_grad:
+            continue
+        part = part.to(p.dtype)
+        if p.grad is None:
+            p.grad = part if len(masters) == 1 else part.clone()
+        else:
+            p.grad += part
+
+
+def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, repacked: RepackCache,
+                leaf: _DequantizedLeaf, masters: list[torch.Tensor]) -> torch.Tensor:
+    """The QAT forward of master weights ``masters`` stacked as ``qw``: ``F.linear`` on the
+    dequantized leaf where the engine runs that, else the autograd function."""
+    if ops.runs_dequantized(x, qw):
+        return F.linear(x, leaf.get(qw, x.dtype, repacked, masters), bias)
+    return _QATMatmul.apply(x, bias, qw, repacked, *masters)
 
 
 class QATLinear(nn.Module):
@@ -160,10 +220,12 @@ class QATLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        self._init_caches()
+
+    def _init_caches(self) -> None:
         self._qw: QuantizedWeight | None = None
         self._qw_key: tuple | None = None
-        self._leaf: torch.Tensor | None = None  # the dequantized weight F.linear differentiates
-        self._leaf_of: QuantizedWeight | None = None
+        self._leaf = _DequantizedLeaf()
         self.repacked = RepackCache(keep_dequantized=True)  # kernel layouts of the quantized weight
 
     @classmethod
@@ -175,14 +237,8 @@ class QATLinear(nn.Module):
         mod.scheme = get_scheme(scheme)
         mod.weight = linear.weight
         mod.bias = linear.bias
-        mod._qw, mod._qw_key = None, None
-        mod._leaf, mod._leaf_of = None, None
-        mod.repacked = RepackCache(keep_dequantized=True)
+        mod._init_caches()
         return mod
-
-    def __getstate__(self) -> dict:
-        # copies (deepcopy, pickle) start without the leaf: its gradient hook belongs to this module
-        return {**self.__dict__, "_leaf": None, "_leaf_of": None}
 
     def _key(self) -> tuple:
         w = self.weight
@@ -196,7 +252,7 @@ class QATLinear(nn.Module):
     def drop_dequantized(self) -> None:
         """Free the dequantized weight kept between forwards (remade at next use)."""
         self.repacked.drop_dequantized()
-        self._leaf, self._leaf_of = None, None
+        self._leaf.drop()
 
     def quantized_weight(self) -> QuantizedWeight:
         """The quantized master weight, made once per weight version."""
@@ -211,36 +267,71 @@ class QATLinear(nn.Module):
         return self.quantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qw = self.quantized_weight()
-        if ops.runs_dequantized(x, qw):
-            return F.linear(x, self._dequantized_leaf(qw, x.dtype), self.bias)
-        return _QATMatmul.apply(x, self.weight, self.bias, qw, self.repacked)
-
-    def _dequantized_leaf(self, qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-        """``qw`` dequantized to ``dtype`` as a leaf that requires grad when the master weight
-        does; its gradient goes to the master weight as it is accumulated."""
-        leaf = self._leaf
-        if leaf is not None and self._leaf_of is qw and leaf.dtype == dtype:
-            return leaf
-        with torch.inference_mode(False), torch.no_grad():
-            w = self.repacked.dequantized(qw, dtype, ops.dequantize)
-            leaf = w.clone() if w.is_inference() else w.detach()
-        if self.weight.requires_grad:
-            leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(self._grad_to_master)
-        self._leaf, self._leaf_of = leaf, qw
-        return leaf
-
-    def _grad_to_master(self, leaf: torch.Tensor) -> None:
-        g, leaf.grad = leaf.grad, None
-        g = g.to(self.weight.dtype)
-        if self.weight.grad is None:
-            self.weight.grad = g
-        else:
-            self.weight.grad += g
+        return _qat_linear(x, self.quantized_weight(), self.bias, self.repacked, self._leaf, [self.weight])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
+
+
+class QATGroup:
+    """Several :class:`QATLinear` that read one input (a layer's q/k/v, its gate/up), run as
+    one GEMM in the learner as the engine fuses them: their quantized weights stacked by
+    rows (made when one of them changes), the input quantized once, one autograd node; each
+    master weight gets its row block of the gradient. The values are those of the members
+    run one by one up to the GEMM's summation order, which the engine's fused GEMM shares.
+    Not a module: it owns no parameters (the members keep theirs, names and checkpoints
+    unchanged)."""
+
+    def __init__(self, mods: list[QATLinear]) -> None:
+        self.mods = list(mods)
+        self.sizes = [m.out_features for m in self.mods]
+        self.repacked = RepackCache(keep_dequantized=True)
+        self._leaf = _DequantizedLeaf()
+        self._qw: QuantizedWeight | None = None
+        self._parts: list[QuantizedWeight] = []
+
+    @staticmethod
+    def fusable(mods: list[nn.Module]) -> bool:
+        """QAT linears of one scheme and input width, all with or all without a bias, in a
+        format stored per row or per group (not nvfp4's per-tensor scale)."""
+        first = mods[0]
+        return (all(type(m) is QATLinear for m in mods)
+                and all(m.scheme == first.scheme and m.in_features == first.in_features for m in mods)
+                and len({m.bias is None for m in mods}) == 1 and first.scheme.scale_format != "e4m3")
+
+    def quantized_weight(self) -> QuantizedWeight:
+        parts = [m.quantized_weight() for m in self.mods]
+        if self._qw is None or any(a is not b for a, b in zip(parts, self._parts)):
+            self._qw, self._parts = concat_quantized(parts), parts
+        return self._qw
+
+    def drop_dequantized(self) -> None:
+        self.repacked.drop_dequantized()
+        self._leaf.drop()
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        bias = None if self.mods[0].bias is None else torch.cat([m.bias for m in self.mods])
+        y = _qat_linear(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
+        return list(y.split(self.sizes, -1))
+
+
+_GROUPS: "weakref.WeakKeyDictionary[nn.Module, dict[str, QATGroup]]" = weakref.WeakKeyDictionary()
+
+
+def qat_group(owner: nn.Module, names: tuple[str, ...]) -> QATGroup | None:
+    """The :class:`QATGroup` of ``owner``'s child linears ``names`` (kept per owner, outside
+    the module so that copies and checkpoints never see it), or None when they are not
+    fusable QAT linears."""
+    mods = [getattr(owner, n) for n in names]
+    groups = _GROUPS.setdefault(owner, {})
+    key = ",".join(names)
+    g = groups.get(key)
+    if g is not None and all(a is b for a, b in zip(g.mods, mods)):
+        return g
+    if not QATGroup.fusable(mods):
+        return None
+    groups[key] = g = QATGroup(mods)
+    return g
 
 
 def _selected(name: str, include: Iterable[str], exclude: Iterable[str]) -> bool:
@@ -286,6 +377,8 @@ def drop_dequantized(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, QATLinear):
             mod.drop_dequantized()
+        for g in _GROUPS.get(mod, {}).values():
+            g.drop_dequantized()
 
 
 def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]:

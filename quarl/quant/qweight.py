@@ -89,6 +89,19 @@ class QuantizedWeight:
         return self
 
 
+def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """The weights stacked along N, ``[sum N_i, K]``: every stored tensor concatenated by rows
+    (codes, per-row or per-group scales, zero points). Formats with a per-tensor scale
+    (nvfp4's ``global_scale``) cannot be stacked this way."""
+    first = parts[0]
+    if any(p.scheme != first.scheme or p.in_features != first.in_features for p in parts):
+        raise ValueError("concat_quantized needs one scheme and one in_features for all parts")
+    if first.global_scale is not None:
+        raise ValueError(f"{first.scheme.name} has a per-tensor scale: its weights cannot be stacked by rows")
+    tensors = {f: torch.cat([getattr(p, f) for p in parts], 0) for f in first.tensors()}
+    return QuantizedWeight(first.scheme, (sum(p.out_features for p in parts), first.in_features), **tensors)
+
+
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme | str) -> QuantizedWeight:
     """Quantize ``w [N, K]`` with the reference quantizer (runs on w's device)."""
     scheme = get_scheme(scheme)

@@ -22,7 +22,7 @@ from torch import nn
 from quarl.model.transformer import AttnFn, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear
-from quarl.quant.qweight import QuantizedWeight
+from quarl.quant.qweight import concat_quantized
 from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
@@ -423,9 +423,8 @@ def _concat_quantized_as_views(mods: list) -> FusedLinear:
     one of them also refreshes what kernels derive from the fused weight (the w4 fragment
     copy) for those rows."""
     fields = mods[0]._fields
-    tensors = {f: torch.cat([getattr(m, f) for m in mods], 0) for f in fields}
-    total = sum(m.out_features for m in mods)
-    fused = QuantizedWeight(mods[0].scheme, (total, mods[0].in_features), **tensors)
+    fused = concat_quantized([m.qweight for m in mods])
+    tensors = fused.tensors()
     group = FusedLinear(fused, _concat_param_as_views(mods, "bias"))
     row = 0
     for m in mods:

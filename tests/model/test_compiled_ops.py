@@ -97,3 +97,39 @@ def test_compiled_ops_with_fp8_kv_fake_quant_match_eager():
     torch.testing.assert_close(h_comp, h_eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_comp, g_eager, rtol=1e-4, atol=1e-5)
     assert (h_eager - h_plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8-int8", "nvfp4"])
+def test_compiled_ops_run_aligned_projections_grouped_with_the_eager_values(scheme):
+    """An aligned (QAT) model under the compiled steps runs q/k/v and gate/up as one QAT GEMM
+    each (not nvfp4: a per-tensor scale): hidden states and every master weight's gradient
+    match the eager forward that runs them one by one."""
+    from quarl.quant import quantize_model
+    from quarl.quant.linear import qat_group
+
+    cfg = TransformerConfig(
+        model_type="qwen2", vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+    )
+    torch.manual_seed(4)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    quantize_model(model, scheme)
+    ids = torch.randint(0, 50, (3, 9))
+    pos, attn = batch_attention(ids)
+    w = torch.randn(3, 9, 64)
+    out = []
+    for ops in (None, COMPILED_OPS):
+        model.zero_grad()
+        h = model.hidden_states(ids, pos, attn) if ops is None else model.hidden_states(ids, pos, attn, ops)
+        (h * w).sum().backward()
+        out.append((h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (h0, g0), (h1, g1) = out
+    grouped = qat_group(model.layers[0].mlp, ("gate_proj", "up_proj")) is not None
+    assert grouped == (scheme != "nvfp4")
+    torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and "layers.0.self_attn.k_proj.weight" in g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)

@@ -213,9 +213,9 @@ def test_qat_dequant_plan_differentiates_a_leaf_and_moves_its_grad_to_the_master
         for x, gy in zip(xs, gys):  # two micro-batches accumulate
             y = qat(x)
             assert "QATMatmul" not in type(y.grad_fn).__name__
-            assert torch.equal(y, _QATMatmul.apply(x, qat.weight, qat.bias, qat.quantized_weight(), qat.repacked))
+            assert torch.equal(y, _QATMatmul.apply(x, qat.bias, qat.quantized_weight(), qat.repacked, qat.weight))
             y.backward(gy)
-        assert qat._leaf.grad is None
+        assert qat._leaf.leaf.grad is None
         w_deq = quantize_weight(lin.weight.detach(), sc).dequantize(torch.float64)
         x_all = torch.cat([x.detach().reshape(-1, 256) for x in xs])
         gy_all = torch.cat([g.reshape(-1, 48) for g in gys])
@@ -224,10 +224,58 @@ def test_qat_dequant_plan_differentiates_a_leaf_and_moves_its_grad_to_the_master
         for x, gy in zip(xs, gys):
             torch.testing.assert_close(x.grad, gy @ w_deq, rtol=1e-12, atol=1e-12)
         twin, before = copy.deepcopy(qat), lin.weight.grad.clone()
-        assert twin._leaf is None
+        assert twin._leaf.leaf is None
         twin(xs[0].detach()).sum().backward()
         assert twin.weight.grad is not None and torch.equal(lin.weight.grad, before)
         frozen = QATLinear.from_linear(nn.Linear(256, 48).double().requires_grad_(False), sc)
         x = torch.randn(200, 256, dtype=torch.float64, requires_grad=True)
         frozen(x).sum().backward()
-        assert frozen.weight.grad is None and x.grad is not None and not frozen._leaf.requires_grad
+        assert frozen.weight.grad is None and x.grad is not None and not frozen._leaf.leaf.requires_grad
+
+
+@pytest.mark.parametrize("name,backend_name,rows", [
+    ("w8a8-int8", "reference", 7), ("w4a16", "reference", 7), ("w8a8-fp8", "triton", 7), ("w4a16", "triton", 200),
+])
+def test_qat_group_is_its_members_run_one_by_one(name, backend_name, rows, needs_triton):
+    """q/k/v run as one QAT GEMM give each member's output and each master weight its own
+    straight-through gradient (float64; the fp8 kernel sums in float32, and its K split
+    depends on the number of column tiles, so there the order differs); the stacked
+    weight is remade only when a member's weight changes; nvfp4 (a per-tensor scale) and
+    mixed schemes are not grouped."""
+    from quarl.quant.linear import QATGroup, qat_group
+
+    model = tiny_model(torch.float64, layers=1)
+    quantize_model(model, name)
+    attn = model.layers[0].self_attn
+    members = [attn.q_proj, attn.k_proj, attn.v_proj]
+    g = qat_group(attn, ("q_proj", "k_proj", "v_proj"))
+    assert isinstance(g, QATGroup) and qat_group(attn, ("q_proj", "k_proj", "v_proj")) is g
+    x = torch.randn(rows, 64, dtype=torch.float64, requires_grad=True)
+    gys = [torch.randn(rows, m.out_features, dtype=torch.float64) for m in members]
+    with use_backend(backend_name):
+        outs = g(x)
+        sum((o * gy).sum() for o, gy in zip(outs, gys)).backward()
+        fused = [m.weight.grad.clone() for m in members] + [x.grad.clone()]
+        for m in members:
+            m.weight.grad = None
+        x.grad = None
+        sep = [m(x) for m in members]
+        sum((o * gy).sum() for o, gy in zip(sep, gys)).backward()
+        apart = [m.weight.grad for m in members] + [x.grad]
+        tol = 1e-6 if name == "w8a8-fp8" else 1e-12
+        for a, b in zip(outs, sep):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        for a, b in zip(fused, apart):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        stacked = g.quantized_weight()
+        assert g.quantized_weight() is stacked
+        with torch.no_grad():
+            attn.k_proj.weight.mul_(2.0)
+        assert g.quantized_weight() is not stacked
+    other = tiny_model(torch.float64, layers=1)
+    quantize_model(other, "nvfp4")
+    assert qat_group(other.layers[0].self_attn, ("q_proj", "k_proj", "v_proj")) is None
+    mixed = tiny_model(torch.float64, layers=1)
+    quantize_model(mixed, "w4a16", include=["layers.*.q_proj"])
+    quantize_model(mixed, "w8a8-int8", include=["layers.*.k_proj", "layers.*.v_proj"])
+    assert qat_group(mixed.layers[0].self_attn, ("q_proj", "k_proj", "v_proj")) is None
