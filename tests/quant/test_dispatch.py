@@ -106,3 +106,22 @@ def test_overrides_replace_a_family_inside_the_block_only():
     with pytest.raises(ValueError, match="unknown kernel families"):
         with dispatch.overrides(w5=forced):
             pass
+
+
+def test_wgmma_config_check_names_what_it_cannot_run():
+    """The wgmma kernel's config check (pure; the GPU test runs it through the kernel): M past
+    128 tokens, a 128-token tile without the single fp32 tile, too few stages, too much
+    shared memory; every table row passes it at its own M range."""
+    from quarl.quant.kernels.config import WgConfig
+
+    with pytest.raises(ValueError, match="M <= 128"):
+        WgConfig(2, 3, single=True).check(129)
+    with pytest.raises(ValueError, match="needs single=True"):
+        WgConfig(2, 4).check(65)
+    with pytest.raises(ValueError, match=">= 3 stages"):
+        WgConfig(1, 2).check(8)
+    with pytest.raises(ValueError, match="shared memory"):
+        WgConfig(4, 8, single=True).check(128)
+    for row in dispatch.W4A16:
+        if row.plan is not None and isinstance(row.plan.config, WgConfig):
+            row.plan.config.check(row.m_max)

@@ -462,8 +462,10 @@ def test_wgmma_kernel_rejects_what_it_cannot_run():
     from quarl.quant.kernels.config import WgConfig
 
     qw = quantize_weight(torch.randn(256, 256, device="cuda") * 0.02, "w4a16")
-    with pytest.raises(ValueError, match="M <= 64"):
-        cuda_w4.wgmma_gemm(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), qw, None)
+    with pytest.raises(ValueError, match="M <= 128"):
+        cuda_w4.wgmma_gemm(torch.randn(129, 256, device="cuda", dtype=torch.bfloat16), qw, None)
+    with pytest.raises(ValueError, match="needs single=True"):
+        cuda_w4.wgmma_gemm(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(2, 4))
     with pytest.raises(ValueError, match=">= 3 stages"):
         cuda_w4.wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(1, 2))
     with pytest.raises(ValueError, match="shared memory"):
