@@ -9,7 +9,7 @@ from quarl.quant.linear import QATLinear, QuantLinear, load_published, publish_m
 from quarl.quant.mode import QuantMode
 from quarl.quant.metrics import rel_quant_err, rel_update, update_visible_frac
 from quarl.quant.ops import get_backend, quant_linear, set_backend, use_backend
-from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
+from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight, quantize_weights
 from quarl.quant.reference import reference_linear
 from quarl.quant.scheme import PACK_K, SCHEMES, QuantScheme, get_scheme
 from quarl.quant.uaq import apply_uaq, remove_uaq
@@ -31,6 +31,7 @@ __all__ = [
     "quant_linear",
     "quantize_model",
     "quantize_weight",
+    "quantize_weights",
     "reference_linear",
     "rel_quant_err",
     "rel_update",

@@ -34,7 +34,7 @@ from torch import nn
 
 from quarl.quant import ops
 from quarl.quant.kernels.w4_layout import RepackCache
-from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight
+from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight, quantize_weights
 from quarl.quant.scheme import QuantScheme, get_scheme
 
 DEFAULT_INCLUDE = ("layers.*",)
@@ -381,12 +381,27 @@ def drop_dequantized(model: nn.Module) -> None:
             g.drop_dequantized()
 
 
+def requantize_stale(mods: list[QATLinear]) -> None:
+    """Quantize the master weight of every module in ``mods`` that changed since its last
+    quantization (after an optimizer step: all of them) with a few stacked quantizer calls
+    (:func:`~quarl.quant.qweight.quantize_weights`) instead of one chain of small kernels per
+    module. The results are the ones each module would make itself."""
+    stale: dict[QuantScheme, list[QATLinear]] = {}
+    for m in mods:
+        if m._qw is None or m._qw_key != m._key():
+            stale.setdefault(m.scheme, []).append(m)
+    for scheme, ms in stale.items():
+        for m, qw in zip(ms, quantize_weights([m.weight.detach() for m in ms], scheme)):
+            m._qw, m._qw_key = qw, m._key()
+
+
 def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]:
     """Everything the engine needs, by parameter name: ``"<linear>.weight"`` maps to the
     ``QuantizedWeight`` of each quantized linear (the one its last forward used), every
     other parameter (norms, embeddings, LM head, biases) to its detached tensor."""
     out: dict[str, QuantizedWeight | torch.Tensor] = {}
     quantized = {}
+    requantize_stale([m for m in model.modules() if isinstance(m, QATLinear)])
     for name, mod in model.named_modules():
         if isinstance(mod, QATLinear):
             quantized[name] = mod.publish()

@@ -27,7 +27,7 @@ from quarl.quant import (
     QuantMode,
     publish_model,
     quantize_model,
-    quantize_weight,
+    quantize_weights,
     rel_quant_err,
     rel_update,
     update_visible_frac,
@@ -81,8 +81,8 @@ class Publisher:
         if self.mode.learner_quantized:
             return publish_model(self.learner_model)
         out = {n: p.detach() for n, p in self.learner_model.named_parameters()}
-        for n in self.quantized:
-            out[n] = quantize_weight(out[n], self.scheme)
+        if self.quantized:
+            out.update(zip(self.quantized, quantize_weights([out[n] for n in self.quantized], self.scheme)))
         return out
 
     @torch.no_grad()

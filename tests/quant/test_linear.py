@@ -279,3 +279,31 @@ def test_qat_group_is_its_members_run_one_by_one(name, backend_name, rows, needs
     quantize_model(mixed, "w4a16", include=["layers.*.q_proj"])
     quantize_model(mixed, "w8a8-int8", include=["layers.*.k_proj", "layers.*.v_proj"])
     assert qat_group(mixed.layers[0].self_attn, ("q_proj", "k_proj", "v_proj")) is None
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_quantize_weights_stacked_equals_one_call_each(name):
+    """Stacking weights of one width into a few quantizer calls (here split into several
+    chunks) stores exactly what one call per weight stores, for every scheme; requantize_stale
+    redoes only the modules whose master changed."""
+    from quarl.quant import quantize_weights
+    from quarl.quant.linear import requantize_stale
+
+    g = torch.Generator().manual_seed(7)
+    ws = [torch.randn(n, k, generator=g) * s for n, k, s in
+          ((48, 256, 1.0), (16, 256, 0.01), (40, 200, 3.0), (8, 256, 1e-3), (24, 200, 0.5))]
+    got = quantize_weights(ws, name, chunk_bytes=48 * 256 * 4)
+    for w, qw in zip(ws, got):
+        one = quantize_weight(w, name)
+        assert qw.shape == one.shape and qw.tensors().keys() == one.tensors().keys()
+        for f, t in one.tensors().items():
+            assert torch.equal(getattr(qw, f), t), f
+    mods = [QATLinear.from_linear(nn.Linear(256, 48), name), QATLinear.from_linear(nn.Linear(200, 16), name)]
+    kept = mods[0].quantized_weight()
+    with torch.no_grad():
+        mods[1].weight.mul_(2.0)
+    requantize_stale(mods)
+    assert mods[0].quantized_weight() is kept
+    fresh = mods[1].quantized_weight()
+    for f, t in quantize_weight(mods[1].weight.detach(), name).tensors().items():
+        assert torch.equal(getattr(fresh, f), t), f
