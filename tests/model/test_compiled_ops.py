@@ -69,19 +69,25 @@ def test_one_row_then_two_rows_does_not_recompile():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_compiled_ops_with_fp8_kv_fake_quant_match_eager():
-    """The learner's K/V rounding for an fp8 engine cache (``kv_quant="fp8"``) lives in the
-    attention callable, outside the compiled steps: compiled and eager forwards agree, and
-    the rounding is really applied (the hidden states differ from the unrounded ones)."""
+def _qwen2_model(hidden: int, intermediate: int, head_dim: int, seed: int) -> Transformer:
+    """Two qwen2 layers (q/k/v biases) with weights ~ N(0, 0.3)."""
     cfg = TransformerConfig(
-        model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True,
+        model_type="qwen2", vocab_size=50, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, attention_bias=True,
     )
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
+    return model
+
+
+def test_compiled_ops_with_fp8_kv_fake_quant_match_eager():
+    """The learner's K/V rounding for an fp8 engine cache (``kv_quant="fp8"``) lives in the
+    attention callable, outside the compiled steps: compiled and eager forwards agree, and
+    the rounding is really applied (the hidden states differ from the unrounded ones)."""
+    model = _qwen2_model(hidden=32, intermediate=48, head_dim=8, seed=3)
     ids = torch.randint(0, 50, (3, 9))
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[0, -2:] = 0
@@ -107,15 +113,7 @@ def test_compiled_ops_run_aligned_projections_grouped_with_the_eager_values(sche
     from quarl.quant import quantize_model
     from quarl.quant.linear import qat_group
 
-    cfg = TransformerConfig(
-        model_type="qwen2", vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
-    )
-    torch.manual_seed(4)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+    model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=4)
     quantize_model(model, scheme)
     ids = torch.randint(0, 50, (3, 9))
     pos, attn = batch_attention(ids)
