@@ -107,8 +107,9 @@ class _QATMatmul(torch.autograd.Function):
 
     ``weights`` are the master weights whose quantized rows ``qw`` stacks (one, or a fused
     group's); each gets its row block of ``grad_W``. For schemes that quantize activations
-    the forward quantizes ``x`` once, runs the GEMM on the codes and keeps the codes (1 byte
-    each) for ``grad_W``, which needs ``x`` as the GEMM saw it."""
+    the forward quantizes ``x`` once and runs the GEMM on the codes; the quantizer's pass also
+    writes ``x`` as the GEMM saw it (codes times scales, in x's dtype), which ``grad_W``
+    needs: no dequantizing launch in the backward."""
 
     @staticmethod
     def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache, *weights):  # type: ignore[override]
@@ -118,8 +119,11 @@ class _QATMatmul(torch.autograd.Function):
         if fmt == "none":
             ctx.save_for_backward(x)
             return ops.quant_linear(x, qw, bias, repacked)
-        xq, sx = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt)
-        ctx.save_for_backward(xq, sx)
+        if any(ctx.needs_input_grad[4:]):  # grad_W needs x as the GEMM saw it: written by the quantizer's pass
+            xq, sx, x_seen = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt, x.dtype)
+            ctx.save_for_backward(x_seen)
+        else:
+            xq, sx = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt)
         y = ops.quant_linear_quantized_input(xq, sx, qw, bias, x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -133,13 +137,8 @@ class _QATMatmul(torch.autograd.Function):
             w = ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
             grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
         if any(ctx.needs_input_grad[4:]):
-            if qw.scheme.act_format == "none":
-                (x,) = ctx.saved_tensors
-                x_seen = x.reshape(-1, x.shape[-1])
-            else:
-                xq, sx = ctx.saved_tensors
-                x_seen = ops.dequantize_activations(xq, sx, ctx.x_dtype)
-            grad_w = gy.T @ x_seen.to(gy.dtype)
+            (x_seen,) = ctx.saved_tensors  # (for W8A8 / W4A8 the dequantized codes)
+            grad_w = gy.T @ x_seen.reshape(-1, x_seen.shape[-1]).to(gy.dtype)
             grad_ws = [g.to(dt) if need else None for g, dt, need in
                        zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes, ctx.needs_input_grad[4:])]
         if ctx.has_bias and ctx.needs_input_grad[1]:

@@ -144,13 +144,20 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return qw.dequantize(dtype)
 
 
-def quantize_input(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token codes and scales of ``x [M, K]`` with the quantizer :func:`quant_linear` runs."""
+def quantize_input(x: torch.Tensor, act_format: str,
+                   dequantized: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-token codes and scales of ``x [M, K]`` with the quantizer :func:`quant_linear` runs;
+    with ``dequantized=dtype`` also ``x`` as the GEMM sees it (:func:`dequantize_activations`
+    of the codes), made in the same pass on the fast path."""
     if not uses_fast_path(x):
-        return ref.quantize_activations(x, act_format)
+        q, s = ref.quantize_activations(x, act_format)
+        return (q, s) if dequantized is None else (q, s, ref.dequantize_activations(q, s, dequantized))
     from quarl.quant.kernels import launch
 
-    return launch.act_quant(x.contiguous(), act_format)
+    if dequantized is None or dequantized in (torch.bfloat16, torch.float16):  # (the kernel writes 16-bit)
+        return launch.act_quant(x.contiguous(), act_format, dequantized)
+    q, s = launch.act_quant(x.contiguous(), act_format)
+    return q, s, dequantize_activations(q, s, dequantized)
 
 
 def fake_quantize_input(x: torch.Tensor, act_format: str) -> torch.Tensor:

@@ -289,3 +289,20 @@ def test_act_quant_two_pass_long_rows():
     q, s = launch.act_quant(x, "int8")  # interpreter: 64-column blocks, so 4 blocks per row
     q_ref, s_ref = ref.quantize_activations(x, "int8")
     assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+@pytest.mark.parametrize("k", [40, 160])  # one pass and two passes (block 64 under the interpreter)
+def test_act_quant_writes_the_dequantized_codes_of_act_dequant(act, k):
+    """The quantizer's optional second output is, bit for bit, what the dequantizer makes of
+    its codes (the aligned W8A8 backward's x as the GEMM saw it), and the codes and scales
+    are those of the plain call."""
+    from quarl.quant.kernels.act_quant import act_quant
+
+    x = (torch.randn(9, k) * torch.logspace(-3, 2, 9)[:, None]).to(torch.bfloat16)
+    q, s, dq = act_quant(x, act, dequantized=torch.bfloat16)
+    q0, s0 = act_quant(x, act)
+    assert torch.equal(q.view(torch.uint8) if act == "fp8" else q, q0.view(torch.uint8) if act == "fp8" else q0)
+    assert torch.equal(s, s0)
+    want = ref.dequantize_activations(q, s, torch.bfloat16)
+    assert dq.dtype == torch.bfloat16 and torch.equal(dq.view(torch.int16), want.view(torch.int16))

@@ -84,6 +84,21 @@ def test_act_dequant_equals_reference(act):
     assert torch.equal(out.view(torch.int16), ref.dequantize_activations(q, s, torch.bfloat16).view(torch.int16))
 
 
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+@pytest.mark.parametrize("k", [1536, 8960])  # one pass; two passes over 4096-column blocks
+def test_act_quant_dequantized_output_equals_reference(act, k):
+    """The aligned W8A8 forward's second quantizer output (x as the GEMM saw it, kept for
+    grad_W) on the GPU: bit for bit the reference's dequantized codes; codes and scales those
+    of the plain call."""
+    from quarl.quant import ops
+
+    x = (torch.randn(300, k, device="cuda") * torch.logspace(-4, 3, 300, device="cuda")[:, None]).to(torch.bfloat16)
+    q, s, dq = ops.quantize_input(x, act, torch.bfloat16)
+    q0, s0 = ops.quantize_input(x, act)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert torch.equal(dq.view(torch.int16), ref.dequantize_activations(q, s, torch.bfloat16).view(torch.int16))
+
+
 def test_e4m3_hardware_conversion_equals_torch_cast():
     """The GPU quantizers' e4m3 codes come from the hardware conversion: bit for bit torch's
     clamp + cast on every e4m3 value, midpoint, subnormal, saturation, inf and NaN."""

@@ -35,23 +35,27 @@ def act_quant_buffers(rows: int, k: int, act_format: str, device: torch.device):
     return q, (q.view(torch.uint8) if fp8 else q), s
 
 
-def act_quant(x: torch.Tensor, act_format: str, cfg: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token dynamic quantization ``x [M, K]`` -> ``(q [M, K], scale fp32 [M])``.
-    ``cfg``: (block, warps) instead of :func:`act_quant_config`'s (sweeps)."""
+def act_quant(x: torch.Tensor, act_format: str, cfg: tuple[int, int] | None = None,
+              dequantized: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-token dynamic quantization ``x [M, K]`` -> ``(q [M, K], scale fp32 [M])``, and with
+    ``dequantized=dtype`` also ``codes * scale`` in that dtype (:func:`act_dequant`'s values,
+    written by the same pass). ``cfg``: (block, warps) instead of :func:`act_quant_config`'s."""
     m, k = x.shape
     q, q_arg, s = act_quant_buffers(m, k, act_format, x.device)
-    if m == 0:
-        return q, s
-    if interpreting(x):
-        block, warps = min(next_pow2(k), 64), 4
-    else:
-        block, warps = cfg or act_quant_config(k)
-    tk.act_quant_kernel[(m,)](
-        x, q_arg, s, k, x.stride(0), q.stride(0), IS_FP8=act_format == "fp8", BLOCK=block, ONE_PASS=block >= k,
-        num_warps=warps,
-        enable_fp_fusion=False,  # int8: x * r must round before the rounding add (no FMA), as in torch
-    )
-    return q, s
+    # The interpreter's float -> bf16 cast truncates: there it writes fp32 and torch rounds.
+    dq = None if dequantized is None else torch.empty(
+        m, k, dtype=torch.float32 if interpreting(x) else dequantized, device=x.device)
+    if m:
+        if interpreting(x):
+            block, warps = min(next_pow2(k), 64), 4
+        else:
+            block, warps = cfg or act_quant_config(k)
+        tk.act_quant_kernel[(m,)](
+            x, q_arg, s, q if dq is None else dq, k, x.stride(0), q.stride(0), 0 if dq is None else dq.stride(0),
+            IS_FP8=act_format == "fp8", BLOCK=block, ONE_PASS=block >= k, WRITE_DQ=dq is not None, num_warps=warps,
+            enable_fp_fusion=False,  # int8: x * r must round before the rounding add (no FMA), as in torch
+        )
+    return (q, s) if dq is None else (q, s, dq.to(dequantized))
 
 
 def act_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

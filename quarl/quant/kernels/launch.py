@@ -18,10 +18,11 @@ from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight
 
 
-def act_quant(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token dynamic quantization ``x [M, K]`` -> ``(q [M, K], scale fp32 [M])``."""
+def act_quant(x: torch.Tensor, act_format: str, dequantized: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-token dynamic quantization ``x [M, K]`` -> ``(q [M, K], scale fp32 [M])`` (and the
+    dequantized codes in ``dequantized``, see :func:`.act_quant.act_quant`)."""
     cfg = None if _aq.interpreting(x) else dispatch.act_quant_plan(*x.shape)
-    return _aq.act_quant(x, act_format, cfg)
+    return _aq.act_quant(x, act_format, cfg, dequantized)
 
 
 def linear_quantized_input(

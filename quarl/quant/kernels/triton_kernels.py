@@ -135,21 +135,25 @@ def act_inv_scale(s):
 def store_act_codes(q_ptr, v, inv_s, msk, IS_FP8: tl.constexpr):
     """Codes of fp32 values ``v`` under the row's reciprocal scale ``inv_s`` (one fp32
     product per element, as the reference): e4m3 bytes (through a uint8 pointer) or int8
-    clamped to +-127."""
+    clamped to +-127. Returns the codes' values in fp32."""
     t = v * inv_s
     if IS_FP8:
-        tl.store(q_ptr, e4m3_code(t).to(tl.uint8), mask=msk)
+        c = e4m3_code(t)
+        tl.store(q_ptr, c.to(tl.uint8), mask=msk)
+        return _e4m3_value(c & 0x7F) * (1.0 - 2.0 * ((c >> 7) & 1).to(tl.float32))
     else:
         t = tl.minimum(tl.maximum(_rne(t), -127.0), 127.0)
         tl.store(q_ptr, t.to(tl.int8), mask=msk)
+        return t
 
 
 @triton.jit
 def act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-    IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, dq_ptr, K, stride_xm, stride_qm, stride_dm,
+    IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, WRITE_DQ: tl.constexpr,
 ):
-    """One row per program. ONE_PASS (BLOCK >= K): the row stays in registers, x is read once."""
+    """One row per program. ONE_PASS (BLOCK >= K): the row stays in registers, x is read once.
+    WRITE_DQ: also ``codes * scale`` rounded to dq's dtype (what ``act_dequant_kernel`` gives)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
@@ -170,7 +174,9 @@ def act_quant_kernel(
         msk = k0 + offs < K
         if not ONE_PASS:
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=msk, other=0.0).to(tl.float32)
-        store_act_codes(q_ptr + row * stride_qm + k0 + offs, v, inv_s, msk, IS_FP8)
+        c = store_act_codes(q_ptr + row * stride_qm + k0 + offs, v, inv_s, msk, IS_FP8)
+        if WRITE_DQ:
+            tl.store(dq_ptr + row * stride_dm + k0 + offs, (c * s).to(dq_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit
