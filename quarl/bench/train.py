@@ -95,9 +95,9 @@ def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run_mode(name: str, overrides: list[str], run_dir: Path, profile: bool = False) -> tuple[list[dict[str, Any]], str]:
+def run_mode(name: str, overrides: list[str], run_dir: Path, profile: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """One mode's steps (the metrics of each), without checkpoints or evaluation, and with
-    ``profile`` the kernel table of the last step's learner stage (else "")."""
+    ``profile`` (one of :data:`PROFILES`) that table of the last step's learner stage (else "")."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
 
@@ -110,7 +110,7 @@ def run_mode(name: str, overrides: list[str], run_dir: Path, profile: bool = Fal
             holder: dict[str, str] = {}
 
             def profiled(batch, update=update, holder=holder):
-                result, holder["table"] = profile_call(lambda: update(batch), f"{name} learner")
+                result, holder["table"] = profile_call(lambda: update(batch), f"{name} learner", what=profile)
                 return result
 
             trainer.update_policy = profiled
@@ -129,18 +129,31 @@ def run_mode(name: str, overrides: list[str], run_dir: Path, profile: bool = Fal
     return rows, table
 
 
-def profile_call(fn, label: str, top: int = 30):
-    """``fn()`` under torch.profiler: its result and a table of its GPU kernels (CPU ops by
-    self time where there is no GPU) by total time (ms, share, launches, name), headed by
-    the wall time and the busy time."""
+PROFILES = ("kernels", "host")
+
+
+def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
+    """``fn()`` profiled: its result and a text table.
+
+    ``kernels``: under torch.profiler (GPU activity only, the least host overhead), the GPU
+    kernels by total time (ms, share, launches, name) headed by the wall, the busy time and
+    the device syncs ``fn`` made (with their source lines); on a CPU, ops by self time.
+    ``host``: under cProfile, where the host's time goes (functions by cumulative time),
+    headed by the host time and the wall including the wait for the GPU. A learner whose
+    busy share is low is bound by the host: read the ``host`` table next."""
     import time
 
-    from torch.profiler import ProfilerActivity, profile
-
+    if what not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {what!r}")
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    if what == "host":
+        return _profile_host(fn, label, top, sync)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof, \
+            _SyncCounter(cuda) as syncs:
         t0 = time.perf_counter()
         result = fn()
         sync()
@@ -156,12 +169,64 @@ def profile_call(fn, label: str, top: int = 30):
         for e in prof.key_averages():
             kernels[e.key[:100]] = [e.self_cpu_time_total, e.count]
     busy = sum(t for t, _ in kernels.values()) / 1e6
-    what = "GPU kernels" if cuda else "CPU ops (self)"
-    lines = [f"{label}: wall {wall:.3f} s under the profiler, {what} {busy:.3f} s "
+    kind = "GPU kernels" if cuda else "CPU ops (self)"
+    lines = [f"{label}: wall {wall:.3f} s under the profiler, {kind} {busy:.3f} s "
              f"({busy / wall:.0%} busy), {sum(n for _, n in kernels.values())} launches"]
+    if cuda:
+        lines.append(f"  device syncs: {sum(syncs.sites.values())}"
+                     + "".join(f", {n}x {site}" for site, n in syncs.sites.most_common(5)))
     for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / max(busy, 1e-12):5.1f}% {n:6d}x  {kname}")
     return result, "\n".join(lines)
+
+
+class _SyncCounter:
+    """Device syncs made inside the block, by source line (``torch.cuda`` sync debug mode)."""
+
+    def __init__(self, cuda: bool) -> None:
+        import collections
+
+        self.cuda, self.sites = cuda, collections.Counter()
+
+    def __enter__(self) -> "_SyncCounter":
+        import warnings
+
+        if self.cuda:
+            self._caught = warnings.catch_warnings(record=True)
+            self._log = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.cuda:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._caught.__exit__(*exc)
+        for w in self._log:
+            if "synchroniz" in str(w.message):
+                self.sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
+
+
+def _profile_host(fn, label: str, top: int, sync):
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    result = fn()
+    host = time.perf_counter() - t0
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
+    rows = [ln for ln in buf.getvalue().splitlines() if ln.strip() and ln.lstrip()[:1].isdigit()]
+    head = f"{label}: host {host:.3f} s under cProfile, wall {wall:.3f} s with the wait for the device"
+    return result, "\n".join([head, "  ncalls  tottime  percall  cumtime  percall filename:lineno(function)"] + rows)
 
 
 def check_workload(workload: str, modes: list[str]) -> Workload:
@@ -175,7 +240,7 @@ def check_workload(workload: str, modes: list[str]) -> Workload:
 
 
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
-                  profile: bool = False) -> dict[str, Any]:
+                  profile: str | None = None) -> dict[str, Any]:
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings

@@ -18,10 +18,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(m for m in MODES if m != "aligned-w8a8-int8"),
                    help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
-    p.add_argument("--profile", action="store_true",
-                   help="profile the last step's learner stage of each mode: its GPU kernels by total time "
-                   "(that step is left out of the medians; the profiler also slows the CUDA graphs of the modes run after "
-                   "it, so take timings from a run without --profile)")
+    p.add_argument("--profile", nargs="?", const="kernels", choices=("kernels", "host"),
+                   help="profile the last step's learner stage of each mode: 'kernels' (the default) its GPU kernels by "
+                   "total time, the GPU busy share and the device syncs with their source lines; 'host' where the host's "
+                   "time goes (cProfile, functions by cumulative time). That step is left out of the medians; the "
+                   "profiler also slows the CUDA graphs of the modes run after it, so take timings from a run without "
+                   "--profile")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p

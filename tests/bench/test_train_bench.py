@@ -14,15 +14,17 @@ def test_medians_skip_the_first_step():
     assert median_metrics(rows) == {"step_s": 2.0, "kl_k3": 2.0}
 
 
-@pytest.mark.parametrize("mode", ["bf16", "aligned-w4a16"])
-def test_run_mode_on_a_saved_random_model(tmp_path, mode):
+@pytest.mark.parametrize("mode,profile", [("bf16", "kernels"), ("aligned-w4a16", "host"), ("aligned-w4a16", None)])
+def test_run_mode_on_a_saved_random_model(tmp_path, mode, profile):
     w = Workload("tiny", prompts=2, n=2, gen=6, token_budget=256, steps=2)
     model_dir = save_random_model(w.shape, tmp_path / "model")
-    rows, table = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode], tmp_path / mode,
-                           profile=mode == "bf16")
-    if mode == "bf16":  # the last step's learner under the profiler: a table of its busiest ops
+    rows, table = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode], tmp_path / mode, profile=profile)
+    if profile == "kernels":  # the last step's learner under the profiler: a table of its busiest ops
         assert table.startswith("bf16 learner: wall") and len(table.splitlines()) > 5
         assert "aten::" in table
+    elif profile == "host":  # under cProfile: the learner's own functions by cumulative time
+        assert table.startswith("aligned-w4a16 learner: host") and "learner.py" in table
+        assert "linear.py" in table  # the aligned linears' forward shows up on the host
     else:
         assert table == ""
     assert [r["step"] for r in rows] == [1, 2]
@@ -34,3 +36,12 @@ def test_run_mode_on_a_saved_random_model(tmp_path, mode):
     assert r["perf/learner_tflops"] == pytest.approx(want, rel=1e-6)
     assert "perf/learner_mfu" not in r  # CPU: no measured matrix rate
     assert median_metrics(rows)["step_s"] == r["time/step"]
+
+
+def test_profile_call_names_its_kinds():
+    from quarl.bench.train import profile_call
+
+    with pytest.raises(ValueError, match="kernels, host"):
+        profile_call(lambda: None, "x", what="gpu")
+    result, table = profile_call(lambda: sum(range(1000)), "sum", what="host")
+    assert result == 499500 and table.startswith("sum: host")

@@ -195,6 +195,49 @@ def test_qat_forward_equals_quantlinear_on_gpu(name):
     assert x.grad.isfinite().all() and lin.weight.grad.isfinite().all()
 
 
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "mxfp4"])
+def test_qat_leaf_path_at_training_m_equals_the_engine_and_the_ste_reference(name):
+    """At learner batch sizes (M > 128) the aligned weight-only forward is F.linear on the
+    dequantized leaf: bit-equal to the engine's QuantLinear (its dequant plan), and the master
+    weight's gradient, moved by the hook, is grad_y^T x over two micro-batches."""
+    lin = torch.nn.Linear(1536, 512, bias=True, device="cuda", dtype=torch.bfloat16)
+    qat = QATLinear.from_linear(lin, name)
+    inf = QuantLinear.from_linear(lin, name)
+    xs = [torch.randn(3, 300, 1536, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    gys = [torch.randn(3, 300, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    for x, gy in zip(xs, gys):
+        y = qat(x)
+        assert "QATMatmul" not in type(y.grad_fn).__name__
+        assert torch.equal(y, inf(x))
+        y.backward(gy)
+    want = sum(g.reshape(-1, 512).float().T @ x.reshape(-1, 1536).float() for g, x in zip(gys, xs))
+    assert _rel(lin.weight.grad.float(), want) < 1e-2 and qat._leaf.leaf.grad is None
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w8a8-fp8", "w8a8-int8"])
+def test_qat_group_on_gpu_matches_members_one_by_one(name):
+    """The learner's grouped q/k/v GEMM on the GPU: outputs and every master weight's
+    gradient as the members give them one by one (up to the GEMMs' summation order)."""
+    from quarl.quant.linear import QATGroup
+
+    lins = [torch.nn.Linear(1536, n, bias=True, device="cuda", dtype=torch.bfloat16) for n in (1536, 256, 256)]
+    mods = [QATLinear.from_linear(lin, name) for lin in lins]
+    group = QATGroup(mods)
+    x = torch.randn(2, 400, 1536, device="cuda", dtype=torch.bfloat16)
+    gys = [torch.randn(2, 400, m.out_features, device="cuda", dtype=torch.bfloat16) for m in mods]
+    outs = group(x)
+    sum((o.float() * g.float()).sum() for o, g in zip(outs, gys)).backward()
+    fused = [lin.weight.grad.clone() for lin in lins]
+    for lin in lins:
+        lin.weight.grad = None
+    sep = [m(x) for m in mods]
+    sum((o.float() * g.float()).sum() for o, g in zip(sep, gys)).backward()
+    for a, b in zip(outs, sep):
+        assert _rel(a, b) < 1e-2
+    for a, lin in zip(fused, lins):
+        assert _rel(a, lin.weight.grad) < 1e-2
+
+
 @pytest.mark.parametrize("name", ["w4a16", "w8a8-int8", "w8a8-fp8", "nvfp4"])
 def test_quantlinear_cuda_graph_sees_loaded_weights(name):
     a = torch.nn.Linear(1536, 512, device="cuda", dtype=torch.bfloat16)
