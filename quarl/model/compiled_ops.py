@@ -46,6 +46,13 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a grouped ``[gate; up]`` output: the halves are split inside the compiled
+    region, so its backward writes the stacked gradient in one kernel (no concatenation)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class CompiledOps(TorchOps):
     """:class:`TorchOps` with RMSNorm (+ residual add), q/k norm + rotary and SwiGLU compiled."""
 
@@ -72,8 +79,9 @@ class CompiledOps(TorchOps):
 
     def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
         gu = qat_group(module, ("gate_proj", "up_proj"))
-        gate, up = gu(h) if gu is not None else (module.gate_proj(h), module.up_proj(h))
-        return module.down_proj(compiled(_swiglu)(gate, up))
+        if gu is not None:
+            return module.down_proj(compiled(_swiglu_stacked)(gu.stacked(h)))
+        return module.down_proj(compiled(_swiglu)(module.gate_proj(h), module.up_proj(h)))
 
 
 COMPILED_OPS = CompiledOps()

@@ -308,10 +308,13 @@ class QATGroup:
         self.repacked.drop_dequantized()
         self._leaf.drop()
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """The members' outputs side by side ``[..., sum N_i]`` (one tensor, one gradient)."""
         bias = None if self.mods[0].bias is None else torch.cat([m.bias for m in self.mods])
-        y = _qat_linear(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
-        return list(y.split(self.sizes, -1))
+        return _qat_linear(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.stacked(x).split(self.sizes, -1))
 
 
 _GROUPS: "weakref.WeakKeyDictionary[nn.Module, dict[str, QATGroup]]" = weakref.WeakKeyDictionary()
