@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from quarl.algos.aggregation import _masked, masked_max, masked_mean, seq_mean
+from quarl.algos.losses import floats
 
 _NUM_QUARTILES = 4
 
@@ -62,9 +63,7 @@ def mismatch_metrics(
             "mismatch/seq_w_max": masked_max(seq_w, valid),
         }
         metrics.update(_by_length_quartile({"kl_k1": k1, "kl_k3": k3}, m, lengths))
-        names = list(metrics)
-        values = torch.stack([metrics[n].reshape(()) for n in names]).tolist()
-    return dict(zip(names, values))
+    return floats(metrics)
 
 
 def _by_length_quartile(

@@ -16,14 +16,17 @@ matrix rate.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import gc
 import json
 import statistics
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -153,7 +156,7 @@ def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof, \
-            _SyncCounter(cuda) as syncs:
+            _counting_syncs(cuda) as syncs:
         t0 = time.perf_counter()
         result = fn()
         sync()
@@ -173,39 +176,28 @@ def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
     lines = [f"{label}: wall {wall:.3f} s under the profiler, {kind} {busy:.3f} s "
              f"({busy / wall:.0%} busy), {sum(n for _, n in kernels.values())} launches"]
     if cuda:
-        lines.append(f"  device syncs: {sum(syncs.sites.values())}"
-                     + "".join(f", {n}x {site}" for site, n in syncs.sites.most_common(5)))
+        lines.append(f"  device syncs: {sum(syncs.values())}"
+                     + "".join(f", {n}x {site}" for site, n in syncs.most_common(5)))
     for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / max(busy, 1e-12):5.1f}% {n:6d}x  {kname}")
     return result, "\n".join(lines)
 
 
-class _SyncCounter:
-    """Device syncs made inside the block, by source line (``torch.cuda`` sync debug mode)."""
-
-    def __init__(self, cuda: bool) -> None:
-        import collections
-
-        self.cuda, self.sites = cuda, collections.Counter()
-
-    def __enter__(self) -> "_SyncCounter":
-        import warnings
-
-        if self.cuda:
-            self._caught = warnings.catch_warnings(record=True)
-            self._log = self._caught.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.cuda:
-            return
-        torch.cuda.set_sync_debug_mode("default")
-        self._caught.__exit__(*exc)
-        for w in self._log:
-            if "synchroniz" in str(w.message):
-                self.sites[f"{Path(w.filename).name}:{w.lineno}"] += 1
+@contextlib.contextmanager
+def _counting_syncs(cuda: bool) -> Iterator[collections.Counter]:
+    """Device syncs made inside the block, by source line (``torch.cuda``'s sync debug mode)."""
+    sites: collections.Counter = collections.Counter()
+    if not cuda:
+        yield sites
+        return
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in log if "synchroniz" in str(w.message))
 
 
 def _profile_host(fn, label: str, top: int, sync):

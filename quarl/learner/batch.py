@@ -99,13 +99,15 @@ def build_batch(
 
 class MicroBatch(NamedTuple):
     """Rows ``lo:hi`` of a batch, ``width`` its longest row (prompt + response tokens),
-    ``response_tokens`` its response-token count: known on the host, so slicing it
-    (:meth:`RolloutBatch.rows`) and weighting its loss need no device sync."""
+    ``response_tokens`` its response-token count and ``longest_response`` its longest
+    response: known on the host, so slicing it (:meth:`RolloutBatch.rows`) and weighting
+    its loss need no device sync."""
 
     lo: int
     hi: int
     width: int
     response_tokens: int
+    longest_response: int
 
     @property
     def size(self) -> int:
@@ -134,11 +136,10 @@ def micro_batches(batch: RolloutBatch, token_budget: int) -> list[MicroBatch]:
     counts = torch.stack([batch.attention_mask.sum(-1), batch.response_mask.sum(-1).to(batch.attention_mask.dtype)])
     lengths, responses = counts.tolist()
     lengths, responses = [int(n) for n in lengths], [int(n) for n in responses]
-    return [MicroBatch(lo, hi, max(max(lengths[lo:hi]), 1), sum(responses[lo:hi]))
+    return [MicroBatch(lo, hi, max(max(lengths[lo:hi]), 1), sum(responses[lo:hi]), max(responses[lo:hi]))
             for lo, hi in budget_ranges(lengths, token_budget)]
 
 
 def split_by_token_budget(batch: RolloutBatch, token_budget: int) -> list[torch.Tensor]:
     """Row indices of micro-batches whose padded size (rows x longest row) fits the budget."""
-    lengths = batch.attention_mask.sum(-1).tolist()
-    return [torch.arange(lo, hi, dtype=torch.long) for lo, hi in budget_ranges(lengths, token_budget)]
+    return [torch.arange(mb.lo, mb.hi, dtype=torch.long) for mb in micro_batches(batch, token_budget)]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
-from quarl.algos.losses import SEQUENCE_LOSSES, floats
+from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.learner.batch import RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
@@ -168,14 +168,15 @@ class Learner:
         total_rows = mini.size
         hparams = dict(s.loss_hparams)
         if s.loss_hparams.get("agg") == "seq-mean-token-sum-norm":
-            hparams.setdefault("max_len", _longest_response(mini))
+            hparams.setdefault("max_len", max([mb.longest_response for mb in parts] + [1]))
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
             self.critic.zero_grad(set_to_none=True)
-        metric_acc: dict[str, torch.Tensor] = {}
+        names: list[str] = []
+        acc: torch.Tensor | None = None  # the metrics of every micro-batch, weighted and summed on the device
         for part in parts:
             mb = mini.rows(part)
             # Weight of this micro-batch in the mini-batch's mean (exact for token-mean and
@@ -203,14 +204,15 @@ class Learner:
                 loss = loss + s.value_coef * v_loss
                 m["loss/value"] = v_loss.detach()
             (loss * weight).backward()
-            for k, v in m.items():
-                term = v.double() * weight
-                metric_acc[k] = term if k not in metric_acc else metric_acc[k] + term
+            names = list(m)  # (every micro-batch reports the same names)
+            term = torch.stack([v.double().reshape(()) for v in m.values()]) * weight
+            acc = term if acc is None else acc + term
         if self.master is not None:
             self.master.grads_to_masters()
         stepped = self.master.masters() if self.master is not None else self.model.parameters()
-        metric_acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip)
-        metrics = floats(metric_acc)  # the one read of the device in this mini-batch
+        grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip).double().reshape(1)
+        values = grad_norm if acc is None else torch.cat([acc, grad_norm])
+        metrics = dict(zip(names + ["grad_norm"], values.tolist()))  # the one read of the device here
         self.last_nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         ok = not self.last_nonfinite
         if ok:
@@ -259,10 +261,6 @@ class Learner:
             if self.critic_master is not None:
                 self.critic_master.load_state_dict(sd["critic_master"])
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
-
-
-def _longest_response(batch: RolloutBatch) -> int:
-    return int(batch.response_mask.sum(-1).max().clamp(min=1))
 
 
 def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:

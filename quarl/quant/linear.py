@@ -289,15 +289,6 @@ class QATGroup:
         self._qw: QuantizedWeight | None = None
         self._parts: list[QuantizedWeight] = []
 
-    @staticmethod
-    def fusable(mods: list[nn.Module]) -> bool:
-        """QAT linears of one scheme and input width, all with or all without a bias, in a
-        format stored per row or per group (not nvfp4's per-tensor scale)."""
-        first = mods[0]
-        return (all(type(m) is QATLinear for m in mods)
-                and all(m.scheme == first.scheme and m.in_features == first.in_features for m in mods)
-                and len({m.bias is None for m in mods}) == 1 and first.scheme.scale_format != "e4m3")
-
     def quantized_weight(self) -> QuantizedWeight:
         parts = [m.quantized_weight() for m in self.mods]
         if self._qw is None or any(a is not b for a, b in zip(parts, self._parts)):
@@ -317,6 +308,16 @@ class QATGroup:
         return list(self.stacked(x).split(self.sizes, -1))
 
 
+def stackable(mods: list[nn.Module], layer: type) -> bool:
+    """Whether ``mods`` can run as one GEMM over their weights stacked by rows: all of type
+    ``layer`` (:class:`QuantLinear` in the engine, :class:`QATLinear` in the learner), one
+    scheme and input width, all with or all without a bias, and no per-tensor scale."""
+    first = mods[0]
+    return (all(type(m) is layer for m in mods)
+            and all(m.scheme == first.scheme and m.in_features == first.in_features for m in mods)
+            and len({m.bias is None for m in mods}) == 1 and not first.scheme.per_tensor_scale)
+
+
 _GROUPS: "weakref.WeakKeyDictionary[nn.Module, dict[str, QATGroup]]" = weakref.WeakKeyDictionary()
 
 
@@ -330,7 +331,7 @@ def qat_group(owner: nn.Module, names: tuple[str, ...]) -> QATGroup | None:
     g = groups.get(key)
     if g is not None and all(a is b for a, b in zip(g.mods, mods)):
         return g
-    if not QATGroup.fusable(mods):
+    if not stackable(mods, QATLinear):
         return None
     groups[key] = g = QATGroup(mods)
     return g

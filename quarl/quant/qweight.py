@@ -96,7 +96,7 @@ def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     if any(p.scheme != first.scheme or p.in_features != first.in_features for p in parts):
         raise ValueError("concat_quantized needs one scheme and one in_features for all parts")
-    if first.global_scale is not None:
+    if first.scheme.per_tensor_scale:
         raise ValueError(f"{first.scheme.name} has a per-tensor scale: its weights cannot be stacked by rows")
     tensors = {f: torch.cat([getattr(p, f) for p in parts], 0) for f in first.tensors()}
     return QuantizedWeight(first.scheme, (sum(p.out_features for p in parts), first.in_features), **tensors)
@@ -119,7 +119,7 @@ def quantize_weights(ws: list[torch.Tensor], scheme: QuantScheme | str,
     tensors. nvfp4 (a per-tensor scale) is quantized one weight at a time."""
     scheme = get_scheme(scheme)
     out: list[QuantizedWeight | None] = [None] * len(ws)
-    if scheme.scale_format == "e4m3" or not scheme.quantizes_weights:
+    if scheme.per_tensor_scale or not scheme.quantizes_weights:
         return [quantize_weight(w, scheme) for w in ws]
     by_kind: dict[tuple, list[int]] = {}
     for i, w in enumerate(ws):

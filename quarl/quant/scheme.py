@@ -81,6 +81,13 @@ class QuantScheme:
         return self.act_format != "none"
 
     @property
+    def per_tensor_scale(self) -> bool:
+        """nvfp4: its group scales are relative to one fp32 scale per weight tensor, so
+        weights quantized apart cannot be stacked by rows (every other format scales per
+        row or per group of a row)."""
+        return self.scale_format == "e4m3"
+
+    @property
     def packed(self) -> bool:
         """True for sub-byte formats (several codes per byte, K padded to PACK_K)."""
         return self.weight_format in ("int", "fp4") and self.weight_bits < 8

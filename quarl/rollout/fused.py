@@ -21,7 +21,7 @@ from torch import nn
 
 from quarl.model.transformer import AttnFn, Transformer
 from quarl.quant import ops
-from quarl.quant.linear import QuantLinear
+from quarl.quant.linear import QuantLinear, stackable
 from quarl.quant.qweight import concat_quantized
 from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -442,14 +442,7 @@ def _fusable(mods: list[nn.Module]) -> str | None:
         return None
     if all(type(x) is nn.Linear for x in mods):
         return "plain"
-    if not all(type(x) is QuantLinear for x in mods):
-        return None
-    first = mods[0]
-    if any(m.scheme != first.scheme or m.in_features != first.in_features for m in mods):
-        return None
-    if "global_scale" in first._fields:  # nvfp4: one tensor scale per module, not per row
-        return None
-    return "quant"
+    return "quant" if stackable(mods, QuantLinear) else None
 
 
 def fuse_projections(model: Transformer) -> int:
