@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.transformer import MLP, Attention, AttnFn, TorchOps, apply_rotary, rms_norm
-from quarl.quant.linear import qat_group
+from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
+from quarl.quant.linear import qat_group, traceable, traced_linear
 from quarl.runtime import compiled
 
 
@@ -53,8 +53,72 @@ def _swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _projected(x: torch.Tensor, lins: tuple[tuple, ...], sizes: list[int]) -> list[torch.Tensor]:
+    """The outputs of linears ``lins`` (:func:`~quarl.quant.linear.traced_linear`) on ``x``:
+    one per linear, or a single stacked one split by ``sizes``."""
+    if len(lins) == 1:
+        return list(traced_linear(x, lins[0]).split(sizes, -1))
+    return [traced_linear(x, lin) for lin in lins]
+
+
+def _qkv_region(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: tuple[tuple, ...],
+                qk_norm: tuple | None, heads: tuple[int, int, int]):
+    """A layer's work before attention: q/k/v projections, q/k norm, rotary."""
+    b, t, _ = h.shape
+    n_heads, n_kv, d = heads
+    q, k, v = _projected(h, qkv, [n_heads * d, n_kv * d, n_kv * d])
+    q, k, v = q.view(b, t, n_heads, d), k.view(b, t, n_kv, d), v.view(b, t, n_kv, d)
+    if qk_norm is not None:
+        return _qk_norm_rope(q, k, *qk_norm, cos, sin) + (v,)
+    return _qk_rope(q, k, cos, sin) + (v,)
+
+
+def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: tuple, post_norm: tuple,
+                            gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple, intermediate: int):
+    """A layer's work after attention: the output projection, residual add + norm, the MLP,
+    and the add into the stream normed for the next layer (``*_norm``: weight, eps)."""
+    b, t = out.shape[:2]
+    a = traced_linear(out.reshape(b, t, -1), o_proj)
+    h, residual = _add_rms_norm(a, residual, *post_norm)
+    gate, up = _projected(h, gate_up, [intermediate, intermediate])
+    m = traced_linear(F.silu(gate) * up, down)
+    return _add_rms_norm(m, residual, *next_norm)
+
+
+def _traced_group(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[tuple, ...] | None:
+    """``owner``'s linears ``names`` as traced linears: one stacked QAT GEMM (their group),
+    or one each; None when one of them has no traced form."""
+    group = qat_group(owner, names)
+    if group is not None:
+        lin = group.traced(x)
+        return None if lin is None else (lin,)
+    lins = tuple(traceable(getattr(owner, n), x) for n in names)
+    return None if any(lin is None for lin in lins) else lins
+
+
 class CompiledOps(TorchOps):
-    """:class:`TorchOps` with RMSNorm (+ residual add), q/k norm + rotary and SwiGLU compiled."""
+    """:class:`TorchOps` with RMSNorm (+ residual add), q/k norm + rotary and SwiGLU compiled.
+
+    A decoder layer whose linears all have a traced form (plain, or aligned QAT on the paths
+    of :func:`~quarl.quant.linear.traced_qat`) runs as two compiled regions around the
+    attention call: fewer, larger graphs, so the host's cost per layer (guards, autograd
+    nodes, launches) stays below the GPU's work even for one-row micro-batches."""
+
+    def block(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = _traced_group(a, ("q_proj", "k_proj", "v_proj"), h)
+        o_proj, down = traceable(a.o_proj, h), traceable(mlp.down_proj, h)
+        gate_up = _traced_group(mlp, ("gate_proj", "up_proj"), h)
+        if qkv is None or gate_up is None or o_proj is None or down is None:
+            return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
+        qk_norm = None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        q, k, v = compiled(_qkv_region)(h, cos, sin, qkv, qk_norm, (a.n_heads, a.n_kv, a.head_dim))
+        out = attn(a.layer_idx, q, k, v)
+        post = layer.post_attention_layernorm
+        return compiled(_after_attention_region)(out, residual, o_proj, (post.weight, post.eps), gate_up, down,
+                                                  (next_norm.weight, next_norm.eps),
+                                                  mlp.down_proj.in_features)
 
     def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
         if residual is None:

@@ -210,6 +210,16 @@ class TorchOps:
     def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
         return module(h)
 
+    def block(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
+        """One decoder layer on its normed input ``h``: attention, the residual add and norm,
+        the MLP, and the add into the stream normed by ``next_norm`` (the next layer's input
+        norm, or the final one). Returns ``(norm(stream), stream)`` as :meth:`norm` does."""
+        a = self.attention(layer.self_attn, h, cos, sin, attn)
+        h, residual = self.norm(a, layer.post_attention_layernorm, residual, layer.mlp)
+        m = self.mlp(layer.mlp, h)
+        return self.norm(m, next_norm, residual, next_consumer)
+
 
 TORCH_OPS = TorchOps()
 
@@ -245,12 +255,10 @@ class Transformer(nn.Module):
         layers = self.layers
         h, residual = ops.norm(x, layers[0].input_layernorm, None, layers[0].self_attn)
         for i, layer in enumerate(layers):
-            a = ops.attention(layer.self_attn, h, cos, sin, attn)
-            h, residual = ops.norm(a, layer.post_attention_layernorm, residual, layer.mlp)
-            m = ops.mlp(layer.mlp, h)
             last = i + 1 == len(layers)
-            h, residual = ops.norm(m, self.norm if last else layers[i + 1].input_layernorm, residual,
-                                   None if last else layers[i + 1].self_attn)
+            h, residual = ops.block(layer, h, residual, cos, sin, attn,
+                                    self.norm if last else layers[i + 1].input_layernorm,
+                                    None if last else layers[i + 1].self_attn)
         return h.view(*input_ids.shape, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -201,6 +201,80 @@ def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     return _QATMatmul.apply(x, bias, qw, repacked, *masters)
 
 
+@torch.library.custom_op("quarl::qat_quantized_input_linear", mutates_args=())
+def _qat_quantized_input_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
+                                scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                                scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aligned forward of a scheme that quantizes activations (W8A8 / W4A8), as one op a
+    compiled region can hold: ``(y, x_seen)``, the engine's GEMM on ``x``'s per-token codes and
+    ``x`` as that GEMM saw it. ``weight`` is the dequantized weight (the straight-through
+    backward's operand, unused here); ``qdata`` / ``scales`` / ``zeros`` the packed one."""
+    qw = QuantizedWeight(get_scheme(scheme), tuple(weight.shape), qdata, scales, zeros)
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx, seen = ops.quantize_input(x2, qw.scheme.act_format, x.dtype)
+    y = ops.quant_linear_quantized_input(xq, sx, qw, bias, x.dtype)
+    return y.view(*x.shape[:-1], y.shape[-1]), seen.view(x.shape)
+
+
+@_qat_quantized_input_linear.register_fake
+def _(x, weight, bias, qdata, scales, zeros, scheme):
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
+
+
+def _qat_quantized_input_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1], output[1])
+    ctx.has_bias = inputs[2] is not None
+
+
+def _qat_quantized_input_backward(ctx, grad_y, _grad_seen):
+    """Straight-through: ``grad_x = grad_y @ W_deq``, ``grad_W = grad_y^T @ x_seen``."""
+    weight, seen = ctx.saved_tensors
+    gy = grad_y.reshape(-1, grad_y.shape[-1])
+    grad_x = (gy @ weight).view(seen.shape)
+    grad_w = gy.t() @ seen.reshape(-1, seen.shape[-1])
+    grad_b = gy.sum(0) if ctx.has_bias else None
+    return grad_x, grad_w, grad_b, None, None, None, None
+
+
+_qat_quantized_input_linear.register_autograd(_qat_quantized_input_backward, setup_context=_qat_quantized_input_setup)
+
+
+def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache, leaf: _DequantizedLeaf,
+               masters: list[torch.Tensor]) -> tuple | None:
+    """The QAT forward of ``masters`` (stacked as ``qw``) on inputs like ``x`` as plain data a
+    compiled region runs with :func:`traced_linear` (no Python autograd function inside):
+    ``("dense", W_deq, bias)`` where the engine's GEMM is a matmul over the dequantized weight,
+    ``("quantized_input", W_deq, bias, qdata, scales, zeros, scheme)`` for W8A8 / W4A8; the
+    dequantized leaf carries the gradient to the masters either way. None for the rest
+    (weight-only kernels at small M, per-tensor scales)."""
+    sc = qw.scheme
+    if ops.runs_dequantized(x, qw):
+        return ("dense", leaf.get(qw, x.dtype, repacked, masters), bias)
+    if sc.act_format in ("int8", "fp8") and not sc.per_tensor_scale:
+        return ("quantized_input", leaf.get(qw, x.dtype, repacked, masters), bias, qw.qdata, qw.scales, qw.zeros,
+                sc.name)
+    return None
+
+
+def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+    """Run a linear described by :func:`traced_qat` or :func:`traceable` (inside or outside a
+    compiled region). A tuple of biases (a group's) is concatenated."""
+    bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
+    if lin[0] == "dense":
+        return F.linear(x, lin[1], bias)
+    return _qat_quantized_input_linear(x, lin[1], bias, *lin[3:])[0]
+
+
+def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:
+    """:func:`traced_qat`'s description of a plain ``nn.Linear`` or a :class:`QATLinear`
+    on inputs like ``x``; None for any other module or path."""
+    if type(mod) is nn.Linear:
+        return ("dense", mod.weight, mod.bias)
+    if isinstance(mod, QATLinear):
+        return traced_qat(x, mod.quantized_weight(), mod.bias, mod.repacked, mod._leaf, [mod.weight])
+    return None
+
+
 class QATLinear(nn.Module):
     """Training linear with master weights and the engine's quantized forward."""
 
@@ -306,6 +380,11 @@ class QATGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self.stacked(x).split(self.sizes, -1))
+
+    def traced(self, x: torch.Tensor) -> tuple | None:
+        """:func:`traced_qat` of the stacked weight (the biases as a tuple)."""
+        bias = None if self.mods[0].bias is None else tuple(m.bias for m in self.mods)
+        return traced_qat(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
 
 
 def stackable(mods: list[nn.Module], layer: type) -> bool:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from quarl.model.transformer import AttnFn, Transformer
+from quarl.model.transformer import AttnFn, TorchOps, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear, stackable
 from quarl.quant.qweight import concat_quantized
@@ -476,7 +476,7 @@ def supports_fused(model: Transformer) -> bool:
     return cfg.hidden_act == "silu" and cfg.head_dim % 2 == 0
 
 
-class FusedOps:
+class FusedOps(TorchOps):
     """The steps of ``Transformer.hidden_states`` over the fused kernels (same weights, same
     rounding steps as :class:`~quarl.model.transformer.TorchOps`), on 2-D ``[B*T, H]`` rows.
 

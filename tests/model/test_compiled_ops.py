@@ -131,3 +131,86 @@ def test_compiled_ops_run_aligned_projections_grouped_with_the_eager_values(sche
     assert g0.keys() == g1.keys() and "layers.0.self_attn.k_proj.weight" in g0
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def _count_fallbacks(monkeypatch) -> dict:
+    """Count the layers that :class:`CompiledOps` runs step by step (no traced form)."""
+    from quarl.model.transformer import TorchOps
+
+    calls = {"n": 0}
+    plain = TorchOps.block
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return plain(self, *args)
+
+    monkeypatch.setattr(TorchOps, "block", counted)
+    return calls
+
+
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8-int8", "w8a8-fp8"])
+def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatch):
+    """Every layer of a plain model, and of an aligned one whose engine GEMM is a matmul over
+    the dequantized weight (w4a16 at the learner's batch sizes, forced here: on the CPU the
+    engine runs the reference kernel) or quantizes activations (W8A8, through the
+    ``quarl::qat_quantized_input_linear`` op), runs as two compiled regions: no layer falls
+    back to the step-by-step path, and the hidden states and every weight's gradient equal
+    the eager forward's (which runs the same path outside a compiled region)."""
+    from quarl.quant import ops, quantize_model
+
+    model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=6)
+    if scheme is not None:
+        quantize_model(model, scheme)
+    if scheme == "w4a16":
+        monkeypatch.setattr(ops, "runs_dequantized", lambda x, qw: True)
+    fallbacks = _count_fallbacks(monkeypatch)
+    ids = torch.randint(0, 50, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, -3:] = 0
+    pos, attn = batch_attention(ids, mask)
+    w = torch.randn(2, 11, 64)
+    out = []
+    for ops_ in (None, COMPILED_OPS):
+        model.zero_grad()
+        h = model.hidden_states(ids, pos, attn) if ops_ is None else model.hidden_states(ids, pos, attn, ops_)
+        (h * w).sum().backward()
+        out.append((h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert fallbacks["n"] == 2  # the eager forward's two layers only
+    (h0, g0), (h1, g1) = out
+    torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and "layers.1.mlp.up_proj.weight" in g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
+def test_quantized_input_op_is_a_well_formed_custom_op_with_a_straight_through_gradient(scheme):
+    """``quarl::qat_quantized_input_linear`` passes torch.library's checks (schema, fake
+    tensor, autograd registration), gives the engine's output and ``x`` as its GEMM saw it,
+    and its gradients are the straight-through ones, computed here in float64."""
+    from quarl.quant import ops
+    from quarl.quant.linear import _qat_quantized_input_linear
+    from quarl.quant.qweight import quantize_weight
+
+    torch.manual_seed(7)
+    x = torch.randn(2, 5, 32)
+    master = torch.randn(24, 32) * 0.2
+    qw = quantize_weight(master, scheme)
+    w_deq = qw.dequantize(torch.float32).requires_grad_(True)
+    bias = torch.randn(24, requires_grad=True)
+    xr = x.clone().requires_grad_(True)
+    args = (xr, w_deq, bias, qw.qdata, qw.scales, qw.zeros, scheme)
+    # (the schema check's mode runs CPU e4m3 arithmetic that has no kernel: fp8 skips that one check)
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_qat_quantized_input_linear, args,
+                          test_utils=checks if scheme == "w8a8-fp8" else checks + ("test_schema",))
+    y, seen = _qat_quantized_input_linear(*args)
+    torch.testing.assert_close(y, ops.quant_linear(x, qw, bias.detach()))
+    torch.testing.assert_close(seen, ops.fake_quantize_input(x, qw.scheme.act_format))
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    g64, seen64 = g.double().reshape(-1, 24), seen.double().reshape(-1, 32)
+    tol = {"rtol": 1e-5, "atol": 1e-5}  # float32 sums against float64 ones
+    torch.testing.assert_close(xr.grad.double(), (g64 @ w_deq.detach().double()).view(2, 5, 32), **tol)
+    torch.testing.assert_close(w_deq.grad.double(), g64.t() @ seen64, **tol)
+    torch.testing.assert_close(bias.grad.double(), g64.sum(0), **tol)

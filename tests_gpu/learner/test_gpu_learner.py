@@ -3,6 +3,7 @@ against the eager float32 formulation, at a real vocabulary size."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quarl.learner.logprobs import sequence_logprobs, token_logprobs
@@ -56,3 +57,42 @@ def test_compiled_forward_is_as_accurate_as_eager_on_a_bf16_model():
     for n in g_ref:
         e0, e1 = (g0[n] - g_ref[n]).norm(), (g1[n] - g_ref[n]).norm()
         assert e1 <= 1.5 * e0 + 1e-3 * g_ref[n].norm(), (n, float(e0), float(e1), float(g_ref[n].norm()))
+
+
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8-fp8", "w8a8-int8"])
+def test_compiled_regions_run_every_layer_of_an_aligned_model_with_the_eager_values(scheme, monkeypatch):
+    """At learner batch sizes every layer of a bf16 or aligned model runs as the compiled
+    regions (no layer falls back to the step-by-step path) and gives the log-probs and
+    gradients of the eager forward, up to bf16 summation order."""
+    from quarl.model.transformer import TorchOps
+    from quarl.quant import quantize_model
+
+    torch.manual_seed(1)
+    model = build_random_model("100m", dtype=torch.bfloat16).to(DEV)
+    if scheme is not None:
+        quantize_model(model, scheme)
+    calls = {"n": 0}
+    plain = TorchOps.block
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return plain(self, *args)
+
+    monkeypatch.setattr(TorchOps, "block", counted)
+    ids = torch.randint(0, model.config.vocab_size, (3, 260), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[2, 200:] = 0
+    g = torch.randn(3, 259, device=DEV) * mask[:, 1:]
+    out = []
+    for kw in ({}, {"ops": COMPILED_OPS}):
+        model.zero_grad()
+        lp, _ = sequence_logprobs(model, ids, mask, right_padded=True, **kw)
+        (lp * g).sum().backward()
+        out.append((lp.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
+    assert calls["n"] == model.config.num_hidden_layers  # the eager pass's layers only
+    (lp0, g0), (lp1, g1) = out
+    real = mask[:, 1:].bool()
+    assert (lp1 - lp0)[real].abs().max() < 5e-2 and (lp1 - lp0)[real].abs().mean() < 5e-3
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert (g1[n] - g0[n]).norm() <= 2e-2 * g0[n].norm() + 1e-6, n
