@@ -201,10 +201,16 @@ def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     return _QATMatmul.apply(x, bias, qw, repacked, *masters)
 
 
-@torch.library.custom_op("quarl::qat_quantized_input_linear", mutates_args=())
-def _qat_quantized_input_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
-                                scales: torch.Tensor | None, zeros: torch.Tensor | None,
-                                scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+# Defined through torch.library.Library rather than ``torch.library.custom_op``: the latter
+# wraps each call in output checks that cost the host ~0.1 ms, per linear and micro-batch.
+_LIB = torch.library.Library("quarl", "FRAGMENT")
+_LIB.define("qat_quantized_input_linear(Tensor x, Tensor weight, Tensor? bias, Tensor qdata, Tensor? scales, "
+            "Tensor? zeros, str scheme) -> (Tensor, Tensor)")
+
+
+def _qat_quantized_input_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
+                              scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                              scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The aligned forward of a scheme that quantizes activations (W8A8 / W4A8), as one op a
     compiled region can hold: ``(y, x_seen)``, the engine's GEMM on ``x``'s per-token codes and
     ``x`` as that GEMM saw it. ``weight`` is the dequantized weight (the straight-through
@@ -216,8 +222,7 @@ def _qat_quantized_input_linear(x: torch.Tensor, weight: torch.Tensor, bias: tor
     return y.view(*x.shape[:-1], y.shape[-1]), seen.view(x.shape)
 
 
-@_qat_quantized_input_linear.register_fake
-def _(x, weight, bias, qdata, scales, zeros, scheme):
+def _qat_quantized_input_fake(x, weight, bias, qdata, scales, zeros, scheme):
     return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
 
 
@@ -236,7 +241,11 @@ def _qat_quantized_input_backward(ctx, grad_y, _grad_seen):
     return grad_x, grad_w, grad_b, None, None, None, None
 
 
-_qat_quantized_input_linear.register_autograd(_qat_quantized_input_backward, setup_context=_qat_quantized_input_setup)
+_LIB.impl("qat_quantized_input_linear", _qat_quantized_input_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("quarl::qat_quantized_input_linear", _qat_quantized_input_fake, lib=_LIB)
+torch.library.register_autograd("quarl::qat_quantized_input_linear", _qat_quantized_input_backward,
+                                setup_context=_qat_quantized_input_setup, lib=_LIB)
+_qat_quantized_input_linear = torch.ops.quarl.qat_quantized_input_linear.default
 
 
 def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache, leaf: _DequantizedLeaf,
