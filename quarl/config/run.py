@@ -200,7 +200,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
     token_budget: int = 8192  # micro-batch size in tokens (gradient accumulation)
-    compile: bool = True  # CUDA: the learner's RMSNorm / rotary / SwiGLU through torch.compile
+    compile: bool = True  # CUDA: the learner runs each decoder layer as compiled regions (torch.compile)
     on_policy: bool = False
     dynamic_sampling: bool = False
     overlong_filter: bool = False

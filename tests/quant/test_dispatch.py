@@ -1,8 +1,9 @@
 """The dispatch tables pick exactly what the branching config functions of c62667c picked.
 
 ``data/dispatch_c62667c.json`` holds, for a grid of (M, N, K) and each GPU generation, the
-kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). One row was
-added on purpose (w4a16 on sm90 at M = 65-128: 64-row chunks instead of dequantize + cuBLAS);
+kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). Two rows were
+added on purpose (w4a16 on sm90 at M = 65-128: 128-token wgmma tiles instead of dequantize +
+cuBLAS; fp8 at M = 17-128 with K > 8192 over N <= 2048: the TMA kernel with K split in 4);
 every other case must match.
 """
 
@@ -55,6 +56,10 @@ def test_tables_match_the_old_dispatch():
             assert want == ["dequant"] or want[0] == "TileConfig", want
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
+            continue
+        if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split in 4
+            got = dispatch.lookup("fp8", "none", m, n, k)
+            assert got.kernel == "tma" and got.config.split_k == 4 and got.config.bm == 64, (m, n, k)
             continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))

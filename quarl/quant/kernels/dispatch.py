@@ -111,6 +111,11 @@ def few_64_tiles(m: int, n: int, k: int) -> bool:
     return cdiv(m, 64) * cdiv(n, 64) <= 264
 
 
+def narrow_long_k(m: int, n: int, k: int) -> bool:
+    """K > 8192 over at most 2048 output columns (1.5B down): few tiles, so a deep K split."""
+    return k > 8192 and n <= 2048
+
+
 def m2048_long_k(m: int, n: int, k: int) -> bool:
     return m >= 2048 and k > 8192
 
@@ -161,7 +166,9 @@ _W8A8_SMALL_M: tuple[Row, ...] = (
     Row(Plan("pointer", TileConfig(64, 64, 128, num_stages=4)), 64),
     Row(_TMA_SPLIT, 256, long_k),
 )
-FP8: tuple[Row, ...] = _W8A8_SMALL_M + (
+FP8: tuple[Row, ...] = _W8A8_SMALL_M[:1] + (
+    Row(Plan("tma", TileConfig(64, 64, 128, split_k=4, num_stages=5, waves=3)), 128, narrow_long_k),
+) + _W8A8_SMALL_M[1:] + (
     Row(_TMA_64, 256, few_64_tiles),
     Row(Plan("cublas")),
 )
