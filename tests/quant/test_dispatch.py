@@ -3,7 +3,7 @@
 ``data/dispatch_c62667c.json`` holds, for a grid of (M, N, K) and each GPU generation, the
 kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). Two rows were
 added on purpose (w4a16 on sm90 at M = 65-128: 128-token wgmma tiles instead of dequantize +
-cuBLAS; fp8 at M = 17-128 with K > 8192 over N <= 2048: the TMA kernel with K split in 4);
+cuBLAS; fp8 at M = 65-128 with K > 8192 over N <= 2048: the TMA kernel with K split in 4);
 every other case must match.
 """
 
@@ -57,7 +57,7 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
-        if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split in 4
+        if fam == "fp8" and 64 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split in 4
             got = dispatch.lookup("fp8", "none", m, n, k)
             assert got.kernel == "tma" and got.config.split_k == 4 and got.config.bm == 64, (m, n, k)
             continue
@@ -130,3 +130,14 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     for row in dispatch.W4A16:
         if row.plan is not None and isinstance(row.plan.config, WgConfig):
             row.plan.config.check(row.m_max)
+
+
+def test_fp8_down_of_a_1p5b_model_splits_k_in_four_from_65_rows():
+    """The added fp8 row: the 1.5B down projection (N = 1536, K = 8960) at decode batch 128
+    runs the TMA kernel with K split in 4; at 64 rows (conflicting measurements) and for the
+    7B down (N = 3584) the old rows stay."""
+    plan = dispatch.lookup("fp8", "none", 128, 1536, 8960)
+    assert (plan.kernel, plan.config.bm, plan.config.bn, plan.config.split_k) == ("tma", 64, 64, 4)
+    assert dispatch.lookup("fp8", "none", 64, 1536, 8960).kernel == "pointer"
+    assert dispatch.lookup("fp8", "none", 128, 3584, 18944).config.split_k == 2
+    assert dispatch.lookup("fp8", "none", 129, 1536, 8960).config.split_k == 2

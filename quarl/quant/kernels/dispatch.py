@@ -111,9 +111,9 @@ def few_64_tiles(m: int, n: int, k: int) -> bool:
     return cdiv(m, 64) * cdiv(n, 64) <= 264
 
 
-def narrow_long_k(m: int, n: int, k: int) -> bool:
-    """K > 8192 over at most 2048 output columns (1.5B down): few tiles, so a deep K split."""
-    return k > 8192 and n <= 2048
+def narrow_long_k_m65(m: int, n: int, k: int) -> bool:
+    """M > 64 and K > 8192 over at most 2048 output columns (1.5B down): few tiles, so a deep K split."""
+    return m > 64 and k > 8192 and n <= 2048
 
 
 def m2048_long_k(m: int, n: int, k: int) -> bool:
@@ -167,7 +167,7 @@ _W8A8_SMALL_M: tuple[Row, ...] = (
     Row(_TMA_SPLIT, 256, long_k),
 )
 FP8: tuple[Row, ...] = _W8A8_SMALL_M[:1] + (
-    Row(Plan("tma", TileConfig(64, 64, 128, split_k=4, num_stages=5, waves=3)), 128, narrow_long_k),
+    Row(Plan("tma", TileConfig(64, 64, 128, split_k=4, num_stages=5, waves=3)), 128, narrow_long_k_m65),
 ) + _W8A8_SMALL_M[1:] + (
     Row(_TMA_64, 256, few_64_tiles),
     Row(Plan("cublas")),
