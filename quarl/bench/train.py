@@ -70,6 +70,26 @@ MODES: dict[str, list[str]] = {
 }
 
 
+# options a mode name may add after a '+' (e.g. aligned-w4a16+kvfp8): per mode, unlike the
+# extra --section.key=value flags, which go to every mode (the bf16 baseline included)
+MODE_OPTIONS: dict[str, list[str]] = {
+    "kvfp8": ["--rollout.engine.kv_cache_dtype=fp8"],
+}
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The run-config flags of a mode name: a key of :data:`MODES`, then any ``+option`` of
+    :data:`MODE_OPTIONS`; a ValueError names the choices for anything else."""
+    base, *options = mode.split("+")
+    if base not in MODES:
+        raise ValueError(f"unknown mode {base!r} in {mode!r}; choose from {', '.join(MODES)}")
+    bad = [o for o in options if o not in MODE_OPTIONS]
+    if bad:
+        raise ValueError(f"unknown mode option(s) {', '.join(bad)} in {mode!r}; choose from "
+                         f"{', '.join('+' + o for o in MODE_OPTIONS)}")
+    return MODES[base] + [flag for o in options for flag in MODE_OPTIONS[o]]
+
+
 def workload_overrides(w: Workload, model_dir: Path) -> list[str]:
     return [
         f"--model.path={model_dir}", "--model.tokenizer=builtin", "--trainer.sft_warmup_steps=0", "--data.task=arith",
@@ -225,9 +245,8 @@ def check_workload(workload: str, modes: list[str]) -> Workload:
     """The workload of that name, once every mode is known (else a ValueError naming the choices)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    for m in modes:
+        mode_overrides(m)
     return WORKLOADS[workload]
 
 
@@ -251,7 +270,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
         model_dir = save_random_model(w.shape, Path(tmp) / "model")
         for mode in modes:
-            overrides = workload_overrides(w, model_dir) + MODES[mode] + extra
+            overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
             rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
             timed = rows[:-1] if table else rows  # the profiled step runs slower
             result["modes"][mode] = {"median": median_metrics(timed), "steps": rows, "overrides": overrides}

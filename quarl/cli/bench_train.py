@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from quarl.bench.train import MODES, WORKLOADS
+    from quarl.bench.train import MODE_OPTIONS, MODES, WORKLOADS
 
     p = subparsers.add_parser(
         "train", help="end-to-end RL step time by mode (random weights, forced length)",
@@ -16,7 +16,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
     p.add_argument("--modes", default=",".join(m for m in MODES if m != "aligned-w8a8-int8"),
-                   help=f"comma list of {', '.join(MODES)}")
+                   help=f"comma list of {', '.join(MODES)}, each optionally with "
+                        f"{', '.join('+' + o for o in MODE_OPTIONS)} (e.g. aligned-w4a16+kvfp8: that mode with "
+                        "the FP8 KV cache, the others without)")
     p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
     p.add_argument("--profile", nargs="?", const="kernels", choices=("kernels", "host"),
                    help="profile the last step's learner stage of each mode: 'kernels' (the default) its GPU kernels by "

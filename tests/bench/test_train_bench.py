@@ -45,3 +45,17 @@ def test_profile_call_names_its_kinds():
         profile_call(lambda: None, "x", what="gpu")
     result, table = profile_call(lambda: sum(range(1000)), "sum", what="host")
     assert result == 499500 and table.startswith("sum: host")
+
+
+def test_mode_names_take_per_mode_options():
+    """``aligned-w4a16+kvfp8`` is that mode with the FP8 KV cache (bf16 in the same call keeps
+    its bf16 cache); unknown bases and options are errors that name the choices."""
+    from quarl.bench.train import check_workload, mode_overrides
+
+    assert mode_overrides("aligned-w4a16+kvfp8") == MODES["aligned-w4a16"] + ["--rollout.engine.kv_cache_dtype=fp8"]
+    assert mode_overrides("bf16") == MODES["bf16"]
+    with pytest.raises(ValueError, match="unknown mode option.*kvint4.*\\+kvfp8"):
+        mode_overrides("bf16+kvint4")
+    with pytest.raises(ValueError, match="unknown mode 'aligned-w3'.*bf16"):
+        check_workload("w1", ["bf16", "aligned-w3+kvfp8"])
+    assert check_workload("w1-long", ["bf16", "aligned-w8a8-fp8+kvfp8"]).gen == 4096
