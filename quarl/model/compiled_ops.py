@@ -102,7 +102,10 @@ class CompiledOps(TorchOps):
     A decoder layer whose linears all have a traced form (plain, or aligned QAT on the paths
     of :func:`~quarl.quant.linear.traced_qat`) runs as two compiled regions around the
     attention call: fewer, larger graphs, so the host's cost per layer (guards, autograd
-    nodes, launches) stays below the GPU's work even for one-row micro-batches."""
+    nodes, launches) stays below the GPU's work even for one-row micro-batches. ``fallbacks``
+    counts the layer calls that ran step by step instead (tests and profiling read it)."""
+
+    fallbacks = 0
 
     def block(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
@@ -111,6 +114,7 @@ class CompiledOps(TorchOps):
         o_proj, down = traceable(a.o_proj, h), traceable(mlp.down_proj, h)
         gate_up = _traced_group(mlp, ("gate_proj", "up_proj"), h)
         if qkv is None or gate_up is None or o_proj is None or down is None:
+            self.fallbacks += 1
             return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
         qk_norm = None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
         q, k, v = compiled(_qkv_region)(h, cos, sin, qkv, qk_norm, (a.n_heads, a.n_kv, a.head_dim))
