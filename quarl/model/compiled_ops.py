@@ -1,15 +1,20 @@
-"""The learner's forward with its elementwise steps compiled (CUDA).
+"""The learner's forward as compiled regions (CUDA).
 
 Eagerly, every RMSNorm, rotary embedding and SwiGLU of a training forward is a chain of
 small float32 and bf16 kernels (cast, square, mean, rsqrt, multiply, cat, ...), forward
-and backward. :class:`CompiledOps` runs the same steps, written as the model writes
-them, through ``torch.compile`` so that each becomes one or two fused kernels with the
-backward derived by AOTAutograd. The linears and attention stay outside the compiled
-regions (the quantized linears have their own autograd functions). Aligned (QAT) q/k/v and
-gate/up projections run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the
-engine runs them: fewer launches and Python autograd nodes per micro-batch. Casts are emulated
-as eager rounds them, so the values stay those of :class:`~quarl.model.transformer.TorchOps`
-up to the order of float32 sums.
+and backward, and every linear and reshape between them costs the host a Python call and an
+autograd node. :class:`CompiledOps` runs a decoder layer as two regions through
+``torch.compile``, written as the model writes them: before attention (q/k/v, q/k norm,
+rotary) and after it (output projection, residual adds and norms, the MLP). The elementwise
+steps fuse into a few kernels, the backward is derived by AOTAutograd, and the linears enter
+as data (:func:`quarl.quant.linear.traceable`): plain weights, or for aligned (QAT) linears
+the engine's own computation (a matmul over the dequantized weight, or the W8A8 op
+``quarl::qat_quantized_input_linear``) with a straight-through gradient. Aligned q/k/v and
+gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them.
+A layer with a linear that has no traced form (a weight-only kernel at small M, per-tensor
+scales) runs the steps one by one, each still compiled; attention stays outside (the caller's
+SDPA). Casts are emulated as eager rounds them, so the values stay those of
+:class:`~quarl.model.transformer.TorchOps` up to the order of float32 sums.
 
 Each function goes through :func:`quarl.runtime.compiled`, which marks the batch dimension
 of every activation unbacked: a backed size specialises on 1, and a run whose first

@@ -20,6 +20,11 @@
   values, with autograd's C++ backward; a hook moves the leaf's gradient onto the master
   weight (straight-through). Per micro-batch this saves a Python forward and backward per
   linear, which is what bounds a learner whose kernels take tens of microseconds.
+* The learner's compiled regions (:mod:`quarl.model.compiled_ops`) take a linear as data
+  (:func:`traceable`): that leaf, or for schemes that quantize activations the registered op
+  ``quarl::qat_quantized_input_linear`` (the engine's quantizer and GEMM; its
+  straight-through backward is an autograd formula the compiler traces), so no Python
+  autograd function runs inside a region.
 """
 
 from __future__ import annotations
