@@ -55,16 +55,19 @@ def matmul_rate(device: torch.device) -> float | None:
 
 @functools.cache
 def compiled(fn):
-    """``fn`` through ``torch.compile`` (dynamic shapes, eager's rounding as
-    ``emulate_precision_casts`` keeps it), the batch dimension of its activation arguments
-    (3 dimensions or more) unbacked: a backed size specialises on 1, so a first call with one
-    row would compile again at the first call with two."""
-    traced = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+    """``fn`` through ``torch.compile`` (eager's rounding as ``emulate_precision_casts`` keeps
+    it) with the batch and time dimensions of its activation arguments (3 dimensions or
+    more: ``[B, T, ...]``) dynamic and every other size static. The batch dimension is
+    unbacked: a backed size specialises on 1, so a first call with one row would compile
+    again at the first call with two. Static widths (hidden size, heads, the MLP's) let the
+    generated kernels index with constants instead of runtime divisions by symbolic sizes."""
+    traced = torch.compile(fn, options={"emulate_precision_casts": True})
 
     def call(*args):
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() >= 3:  # activations [B, T, ...], not weights
                 torch._dynamo.decorators.mark_unbacked(a, 0)
+                torch._dynamo.decorators.mark_unbacked(a, 1)
         return traced(*args)
 
     return call
