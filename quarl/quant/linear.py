@@ -29,9 +29,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import weakref
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -151,20 +152,25 @@ class _QATMatmul(torch.autograd.Function):
         return (grad_x, grad_b, None, None, *grad_ws)
 
 
+_DEFERRED = 0  # > 0 inside deferred_master_grads(): leaves keep their gradient until its exit
+
+
 class _DequantizedLeaf:
     """The dequantized weight that ``F.linear`` differentiates where the engine's GEMM is a
     matmul over it (module docstring): a leaf tensor made once per weight version, whose
-    accumulated gradient a hook hands, row block by row block, to the master weights."""
+    accumulated gradient a hook hands, row block by row block, to the master weights (at once,
+    or at the exit of :func:`deferred_master_grads`)."""
 
     def __init__(self) -> None:
         self.leaf: torch.Tensor | None = None
         self.of: QuantizedWeight | None = None
+        self.masters: list[torch.Tensor] = []
 
     def __deepcopy__(self, memo) -> "_DequantizedLeaf":  # a copy's hook would feed this one's masters
         return _DequantizedLeaf()
 
     def __getstate__(self) -> dict:
-        return {"leaf": None, "of": None}
+        return {"leaf": None, "of": None, "masters": []}
 
     def get(self, qw: QuantizedWeight, dtype: torch.dtype, repacked: RepackCache,
             masters: list[torch.Tensor]) -> torch.Tensor:
@@ -173,14 +179,21 @@ class _DequantizedLeaf:
         with torch.inference_mode(False), torch.no_grad():
             w = repacked.dequantized(qw, dtype, ops.dequantize)
             leaf = w.clone() if w.is_inference() else w.detach()
+        self.flush()
         if any(p.requires_grad for p in masters):
             leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(lambda t, masters=masters: _grad_to_masters(t, masters))
-        self.leaf, self.of = leaf, qw
+            leaf.register_post_accumulate_grad_hook(lambda t: None if _DEFERRED else self.flush())
+        self.leaf, self.of, self.masters = leaf, qw, masters
         return leaf
 
+    def flush(self) -> None:
+        """Hand the leaf's accumulated gradient to the master weights (nothing if it has none)."""
+        if self.leaf is not None and self.leaf.grad is not None:
+            _grad_to_masters(self.leaf, self.masters)
+
     def drop(self) -> None:
-        self.leaf, self.of = None, None
+        self.flush()
+        self.leaf, self.of, self.masters = None, None, []
 
 
 def _grad_to_masters(leaf: torch.Tensor, masters: list[torch.Tensor]) -> None:
@@ -468,13 +481,34 @@ def quantize_model(
     return [name for name, _ in targets]
 
 
-def drop_dequantized(model: nn.Module) -> None:
-    """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
+def _qat_holders(model: nn.Module) -> Iterator[QATLinear | QATGroup]:
+    """The model's :class:`QATLinear` and their :class:`QATGroup`."""
     for mod in model.modules():
         if isinstance(mod, QATLinear):
-            mod.drop_dequantized()
-        for g in _GROUPS.get(mod, {}).values():
-            g.drop_dequantized()
+            yield mod
+        yield from _GROUPS.get(mod, {}).values()
+
+
+def drop_dequantized(model: nn.Module) -> None:
+    """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
+    for holder in _qat_holders(model):
+        holder.drop_dequantized()
+
+
+@contextlib.contextmanager
+def deferred_master_grads(model: nn.Module) -> Iterator[None]:
+    """Within this block the dequantized leaves of ``model``'s aligned linears accumulate their
+    gradient over several backward passes (autograd adds into them in place) and hand it to the
+    master weights once, at exit, instead of after every backward: a learner's micro-batches
+    then pay no Python hook per linear. The master weights' gradients are the same sums."""
+    global _DEFERRED
+    _DEFERRED += 1
+    try:
+        yield
+    finally:
+        _DEFERRED -= 1
+        for holder in _qat_holders(model):
+            holder._leaf.flush()
 
 
 def requantize_stale(mods: list[QATLinear]) -> None:

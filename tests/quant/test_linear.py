@@ -1,5 +1,7 @@
 """QuantLinear / QATLinear: aligned forward, straight-through gradients, publish/load."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -231,6 +233,39 @@ def test_qat_dequant_plan_differentiates_a_leaf_and_moves_its_grad_to_the_master
         x = torch.randn(200, 256, dtype=torch.float64, requires_grad=True)
         frozen(x).sum().backward()
         assert frozen.weight.grad is None and x.grad is not None and not frozen._leaf.leaf.requires_grad
+
+
+def test_deferred_master_grads_hand_the_summed_gradient_over_once(needs_triton):
+    """Inside ``deferred_master_grads`` a group's and a linear's dequantized leaves accumulate
+    over micro-batches and the master weights see no gradient until the block ends; then each
+    master holds exactly the sum that the per-backward hook gives (float64)."""
+    from quarl.quant.linear import deferred_master_grads, qat_group
+
+    torch.manual_seed(11)
+
+    def build():
+        torch.manual_seed(12)
+        owner = nn.Module()
+        owner.a, owner.b = nn.Linear(256, 48).double(), nn.Linear(256, 16).double()
+        owner.c = nn.Linear(48, 32).double()
+        quantize_model(owner, "w4a16", include=("*",))
+        return owner, qat_group(owner, ("a", "b"))
+
+    xs = [torch.randn(2, 100, 256, dtype=torch.float64) for _ in range(3)]
+    grads = []
+    for deferred in (False, True):
+        owner, group = build()
+        with use_backend("triton"), (deferred_master_grads(owner) if deferred else contextlib.nullcontext()):
+            for x in xs:
+                a, b = group(x)
+                (a.square().sum() + b.sum() + owner.c(a).sum()).backward()
+                if deferred:
+                    assert all(p.grad is None for p in owner.parameters() if p.dim() == 2)
+        assert group._leaf.leaf.grad is None and owner.c._leaf.leaf.grad is None
+        grads.append({n: p.grad.clone() for n, p in owner.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 6
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-12, atol=1e-12, msg=n)
 
 
 @pytest.mark.parametrize("name,backend_name,rows", [
