@@ -54,14 +54,28 @@ def matmul_rate(device: torch.device) -> float | None:
 
 
 @functools.cache
+def _eager_numerics() -> dict[str, bool]:
+    """Inductor options that keep eager's rounding: casts, and fp32 division as IEEE division
+    (Triton's ``/`` is an approximation; named ``eager_numerics.division_rounding`` since
+    PyTorch 2.11, ``emulate_divison_rounding`` in 2.10, absent before)."""
+    from torch._inductor import config
+
+    options = {"emulate_precision_casts": True}
+    if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
+        options["eager_numerics.division_rounding"] = True
+    elif hasattr(config, "emulate_divison_rounding"):
+        options["emulate_divison_rounding"] = True
+    return options
+
+
+@functools.cache
 def compiled(fn):
-    """``fn`` through ``torch.compile`` (eager's rounding as ``emulate_precision_casts`` keeps
-    it) with the batch and time dimensions of its activation arguments (3 dimensions or
+    """``fn`` through ``torch.compile`` (eager's rounding kept: :func:`_eager_numerics`) with the batch and time dimensions of its activation arguments (3 dimensions or
     more: ``[B, T, ...]``) dynamic and every other size static. The batch dimension is
     unbacked: a backed size specialises on 1, so a first call with one row would compile
     again at the first call with two. Static widths (hidden size, heads, the MLP's) let the
     generated kernels index with constants instead of runtime divisions by symbolic sizes."""
-    traced = torch.compile(fn, options={"emulate_precision_casts": True})
+    traced = torch.compile(fn, options=_eager_numerics())
 
     def call(*args):
         for a in args:

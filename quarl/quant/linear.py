@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.quant import ops
+from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight, quantize_weights
 from quarl.quant.scheme import QuantScheme, get_scheme
@@ -222,41 +223,40 @@ def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
 # Defined through torch.library.Library rather than ``torch.library.custom_op``: the latter
 # wraps each call in output checks that cost the host ~0.1 ms, per linear and micro-batch.
 _LIB = torch.library.Library("quarl", "FRAGMENT")
-_LIB.define("qat_quantized_input_linear(Tensor x, Tensor weight, Tensor? bias, Tensor qdata, Tensor? scales, "
-            "Tensor? zeros, str scheme) -> (Tensor, Tensor)")
+_LIB.define("qat_quantized_input_linear(Tensor x, Tensor weight, Tensor? bias, Tensor xq, Tensor sx, Tensor seen, "
+            "Tensor qdata, Tensor? scales, Tensor? zeros, str scheme) -> Tensor")
 
 
-def _qat_quantized_input_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
-                              scales: torch.Tensor | None, zeros: torch.Tensor | None,
-                              scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The aligned forward of a scheme that quantizes activations (W8A8 / W4A8), as one op a
-    compiled region can hold: ``(y, x_seen)``, the engine's GEMM on ``x``'s per-token codes and
-    ``x`` as that GEMM saw it. ``weight`` is the dequantized weight (the straight-through
-    backward's operand, unused here); ``qdata`` / ``scales`` / ``zeros`` the packed one."""
+def _qat_quantized_input_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, xq: torch.Tensor,
+                              sx: torch.Tensor, seen: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor | None,
+                              zeros: torch.Tensor | None, scheme: str) -> torch.Tensor:
+    """The aligned GEMM of a scheme that quantizes activations (W8A8 / W4A8), as one op a
+    compiled region can hold: the engine's GEMM on ``x``'s per-token codes ``xq`` and scales
+    ``sx`` (quantized in the region, :func:`traced_linear`). ``x``, ``weight`` (the dequantized
+    weight) and ``seen`` (``x`` as the GEMM sees it) serve the straight-through backward only;
+    ``qdata`` / ``scales`` / ``zeros`` are the packed weight."""
     qw = QuantizedWeight(get_scheme(scheme), tuple(weight.shape), qdata, scales, zeros)
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, sx, seen = ops.quantize_input(x2, qw.scheme.act_format, x.dtype)
     y = ops.quant_linear_quantized_input(xq, sx, qw, bias, x.dtype)
-    return y.view(*x.shape[:-1], y.shape[-1]), seen.view(x.shape)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _qat_quantized_input_fake(x, weight, bias, qdata, scales, zeros, scheme):
-    return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
+def _qat_quantized_input_fake(x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _qat_quantized_input_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[1], output[1])
+    ctx.save_for_backward(inputs[1], inputs[5])
     ctx.has_bias = inputs[2] is not None
 
 
-def _qat_quantized_input_backward(ctx, grad_y, _grad_seen):
+def _qat_quantized_input_backward(ctx, grad_y):
     """Straight-through: ``grad_x = grad_y @ W_deq``, ``grad_W = grad_y^T @ x_seen``."""
     weight, seen = ctx.saved_tensors
     gy = grad_y.reshape(-1, grad_y.shape[-1])
-    grad_x = (gy @ weight).view(seen.shape)
+    grad_x = (gy @ weight).view(*grad_y.shape[:-1], weight.shape[1])
     grad_w = gy.t() @ seen.reshape(-1, seen.shape[-1])
     grad_b = gy.sum(0) if ctx.has_bias else None
-    return grad_x, grad_w, grad_b, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 _LIB.impl("qat_quantized_input_linear", _qat_quantized_input_impl, "CompositeExplicitAutograd")
@@ -289,7 +289,11 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
     if lin[0] == "dense":
         return F.linear(x, lin[1], bias)
-    return _qat_quantized_input_linear(x, lin[1], bias, *lin[3:])[0]
+    # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
+    # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
+    xq, sx = ref.quantize_activations(x.detach().reshape(-1, x.shape[-1]), get_scheme(lin[-1]).act_format)
+    seen = ref.dequantize_activations(xq, sx, x.dtype)
+    return _qat_quantized_input_linear(x, lin[1], bias, xq, sx, seen, *lin[3:])
 
 
 def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:

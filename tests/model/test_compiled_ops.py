@@ -171,9 +171,10 @@ def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatc
 @pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
 def test_quantized_input_op_is_a_well_formed_custom_op_with_a_straight_through_gradient(scheme):
     """``quarl::qat_quantized_input_linear`` passes torch.library's checks (schema, fake
-    tensor, autograd registration), gives the engine's output and ``x`` as its GEMM saw it,
-    and its gradients are the straight-through ones, computed here in float64."""
+    tensor, autograd registration), gives the engine's output on the codes it is handed, and
+    its gradients are the straight-through ones, computed here in float64."""
     from quarl.quant import ops
+    from quarl.quant import reference as ref
     from quarl.quant.linear import _qat_quantized_input_linear
     from quarl.quant.qweight import quantize_weight
 
@@ -184,14 +185,15 @@ def test_quantized_input_op_is_a_well_formed_custom_op_with_a_straight_through_g
     w_deq = qw.dequantize(torch.float32).requires_grad_(True)
     bias = torch.randn(24, requires_grad=True)
     xr = x.clone().requires_grad_(True)
-    args = (xr, w_deq, bias, qw.qdata, qw.scales, qw.zeros, scheme)
+    xq, sx = ref.quantize_activations(x.reshape(-1, 32), qw.scheme.act_format)
+    seen = ref.dequantize_activations(xq, sx, x.dtype).view(x.shape)
+    args = (xr, w_deq, bias, xq, sx, seen, qw.qdata, qw.scales, qw.zeros, scheme)
     # (the schema check's mode runs CPU e4m3 arithmetic that has no kernel: fp8 skips that one check)
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(_qat_quantized_input_linear, args,
                           test_utils=checks if scheme == "w8a8-fp8" else checks + ("test_schema",))
-    y, seen = _qat_quantized_input_linear(*args)
+    y = _qat_quantized_input_linear(*args)
     torch.testing.assert_close(y, ops.quant_linear(x, qw, bias.detach()))
-    torch.testing.assert_close(seen, ops.fake_quantize_input(x, qw.scheme.act_format))
     g = torch.randn_like(y)
     (y * g).sum().backward()
     g64, seen64 = g.double().reshape(-1, 24), seen.double().reshape(-1, 32)

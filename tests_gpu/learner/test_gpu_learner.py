@@ -99,3 +99,33 @@ def test_compiled_regions_run_every_layer_of_an_aligned_model_as_accurately_as_t
     g_err1, g_err2 = (g1 - g0).norm() / g0.norm(), (g2 - g0).norm() / g0.norm()
     assert lp_err2 <= 2 * lp_err1 + 1e-3, (float(lp_err1), float(lp_err2))
     assert g_err2 <= 2 * g_err1 + 1e-3, (float(g_err1), float(g_err2))
+
+
+def _norm_then_quantize(x, w, fmt: str):
+    """An RMSNorm and the reference per-token quantizer, as the compiled region fuses them."""
+    from quarl.model.transformer import rms_norm
+    from quarl.quant import reference as ref
+
+    h = rms_norm(x, w, 1e-6)
+    q, s = ref.quantize_activations(h.reshape(-1, h.shape[-1]), fmt)
+    return h, q, s, ref.dequantize_activations(q, s, h.dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_the_compiled_regions_quantizer_gives_the_engine_kernels_codes_bit_for_bit(fmt):
+    """The learner quantizes W8A8 activations inside its compiled regions (inductor's kernel
+    from the reference's torch ops, IEEE division kept); the engine runs its Triton
+    quantizer. Codes, scales and the dequantized values must be equal bit for bit, on rows of
+    every magnitude, a zero row included."""
+    from quarl.quant import ops
+    from quarl.runtime import compiled
+
+    x = torch.randn(3, 700, 1536, device=DEV, dtype=torch.bfloat16)
+    x = x * torch.logspace(-4, 4, 700, device=DEV, dtype=torch.float32)[None, :, None].to(torch.bfloat16)
+    x[1, 5] = 0
+    w = (1 + 0.1 * torch.randn(1536, device=DEV)).to(torch.bfloat16)
+    h, q, s, seen = compiled(_norm_then_quantize)(x, w, fmt)
+    q0, s0, seen0 = ops.quantize_input(h.reshape(-1, 1536), fmt, torch.bfloat16)
+    assert torch.equal(s, s0)
+    assert torch.equal(q.view(torch.uint8) if fmt == "fp8" else q, q0.view(torch.uint8) if fmt == "fp8" else q0)
+    assert torch.equal(seen, seen0)
