@@ -19,7 +19,7 @@ from torch import nn
 
 from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
 from quarl.algos.losses import SEQUENCE_LOSSES
-from quarl.learner.batch import RolloutBatch, micro_batches
+from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
 from quarl.model.compiled_ops import COMPILED_OPS
@@ -180,32 +180,10 @@ class Learner:
         # aligned linears hand their gradient to the master weights once, after the last micro-batch
         with deferred_master_grads(self.model):
             for part in parts:
-                mb = mini.rows(part)
                 # Weight of this micro-batch in the mini-batch's mean (exact for token-mean and
                 # the sequence means, since each micro-batch normalises by its own count).
                 weight = part.response_tokens / total_tokens if token_mean else part.size / total_rows
-                logp, entropy = sequence_logprobs(
-                    self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True,
-                    ops=self.ops, right_padded=True,
-                )
-                mask = mb.response_mask
-                old = mb.old_logp if mb.old_logp is not None else logp.detach()
-                self.last_logp[rows[part.lo : part.hi], : logp.shape[1]] = logp.detach().float() * mask
-                loss, m = compute_policy_loss(
-                    s.loss_type, logp=logp, old_logp=old, sampler_logp=mb.sampler_logp,
-                    advantages=mb.advantages, mask=mask, on_device=True, **hparams,
-                )
-                m["entropy"] = masked_mean(entropy, mask).detach()
-                if s.kl_coef > 0 and mb.ref_logp is not None:
-                    kl = masked_mean(kl_penalty(logp, mb.ref_logp, s.kl_estimator, mask), mask)
-                    loss = loss + s.kl_coef * kl
-                    m["loss/kl"] = kl.detach()
-                if self.critic is not None and ret is not None:
-                    v = self.critic(mb.input_ids, mb.attention_mask, right_padded=True)
-                    v_loss = 0.5 * masked_mean((v - ret[part.lo : part.hi, : v.shape[1]]) ** 2, mask)
-                    loss = loss + s.value_coef * v_loss
-                    m["loss/value"] = v_loss.detach()
-                (loss * weight).backward()
+                m = self._micro_batch_backward(mini, part, rows[part.lo : part.hi], s, hparams, ret, weight)
                 names = list(m)  # (every micro-batch reports the same names)
                 term = torch.stack([v.double().reshape(()) for v in m.values()]) * weight
                 acc = term if acc is None else acc + term
@@ -235,6 +213,36 @@ class Learner:
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
         return metrics, ok
+
+    def _micro_batch_backward(self, mini: RolloutBatch, part: MicroBatch, rows: torch.Tensor, s: UpdateSettings, hparams: dict,
+                              returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch (rows ``part`` of ``mini``; ``rows``
+        their indices in the whole batch), its loss scaled by ``weight``. Returns its metrics
+        as 0-d device tensors."""
+        mb = mini.rows(part)
+        logp, entropy = sequence_logprobs(
+            self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True,
+            ops=self.ops, right_padded=True,
+        )
+        mask = mb.response_mask
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()
+        self.last_logp[rows, : logp.shape[1]] = logp.detach().float() * mask
+        loss, m = compute_policy_loss(
+            s.loss_type, logp=logp, old_logp=old, sampler_logp=mb.sampler_logp,
+            advantages=mb.advantages, mask=mask, on_device=True, **hparams,
+        )
+        m["entropy"] = masked_mean(entropy, mask).detach()
+        if s.kl_coef > 0 and mb.ref_logp is not None:
+            kl = masked_mean(kl_penalty(logp, mb.ref_logp, s.kl_estimator, mask), mask)
+            loss = loss + s.kl_coef * kl
+            m["loss/kl"] = kl.detach()
+        if self.critic is not None and returns is not None:
+            v = self.critic(mb.input_ids, mb.attention_mask, right_padded=True)
+            v_loss = 0.5 * masked_mean((v - returns[part.lo : part.hi, : v.shape[1]]) ** 2, mask)
+            loss = loss + s.value_coef * v_loss
+            m["loss/value"] = v_loss.detach()
+        (loss * weight).backward()
+        return m
 
     # ---- state ----------------------------------------------------------------------
     def state_dict(self) -> dict:
