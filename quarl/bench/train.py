@@ -21,7 +21,10 @@ import contextlib
 import datetime
 import gc
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -250,13 +253,55 @@ def check_workload(workload: str, modes: list[str]) -> Workload:
     return WORKLOADS[workload]
 
 
+def check_baseline(baseline: Path) -> Path:
+    """``baseline`` as a directory that holds another version's ``quarl`` package (a
+    ValueError saying how to make one otherwise)."""
+    if not (baseline / "quarl" / "__init__.py").is_file():
+        raise ValueError(f"--baseline {baseline}: no quarl/ package there; make one from a commit with "
+                         f"`git archive REV quarl | tar -x -C {baseline}`")
+    return baseline
+
+
+def baseline_command(workload: str, mode: str, extra: list[str], baseline: Path, commit: str | None,
+                     out: Path) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that run ``mode`` of ``workload`` with the ``quarl`` package in
+    ``baseline`` in a child process (run from ``baseline``: ``python -m`` puts the working
+    directory first on the path), its JSON written to ``out``."""
+    argv = [sys.executable, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
+            "--out", str(out.resolve()), *extra]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(baseline.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    env["QUARL_GIT_COMMIT"] = commit or f"baseline:{baseline}"
+    return argv, env
+
+
+def run_baseline(workload: str, mode: str, extra: list[str], baseline: Path, commit: str | None,
+                 tmp: Path) -> dict[str, Any]:
+    """One mode of the benchmark run by the baseline's code in a child process: its medians and
+    commit. A baseline that fails (one that does not know the mode, say) is an error naming it."""
+    out = tmp / f"baseline_{mode}.json"
+    argv, env = baseline_command(workload, mode, extra, baseline, commit, out)
+    proc = subprocess.run(argv, env=env, cwd=baseline, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"the baseline in {baseline} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
+    done = json.loads(out.read_text())
+    return {"median": done["modes"][mode]["median"], "git_commit": done.get("git_commit")}
+
+
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
-                  profile: str | None = None) -> dict[str, Any]:
+                  profile: str | None = None, baseline: Path | None = None,
+                  baseline_commit: str | None = None) -> dict[str, Any]:
+    """Every mode of ``workload`` in this process; with ``baseline`` (a directory holding another
+    version's ``quarl`` package) each mode also runs right after under that code in a child
+    process, so that old and new are measured in one call on one machine."""
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
 
     w = check_workload(workload, modes)
+    if baseline is not None:
+        check_baseline(baseline)
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
     params = preset_config(w.shape).matmul_params
@@ -278,28 +323,51 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                 result["modes"][mode]["learner_profile"] = table.splitlines()
                 print(table, flush=True)
             print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+            if baseline is not None:
+                result["modes"][mode]["baseline"] = run_baseline(workload, mode, extra, baseline, baseline_commit,
+                                                                 Path(tmp))
+                print(mode, "baseline", json.dumps(result["modes"][mode]["baseline"]["median"]), flush=True)
     base = result["modes"].get("bf16", {}).get("median", {})
     for mode, r in result["modes"].items():
         m = r["median"]
-        if base.get("step_s") and m.get("step_s"):
-            r["speedup_vs_bf16"] = {k: base[k] / m[k] for k in ("step_s", "rollout_s", "learner_s") if m.get(k)}
+        r["speedup_vs_bf16"] = _speedups(base, m)
+        if "baseline" in r:
+            r["speedup_vs_baseline"] = _speedups(r["baseline"]["median"], m)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     return result
 
 
+def _speedups(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """``before / after`` of the step, rollout and learner times both have."""
+    return {k: before[k] / after[k] for k in ("step_s", "rollout_s", "learner_s") if before.get(k) and after.get(k)}
+
+
 def summary_table(result: dict[str, Any]) -> str:
+    """The markdown table of a result; with a baseline, one row per mode for the baseline's
+    run under it and the new code's speedup over it (step / rollout / learner)."""
+    with_base = any("baseline" in r for r in result["modes"].values())
     head = "| mode | step s | rollout | learner | publish | KV | tok/s | kl_k3 | learner MFU | peak GB | step speedup |"
+    head += " vs baseline (step / rollout / learner) |" if with_base else ""
     lines = [f"{result['workload']} on {result['device']} at {result['git_commit'][:7]}", head,
-             "|" + "---|" * 11]
-    for mode, r in result["modes"].items():
-        m, s = r["median"], r.get("speedup_vs_bf16", {})
+             "|" + "---|" * (12 if with_base else 11)]
+
+    def row(label: str, m: dict[str, float], speedup: dict[str, float], vs_base: str | None) -> str:
         peak = max(m.get("rollout_peak_gb", 0.0), m.get("learner_peak_gb", 0.0))
-        lines.append(
-            f"| {mode} | {m.get('step_s', 0):.2f} | {m.get('rollout_s', 0):.2f} | {m.get('learner_s', 0):.2f} | "
-            f"{m.get('publish_s', 0):.2f} | {m.get('kv_s', 0):.2f} | {m.get('rollout_tok_s', 0) / 1e3:.1f}k | "
-            f"{m.get('kl_k3', float('nan')):.2e} | {m.get('learner_mfu', 0):.1%} | {peak:.1f} | "
-            f"{s.get('step_s', float('nan')):.2f}x |"
-        )
+        step_speedup = f"{speedup['step_s']:.2f}x" if "step_s" in speedup else "-"
+        line = (f"| {label} | {m.get('step_s', 0):.2f} | {m.get('rollout_s', 0):.2f} | {m.get('learner_s', 0):.2f} | "
+                f"{m.get('publish_s', 0):.2f} | {m.get('kv_s', 0):.2f} | {m.get('rollout_tok_s', 0) / 1e3:.1f}k | "
+                f"{m.get('kl_k3', float('nan')):.2e} | {m.get('learner_mfu', 0):.1%} | {peak:.1f} | "
+                f"{step_speedup} |")
+        return line + (f" {vs_base} |" if vs_base is not None else "")
+
+    for mode, r in result["modes"].items():
+        vs = r.get("speedup_vs_baseline")
+        cell = None if not with_base else "-" if vs is None else " / ".join(
+            f"{vs.get(k, float('nan')):.2f}x" for k in ("step_s", "rollout_s", "learner_s"))
+        lines.append(row(mode, r["median"], r.get("speedup_vs_bf16", {}), cell))
+        if "baseline" in r:
+            lines.append(row(f"{mode} (baseline {str(r['baseline'].get('git_commit'))[:7]})", r["baseline"]["median"],
+                             {}, ""))
     return "\n".join(lines)

@@ -26,6 +26,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "time goes (cProfile, functions by cumulative time). That step is left out of the medians; the "
                    "profiler also slows the CUDA graphs of the modes run after it, so take timings from a run without "
                    "--profile")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="a directory holding another version's quarl/ package (e.g. `git archive REV quarl | tar -x "
+                   "-C DIR`): each mode also runs under that code, in a child process right after, and the table "
+                   "gives the speedup over it (old and new measured in one call)")
+    p.add_argument("--baseline-commit", metavar="SHA", help="the baseline's commit, recorded in the result")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p
@@ -43,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("quarl bench train needs a CUDA GPU; run it on a GPU machine")
     extra = list(args.overrides) + ([f"--trainer.steps={args.steps}"] if args.steps else [])
     modes = [m for m in args.modes.split(",") if m]
-    result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile)
+    result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile,
+                           Path(args.baseline) if args.baseline else None, args.baseline_commit)
     print(summary_table(result))
     if not args.out:
         print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))

@@ -59,3 +59,40 @@ def test_mode_names_take_per_mode_options():
     with pytest.raises(ValueError, match="unknown mode 'aligned-w3'.*bf16"):
         check_workload("w1", ["bf16", "aligned-w3+kvfp8"])
     assert check_workload("w1-long", ["bf16", "aligned-w8a8-fp8+kvfp8"]).gen == 4096
+
+
+def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_path):
+    """``--baseline DIR`` runs each mode under the quarl package in DIR (not the one under
+    test, though that one is first in the working directory), records its medians and commit,
+    and the table gives new-over-old speedups; a DIR without a package is a clear error."""
+    import json
+    import os
+    import textwrap
+
+    from quarl.bench.train import _speedups, check_baseline, run_baseline, summary_table
+
+    with pytest.raises(ValueError, match="no quarl/ package there.*git archive REV quarl"):
+        check_baseline(tmp_path)
+    pkg = tmp_path / "base" / "quarl"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(textwrap.dedent('''
+        import json, os, sys
+        args = sys.argv[1:]
+        out, mode = args[args.index("--out") + 1], args[args.index("--modes") + 1]
+        assert args[:4] == ["bench", "train", "--workload", "w1"] and "--trainer.steps=3" in args
+        median = {"step_s": 8.0, "rollout_s": 4.0, "learner_s": 4.0}
+        json.dump({"git_commit": os.environ["QUARL_GIT_COMMIT"], "modes": {mode: {"median": median}}}, open(out, "w"))
+    '''))
+    base = check_baseline(tmp_path / "base")
+    got = run_baseline("w1", "aligned-w4a16", ["--trainer.steps=3"], base, "abc1234", tmp_path)
+    assert got == {"median": {"step_s": 8.0, "rollout_s": 4.0, "learner_s": 4.0}, "git_commit": "abc1234"}
+    with pytest.raises(RuntimeError, match="(?s)failed on mode 'bf16'.*AssertionError"):
+        run_baseline("w1", "bf16", [], base, None, tmp_path)  # (no --trainer.steps: the fake asserts)
+    new = {"step_s": 6.4, "rollout_s": 4.0, "learner_s": 2.0}
+    result = {"workload": "w1", "device": "cpu", "git_commit": "def5678", "modes": {"aligned-w4a16": {
+        "median": new, "baseline": got, "speedup_vs_baseline": _speedups(got["median"], new)}}}
+    table = summary_table(result)
+    assert "| 1.25x / 1.00x / 2.00x |" in table and "aligned-w4a16 (baseline abc1234) | 8.00 |" in table
+    assert os.environ.get("QUARL_GIT_COMMIT") != "abc1234"  # the child's environment only
+    json.dumps(result)
