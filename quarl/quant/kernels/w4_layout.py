@@ -61,14 +61,15 @@ def repack_codes(codes: torch.Tensor) -> torch.Tensor:
     (32-bit patterns stored as int32)."""
     n, kp = codes.shape
     np_ = -(-n // SLAB) * SLAB
-    c = torch.zeros(np_, kp, dtype=torch.int32, device=codes.device)
-    c[:n] = codes.to(torch.int32)
+    c = torch.zeros(np_, kp, dtype=torch.uint8, device=codes.device)
+    c[:n] = codes
     tiles = c.view(np_ // SLAB, SLAB, kp // 16, 16).permute(0, 2, 1, 3)  # [S, KS, 64, 16]
     nmap, kmap = _lane_maps(codes.device)
-    nib = tiles[:, :, nmap, kmap]  # [S, KS, 32, 4, 8]
-    shifts = 4 * torch.arange(8, device=codes.device, dtype=torch.int64)
-    words = (nib.to(torch.int64) << shifts).sum(dim=-1)  # disjoint bits: sum == or
-    return _as_u32(words)
+    nib = tiles[:, :, nmap, kmap]  # [S, KS, 32, 4, 8] uint8
+    # nibbles 2b and 2b + 1 make byte b; the four bytes, little-endian, are the word (one byte
+    # per weight at most in flight, instead of int64 shifts and sums)
+    pairs = (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()  # [S, KS, 32, 4, 4]
+    return pairs.view(torch.int32).squeeze(-1)
 
 
 def unpack_frag_codes(frag: torch.Tensor, n: int) -> torch.Tensor:
