@@ -9,7 +9,18 @@ import torch
 
 from quarl.model import Transformer, TransformerConfig
 from quarl.model.compiled_ops import COMPILED_OPS
-from quarl.model.transformer import batch_attention
+from quarl.model.transformer import TORCH_OPS, batch_attention
+
+
+def _eager_then_compiled(model: Transformer, ids, pos, attn, w) -> list[tuple[torch.Tensor, dict]]:
+    """Hidden states and every parameter's gradient of ``(h * w).sum()``: eager, then compiled."""
+    out = []
+    for ops in (TORCH_OPS, COMPILED_OPS):
+        model.zero_grad()
+        h = model.hidden_states(ids, pos, attn, ops)
+        (h * w).sum().backward()
+        out.append((h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
@@ -30,13 +41,7 @@ def test_compiled_ops_match_eager_values_and_grads(qk_norm):
         mask[0, -2:] = 0
         pos, attn = batch_attention(ids, mask)
         w = torch.randn(*shape, 32)
-        grads = []
-        for ops in (None, COMPILED_OPS):
-            model.zero_grad()
-            h = model.hidden_states(ids, pos, attn) if ops is None else model.hidden_states(ids, pos, attn, ops)
-            (h * w).sum().backward()
-            grads.append((h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-        (h0, g0), (h1, g1) = grads
+        (h0, g0), (h1, g1) = _eager_then_compiled(model, ids, pos, attn, w)
         torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
         assert g0.keys() == g1.keys() and len(g0) > 10
         for n in g0:
@@ -118,13 +123,7 @@ def test_compiled_ops_run_aligned_projections_grouped_with_the_eager_values(sche
     ids = torch.randint(0, 50, (3, 9))
     pos, attn = batch_attention(ids)
     w = torch.randn(3, 9, 64)
-    out = []
-    for ops in (None, COMPILED_OPS):
-        model.zero_grad()
-        h = model.hidden_states(ids, pos, attn) if ops is None else model.hidden_states(ids, pos, attn, ops)
-        (h * w).sum().backward()
-        out.append((h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (h0, g0), (h1, g1) = out
+    (h0, g0), (h1, g1) = _eager_then_compiled(model, ids, pos, attn, w)
     grouped = qat_group(model.layers[0].mlp, ("gate_proj", "up_proj")) is not None
     assert grouped == (scheme != "nvfp4")
     torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
@@ -154,14 +153,8 @@ def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatc
     mask[1, -3:] = 0
     pos, attn = batch_attention(ids, mask)
     w = torch.randn(2, 11, 64)
-    out = []
-    for ops_ in (None, COMPILED_OPS):
-        model.zero_grad()
-        h = model.hidden_states(ids, pos, attn) if ops_ is None else model.hidden_states(ids, pos, attn, ops_)
-        (h * w).sum().backward()
-        out.append((h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (h0, g0), (h1, g1) = _eager_then_compiled(model, ids, pos, attn, w)
     assert COMPILED_OPS.fallbacks == fallbacks
-    (h0, g0), (h1, g1) = out
     torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
     assert g0.keys() == g1.keys() and "layers.1.mlp.up_proj.weight" in g0
     for n in g0:
