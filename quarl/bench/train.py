@@ -277,24 +277,33 @@ def baseline_command(workload: str, mode: str, extra: list[str], baseline: Path,
 
 def run_baseline(workload: str, mode: str, extra: list[str], baseline: Path, commit: str | None,
                  tmp: Path) -> dict[str, Any]:
-    """One mode of the benchmark run by the baseline's code in a child process: its medians and
-    commit. A baseline that fails (one that does not know the mode, say) is an error naming it."""
-    out = tmp / f"baseline_{mode}.json"
+    """One mode of the benchmark run by the ``quarl`` package in ``baseline`` in a child process
+    (which owns the whole GPU while it runs): its medians, its steps and commit. A baseline
+    that fails (one that does not know the mode, say) is an error naming it."""
+    out = tmp / f"child_{abs(hash(str(baseline.resolve())))}_{mode}.json"
     argv, env = baseline_command(workload, mode, extra, baseline, commit, out)
     proc = subprocess.run(argv, env=env, cwd=baseline, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"the baseline in {baseline} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
     done = json.loads(out.read_text())
-    return {"median": done["modes"][mode]["median"], "git_commit": done.get("git_commit")}
+    got = done["modes"][mode]
+    return {"median": got["median"], "git_commit": done.get("git_commit"),
+            **{k: got[k] for k in ("steps", "overrides") if k in got}}
+
+
+def package_root() -> Path:
+    """The directory that holds the ``quarl`` package running now."""
+    return Path(__file__).resolve().parents[2]
 
 
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: str | None = None, baseline: Path | None = None,
                   baseline_commit: str | None = None) -> dict[str, Any]:
     """Every mode of ``workload`` in this process; with ``baseline`` (a directory holding another
-    version's ``quarl`` package) each mode also runs right after under that code in a child
-    process, so that old and new are measured in one call on one machine."""
+    version's ``quarl`` package) each mode runs in a child process under this code, then in
+    another under that code, so that old and new are measured in one call on one machine, each
+    with the whole GPU to itself (a run sizes its KV cache from the free memory)."""
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
@@ -302,8 +311,11 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     w = check_workload(workload, modes)
     if baseline is not None:
         check_baseline(baseline)
+        if profile:
+            raise ValueError("--profile and --baseline together are not supported: profile one version at a time")
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
+    torch.cuda.empty_cache()  # (a child run sizes its KV cache from the memory free on the device)
     params = preset_config(w.shape).matmul_params
     result: dict[str, Any] = {
         "benchmark": "train_step", "workload": workload, "workload_spec": w.__dict__ | {"extra": list(w.extra)},
@@ -313,8 +325,15 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         "bf16_tflops_measured": ceil.bf16_flops / 1e12, "matmul_params": params, "modes": {},
     }
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
-        model_dir = save_random_model(w.shape, Path(tmp) / "model")
+        model_dir = save_random_model(w.shape, Path(tmp) / "model") if baseline is None else None
         for mode in modes:
+            if baseline is not None:  # both versions in child processes: each owns the whole GPU
+                result["modes"][mode] = run_baseline(workload, mode, extra, package_root(), git_commit(), Path(tmp))
+                print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+                result["modes"][mode]["baseline"] = run_baseline(workload, mode, extra, baseline, baseline_commit,
+                                                                 Path(tmp))
+                print(mode, "baseline", json.dumps(result["modes"][mode]["baseline"]["median"]), flush=True)
+                continue
             overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
             rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
             timed = rows[:-1] if table else rows  # the profiled step runs slower
@@ -323,10 +342,6 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                 result["modes"][mode]["learner_profile"] = table.splitlines()
                 print(table, flush=True)
             print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
-            if baseline is not None:
-                result["modes"][mode]["baseline"] = run_baseline(workload, mode, extra, baseline, baseline_commit,
-                                                                 Path(tmp))
-                print(mode, "baseline", json.dumps(result["modes"][mode]["baseline"]["median"]), flush=True)
     base = result["modes"].get("bf16", {}).get("median", {})
     for mode, r in result["modes"].items():
         m = r["median"]
