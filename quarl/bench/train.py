@@ -330,9 +330,11 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
             if baseline is not None:  # both versions in child processes: each owns the whole GPU
                 result["modes"][mode] = run_baseline(workload, mode, extra, package_root(), git_commit(), Path(tmp))
                 print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+                save_result(result, out)
                 result["modes"][mode]["baseline"] = run_baseline(workload, mode, extra, baseline, baseline_commit,
                                                                  Path(tmp))
                 print(mode, "baseline", json.dumps(result["modes"][mode]["baseline"]["median"]), flush=True)
+                save_result(result, out)
                 continue
             overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
             rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
@@ -342,16 +344,24 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                 result["modes"][mode]["learner_profile"] = table.splitlines()
                 print(table, flush=True)
             print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+            save_result(result, out)  # after every mode: a call cut short keeps the modes it finished
+    return result
+
+
+def save_result(result: dict[str, Any], out: Path | None) -> None:
+    """Adds the speedups (over bf16, over the baseline) to ``result`` and writes it to ``out``
+    atomically (a temporary file renamed over it)."""
     base = result["modes"].get("bf16", {}).get("median", {})
-    for mode, r in result["modes"].items():
+    for r in result["modes"].values():
         m = r["median"]
         r["speedup_vs_bf16"] = _speedups(base, m)
         if "baseline" in r:
             r["speedup_vs_baseline"] = _speedups(r["baseline"]["median"], m)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-    return result
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, out)
 
 
 def _speedups(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

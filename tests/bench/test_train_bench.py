@@ -96,3 +96,22 @@ def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_
     assert "| 1.25x / 1.00x / 2.00x |" in table and "aligned-w4a16 (baseline abc1234) | 8.00 |" in table
     assert os.environ.get("QUARL_GIT_COMMIT") != "abc1234"  # the child's environment only
     json.dumps(result)
+
+
+def test_a_result_is_saved_with_its_speedups_and_no_temporary_left(tmp_path):
+    """``save_result`` (called after every mode) adds step / rollout / learner speedups over
+    bf16 and over the baseline, and replaces the file whole."""
+    import json
+
+    from quarl.bench.train import save_result
+
+    out = tmp_path / "r" / "train.json"
+    result = {"modes": {"bf16": {"median": {"step_s": 6.0, "rollout_s": 3.0, "learner_s": 3.0}}}}
+    save_result(result, out)
+    result["modes"]["aligned-w4a16"] = {"median": {"step_s": 5.0, "rollout_s": 2.0, "learner_s": 3.0},
+                                        "baseline": {"median": {"step_s": 7.5, "rollout_s": 4.0, "learner_s": 3.5}}}
+    save_result(result, out)
+    got = json.loads(out.read_text())["modes"]["aligned-w4a16"]
+    assert got["speedup_vs_bf16"] == {"step_s": 1.2, "rollout_s": 1.5, "learner_s": 1.0}
+    assert got["speedup_vs_baseline"] == {"step_s": 1.5, "rollout_s": 2.0, "learner_s": 3.5 / 3.0}
+    assert [f.name for f in out.parent.iterdir()] == ["train.json"]
