@@ -279,15 +279,16 @@ def quantize_activations(x: torch.Tensor, act_format: str) -> tuple[torch.Tensor
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    if act_format == "int8":
-        s = _safe_scale(amax, INT8_MAX)
-        q = torch.round(xf * (1.0 / s)[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    elif act_format == "fp8":
-        s = _safe_scale(amax, E4M3_MAX)
-        q = to_e4m3(xf * (1.0 / s)[..., None])
-    else:
+    if act_format not in ("int8", "fp8"):
         raise ValueError(f"unknown act_format {act_format!r}")
-    return q, s
+    s = _safe_scale(amax, INT8_MAX if act_format == "int8" else E4M3_MAX)
+    # a division, not ``1.0 / s``: torch.compile (2.11) emits aten.reciprocal as Triton's
+    # approximate ``1 / s`` even where it keeps IEEE division (learner regions quantize this way)
+    inv = torch.ones_like(s) / s
+    t = xf * inv[..., None]
+    if act_format == "int8":
+        return torch.round(t).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), s
+    return to_e4m3(t), s
 
 
 def fake_quantize_activations(x: torch.Tensor, act_format: str) -> torch.Tensor:
