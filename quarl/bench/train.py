@@ -1,10 +1,10 @@
 """End-to-end RL step benchmark: every mode on the same workload, in one call.
 
-A workload is a model shape on random weights (saved once as a local HF directory, so
-each mode loads the same weights the way a user's run does), a batch shape and a
+A workload is a model shape on random weights (from a fixed seed, saved as a local HF
+directory, so each mode loads the same weights the way a user's run does), a batch shape and a
 response length. Random weights never emit EOS, so every response runs to
 ``max_new_tokens`` and each mode decodes the same number of tokens. Each mode is a
-fresh :class:`~quarl.trainer.loop.Trainer` over that directory whose steps are run
+fresh :class:`~quarl.trainer.loop.Trainer` in a fresh process over that directory whose steps are run
 without checkpoints or evaluation; the numbers are medians of steps 2..N (step 1 pays
 compilation and graph capture).
 
@@ -262,34 +262,34 @@ def check_baseline(baseline: Path) -> Path:
     return baseline
 
 
-def baseline_command(workload: str, mode: str, extra: list[str], baseline: Path, commit: str | None,
-                     out: Path) -> tuple[list[str], dict[str, str]]:
+def child_command(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, out: Path,
+                  profile: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run ``mode`` of ``workload`` with the ``quarl`` package in
-    ``baseline`` in a child process (run from ``baseline``: ``python -m`` puts the working
-    directory first on the path), its JSON written to ``out``."""
+    ``root`` in a child process (run from ``root``: ``python -m`` puts the working directory
+    first on the path), its JSON written to ``out``."""
     argv = [sys.executable, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
-            "--out", str(out.resolve()), *extra]
+            "--out", str(out.resolve()), *(["--profile", profile] if profile else []), *extra]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(baseline.resolve()), *filter(None, [env.get("PYTHONPATH")])])
-    env["QUARL_GIT_COMMIT"] = commit or f"baseline:{baseline}"
+    env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    env["QUARL_GIT_COMMIT"] = commit or f"baseline:{root}"
     return argv, env
 
 
-def run_baseline(workload: str, mode: str, extra: list[str], baseline: Path, commit: str | None,
-                 tmp: Path) -> dict[str, Any]:
-    """One mode of the benchmark run by the ``quarl`` package in ``baseline`` in a child process
-    (which owns the whole GPU while it runs): its medians, its steps and commit. A baseline
-    that fails (one that does not know the mode, say) is an error naming it."""
-    out = tmp / f"child_{abs(hash(str(baseline.resolve())))}_{mode}.json"
-    argv, env = baseline_command(workload, mode, extra, baseline, commit, out)
-    proc = subprocess.run(argv, env=env, cwd=baseline, capture_output=True, text=True)
+def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, tmp: Path,
+              profile: str | None = None) -> dict[str, Any]:
+    """One mode of the benchmark run by the ``quarl`` package in ``root`` in a fresh process that
+    has the GPU to itself: its medians, steps, commit (and profile table). A run that fails (a
+    baseline that does not know the mode, say) is an error naming it and its last lines."""
+    out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}.json"
+    argv, env = child_command(workload, mode, extra, root, commit, out, profile)
+    proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"the baseline in {baseline} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"the run of quarl in {root} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
     done = json.loads(out.read_text())
     got = done["modes"][mode]
     return {"median": got["median"], "git_commit": done.get("git_commit"),
-            **{k: got[k] for k in ("steps", "overrides") if k in got}}
+            **{k: got[k] for k in ("steps", "overrides", "learner_profile") if k in got}}
 
 
 def package_root() -> Path:
@@ -300,10 +300,11 @@ def package_root() -> Path:
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: str | None = None, baseline: Path | None = None,
                   baseline_commit: str | None = None) -> dict[str, Any]:
-    """Every mode of ``workload`` in this process; with ``baseline`` (a directory holding another
-    version's ``quarl`` package) each mode runs in a child process under this code, then in
-    another under that code, so that old and new are measured in one call on one machine, each
-    with the whole GPU to itself (a run sizes its KV cache from the free memory)."""
+    """Every mode of ``workload``. One mode runs in this process; several run one after
+    another, each in a fresh child process with the GPU to itself (in one process a mode run
+    after another was 3-6% slower: memory and compiled state the earlier one left behind).
+    With ``baseline`` (a directory holding another version's ``quarl`` package) each mode then
+    runs again under that code, so that old and new are measured in one call."""
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
@@ -311,8 +312,6 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     w = check_workload(workload, modes)
     if baseline is not None:
         check_baseline(baseline)
-        if profile:
-            raise ValueError("--profile and --baseline together are not supported: profile one version at a time")
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
     torch.cuda.empty_cache()  # (a child run sizes its KV cache from the memory free on the device)
@@ -324,27 +323,28 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         "git_commit": git_commit(), "torch": torch.__version__,
         "bf16_tflops_measured": ceil.bf16_flops / 1e12, "matmul_params": params, "modes": {},
     }
+    isolate = len(modes) > 1 or baseline is not None
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
-        model_dir = save_random_model(w.shape, Path(tmp) / "model") if baseline is None else None
+        model_dir = None if isolate else save_random_model(w.shape, Path(tmp) / "model")
         for mode in modes:
-            if baseline is not None:  # both versions in child processes: each owns the whole GPU
-                result["modes"][mode] = run_baseline(workload, mode, extra, package_root(), git_commit(), Path(tmp))
-                print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
-                save_result(result, out)
-                result["modes"][mode]["baseline"] = run_baseline(workload, mode, extra, baseline, baseline_commit,
-                                                                 Path(tmp))
-                print(mode, "baseline", json.dumps(result["modes"][mode]["baseline"]["median"]), flush=True)
-                save_result(result, out)
-                continue
-            overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
-            rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
-            timed = rows[:-1] if table else rows  # the profiled step runs slower
-            result["modes"][mode] = {"median": median_metrics(timed), "steps": rows, "overrides": overrides}
-            if table:
-                result["modes"][mode]["learner_profile"] = table.splitlines()
-                print(table, flush=True)
-            print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+            if isolate:
+                r = result["modes"][mode] = run_child(workload, mode, extra, package_root(), git_commit(), Path(tmp),
+                                                      profile)
+            else:
+                overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
+                rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
+                timed = rows[:-1] if table else rows  # the profiled step runs slower
+                r = result["modes"][mode] = {"median": median_metrics(timed), "steps": rows, "overrides": overrides}
+                if table:
+                    r["learner_profile"] = table.splitlines()
+            if "learner_profile" in r:
+                print("\n".join(r["learner_profile"]), flush=True)
+            print(mode, json.dumps(r["median"]), flush=True)
             save_result(result, out)  # after every mode: a call cut short keeps the modes it finished
+            if baseline is not None:
+                r["baseline"] = run_child(workload, mode, extra, baseline, baseline_commit, Path(tmp))
+                print(mode, "baseline", json.dumps(r["baseline"]["median"]), flush=True)
+                save_result(result, out)
     return result
 
 

@@ -12,6 +12,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "train", help="end-to-end RL step time by mode (random weights, forced length)",
         description="Runs each mode's RL steps on the same random-weight model and workload in one call and "
         "reports the step-time breakdown, rollout tok/s, mismatch, learner MFU, peak memory and ratios to bf16. "
+        "With several modes each runs in a fresh process of its own. "
         "Extra --section.key=value flags go to every mode's run config.",
     )
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
@@ -23,13 +24,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--profile", nargs="?", const="kernels", choices=("kernels", "host"),
                    help="profile the last step's learner stage of each mode: 'kernels' (the default) its GPU kernels by "
                    "total time, the GPU busy share and the device syncs with their source lines; 'host' where the host's "
-                   "time goes (cProfile, functions by cumulative time). That step is left out of the medians; the "
-                   "profiler also slows the CUDA graphs of the modes run after it, so take timings from a run without "
-                   "--profile")
+                   "time goes (cProfile, functions by cumulative time). That step is left out of the medians")
     p.add_argument("--baseline", metavar="DIR",
                    help="a directory holding another version's quarl/ package (e.g. `git archive REV quarl | tar -x "
-                   "-C DIR`): each mode also runs under that code, in a child process right after, and the table "
-                   "gives the speedup over it (old and new measured in one call)")
+                   "-C DIR`): each mode also runs under that code right after, and the table gives the speedup over "
+                   "it (old and new measured in one call)")
     p.add_argument("--baseline-commit", metavar="SHA", help="the baseline's commit, recorded in the result")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)

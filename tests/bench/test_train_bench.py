@@ -69,7 +69,7 @@ def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_
     import os
     import textwrap
 
-    from quarl.bench.train import _speedups, check_baseline, run_baseline, summary_table
+    from quarl.bench.train import _speedups, check_baseline, run_child, summary_table
 
     with pytest.raises(ValueError, match="no quarl/ package there.*git archive REV quarl"):
         check_baseline(tmp_path)
@@ -85,10 +85,10 @@ def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_
         json.dump({"git_commit": os.environ["QUARL_GIT_COMMIT"], "modes": {mode: {"median": median}}}, open(out, "w"))
     '''))
     base = check_baseline(tmp_path / "base")
-    got = run_baseline("w1", "aligned-w4a16", ["--trainer.steps=3"], base, "abc1234", tmp_path)
+    got = run_child("w1", "aligned-w4a16", ["--trainer.steps=3"], base, "abc1234", tmp_path)
     assert got == {"median": {"step_s": 8.0, "rollout_s": 4.0, "learner_s": 4.0}, "git_commit": "abc1234"}
     with pytest.raises(RuntimeError, match="(?s)failed on mode 'bf16'.*AssertionError"):
-        run_baseline("w1", "bf16", [], base, None, tmp_path)  # (no --trainer.steps: the fake asserts)
+        run_child("w1", "bf16", [], base, None, tmp_path)  # (no --trainer.steps: the fake asserts)
     new = {"step_s": 6.4, "rollout_s": 4.0, "learner_s": 2.0}
     result = {"workload": "w1", "device": "cpu", "git_commit": "def5678", "modes": {"aligned-w4a16": {
         "median": new, "baseline": got, "speedup_vs_baseline": _speedups(got["median"], new)}}}
