@@ -77,6 +77,7 @@ MODES: dict[str, list[str]] = {
 # extra --section.key=value flags, which go to every mode (the bf16 baseline included)
 MODE_OPTIONS: dict[str, list[str]] = {
     "kvfp8": ["--rollout.engine.kv_cache_dtype=fp8"],
+    "dense": ["--rollout.engine.dense_weights=on"],
 }
 
 

@@ -36,6 +36,11 @@ class EngineConfig:
     share_prompt: bool = True  # the n samples of a prompt share its prefill and KV blocks
     lookahead: bool = True  # plan decode step t + 1 on the host while the GPU runs step t
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # K/V storage: "auto" (the model dtype) or "fp8" (e4m3 + scales)
+    # weight-only schemes: also keep each weight dense (bf16) at a fixed address, so that the
+    # batch sizes where a plain GEMM beats the low-bit kernel (prefill; decode above 128 rows;
+    # small weights at 65-128 rows on Hopper) run it without dequantizing per call. "auto": on
+    # when the copies take at most 10% of the GPU's memory
+    dense_weights: Literal["auto", "on", "off"] = "off"
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
@@ -44,3 +49,5 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.dense_weights not in ("auto", "on", "off"):
+            raise ValueError(f"dense_weights must be auto, on or off, got {self.dense_weights!r}")

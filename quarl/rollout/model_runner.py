@@ -36,6 +36,35 @@ def _check_fp8_kv_support(kv_cache_dtype: str, device: torch.device, backend: st
         )
 
 
+DENSE_AUTO_FRACTION = 0.10  # dense_weights="auto": keep the copies when they take at most this share of the GPU
+
+
+def use_dense_weights(setting: str, need_bytes: int, total_bytes: int) -> bool:
+    """Whether the engine keeps dense copies of its weight-only quantized weights: ``"on"``,
+    ``"off"``, or ``"auto"`` (on a GPU, when they take at most :data:`DENSE_AUTO_FRACTION`
+    of its memory: every model a full fine-tune fits on one GPU, not a large frozen base)."""
+    if setting == "auto":
+        return 0 < need_bytes <= DENSE_AUTO_FRACTION * total_bytes
+    return setting == "on"
+
+
+def weight_only_caches(model: torch.nn.Module) -> list:
+    """``(RepackCache, QuantizedWeight)`` of each GEMM of ``model`` over a weight-only quantized
+    weight, as the engine runs them (a fused q/k/v or gate/up group once)."""
+    from quarl.quant.linear import QuantLinear
+    from quarl.quant.qweight import QuantizedWeight
+
+    out = []
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and not hasattr(mod, "_fused_owner"):
+            out.append((mod.repacked, mod.qweight))
+        for name in ("_fused_qkv", "_fused_gate_up"):
+            fused = mod.__dict__.get(name)
+            if fused is not None and isinstance(fused.weight, QuantizedWeight):
+                out.append((fused.repacked, fused.weight))
+    return [(c, qw) for c, qw in out if qw.scheme.quantizes_weights and qw.scheme.act_format == "none"]
+
+
 class ModelRunner:
     """Runs prefill and decode steps of the model over the paged cache and samples.
 
@@ -72,13 +101,26 @@ class ModelRunner:
             if self.fused:
                 fuse_projections(model)
         self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates)
-        self.num_blocks = self._num_kv_blocks()
+        self.dense_weight_bytes = self._plan_dense_weights()
+        self.num_blocks = self._num_kv_blocks()  # (its warm-up prefill makes the dense copies)
         self.kv: KVCache | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
         self._make_decode_buffers(min(config.max_num_seqs, 256))
         self.allocate()
 
     # ---------------------------------------------------------------- memory
+    def _plan_dense_weights(self) -> int:
+        """Marks the weight-only quantized GEMMs to keep a dense copy of their weight
+        (``EngineConfig.dense_weights``); returns the bytes those copies will take (0: none)."""
+        caches = weight_only_caches(self.model)
+        need = sum(qw.shape[0] * qw.shape[1] for _, qw in caches) * self.dtype.itemsize
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else 0
+        if not caches or not use_dense_weights(self.config.dense_weights, need, total):
+            return 0
+        for cache, _ in caches:
+            cache.dense = True
+        return need
+
     def _new_cache(self, num_blocks: int) -> KVCache:
         return KVCache(
             self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,

@@ -141,3 +141,18 @@ def test_fp8_down_of_a_1p5b_model_splits_k_in_four_from_65_rows():
     assert dispatch.lookup("fp8", "none", 64, 1536, 8960).kernel == "pointer"
     assert dispatch.lookup("fp8", "none", 128, 3584, 18944).config.split_k == 2
     assert dispatch.lookup("fp8", "none", 129, 1536, 8960).config.split_k == 2
+
+
+def test_a_kept_dense_copy_takes_small_weights_at_65_to_128_rows_on_hopper():
+    """With the engine's dense copies the 1.5B-class weights (n k <= 2^25) run the plain GEMM
+    at 65 <= M <= 128 on sm90 (the w4 kernel lost to bf16 on all four 1.5B shapes there);
+    larger weights, other M, other GPUs and owners without a copy keep the table's plan."""
+    for n, k in ((1536, 1536), (2048, 1536), (17920, 1536), (1536, 8960), (4608, 3584)):
+        assert dispatch.lookup("w4a16", "sm90", 128, n, k, True).kernel == "dequant"
+        assert dispatch.lookup("w4a16", "sm90", 65, n, k, True).kernel == "dequant"
+        assert dispatch.lookup("w4a16", "sm90", 128, n, k).kernel == "wgmma"
+        assert dispatch.lookup("w4a16", "sm90", 64, n, k, True).kernel == "wgmma"
+    for n, k in ((37888, 3584), (3584, 18944)):  # 7B gate_up / down: the w4 kernel wins at M = 128
+        assert dispatch.lookup("w4a16", "sm90", 128, n, k, True).kernel == "wgmma"
+    assert dispatch.lookup("w4a16", "sm80", 128, 1536, 1536, True) == dispatch.lookup("w4a16", "sm80", 128, 1536, 1536)
+    assert dispatch.lookup("w4a16", "sm90", 256, 1536, 1536, True).kernel == "dequant"

@@ -197,3 +197,55 @@ def test_cache_follows_a_new_weight_object():
     fb = cache.get(qb)
     assert fb.qdata.data_ptr() == ptr  # rebuilt in the same storage (same shapes)
     assert torch.equal(fb.qdata, cuda_w4.repack_w4(qb).qdata)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
+def test_a_dense_copy_stays_at_its_address_and_follows_loads_and_row_refreshes(scheme):
+    """``RepackCache(dense=True)`` (the engine's ``dense_weights``) keeps one dequantized copy:
+    after an in-place load it holds the new weight's values in the same storage (CUDA graphs
+    read that address), a row refresh rewrites only those rows, and the learner's
+    ``drop_dequantized`` leaves it alone."""
+    def dequantize(q, dtype):
+        return q.dequantize(dtype)
+
+    sc = get_scheme(scheme)
+    g = torch.Generator().manual_seed(7)
+    qw = quantize_weight(torch.randn(192, 256, generator=g), sc)
+    cache = RepackCache(dense=True)
+    d = cache.dequantized(qw, torch.bfloat16, dequantize)
+    assert torch.equal(d, qw.dequantize(torch.bfloat16))
+    assert cache.dequantized(qw, torch.bfloat16, dequantize) is d and cache.dense_bytes() == 192 * 256 * 2
+    new = quantize_weight(torch.randn(192, 256, generator=g), sc)
+    qw.copy_(new)
+    cache.refresh(qw)
+    got = cache.dequantized(qw, torch.bfloat16, dequantize)
+    assert got.data_ptr() == d.data_ptr() and torch.equal(got, new.dequantize(torch.bfloat16))
+    part = quantize_weight(torch.randn(64, 256, generator=g), sc)  # rows 64..127, as a fused q/k/v part loads
+    for f, t in part.tensors().items():
+        getattr(qw, f)[64:128].copy_(t)
+    cache.refresh(qw, (64, 128))
+    want = new.dequantize(torch.bfloat16)
+    want[64:128] = part.dequantize(torch.bfloat16)
+    assert cache.is_fresh(qw) and torch.equal(cache.dequantized(qw, torch.bfloat16, dequantize), want)
+    assert cache.dequantized(qw, torch.bfloat16, dequantize).data_ptr() == d.data_ptr()
+    cache.drop_dequantized()
+    assert cache.dense_bytes() == 192 * 256 * 2
+
+
+def test_the_dense_plan_runs_a_plain_gemm_on_the_kept_copy(monkeypatch, needs_triton):
+    """Through the fast path's dispatch: a weight whose owner keeps a dense copy runs the
+    ``dequant`` plan on it (the copy is made once, not per call), with the values of
+    ``F.linear`` over the dequantized weight."""
+    from quarl.quant.kernels import launch, weight_only
+
+    sc = get_scheme("w4a16")
+    g = torch.Generator().manual_seed(3)
+    qw = quantize_weight(torch.randn(128, 256, generator=g), sc)
+    x = torch.randn(100, 256, generator=g).to(torch.bfloat16)  # M = 100: the dequant plan off the GPU
+    want = torch.nn.functional.linear(x, weight_only.dequantize(qw, torch.bfloat16))
+    made = []
+    monkeypatch.setattr(weight_only, "dequantize", lambda q, dt, _d=weight_only.dequantize: made.append(1) or _d(q, dt))
+    cache = RepackCache(dense=True)
+    for _ in range(3):
+        assert torch.equal(launch.linear(x, qw, None, cache), want)
+    assert len(made) == 1

@@ -253,3 +253,62 @@ def test_rope_store_kv_writes_fp8_codes_of_the_quantizer(dtype):
         others[slots] = False
         assert torch.equal(rows[others], old_c.view(torch.uint8).view(-1, hkv, d)[others])
         assert torch.equal(srows[others], old_s.view(-1, hkv)[others])
+
+
+def test_dense_weight_copies_follow_published_weights_in_the_fused_model():
+    """``dense_weights``: each weight-only GEMM the engine runs (fused q/k/v and gate/up once,
+    o and down) keeps a dense copy; after publishing new weights by module name (fused parts
+    refresh their rows) the fused forward on the copies equals a model that dequantizes per
+    call, bit for bit, and the copies kept their addresses. W8A8 GEMMs have no copy."""
+    from quarl.quant import ops
+    from quarl.rollout.model_runner import use_dense_weights, weight_only_caches
+
+    torch.manual_seed(0)
+    master = build_random_model("tiny", seed=2, std=0.2)
+    fp8 = copy.deepcopy(master)
+    quantize_model(fp8, "w8a8-fp8", QuantLinear)
+    fuse_projections(fp8)
+    assert weight_only_caches(fp8) == []
+    model = copy.deepcopy(master)
+    quantize_model(model, "w4a16", QuantLinear)
+    ref = copy.deepcopy(model)
+    fuse_projections(model)
+    caches = weight_only_caches(model)
+    assert len(caches) == 4 * len(model.layers)
+    for cache, _ in caches:
+        cache.dense = True
+    ids = torch.randint(0, 128, (2, 60))  # 120 rows: the plan is the plain GEMM on the dense copy off the GPU
+    positions, attn = batch_attention(ids)
+    with ops.use_backend("triton"), torch.no_grad():
+        model.hidden_states(ids, positions, attn, FUSED_OPS)
+        ptrs = [c.dequantized(qw, torch.float32, None).data_ptr() for c, qw in caches]
+        published = {}
+        for name, mod in ref.named_modules():
+            if isinstance(mod, QuantLinear):
+                published[name] = quantize_weight(dict(master.named_modules())[name].weight.detach() * -0.7, mod.scheme)
+                mod.load_quantized(published[name])
+        load_published(model, published)
+        got = model.hidden_states(ids, positions, attn, FUSED_OPS)
+        want = ref.hidden_states(ids, positions, attn, FUSED_OPS)
+        assert [c.dequantized(qw, torch.float32, None).data_ptr() for c, qw in caches] == ptrs
+    assert torch.equal(got, want)
+    assert use_dense_weights("auto", 8 << 30, 80 << 30) and not use_dense_weights("auto", 9 << 30, 80 << 30)
+    assert not use_dense_weights("auto", 1, 0) and use_dense_weights("on", 1, 0) and not use_dense_weights("off", 1, 1 << 40)
+
+
+def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():
+    """``EngineConfig.dense_weights``: "on" marks every weight-only GEMM's cache and reports
+    the bytes its copies take; "auto" off a GPU keeps none; a bad value is a clear error."""
+    from quarl.rollout import Engine, EngineConfig
+    from quarl.rollout.model_runner import weight_only_caches
+
+    model = build_random_model("tiny", seed=2)
+    cfg = dict(max_model_len=32, block_size=4, num_kv_blocks=16, attention_backend="triton")
+    on = Engine(copy.deepcopy(model), "w4a16", EngineConfig(**cfg, dense_weights="on"))
+    caches = weight_only_caches(on.model)
+    want = sum(qw.shape[0] * qw.shape[1] for _, qw in caches) * 4  # float32 model
+    assert caches and all(c.dense for c, _ in caches) and on.runner.dense_weight_bytes == want
+    auto = Engine(copy.deepcopy(model), "w4a16", EngineConfig(**cfg, dense_weights="auto"))
+    assert auto.runner.dense_weight_bytes == 0 and not any(c.dense for c, _ in weight_only_caches(auto.model))
+    with pytest.raises(ValueError, match="dense_weights must be auto, on or off"):
+        EngineConfig(dense_weights="yes")

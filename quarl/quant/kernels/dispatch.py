@@ -200,6 +200,18 @@ GATED_INT8: tuple[Row, ...] = (
     Row(None),
 )
 
+
+def small_weight_m65(m: int, n: int, k: int) -> bool:
+    return m > 64 and n * k <= 2**25
+
+
+# Tried first where the engine keeps a dense copy of each weight (``rollout.dense_weights``,
+# ``RepackCache.dense``): the ``dequant`` plan then is a plain GEMM on that copy, which beats
+# the w4 kernel on small weights at 65 <= M <= 128 (bench/NOTES.md, "dense weights").
+W4A16_DENSE: tuple[Row, ...] = (
+    Row(DEQUANT, 128, small_weight_m65, SM90),
+)
+
 TABLES: dict[str, tuple[Row, ...]] = {
     "w4a16": W4A16, "weight_only": WEIGHT_ONLY, "fp8": FP8, "int8": INT8, "w4a8": W4A8,
     "gated_fp8": GATED_FP8, "gated_int8": GATED_INT8,
@@ -234,28 +246,34 @@ def family(scheme: QuantScheme) -> str:
     return "weight_only"
 
 
+DENSE_FIRST: dict[str, tuple[Row, ...]] = {"w4a16": W4A16_DENSE}
+
+
 @functools.lru_cache(maxsize=4096)
-def lookup(fam: str, gen: str, m: int, n: int, k: int) -> Plan | None:
-    """The plan of the first row of table ``fam`` that matches."""
-    for row in TABLES[fam]:
+def lookup(fam: str, gen: str, m: int, n: int, k: int, dense: bool = False) -> Plan | None:
+    """The plan of the first row of table ``fam`` that matches (``dense``: the weight has a
+    dense copy, whose rows of :data:`DENSE_FIRST` come first)."""
+    for row in (DENSE_FIRST.get(fam, ()) if dense else ()) + TABLES[fam]:
         if gen in row.gens and (row.m_max is None or m <= row.m_max) and (row.when is None or row.when(m, n, k)):
             return row.plan
     raise LookupError(f"no row of {fam} matches gen={gen} m={m} n={n} k={k}")  # (tables end in a catch-all)
 
 
-def _choose(fam: str, gen: str, m: int, n: int, k: int) -> Plan | None:
+def _choose(fam: str, gen: str, m: int, n: int, k: int, dense: bool = False) -> Plan | None:
     ov = _OVERRIDES.get().get(fam, lookup)
     if ov is lookup:
-        return lookup(fam, gen, m, n, k)
+        return lookup(fam, gen, m, n, k, dense)
     return ov(m, n, k) if callable(ov) else ov
 
 
-def pick(qw: QuantizedWeight, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Plan:
+def pick(qw: QuantizedWeight, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+         dense: bool = False) -> Plan:
     """The GEMM plan for ``m`` rows of activations of ``dtype`` on ``device`` (for schemes that
-    quantize activations: the GEMM on their codes)."""
+    quantize activations: the GEMM on their codes). ``dense``: the weight's owner keeps a
+    dense copy of it (the ``dequant`` plan is then a plain GEMM on that copy)."""
     n, k = qw.shape
     fam = family(qw.scheme)
-    return _choose(fam, gpu_gen(device, dtype) if fam == "w4a16" else "none", m, n, k)
+    return _choose(fam, gpu_gen(device, dtype) if fam == "w4a16" else "none", m, n, k, dense)
 
 
 def gated_plan(act_format: str, m: int, n: int, k: int) -> Plan | None:

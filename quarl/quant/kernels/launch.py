@@ -58,4 +58,5 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     if sc.act_format in ("fp8", "int8"):
         xq, sx = act_quant(x, sc.act_format)
         return linear_quantized_input(xq, sx, qw, bias, x.dtype)
-    return dispatch.pick(qw, x.shape[0], x.device, x.dtype).run(x, qw, bias, repacked=repacked)
+    dense = repacked is not None and repacked.dense
+    return dispatch.pick(qw, x.shape[0], x.device, x.dtype, dense).run(x, qw, bias, repacked=repacked)

@@ -140,24 +140,32 @@ class RepackCache:
     storage when the shapes agree, so CUDA graphs captured over it see the new weights; it
     cannot run inside capture. After an in-place load, call :meth:`refresh` eagerly."""
 
-    def __init__(self, keep_dequantized: bool = False) -> None:
+    def __init__(self, keep_dequantized: bool = False, dense: bool = False) -> None:
         self._entries: dict[str, _Entry] = {}
+        self._makers: dict[str, Callable] = {}  # how each dense copy is made (for refresh)
         self.keep_dequantized = keep_dequantized
+        self.dense = dense
 
     # copies of the owning module start empty: the layouts are rebuilt from its weight at first use
     def __getstate__(self) -> dict:
-        return {"_entries": {}, "keep_dequantized": self.keep_dequantized}
+        return {"_entries": {}, "_makers": {}, "keep_dequantized": self.keep_dequantized, "dense": self.dense}
 
     def __deepcopy__(self, memo) -> "RepackCache":
-        return RepackCache(self.keep_dequantized)
+        return RepackCache(self.keep_dequantized, self.dense)
 
     def dequantized(self, qw: QuantizedWeight, dtype: torch.dtype,
                     make: Callable[[QuantizedWeight, torch.dtype], torch.Tensor]) -> torch.Tensor:
-        """``make(qw, dtype)``: the weight ``[N, K]`` dequantized. Kept per weight version when
-        this cache keeps dequantized weights (the learner's ``QATLinear``: at training batch
-        sizes its forward and backward run on the dequantized weight, which is then made once
-        per optimizer step instead of twice per micro-batch); made per call otherwise (the
-        engine's weights stay low-bit in memory)."""
+        """``make(qw, dtype)``: the weight ``[N, K]`` dequantized.
+
+        - ``dense`` (the engine's ``rollout.dense_weights``): one copy at a fixed address,
+          rebuilt in place when the weight changes (CUDA graphs captured over it see the new
+          values), so that plain GEMMs on it cost what bf16's do;
+        - ``keep_dequantized`` (the learner's ``QATLinear``): kept per weight version (at
+          training batch sizes its forward and backward run on it, made once per optimizer
+          step instead of twice per micro-batch) and dropped at :meth:`drop_dequantized`;
+        - neither: made per call (the engine's weights stay low-bit in memory)."""
+        if self.dense:
+            return self._dense(qw, dtype, make)
         if not self.keep_dequantized:
             return make(qw, dtype)
         layout = f"dequant-{dtype}"
@@ -168,10 +176,32 @@ class RepackCache:
         self._entries[layout] = _Entry(weakref.ref(qw.qdata), _versions(qw), w)
         return w
 
+    def _dense(self, qw: QuantizedWeight, dtype: torch.dtype,
+               make: Callable[[QuantizedWeight, torch.dtype], torch.Tensor]) -> torch.Tensor:
+        layout = f"dense-{dtype}"
+        e = self._entries.get(layout)
+        if e is not None and self._matches(e, qw):
+            return e.copy
+        if qw.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the dense weight copy is first needed (or stale) inside CUDA-graph capture; "
+                               "run the same forward eagerly once before capturing")
+        with torch.inference_mode(False), torch.no_grad():
+            w = make(qw, dtype)
+            if e is not None and e.copy.shape == w.shape and e.copy.device == w.device:
+                w = e.copy.copy_(w)
+        self._entries[layout] = _Entry(weakref.ref(qw.qdata), _versions(qw), w)
+        self._makers[layout] = make
+        return w
+
     def drop_dequantized(self) -> None:
-        """Free the dequantized copies (the learner's phase is over; they go stale at the next step)."""
+        """Free the dequantized copies (the learner's phase is over; they go stale at the next
+        step). Dense copies stay: CUDA graphs hold their addresses."""
         for layout in [k for k in self._entries if k.startswith("dequant-")]:
             del self._entries[layout]
+
+    def dense_bytes(self) -> int:
+        """Bytes held by dense copies."""
+        return sum(e.copy.numel() * e.copy.element_size() for k, e in self._entries.items() if k.startswith("dense-"))
 
     def _matches(self, e: _Entry, qw: QuantizedWeight) -> bool:
         return e.source() is qw.qdata and e.versions == _versions(qw)
@@ -211,6 +241,9 @@ class RepackCache:
         rest of each copy was fresh before the write."""
         self.drop_dequantized()  # remade from the new codes at next use
         for layout, e in list(self._entries.items()):
+            if layout.startswith("dense-"):
+                self._refresh_dense(layout, e, qw, rows)
+                continue
             if rows is None or e.source() is not qw.qdata:
                 self.get(qw, layout)
                 continue
@@ -225,3 +258,18 @@ class RepackCache:
                 if fw.negz is not None:
                     fw.negz[:, a:b].copy_(part.negz[:, : b - a])
             self._entries[layout] = _Entry(e.source, _versions(qw), fw)
+
+    def _refresh_dense(self, layout: str, e: _Entry, qw: QuantizedWeight, rows: tuple[int, int] | None) -> None:
+        """Rewrite a dense copy in place: whole, or only output rows ``rows`` (each row's
+        groups are its own, so a row block dequantizes alone)."""
+        make, dtype = self._makers[layout], e.copy.dtype
+        if rows is None or e.source() is not qw.qdata:
+            self._dense(qw, dtype, make)
+            return
+        a, b = rows
+        n = qw.shape[0]
+        sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]),
+                              **{f: t[a:b] if t.dim() and t.shape[0] == n else t for f, t in qw.tensors().items()})
+        with torch.inference_mode(False), torch.no_grad():
+            e.copy[a:b].copy_(make(sub, dtype))
+        self._entries[layout] = _Entry(e.source, _versions(qw), e.copy)
