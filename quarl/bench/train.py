@@ -302,8 +302,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                   profile: str | None = None, baseline: Path | None = None,
                   baseline_commit: str | None = None) -> dict[str, Any]:
     """Every mode of ``workload``. One mode runs in this process; several run one after
-    another, each in a fresh child process with the GPU to itself (in one process a mode run
-    after another was 3-6% slower: memory and compiled state the earlier one left behind).
+    another, each in a fresh child process with the GPU to itself, so that no mode inherits
+    memory, caches or compiled state from the one before.
     With ``baseline`` (a directory holding another version's ``quarl`` package) each mode then
     runs again under that code, so that old and new are measured in one call."""
     from quarl.bench.common import git_commit
