@@ -218,6 +218,28 @@ def test_fused_engine_equals_unfused():
             assert (got - ref).abs().max() < 0.1, (engine.runner.fused, (got - ref).abs().max())
 
 
+def _publish_new_weights(engine, learner, master) -> None:
+    """Scale every QAT master weight by -1.3 (and the plain copy ``master`` alike) and publish
+    the learner's quantized weights into the engine."""
+    from quarl.quant import QATLinear
+
+    with torch.no_grad():
+        for name, mod in learner.named_modules():
+            if isinstance(mod, QATLinear):
+                mod.weight.mul_(-1.3)
+                master.get_submodule(name).weight.mul_(-1.3)
+    engine.load_weights({n: m.publish() for n, m in learner.named_modules() if isinstance(m, QATLinear)})
+
+
+def _assert_like_fresh(after, fresh, before) -> None:
+    """An updated engine generates what a fresh one on the new weights does, and not what it
+    did before the update."""
+    assert [c.token_ids for c in after] == [c.token_ids for c in fresh]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    for x, y in zip(after, fresh):
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w8a8-fp8", "w8a8-int8"])
 def test_fused_quantized_engine_takes_published_weights(scheme):
     """Quantized q/k/v and gate/up run fused (one GEMM each); weights the QAT learner
@@ -257,19 +279,11 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
 
     before = engine.generate(prompts, params)
     check_learner(before)
-    with torch.no_grad():
-        for name, mod in learner.named_modules():
-            if isinstance(mod, QATLinear):
-                mod.weight.mul_(-1.3)
-                master.get_submodule(name).weight.mul_(-1.3)
-    engine.load_weights({n: m.publish() for n, m in learner.named_modules() if isinstance(m, QATLinear)})
+    _publish_new_weights(engine, learner, master)
     after = engine.generate(prompts, params)
     check_learner(after)
     fresh = Engine(copy.deepcopy(master), scheme=scheme, config=cfg).generate(prompts, params)
-    assert [c.token_ids for c in after] == [c.token_ids for c in fresh]
-    assert [c.token_ids for c in after] != [c.token_ids for c in before]
-    for x, y in zip(after, fresh):
-        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+    _assert_like_fresh(after, fresh, before)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])  # quarl.rollout.fused.FUSED_QUANTIZERS
@@ -490,18 +504,10 @@ def test_dense_weight_engine_takes_published_weights_in_its_graphs():
     prompts = [[1 + i % 50, 2, 3 + i % 7] for i in range(80)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     before = engine.generate(prompts, params)
-    with torch.no_grad():
-        for name, mod in learner.named_modules():
-            if isinstance(mod, QATLinear):
-                mod.weight.mul_(-1.3)
-                master.get_submodule(name).weight.mul_(-1.3)
-    engine.load_weights({n: m.publish() for n, m in learner.named_modules() if isinstance(m, QATLinear)})
+    _publish_new_weights(engine, learner, master)
     after = engine.generate(prompts, params)
     fresh = Engine(copy.deepcopy(master), scheme="w4a16", config=cfg).generate(prompts, params)
-    assert [c.token_ids for c in after] == [c.token_ids for c in fresh]
-    assert [c.token_ids for c in after] != [c.token_ids for c in before]
-    for x, y in zip(after, fresh):
-        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+    _assert_like_fresh(after, fresh, before)
     plain = Engine(copy.deepcopy(master), scheme="w4a16", config=dataclasses.replace(cfg, dense_weights="off"))
     lp = plain.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
     diff = [abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(after, lp)]
