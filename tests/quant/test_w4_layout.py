@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from quarl.quant import get_scheme, quantize_weight, reference_linear
-from quarl.quant import reference as ref
 from quarl.quant.kernels import w4_layout as cuda_w4
 from quarl.quant.kernels.w4_layout import RepackCache
 

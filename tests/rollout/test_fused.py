@@ -24,7 +24,7 @@ def test_fused_projections_are_views_and_forward_matches():
     ref = copy.deepcopy(model)
     assert fuse_projections(model) == 2 * len(model.layers)
     a = model.layers[0].self_attn
-    w, b = a._fused_qkv.weight, a._fused_qkv.bias
+    w = a._fused_qkv.weight
     assert a.k_proj.weight.data_ptr() == w[a.q_proj.out_features :].data_ptr()
     ids = torch.randint(0, 128, (2, 7))
     positions, attn = batch_attention(ids)
