@@ -213,7 +213,7 @@ def test_a_dense_copy_stays_at_its_address_and_follows_loads_and_row_refreshes(s
     cache = RepackCache(dense=True)
     d = cache.dequantized(qw, torch.bfloat16, dequantize)
     assert torch.equal(d, qw.dequantize(torch.bfloat16))
-    assert cache.dequantized(qw, torch.bfloat16, dequantize) is d and cache.dense_bytes() == 192 * 256 * 2
+    assert cache.dequantized(qw, torch.bfloat16, dequantize) is d and cache.layouts() == ("dense-torch.bfloat16",)
     new = quantize_weight(torch.randn(192, 256, generator=g), sc)
     qw.copy_(new)
     cache.refresh(qw)
@@ -228,7 +228,7 @@ def test_a_dense_copy_stays_at_its_address_and_follows_loads_and_row_refreshes(s
     assert cache.is_fresh(qw) and torch.equal(cache.dequantized(qw, torch.bfloat16, dequantize), want)
     assert cache.dequantized(qw, torch.bfloat16, dequantize).data_ptr() == d.data_ptr()
     cache.drop_dequantized()
-    assert cache.dense_bytes() == 192 * 256 * 2
+    assert cache.layouts() == ("dense-torch.bfloat16",)
 
 
 def test_the_dense_plan_runs_a_plain_gemm_on_the_kept_copy(monkeypatch, needs_triton):

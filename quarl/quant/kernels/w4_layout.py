@@ -199,10 +199,6 @@ class RepackCache:
         for layout in [k for k in self._entries if k.startswith("dequant-")]:
             del self._entries[layout]
 
-    def dense_bytes(self) -> int:
-        """Bytes held by dense copies."""
-        return sum(e.copy.numel() * e.copy.element_size() for k, e in self._entries.items() if k.startswith("dense-"))
-
     def _matches(self, e: _Entry, qw: QuantizedWeight) -> bool:
         return e.source() is qw.qdata and e.versions == _versions(qw)
 
