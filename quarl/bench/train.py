@@ -264,12 +264,13 @@ def check_baseline(baseline: Path) -> Path:
 
 
 def child_command(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, out: Path,
-                  profile: str | None = None) -> tuple[list[str], dict[str, str]]:
+                  profile: str | None = None, model: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run ``mode`` of ``workload`` with the ``quarl`` package in
     ``root`` in a child process (run from ``root``: ``python -m`` puts the working directory
-    first on the path), its JSON written to ``out``."""
+    first on the path), its JSON written to ``out``; ``model``: the saved weights to run on."""
     argv = [sys.executable, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
-            "--out", str(out.resolve()), *(["--profile", profile] if profile else []), *extra]
+            "--out", str(out.resolve()), *(["--profile", profile] if profile else []),
+            *(["--model", str(model.resolve())] if model else []), *extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
     env["QUARL_GIT_COMMIT"] = commit or f"baseline:{root}"
@@ -277,12 +278,12 @@ def child_command(workload: str, mode: str, extra: list[str], root: Path, commit
 
 
 def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, tmp: Path,
-              profile: str | None = None) -> dict[str, Any]:
+              profile: str | None = None, model: Path | None = None) -> dict[str, Any]:
     """One mode of the benchmark run by the ``quarl`` package in ``root`` in a fresh process that
     has the GPU to itself: its medians, steps, commit (and profile table). A run that fails (a
     baseline that does not know the mode, say) is an error naming it and its last lines."""
     out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}.json"
-    argv, env = child_command(workload, mode, extra, root, commit, out, profile)
+    argv, env = child_command(workload, mode, extra, root, commit, out, profile, model)
     proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -298,9 +299,26 @@ def package_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def check_model(model: Path, workload: Workload) -> Path:
+    """``model`` as a saved checkpoint of the workload's shape (a ValueError naming the
+    mismatch otherwise)."""
+    from quarl.model.config import TransformerConfig
+    from quarl.model.presets import preset_config
+
+    if not (model / "config.json").is_file():
+        raise ValueError(f"--model {model}: no config.json there; pass a checkpoint directory "
+                         "(or leave --model out for random weights of the workload's shape)")
+    got = TransformerConfig.from_hf_dict(json.loads((model / "config.json").read_text()), str(model / "config.json"))
+    want = preset_config(workload.shape)
+    if got.matmul_params != want.matmul_params:
+        raise ValueError(f"--model {model} has {got.matmul_params:,} matmul parameters, the workload's shape "
+                         f"{workload.shape} {want.matmul_params:,}: its numbers would not compare with the workload's")
+    return model
+
+
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: str | None = None, baseline: Path | None = None,
-                  baseline_commit: str | None = None) -> dict[str, Any]:
+                  baseline_commit: str | None = None, model: Path | None = None) -> dict[str, Any]:
     """Every mode of ``workload``. One mode runs in this process; several run one after
     another, each in a fresh child process with the GPU to itself, so that no mode inherits
     memory, caches or compiled state from the one before.
@@ -313,6 +331,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     w = check_workload(workload, modes)
     if baseline is not None:
         check_baseline(baseline)
+    if model is not None:
+        check_model(model, w)
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
     torch.cuda.empty_cache()  # (a child run sizes its KV cache from the memory free on the device)
@@ -326,11 +346,13 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     }
     isolate = len(modes) > 1 or baseline is not None
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
-        model_dir = None if isolate else save_random_model(w.shape, Path(tmp) / "model")
+        # the random weights are made and saved once (seconds of CPU for a 1.5B model) and every
+        # mode's process loads them
+        model_dir = model or save_random_model(w.shape, Path(tmp) / "model")
         for mode in modes:
             if isolate:
                 r = result["modes"][mode] = run_child(workload, mode, extra, package_root(), git_commit(), Path(tmp),
-                                                      profile)
+                                                      profile, model_dir)
             else:
                 overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
                 rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)

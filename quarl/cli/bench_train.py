@@ -30,6 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "-C DIR`): each mode also runs under that code right after, and the table gives the speedup over "
                    "it (old and new measured in one call)")
     p.add_argument("--baseline-commit", metavar="SHA", help="the baseline's commit, recorded in the result")
+    p.add_argument("--model", metavar="DIR",
+                   help="a saved checkpoint of the workload's shape to run on (default: random weights of that shape, "
+                   "made once per call and loaded by every mode)")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     extra = list(args.overrides) + ([f"--trainer.steps={args.steps}"] if args.steps else [])
     modes = [m for m in args.modes.split(",") if m]
     result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile,
-                           Path(args.baseline) if args.baseline else None, args.baseline_commit)
+                           Path(args.baseline) if args.baseline else None, args.baseline_commit,
+                           Path(args.model) if args.model else None)
     print(summary_table(result))
     if not args.out:
         print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))

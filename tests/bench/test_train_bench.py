@@ -117,3 +117,18 @@ def test_a_result_is_saved_with_its_speedups_and_no_temporary_left(tmp_path):
     assert got["speedup_vs_bf16"] == {"step_s": 1.2, "rollout_s": 1.5, "learner_s": 1.0}
     assert got["speedup_vs_baseline"] == {"step_s": 1.5, "rollout_s": 2.0, "learner_s": 3.5 / 3.0}
     assert [f.name for f in out.parent.iterdir()] == ["train.json"]
+
+
+def test_a_saved_model_must_have_the_workloads_shape(tmp_path):
+    """``--model DIR`` (every mode's process loads the parent's saved random weights through
+    it) takes a checkpoint of the workload's shape; anything else is an error naming it."""
+    from quarl.bench.train import WORKLOADS, check_model, child_command, save_random_model
+
+    smoke = WORKLOADS["smoke"]
+    with pytest.raises(ValueError, match="no config.json there"):
+        check_model(tmp_path, smoke)
+    tiny = save_random_model("tiny", tmp_path / "tiny")
+    with pytest.raises(ValueError, match="matmul parameters, the workload's shape 100m"):
+        check_model(tiny, smoke)
+    argv, _ = child_command("smoke", "bf16", ["--trainer.steps=2"], tmp_path, "abc", tmp_path / "o.json", None, tiny)
+    assert argv[argv.index("--model") + 1] == str(tiny.resolve()) and argv[-1] == "--trainer.steps=2"
