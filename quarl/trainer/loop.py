@@ -94,6 +94,9 @@ class Trainer:
                                 console)
 
         self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config())
+        if self.engine.runner.dense_weight_bytes:
+            self._say(f"engine keeps its {cfg.quant.scheme.name} weights dense too: "
+                      f"{self.engine.runner.dense_weight_bytes / 2**30:.1f} GB (rollout.engine.dense_weights)")
         self._matmul_params = base.config.matmul_params
         self._matmul_rate = matmul_rate(self.device)  # the denominator of perf/learner_mfu (None on CPU)
         # None: decided after the first learner phase (GPU, auto); on CPU the cache is host memory

@@ -241,3 +241,22 @@ def test_fp8_kv_cache_in_aligned_mode_adds_no_mismatch(tmp_path):
         kl[mode] = rows[-1]["mismatch/kl_k3"]
         trainer.rewards.close()
     assert kl["bf16"] > 1e-6 and kl["aligned"] < kl["bf16"] / 100, kl
+
+
+def test_dense_engine_weights_are_announced_and_train(tmp_path):
+    """``rollout.engine.dense_weights=on`` in aligned w4a16: the trainer says how much the
+    engine's dense copies take, and a step runs with the engine in sync with the learner."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    cfg = load_run_config(None, TINY + [f"--trainer.run_dir={tmp_path}", "--trainer.steps=1", "--quant.mode=aligned",
+                                        "--quant.scheme=w4a16", "--trainer.sft_warmup_steps=0",
+                                        "--rollout.engine.dense_weights=on"])
+    trainer = Trainer(cfg, console=Console(file=out, width=200))
+    want = trainer.engine.runner.dense_weight_bytes
+    assert want > 0 and f"engine keeps its w4a16 weights dense too: {want / 2**30:.1f} GB" in out.getvalue()
+    trainer.train_step()
+    assert trainer._check_engine_sync() < 1e-3
+    trainer.rewards.close()
