@@ -70,6 +70,13 @@ class QuantizedWeight:
         moved = {f: t.to(device) for f, t in self.tensors().items()}
         return QuantizedWeight(self.scheme, self.shape, **moved)
 
+    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+        """Output rows ``start:stop`` as views (every format keeps its codes, scales and zero
+        points per row; a per-tensor scale is shared)."""
+        n = self.shape[0]
+        views = {f: t[start:stop] if t.dim() and t.shape[0] == n else t for f, t in self.tensors().items()}
+        return QuantizedWeight(self.scheme, (stop - start, self.shape[1]), **views)
+
     def clone(self) -> "QuantizedWeight":
         return QuantizedWeight(self.scheme, self.shape, **{f: t.clone() for f, t in self.tensors().items()})
 

@@ -149,3 +149,13 @@ def test_reference_linear_exact_mode_matches_manual():
     qx, sx = ref.quantize_activations(x, "int8")
     manual = (qx.double() @ qw.qdata.double().T) * sx.double()[:, None] * qw.scales.double()[None]
     assert torch.allclose(reference_linear(x.double(), qw), manual, rtol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "nvfp4", "w8a8-fp8"])
+def test_a_row_block_dequantizes_to_those_rows(scheme):
+    """``QuantizedWeight.rows`` (the dense copy's partial refresh, the w4 slab repack) is a view
+    whose values are those rows of the whole weight, a per-tensor scale included."""
+    qw = quantize_weight(torch.randn(96, 256, generator=torch.Generator().manual_seed(5)), scheme)
+    part = qw.rows(32, 80)
+    assert part.shape == (48, 256) and part.qdata.data_ptr() == qw.qdata[32].data_ptr()
+    assert torch.equal(part.dequantize(torch.float32), qw.dequantize(torch.float32)[32:80])

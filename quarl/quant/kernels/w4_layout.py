@@ -245,7 +245,7 @@ class RepackCache:
                 continue
             s0, s1 = rows[0] // SLAB, -(-rows[1] // SLAB)
             a, b = s0 * SLAB, min(s1 * SLAB, qw.shape[0])
-            sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]), **{f: t[a:b] for f, t in qw.tensors().items()})
+            sub = qw.rows(a, b)
             fw = e.copy
             with torch.inference_mode(False), torch.no_grad():
                 part = repack_w4(sub, layout)
@@ -263,9 +263,6 @@ class RepackCache:
             self._dense(qw, dtype, make)
             return
         a, b = rows
-        n = qw.shape[0]
-        sub = QuantizedWeight(qw.scheme, (b - a, qw.shape[1]),
-                              **{f: t[a:b] if t.dim() and t.shape[0] == n else t for f, t in qw.tensors().items()})
         with torch.inference_mode(False), torch.no_grad():
-            e.copy[a:b].copy_(make(sub, dtype))
+            e.copy[a:b].copy_(make(qw.rows(a, b), dtype))
         self._entries[layout] = _Entry(e.source, _versions(qw), e.copy)
