@@ -122,27 +122,32 @@ def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run_mode(name: str, overrides: list[str], run_dir: Path, profile: str | None = None) -> tuple[list[dict[str, Any]], str]:
+def run_mode(name: str, overrides: list[str], run_dir: Path, profile: str | None = None,
+             stage: str = "learner") -> tuple[list[dict[str, Any]], str]:
     """One mode's steps (the metrics of each), without checkpoints or evaluation, and with
-    ``profile`` (one of :data:`PROFILES`) that table of the last step's learner stage (else "")."""
+    ``profile`` (one of :data:`PROFILES`) that table of the last step's ``stage`` (one of
+    :data:`PROFILED_STAGES`; else "")."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
 
+    if stage not in PROFILED_STAGES:
+        raise ValueError(f"the profiled stage must be one of {', '.join(PROFILED_STAGES)}, got {stage!r}")
     cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
     trainer = Trainer(cfg)
     rows, table = [], ""
     for i in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
         if profile and i == cfg.trainer.steps - 1:
-            update = trainer.update_policy
+            owner, attr = (trainer, "update_policy") if stage == "learner" else (trainer.publisher, "publish")
+            call = getattr(owner, attr)
             holder: dict[str, str] = {}
 
-            def profiled(batch, update=update, holder=holder):
-                result, holder["table"] = profile_call(lambda: update(batch), f"{name} learner", what=profile)
+            def profiled(*args, call=call, holder=holder):
+                result, holder["table"] = profile_call(lambda: call(*args), f"{name} {stage}", what=profile)
                 return result
 
-            trainer.update_policy = profiled
+            setattr(owner, attr, profiled)
             metrics = trainer.train_step()
-            del trainer.update_policy
+            delattr(owner, attr)
             table = holder["table"]
         else:
             metrics = trainer.train_step()
@@ -157,6 +162,7 @@ def run_mode(name: str, overrides: list[str], run_dir: Path, profile: str | None
 
 
 PROFILES = ("kernels", "host")
+PROFILED_STAGES = ("learner", "publish")
 
 
 def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
@@ -264,12 +270,13 @@ def check_baseline(baseline: Path) -> Path:
 
 
 def child_command(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, out: Path,
-                  profile: str | None = None, model: Path | None = None) -> tuple[list[str], dict[str, str]]:
+                  profile: str | None = None, model: Path | None = None,
+                  stage: str = "learner") -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run ``mode`` of ``workload`` with the ``quarl`` package in
     ``root`` in a child process (run from ``root``: ``python -m`` puts the working directory
     first on the path), its JSON written to ``out``; ``model``: the saved weights to run on."""
     argv = [sys.executable, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
-            "--out", str(out.resolve()), *(["--profile", profile] if profile else []),
+            "--out", str(out.resolve()), *(["--profile", profile, "--profile-stage", stage] if profile else []),
             *(["--model", str(model.resolve())] if model else []), *extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
@@ -278,12 +285,12 @@ def child_command(workload: str, mode: str, extra: list[str], root: Path, commit
 
 
 def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, tmp: Path,
-              profile: str | None = None, model: Path | None = None) -> dict[str, Any]:
+              profile: str | None = None, model: Path | None = None, stage: str = "learner") -> dict[str, Any]:
     """One mode of the benchmark run by the ``quarl`` package in ``root`` in a fresh process that
     has the GPU to itself: its medians, steps, commit (and profile table). A run that fails (a
     baseline that does not know the mode, say) is an error naming it and its last lines."""
     out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}.json"
-    argv, env = child_command(workload, mode, extra, root, commit, out, profile, model)
+    argv, env = child_command(workload, mode, extra, root, commit, out, profile, model, stage)
     proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -291,7 +298,7 @@ def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: st
     done = json.loads(out.read_text())
     got = done["modes"][mode]
     return {"median": got["median"], "git_commit": done.get("git_commit"),
-            **{k: got[k] for k in ("steps", "overrides", "learner_profile") if k in got}}
+            **{k: got[k] for k in ("steps", "overrides", "profile") if k in got}}
 
 
 def package_root() -> Path:
@@ -318,7 +325,8 @@ def check_model(model: Path, workload: Workload) -> Path:
 
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: str | None = None, baseline: Path | None = None,
-                  baseline_commit: str | None = None, model: Path | None = None) -> dict[str, Any]:
+                  baseline_commit: str | None = None, model: Path | None = None,
+                  profile_stage: str = "learner") -> dict[str, Any]:
     """Every mode of ``workload``. One mode runs in this process; several run one after
     another, each in a fresh child process with the GPU to itself, so that no mode inherits
     memory, caches or compiled state from the one before.
@@ -352,16 +360,16 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         for mode in modes:
             if isolate:
                 r = result["modes"][mode] = run_child(workload, mode, extra, package_root(), git_commit(), Path(tmp),
-                                                      profile, model_dir)
+                                                      profile, model_dir, profile_stage)
             else:
                 overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
-                rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile)
+                rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile, profile_stage)
                 timed = rows[:-1] if table else rows  # the profiled step runs slower
                 r = result["modes"][mode] = {"median": median_metrics(timed), "steps": rows, "overrides": overrides}
                 if table:
-                    r["learner_profile"] = table.splitlines()
-            if "learner_profile" in r:
-                print("\n".join(r["learner_profile"]), flush=True)
+                    r["profile"] = table.splitlines()
+            if "profile" in r:
+                print("\n".join(r["profile"]), flush=True)
             print(mode, json.dumps(r["median"]), flush=True)
             save_result(result, out)  # after every mode: a call cut short keeps the modes it finished
             if baseline is not None:

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from quarl.bench.train import MODE_OPTIONS, MODES, WORKLOADS
+    from quarl.bench.train import MODE_OPTIONS, MODES, PROFILED_STAGES, PROFILES, WORKLOADS
 
     p = subparsers.add_parser(
         "train", help="end-to-end RL step time by mode (random weights, forced length)",
@@ -21,10 +21,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"{', '.join('+' + o for o in MODE_OPTIONS)} (e.g. aligned-w4a16+kvfp8: that mode with "
                         "the FP8 KV cache, the others without)")
     p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
-    p.add_argument("--profile", nargs="?", const="kernels", choices=("kernels", "host"),
-                   help="profile the last step's learner stage of each mode: 'kernels' (the default) its GPU kernels by "
+    p.add_argument("--profile", nargs="?", const="kernels", choices=PROFILES,
+                   help="profile one stage of each mode's last step (--profile-stage): 'kernels' (the default) its GPU kernels by "
                    "total time, the GPU busy share and the device syncs with their source lines; 'host' where the host's "
                    "time goes (cProfile, functions by cumulative time). That step is left out of the medians")
+    p.add_argument("--profile-stage", choices=PROFILED_STAGES, default="learner",
+                   help="the stage --profile looks at: the learner's update (default) or the publish into the engine")
     p.add_argument("--baseline", metavar="DIR",
                    help="a directory holding another version's quarl/ package (e.g. `git archive REV quarl | tar -x "
                    "-C DIR`): each mode also runs under that code right after, and the table gives the speedup over "
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile,
                            Path(args.baseline) if args.baseline else None, args.baseline_commit,
-                           Path(args.model) if args.model else None)
+                           Path(args.model) if args.model else None, args.profile_stage)
     print(summary_table(result))
     if not args.out:
         print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))

@@ -40,7 +40,7 @@ class EngineConfig:
     # batch sizes where a plain GEMM beats the low-bit kernel (prefill; decode above 128 rows;
     # small weights at 65-128 rows on Hopper) run it without dequantizing per call. "auto": on
     # when the copies take at most 10% of the GPU's memory
-    dense_weights: Literal["auto", "on", "off"] = "off"
+    dense_weights: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:

@@ -65,7 +65,8 @@ class UpdateResult:
 
 
 class StageClock:
-    """Wall time (``time/<stage>``, summed over repeats) and, for stages asked to, peak
+    """Wall time (``time/<stage>``, summed over repeats, each stage waiting for its own GPU work)
+    and, for stages asked to, peak
     CUDA memory (``memory/<stage>_peak_gb``) and the caching allocator's retries
     (``memory/<stage>_alloc_retries``: allocations that had to free cached blocks and try
     again, each a device synchronisation; non-zero means the stage runs at the memory limit)
@@ -87,6 +88,8 @@ class StageClock:
         try:
             yield
         finally:
+            if self.cuda:  # the stage's queued kernels count as its own, not the next stage's
+                torch.cuda.synchronize(self.device)
             self.seconds[name] += time.perf_counter() - t0
             if memory and self.cuda:
                 self.peak_gb[name] = torch.cuda.max_memory_allocated(self.device) / 2**30

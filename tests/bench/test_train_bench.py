@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from quarl.bench.train import MODES, Workload, median_metrics, run_mode, save_random_model, workload_overrides
@@ -14,17 +16,21 @@ def test_medians_skip_the_first_step():
     assert median_metrics(rows) == {"step_s": 2.0, "kl_k3": 2.0}
 
 
-@pytest.mark.parametrize("mode,profile", [("bf16", "kernels"), ("aligned-w4a16", "host"), ("aligned-w4a16", None)])
-def test_run_mode_on_a_saved_random_model(tmp_path, mode, profile):
+@pytest.mark.parametrize("mode,profile,stage", [("bf16", "kernels", "learner"), ("aligned-w4a16", "host", "learner"),
+                                                ("aligned-w4a16", "host", "publish"), ("aligned-w4a16", None, "learner")])
+def test_run_mode_on_a_saved_random_model(tmp_path, mode, profile, stage):
     w = Workload("tiny", prompts=2, n=2, gen=6, token_budget=256, steps=2)
     model_dir = save_random_model(w.shape, tmp_path / "model")
-    rows, table = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode], tmp_path / mode, profile=profile)
+    rows, table = run_mode(mode, workload_overrides(w, model_dir) + MODES[mode], tmp_path / mode, profile, stage)
     if profile == "kernels":  # the last step's learner under the profiler: a table of its busiest ops
         assert table.startswith("bf16 learner: wall") and len(table.splitlines()) > 5
         assert "aten::" in table
-    elif profile == "host":  # under cProfile: the learner's own functions by cumulative time
+    elif profile and stage == "learner":  # under cProfile: the learner's own functions by cumulative time
         assert table.startswith("aligned-w4a16 learner: host") and "learner.py" in table
         assert "linear.py" in table  # the aligned linears' forward shows up on the host
+    elif profile:  # the publish: the quantizer and the engine's load under cProfile, not the learner
+        assert table.startswith("aligned-w4a16 publish: host") and "weights.py" in table
+        assert "load_published" in table and "learner.py" not in table
     else:
         assert table == ""
     assert [r["step"] for r in rows] == [1, 2]
@@ -43,6 +49,8 @@ def test_profile_call_names_its_kinds():
 
     with pytest.raises(ValueError, match="kernels, host"):
         profile_call(lambda: None, "x", what="gpu")
+    with pytest.raises(ValueError, match="learner, publish"):
+        run_mode("bf16", [], Path("unused"), "host", stage="rollout")
     result, table = profile_call(lambda: sum(range(1000)), "sum", what="host")
     assert result == 499500 and table.startswith("sum: host")
 
