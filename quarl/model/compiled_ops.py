@@ -38,6 +38,14 @@ def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(stream, weight, eps), stream
 
 
+def _rows_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
+
+
+def _rows_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _add_rms_norm(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), weight, eps)
+
+
 def _qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -66,25 +74,36 @@ def _projected(x: torch.Tensor, lins: tuple[tuple, ...], sizes: list[int]) -> li
     return [traced_linear(x, lin) for lin in lins]
 
 
+# The regions work on rows: ``[B, T, ...]`` activations are viewed as ``[B * T, ...]`` (or
+# ``[1, B * T, ...]`` where the model's functions want four dimensions) inside, and leave in
+# that form (the caller views them back). Every tensor made inside a region, and every
+# gradient flowing into one, then has a single dynamic dimension and plain strides: a tensor
+# made as ``[B, T, N]`` (B, T unbacked) gets the stride ``N * Max(1, T)``, and each kernel
+# that mixes it with ``N * T`` strided ones indexes through 64-bit divisions by T (the fused
+# SwiGLU backward ran at ~1/4 of its bandwidth that way, and copies appeared between the two
+# layouts).
+
+
 def _qkv_region(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: tuple[tuple, ...],
                 qk_norm: tuple | None, heads: tuple[int, int, int]):
-    """A layer's work before attention: q/k/v projections, q/k norm, rotary."""
-    b, t, _ = h.shape
+    """A layer's work before attention: q/k/v projections, q/k norm, rotary (``[1, B * T, heads, D]`` each)."""
+    b, t, width = h.shape
     n_heads, n_kv, d = heads
-    q, k, v = _projected(h, qkv, [n_heads * d, n_kv * d, n_kv * d])
-    q, k, v = q.view(b, t, n_heads, d), k.view(b, t, n_kv, d), v.view(b, t, n_kv, d)
-    if qk_norm is not None:
-        return _qk_norm_rope(q, k, *qk_norm, cos, sin) + (v,)
-    return _qk_rope(q, k, cos, sin) + (v,)
+    q, k, v = _projected(h.reshape(b * t, width), qkv, [n_heads * d, n_kv * d, n_kv * d])
+    q, k, v = q.view(1, b * t, n_heads, d), k.view(1, b * t, n_kv, d), v.view(1, b * t, n_kv, d)
+    cos, sin = cos.reshape(1, -1, d), sin.reshape(1, -1, d)
+    q, k = _qk_rope(q, k, cos, sin) if qk_norm is None else _qk_norm_rope(q, k, *qk_norm, cos, sin)
+    return q, k, v
 
 
 def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: tuple, post_norm: tuple,
                             gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple, intermediate: int):
     """A layer's work after attention: the output projection, residual add + norm, the MLP,
-    and the add into the stream normed for the next layer (``*_norm``: weight, eps)."""
-    b, t = out.shape[:2]
-    a = traced_linear(out.reshape(b, t, -1), o_proj)
-    h, residual = _add_rms_norm(a, residual, *post_norm)
+    and the add into the stream normed for the next layer (``*_norm``: weight, eps); both
+    ``[B * T, hidden]``."""
+    width = residual.shape[-1]
+    a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
+    h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)
     gate, up = _projected(h, gate_up, [intermediate, intermediate])
     m = traced_linear(F.silu(gate) * up, down)
     return _add_rms_norm(m, residual, *next_norm)
@@ -122,17 +141,20 @@ class CompiledOps(TorchOps):
             self.fallbacks += 1
             return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
         qk_norm = None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        b, t, width = h.shape
         q, k, v = compiled(_qkv_region)(h, cos, sin, qkv, qk_norm, (a.n_heads, a.n_kv, a.head_dim))
-        out = attn(a.layer_idx, q, k, v)
+        out = attn(a.layer_idx, q.view(b, t, a.n_heads, -1), k.view(b, t, a.n_kv, -1), v.view(b, t, a.n_kv, -1))
         post = layer.post_attention_layernorm
-        return compiled(_after_attention_region)(out, residual, o_proj, (post.weight, post.eps), gate_up, down,
-                                                  (next_norm.weight, next_norm.eps),
-                                                  mlp.down_proj.in_features)
+        h, residual = compiled(_after_attention_region)(out, residual, o_proj, (post.weight, post.eps), gate_up,
+                                                         down, (next_norm.weight, next_norm.eps),
+                                                         mlp.down_proj.in_features)
+        return h.view(b, t, width), residual.view(b, t, width)
 
     def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
         if residual is None:
-            return compiled(rms_norm)(x, norm.weight, norm.eps), x
-        return compiled(_add_rms_norm)(x, residual, norm.weight, norm.eps)
+            return compiled(_rows_rms_norm)(x, norm.weight, norm.eps).view(x.shape), x
+        h, stream = compiled(_rows_add_rms_norm)(x, residual, norm.weight, norm.eps)
+        return h.view(x.shape), stream.view(x.shape)
 
     def attention(self, module: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttnFn) -> torch.Tensor:

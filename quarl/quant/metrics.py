@@ -32,31 +32,33 @@ def _pairs(a, b) -> list[tuple]:
 @torch.no_grad()
 def update_visible_frac(old_qw: QWOrDict, new_qw: QWOrDict) -> float:
     """Fraction of weights whose quantized code differs between two publishes."""
-    changed = total = 0
+    changed, total = 0, 0  # ``changed`` a device tensor until the end: one host sync, not one per weight
     for old, new in _pairs(old_qw, new_qw):
         if not isinstance(old, QuantizedWeight):
             continue
-        changed += int((old.codes() != new.codes()).sum())
+        changed = changed + (old.codes() != new.codes()).sum()
         total += old.shape[0] * old.shape[1]
-    return changed / max(total, 1)
+    return int(changed) / max(total, 1)
 
 
 @torch.no_grad()
 def rel_update(new_w: TensorOrDict, old_w: TensorOrDict) -> float:
     """QuRL eq. 13: ``sum ||new - old||^2 / sum ||old||^2``."""
-    num = den = 0.0
+    num = den = 0.0  # device tensors until the end (one host sync)
     for new, old in _pairs(new_w, old_w):
-        num += float((new.double() - old.double()).pow(2).sum())
-        den += float(old.double().pow(2).sum())
+        num = num + (new.double() - old.double()).pow(2).sum()
+        den = den + old.double().pow(2).sum()
+    num, den = float(num), float(den)
     return num / den if den > 0 else 0.0
 
 
 @torch.no_grad()
 def rel_quant_err(w: TensorOrDict, qw: QWOrDict) -> float:
     """QuRL eq. 14: ``sum ||Q(w) - w||^2 / sum ||w||^2`` with ``Q(w) = qw.dequantize()``."""
-    num = den = 0.0
+    num = den = 0.0  # device tensors until the end (one host sync)
     for wt, q in _pairs(w, qw):
         wd = wt.double()
-        num += float((q.dequantize(torch.float64).to(wd.device) - wd).pow(2).sum())
-        den += float(wd.pow(2).sum())
+        num = num + (q.dequantize(torch.float64).to(wd.device) - wd).pow(2).sum()
+        den = den + wd.pow(2).sum()
+    num, den = float(num), float(den)
     return num / den if den > 0 else 0.0

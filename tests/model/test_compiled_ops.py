@@ -194,3 +194,42 @@ def test_quantized_input_op_is_a_well_formed_custom_op_with_a_straight_through_g
     torch.testing.assert_close(xr.grad.double(), (g64 @ w_deq.detach().double()).view(2, 5, 32), **tol)
     torch.testing.assert_close(w_deq.grad.double(), g64.t() @ seen64, **tol)
     torch.testing.assert_close(bias.grad.double(), g64.sum(0), **tol)
+
+
+@pytest.mark.parametrize("scheme,qk_norm", [(None, True), ("w8a8-fp8", False)])
+def test_compiled_regions_index_rows_with_constants(scheme, qk_norm):
+    """The code inductor generates for a layer's forward and backward addresses every element
+    with constant strides: no per-element division by the dynamic batch / time sizes and no
+    ``Max(1, T)`` strides (a tensor made as ``[B, T, N]`` with both unbacked gets them, and the
+    GPU kernels that mixed the two layouts ran the fused SwiGLU backward at a quarter of its
+    bandwidth). The aligned W8A8 layer (stacked gate/up, the quantizer in the region) included."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from quarl.model.compiled_ops import CompiledOps
+    from quarl.quant import QATLinear, quantize_model
+
+    cfg = TransformerConfig(
+        model_type="qwen3" if qk_norm else "qwen2", vocab_size=50, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=qk_norm,
+        attention_bias=not qk_norm,
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(torch.bfloat16)
+    if scheme:
+        quantize_model(model, scheme, QATLinear)
+    ids = torch.randint(0, 50, (3, 9))
+    pos, attn = batch_attention(ids, torch.ones(3, 9, dtype=torch.long))
+    fallbacks = CompiledOps.fallbacks
+
+    def step():
+        model.hidden_states(ids, pos, attn, COMPILED_OPS).float().sum().backward()
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    assert CompiledOps.fallbacks == fallbacks and len(codes) >= 4  # every layer ran as regions, fwd + bwd
+    assert ("qat_quantized_input_linear" in code) == bool(scheme)
+    assert re.findall(r"div_floor_integer\(static_cast<int64_t>\(x\d+\)|% static_cast<int64_t>\(ks\d", code) == []
+    assert "std::max(static_cast<int64_t>(1L), static_cast<int64_t>(ks" not in code

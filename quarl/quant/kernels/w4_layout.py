@@ -18,6 +18,7 @@ Pure torch (any device): imported by the modules that own a cache without import
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, NamedTuple
 
@@ -39,8 +40,11 @@ class FragWeight(NamedTuple):
     negz: torch.Tensor | None  # 32-bit patterns (int32 storage) [Kp / 128, Np], asymmetric only
 
 
+@functools.cache
 def _lane_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, k) offsets ``[32 lanes, 4 words, 8 nibbles]`` inside a 64 x 16 (slab x step) tile."""
+    """(n, k) offsets ``[32 lanes, 4 words, 8 nibbles]`` inside a 64 x 16 (slab x step) tile
+    (made once per device: every publish repacks each weight with them, and a copy to the
+    GPU per call is a host sync)."""
     lane = torch.arange(32).view(32, 1, 1)
     i = torch.arange(4).view(1, 4, 1)
     p = torch.arange(8).view(1, 1, 8)
