@@ -9,7 +9,7 @@ rotary) and after it (output projection, residual adds and norms, the MLP). The 
 steps fuse into a few kernels, the backward is derived by AOTAutograd, and the linears enter
 as data (:func:`quarl.quant.linear.traceable`): plain weights, or for aligned (QAT) linears
 the engine's own computation (a matmul over the dequantized weight, or the W8A8 op
-``quarl::qat_quantized_input_linear``) with a straight-through gradient. Aligned q/k/v and
+``quarl::quantized_input_gemm``) with a straight-through gradient. Aligned q/k/v and
 gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them.
 A layer with a linear that has no traced form (a weight-only kernel at small M, per-tensor
 scales) runs the steps one by one, each still compiled; attention stays outside (the caller's

@@ -21,10 +21,10 @@
   weight (straight-through). Per micro-batch this saves a Python forward and backward per
   linear, which is what bounds a learner whose kernels take tens of microseconds.
 * The learner's compiled regions (:mod:`quarl.model.compiled_ops`) take a linear as data
-  (:func:`traceable`): that leaf, or for schemes that quantize activations the registered op
-  ``quarl::qat_quantized_input_linear`` (the engine's quantizer and GEMM; its
-  straight-through backward is an autograd formula the compiler traces), so no Python
-  autograd function runs inside a region.
+  (:func:`traceable`): that leaf, or for schemes that quantize activations the engine's
+  quantizer (torch ops the compiler fuses) and GEMM (the op ``quarl::quantized_input_gemm``)
+  under a straight-through autograd function that the compiler traces into the region's
+  backward, so no Python autograd code runs when a region runs.
 """
 
 from __future__ import annotations
@@ -222,48 +222,51 @@ def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
 
 # Defined through torch.library.Library rather than ``torch.library.custom_op``: the latter
 # wraps each call in output checks that cost the host ~0.1 ms, per linear and micro-batch.
+# The op has no autograd formula of its own: a registered one runs as a Python kernel at every
+# call of the compiled forward (~0.1 ms of host each); the straight-through gradient is the
+# autograd function below, which the compiler traces into the region's backward instead.
 _LIB = torch.library.Library("quarl", "FRAGMENT")
-_LIB.define("qat_quantized_input_linear(Tensor x, Tensor weight, Tensor? bias, Tensor xq, Tensor sx, Tensor seen, "
-            "Tensor qdata, Tensor? scales, Tensor? zeros, str scheme) -> Tensor")
+_LIB.define("quantized_input_gemm(Tensor xq, Tensor sx, Tensor? bias, Tensor qdata, Tensor? scales, Tensor? zeros, "
+            "str scheme, SymInt n, ScalarType dtype) -> Tensor")
 
 
-def _qat_quantized_input_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, xq: torch.Tensor,
-                              sx: torch.Tensor, seen: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor | None,
-                              zeros: torch.Tensor | None, scheme: str) -> torch.Tensor:
-    """The aligned GEMM of a scheme that quantizes activations (W8A8 / W4A8), as one op a
-    compiled region can hold: the engine's GEMM on ``x``'s per-token codes ``xq`` and scales
-    ``sx`` (quantized in the region, :func:`traced_linear`). ``x``, ``weight`` (the dequantized
-    weight) and ``seen`` (``x`` as the GEMM sees it) serve the straight-through backward only;
-    ``qdata`` / ``scales`` / ``zeros`` are the packed weight."""
-    qw = QuantizedWeight(get_scheme(scheme), tuple(weight.shape), qdata, scales, zeros)
-    y = ops.quant_linear_quantized_input(xq, sx, qw, bias, x.dtype)
-    return y.view(*x.shape[:-1], y.shape[-1])
+def _quantized_input_gemm_impl(xq: torch.Tensor, sx: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
+                               scales: torch.Tensor | None, zeros: torch.Tensor | None, scheme: str, n: int,
+                               dtype: torch.dtype) -> torch.Tensor:
+    """The engine's GEMM of a scheme that quantizes activations (W8A8 / W4A8) on per-token
+    codes ``xq [M, K]`` and scales ``sx [M]`` (quantized in the region, :func:`traced_linear`),
+    as one op a compiled region can hold: ``[M, n]`` in ``dtype``; ``qdata`` / ``scales`` /
+    ``zeros`` are the packed weight."""
+    qw = QuantizedWeight(get_scheme(scheme), (n, xq.shape[-1]), qdata, scales, zeros)
+    return ops.quant_linear_quantized_input(xq, sx, qw, bias, dtype)
 
 
-def _qat_quantized_input_fake(x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _quantized_input_gemm_fake(xq, sx, bias, qdata, scales, zeros, scheme, n, dtype):
+    return xq.new_empty((xq.shape[0], n), dtype=dtype)
 
 
-def _qat_quantized_input_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[1], inputs[5])
-    ctx.has_bias = inputs[2] is not None
+_LIB.impl("quantized_input_gemm", _quantized_input_gemm_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("quarl::quantized_input_gemm", _quantized_input_gemm_fake, lib=_LIB)
+_quantized_input_gemm = torch.ops.quarl.quantized_input_gemm.default
 
 
-def _qat_quantized_input_backward(ctx, grad_y):
-    """Straight-through: ``grad_x = grad_y @ W_deq``, ``grad_W = grad_y^T @ x_seen``."""
-    weight, seen = ctx.saved_tensors
-    gy = grad_y.reshape(-1, grad_y.shape[-1])
-    grad_x = (gy @ weight).view(*grad_y.shape[:-1], weight.shape[1])
-    grad_w = gy.t() @ seen.reshape(-1, seen.shape[-1])
-    grad_b = gy.sum(0) if ctx.has_bias else None
-    return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+class _QuantizedInputSTE(torch.autograd.Function):
+    """The aligned W8A8 / W4A8 linear on ``x [M, K]``: the engine's GEMM on ``x``'s codes
+    (:data:`_quantized_input_gemm`), with the straight-through gradient ``grad_x = grad_y @
+    W_deq``, ``grad_W = grad_y^T @ x_seen`` (``weight``: the dequantized weight; ``seen``:
+    ``x`` as the GEMM sees it)."""
 
+    @staticmethod
+    def forward(ctx, x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme):
+        ctx.save_for_backward(weight, seen)
+        ctx.has_bias = bias is not None
+        return _quantized_input_gemm(xq, sx, bias, qdata, scales, zeros, scheme, weight.shape[0], x.dtype)
 
-_LIB.impl("qat_quantized_input_linear", _qat_quantized_input_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quarl::qat_quantized_input_linear", _qat_quantized_input_fake, lib=_LIB)
-torch.library.register_autograd("quarl::qat_quantized_input_linear", _qat_quantized_input_backward,
-                                setup_context=_qat_quantized_input_setup, lib=_LIB)
-_qat_quantized_input_linear = torch.ops.quarl.qat_quantized_input_linear.default
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight, seen = ctx.saved_tensors
+        grad_b = grad_y.sum(0) if ctx.has_bias else None
+        return grad_y @ weight, grad_y.t() @ seen, grad_b, None, None, None, None, None, None, None
 
 
 def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache, leaf: _DequantizedLeaf,
@@ -291,9 +294,11 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
         return F.linear(x, lin[1], bias)
     # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
     # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
-    xq, sx = ref.quantize_activations(x.detach().reshape(-1, x.shape[-1]), get_scheme(lin[-1]).act_format)
+    rows = x.reshape(-1, x.shape[-1])
+    xq, sx = ref.quantize_activations(rows.detach(), get_scheme(lin[-1]).act_format)
     seen = ref.dequantize_activations(xq, sx, x.dtype)
-    return _qat_quantized_input_linear(x, lin[1], bias, xq, sx, seen, *lin[3:])
+    y = _QuantizedInputSTE.apply(rows, lin[1], bias, xq, sx, seen, *lin[3:])
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:

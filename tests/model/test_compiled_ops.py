@@ -137,7 +137,7 @@ def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatc
     """Every layer of a plain model, and of an aligned one whose engine GEMM is a matmul over
     the dequantized weight (w4a16 at the learner's batch sizes, forced here: on the CPU the
     engine runs the reference kernel) or quantizes activations (W8A8, through the
-    ``quarl::qat_quantized_input_linear`` op), runs as two compiled regions: no layer falls
+    ``quarl::quantized_input_gemm`` op), runs as two compiled regions: no layer falls
     back to the step-by-step path, and the hidden states and every weight's gradient equal
     the eager forward's (which runs the same path outside a compiled region)."""
     from quarl.quant import ops, quantize_model
@@ -162,13 +162,14 @@ def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatc
 
 
 @pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
-def test_quantized_input_op_is_a_well_formed_custom_op_with_a_straight_through_gradient(scheme):
-    """``quarl::qat_quantized_input_linear`` passes torch.library's checks (schema, fake
-    tensor, autograd registration), gives the engine's output on the codes it is handed, and
-    its gradients are the straight-through ones, computed here in float64."""
+def test_quantized_input_linear_is_a_well_formed_op_with_a_straight_through_gradient(scheme):
+    """``quarl::quantized_input_gemm`` passes torch.library's checks (schema, fake tensor,
+    AOT dispatch) and gives the engine's output on the codes it is handed; the aligned linear
+    around it (:func:`traced_linear`) has the straight-through gradients, computed here in
+    float64."""
     from quarl.quant import ops
     from quarl.quant import reference as ref
-    from quarl.quant.linear import _qat_quantized_input_linear
+    from quarl.quant.linear import _quantized_input_gemm, traced_linear
     from quarl.quant.qweight import quantize_weight
 
     torch.manual_seed(7)
@@ -177,19 +178,20 @@ def test_quantized_input_op_is_a_well_formed_custom_op_with_a_straight_through_g
     qw = quantize_weight(master, scheme)
     w_deq = qw.dequantize(torch.float32).requires_grad_(True)
     bias = torch.randn(24, requires_grad=True)
-    xr = x.clone().requires_grad_(True)
     xq, sx = ref.quantize_activations(x.reshape(-1, 32), qw.scheme.act_format)
-    seen = ref.dequantize_activations(xq, sx, x.dtype).view(x.shape)
-    args = (xr, w_deq, bias, xq, sx, seen, qw.qdata, qw.scales, qw.zeros, scheme)
+    args = (xq, sx, bias.detach(), qw.qdata, qw.scales, qw.zeros, scheme, 24, torch.float32)
     # (the schema check's mode runs CPU e4m3 arithmetic that has no kernel: fp8 skips that one check)
-    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(_qat_quantized_input_linear, args,
+    checks = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_quantized_input_gemm, args,
                           test_utils=checks if scheme == "w8a8-fp8" else checks + ("test_schema",))
-    y = _qat_quantized_input_linear(*args)
+    torch.testing.assert_close(_quantized_input_gemm(*args).view(2, 5, 24), ops.quant_linear(x, qw, bias.detach()))
+    xr = x.clone().requires_grad_(True)
+    y = traced_linear(xr, ("quantized_input", w_deq, bias, qw.qdata, qw.scales, qw.zeros, scheme))
     torch.testing.assert_close(y, ops.quant_linear(x, qw, bias.detach()))
     g = torch.randn_like(y)
     (y * g).sum().backward()
-    g64, seen64 = g.double().reshape(-1, 24), seen.double().reshape(-1, 32)
+    seen = ref.dequantize_activations(xq, sx, x.dtype)
+    g64, seen64 = g.double().reshape(-1, 24), seen.double()
     tol = {"rtol": 1e-5, "atol": 1e-5}  # float32 sums against float64 ones
     torch.testing.assert_close(xr.grad.double(), (g64 @ w_deq.detach().double()).view(2, 5, 32), **tol)
     torch.testing.assert_close(w_deq.grad.double(), g64.t() @ seen64, **tol)
@@ -230,6 +232,6 @@ def test_compiled_regions_index_rows_with_constants(scheme, qk_norm):
     _, codes = run_and_get_code(step)
     code = "\n".join(codes)
     assert CompiledOps.fallbacks == fallbacks and len(codes) >= 4  # every layer ran as regions, fwd + bwd
-    assert ("qat_quantized_input_linear" in code) == bool(scheme)
+    assert ("quantized_input_gemm" in code) == bool(scheme)
     assert re.findall(r"div_floor_integer\(static_cast<int64_t>\(x\d+\)|% static_cast<int64_t>\(ks\d", code) == []
     assert "std::max(static_cast<int64_t>(1L), static_cast<int64_t>(ks" not in code
