@@ -99,8 +99,8 @@ def _qkv_region(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: tupl
 def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: tuple, post_norm: tuple,
                             gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple, intermediate: int):
     """A layer's work after attention: the output projection, residual add + norm, the MLP,
-    and the add into the stream normed for the next layer (``*_norm``: weight, eps); both
-    ``[B * T, hidden]``."""
+    and the add into the stream normed for the next layer (``*_norm``: weight, eps): the
+    normed stream and the stream, ``[B * T, hidden]`` each."""
     width = residual.shape[-1]
     a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
     h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)

@@ -66,11 +66,10 @@ class UpdateResult:
 
 class StageClock:
     """Wall time (``time/<stage>``, summed over repeats, each stage waiting for its own GPU work)
-    and, for stages asked to, peak
-    CUDA memory (``memory/<stage>_peak_gb``) and the caching allocator's retries
-    (``memory/<stage>_alloc_retries``: allocations that had to free cached blocks and try
-    again, each a device synchronisation; non-zero means the stage runs at the memory limit)
-    of one step's stages."""
+    and, for stages asked to, peak CUDA memory (``memory/<stage>_peak_gb``) and the caching
+    allocator's retries (``memory/<stage>_alloc_retries``: allocations that had to free cached
+    blocks and try again, each a device synchronisation; non-zero means the stage runs at the
+    memory limit) of one step's stages."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
