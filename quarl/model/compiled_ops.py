@@ -56,13 +56,15 @@ def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    """``silu(gate) * up`` as rows ``[B * T, I]`` (see the note on rows below)."""
+    return F.silu(gate.reshape(-1, gate.shape[-1])) * up.reshape(-1, up.shape[-1])
 
 
 def _swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a grouped ``[gate; up]`` output: the halves are split inside the compiled
-    region, so its backward writes the stacked gradient in one kernel (no concatenation)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    """SwiGLU of a grouped ``[gate; up]`` output, as rows: the halves are split inside the
+    compiled region, so its backward writes the stacked gradient in one kernel (no
+    concatenation)."""
+    gate, up = gate_up.reshape(-1, gate_up.shape[-1]).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -175,8 +177,10 @@ class CompiledOps(TorchOps):
     def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
         gu = qat_group(module, ("gate_proj", "up_proj"))
         if gu is not None:
-            return module.down_proj(compiled(_swiglu_stacked)(gu.stacked(h)))
-        return module.down_proj(compiled(_swiglu)(module.gate_proj(h), module.up_proj(h)))
+            m = compiled(_swiglu_stacked)(gu.stacked(h))
+        else:
+            m = compiled(_swiglu)(module.gate_proj(h), module.up_proj(h))
+        return module.down_proj(m.view(*h.shape[:-1], -1))
 
 
 COMPILED_OPS = CompiledOps()
