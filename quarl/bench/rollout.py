@@ -222,6 +222,24 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
     return result
 
 
+def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("inf")
+              ) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Idle GPU time between kernels: ``spans`` are ``(name, start_us, end_us)`` of one
+    stream's kernels in any order. Returns the total idle time (gaps of at most
+    ``max_gap_us``; longer ones are the host between replays) and, per kernel name, the idle
+    time right before its launches and how many of them waited."""
+    idle, before = 0.0, {}
+    ordered = sorted(spans, key=lambda s: s[1])
+    end = None
+    for name, s0, s1 in ordered:
+        if end is not None and 0 < s0 - end <= max_gap_us:
+            t, n = before.get(name, (0.0, 0))
+            before[name] = (t + s0 - end, n + 1)
+            idle += s0 - end
+        end = s1 if end is None else max(end, s1)
+    return idle, before
+
+
 def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int = 10, top: int = 14,
                     device: torch.device | None = None, kv_cache_dtype: str = "auto") -> str:
     """Per-kernel GPU time of one decode step: the engine on random weights generates a few
@@ -251,11 +269,16 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
             t, n = kernels.get(e.name[:90], (0.0, 0))
             kernels[e.name[:90]] = (t + e.device_time, n + 1)
     total_us = sum(t for t, _ in kernels.values()) / reps
+    spans = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    idle_us, before = idle_gaps(spans, max_gap_us=0.5 * replay_ms * 1e3)
     lines = [f"{shape} {fmt} kv={kv_cache_dtype} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
              f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "
              f"{torch.cuda.get_device_name(device)}, commit {git_commit()[:10]})"]
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name}")
+    lines.append(f"  idle between kernels: {idle_us / reps / 1e3:.3f} ms per step; the largest shares, by the kernel that waited:")
+    for name, (t, n) in sorted(before.items(), key=lambda kv: -kv[1][0])[:6]:
+        lines.append(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  before {name}")
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()

@@ -34,7 +34,50 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.constexpr, KV_FP8: tl.constexpr):
+def _e4m3_to(b, dt: tl.constexpr):
+    """e4m3fn bytes (held in int32) as ``dt``, exact."""
+    if HW_E4M3:
+        x = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dt)
+    else:
+        x = e4m3_value(b).to(dt)
+    return x
+
+
+@triton.jit
+def _e4m3x4_to_bf16(w):
+    """The 4 e4m3fn codes of each int32 word as bf16 (bytes 0..3), exact, in integer ops and
+    one bf16x2 multiply per pair: each byte's sign and 7 low bits are moved into a bf16's
+    sign, exponent and mantissa fields (the value / 2^120, subnormal for subnormal codes),
+    then multiplied by 2^120. The hardware's e4m3 -> f16 -> bf16 conversions run at the
+    conversion units' quarter rate, which bound the fp8-cache decode kernel."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 t0, t1, u0, u1, k;
+        prmt.b32 t0, $4, 0, 0x1404;
+        prmt.b32 t1, $4, 0, 0x3424;
+        shr.b32 u0, t0, 4;
+        shr.b32 u1, t1, 4;
+        and.b32 t0, t0, 0x80008000;
+        and.b32 t1, t1, 0x80008000;
+        and.b32 u0, u0, 0x07F007F0;
+        and.b32 u1, u1, 0x07F007F0;
+        or.b32 t0, t0, u0;
+        or.b32 t1, t1, u1;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 t0, t0, k;
+        mul.rn.bf16x2 t1, t1, k;
+        mov.b32 {$0, $1}, t0;
+        mov.b32 {$2, $3}, t1;
+        }
+        """,
+        "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=1,
+    )
+
+
+@triton.jit
+def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.constexpr, KV_FP8: tl.constexpr,
+             HEAD_DIM: tl.constexpr):
     """``[BLOCK_N, BLOCK_D]`` K or V rows at element offsets ``row`` in the model dtype ``dt``,
     and with KV_FP8 their ``[BLOCK_N]`` float32 scales.
 
@@ -44,11 +87,21 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
     scores (K) or the probabilities (V): for a power of two that gives the same floats as
     the dot products over the scaled rows. Otherwise a plain load (the scales are unused)."""
     if KV_FP8:
-        b = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
-        if HW_E4M3:
-            x = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dt)
+        # The codes are read as int32 words (4 codes each, 16-byte loads) and unpacked in
+        # registers into 4 planes (plane j: codes 4w + j), which are put back in order: read
+        # as bytes, the dot's operand was gathered from shared memory one byte at a time.
+        nw: tl.constexpr = offs_d.shape[0] // 4
+        offs_w = tl.arange(0, nw)
+        w = tl.load(cache_ptr + row[:, None] // 4 + offs_w[None, :], mask=n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :],
+                    other=0)
+        if HW_E4M3 and dt == tl.bfloat16:
+            p0, p1, p2, p3 = _e4m3x4_to_bf16(w)
         else:
-            x = e4m3_value(b).to(dt)
+            p0 = _e4m3_to(w & 0xFF, dt)
+            p1 = _e4m3_to((w >> 8) & 0xFF, dt)
+            p2 = _e4m3_to((w >> 16) & 0xFF, dt)
+            p3 = _e4m3_to((w >> 24) & 0xFF, dt)
+        x = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [row.shape[0], offs_d.shape[0]])
         return x, tl.load(scale_ptr + srow, mask=n_mask, other=1.0)
     else:
         return tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), 1.0
@@ -110,8 +163,8 @@ def _paged_decode_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh  # fp8: the rows' scales
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -199,8 +252,8 @@ def _paged_prefill_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8)
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(valid, s, float("-inf"))
@@ -231,7 +284,11 @@ def _kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple) -> 
     if k_cache.dtype != torch.float8_e4m3fn or k_scale.stride() != v_scale.stride() or k_scale.stride(2) != 1:
         raise ValueError("an fp8 KV cache takes float8_e4m3fn codes and scales [blocks, block_size, Hkv] "
                          "with unit head stride (quarl.rollout.kv_cache.KVCache)")
-    return (k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale,
+    if k_cache.shape[-1] % 4 or k_cache.stride(-1) != 1 or any(st % 4 for st in k_cache.stride()[:-1]):
+        raise ValueError(f"an fp8 KV cache is read as int32 words: head_dim must be a multiple of 4 with contiguous "
+                         f"rows (got shape {tuple(k_cache.shape)}, strides {k_cache.stride()})")
+    # int32 words of 4 codes each; the kernels' offsets stay in bytes (divided by 4 there)
+    return (k_cache.view(torch.uint8).view(torch.int32), v_cache.view(torch.uint8).view(torch.int32), k_scale, v_scale,
             k_scale.stride(0), k_scale.stride(1), True)
 
 

@@ -138,3 +138,15 @@ def test_paged_prefill_and_extend_read_fp8_cache(hq, hkv, d, page):
     ref = torch_prefill_attention(q, kc, vc, tables, cu.tolist(), kv_lens, d**-0.5, (ks, vs))
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(ref, torch_prefill_attention(q, k_deq, v_deq, tables, cu.tolist(), kv_lens, d**-0.5))
+
+
+def test_fp8_cache_needs_a_head_dim_in_whole_words():
+    from quarl.rollout.kernels import paged_decode_attention
+
+    kc = torch.zeros(4, 4, 1, 6, dtype=torch.float8_e4m3fn)
+    ks = torch.ones(4, 4, 1)
+    q = torch.randn(1, 2, 6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        paged_decode_attention(q, kc, kc, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                               torch.tensor([64], dtype=torch.int32), torch.empty_like(q), None, None, 1, 1.0,
+                               kv_scales=(ks, ks))

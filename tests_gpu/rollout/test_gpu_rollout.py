@@ -351,6 +351,34 @@ def _fp8_paged(lens, page, hkv, d):
     return out, tables
 
 
+def test_fp8_kv_word_conversion_gives_every_code_exactly():
+    """The fp8 cache's kernels unpack 4 e4m3 codes per int32 word with integer ops and a bf16x2
+    multiply by 2^120 (subnormal codes pass through bf16 subnormals): every non-NaN code, in
+    every byte position of a word, must give torch's e4m3 -> bf16 value bit for bit."""
+    import triton
+    import triton.language as tl
+
+    from quarl.rollout.kernels import _e4m3x4_to_bf16
+
+    @triton.jit
+    def unpack(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + offs, mask=offs < n, other=0)
+        b0, b1, b2, b3 = _e4m3x4_to_bf16(w)
+        for j, x in enumerate((b0, b1, b2, b3)):
+            tl.store(out_ptr + offs * 4 + j, x, mask=offs < n)
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device=DEV)
+    # each code in each byte position, next to random neighbours
+    words = codes[torch.randint(0, codes.numel(), (4096, 4), device=DEV)]
+    for j in range(4):
+        words[: codes.numel(), j] = codes
+    out = torch.empty(words.shape, dtype=torch.bfloat16, device=DEV)
+    unpack[(triton.cdiv(words.shape[0], 256),)](words.view(torch.int32), out, words.shape[0], BLOCK=256)
+    want = words.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (32, 8, 128), (8, 8, 64), (4, 1, 96)])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_kernel_on_fp8_cache(hq, hkv, d, splits):
