@@ -164,12 +164,13 @@ def _paged_decode_kernel(
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh  # fp8: the rows' scales
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
+        # V after the scores: its unpacked tile is not live next to K's (fp8: registers)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
         acc = acc * alpha[:, None] + tl.dot(_probs_for_v(p, v_s, v.dtype, KV_FP8), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new

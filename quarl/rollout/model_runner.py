@@ -66,6 +66,14 @@ def weight_only_caches(model: torch.nn.Module) -> list:
     return [(c, qw) for c, qw in out if qw.scheme.quantizes_weights and qw.scheme.act_format == "none"]
 
 
+def decode_splits(programs: int, sms: int, per_sm: int, max_model_len: int) -> int:
+    """Context splits of the decode kernel for ``programs`` (sequence, kv head) pairs: at most
+    ``per_sm`` programs per SM in all, so that they run in one wave when that many fit on an
+    SM (rounding up instead left a second, partial wave: 640 programs where 528 fit, at batch
+    64 on an H100), and at least one split; at most 16, and none shorter than 128 tokens."""
+    return int(max(1, min(per_sm * sms // programs, 16, -(-max_model_len // 128))))
+
+
 class ModelRunner:
     """Runs prefill and decode steps of the model over the paged cache and samples.
 
@@ -218,13 +226,12 @@ class ModelRunner:
         return blocks * self.block_size + pos % self.block_size
 
     def _num_splits(self, batch: int, programs_per_sm: int | None = None) -> int:
-        """Context splits of the decode kernel so that ``batch * Hkv * splits`` fills the GPU."""
+        """Context splits of the decode kernel (:func:`decode_splits`)."""
         if self.backend != "triton":
             return 1
         per_sm = programs_per_sm or self.decode_tiling[2]
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.is_cuda else 8
-        splits = -(-per_sm * sms // (batch * self.num_kv_heads))
-        return int(max(1, min(splits, 16, -(-self.max_model_len // 128))))
+        return decode_splits(batch * self.num_kv_heads, sms, per_sm, self.max_model_len)
 
     def _split_len(self, max_context: int, splits: int) -> int:
         per = -(-max_context // splits)

@@ -150,3 +150,15 @@ def test_fp8_cache_needs_a_head_dim_in_whole_words():
         paged_decode_attention(q, kc, kc, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                                torch.tensor([64], dtype=torch.int32), torch.empty_like(q), None, None, 1, 1.0,
                                kv_scales=(ks, ks))
+
+
+def test_decode_splits_keep_the_programs_within_one_wave():
+    from quarl.rollout.model_runner import decode_splits
+
+    # H100 (132 SMs), batch 64 x 2 kv heads, 4 programs per SM: 4 splits (512 programs fit in
+    # 528 slots), not 5 (640: a second, partial wave)
+    assert decode_splits(128, 132, 4, 4096) == 4
+    assert decode_splits(256, 132, 8, 4096) == 4
+    assert decode_splits(256, 132, 2, 4096) == 1  # more pairs than slots: one split
+    assert decode_splits(4, 132, 8, 4096) == 16  # capped
+    assert decode_splits(4, 132, 8, 300) == 3  # no split shorter than 128 tokens
