@@ -13,9 +13,10 @@ into ``NUM_SPLITS`` chunks (flash-decoding) whose length is read from device mem
 so a CUDA graph captured once balances the splits at every context length.
 
 fp8 KV cache (``KV_FP8``, a constexpr: the model-dtype path compiles as before): the
-caches hold e4m3 bytes and a float32 scale per (token, kv head) in ``[num_blocks,
-block_size, Hkv]``; each tile is dequantized in registers as ``dtype(float32(code) *
-scale)`` (:func:`quarl.quant.kv.dequantize_kv`, bit for bit) before the dots.
+caches hold e4m3 codes, read as int32 words of four, and a float32 power-of-two scale per
+(token, kv head) in ``[num_blocks, block_size, Hkv]``; each tile's codes are converted
+exactly to the model dtype in registers and the scales multiply the scores (K) and the
+probabilities (V), which gives the floats of :func:`quarl.quant.kv.dequantize_kv`'s rows.
 
 The sampling kernel streams a row of logits once: it computes the log-sum-exp of
 ``logits / T`` online and the Gumbel-max choice with counter-based noise (see
@@ -81,8 +82,9 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
     """``[BLOCK_N, BLOCK_D]`` K or V rows at element offsets ``row`` in the model dtype ``dt``,
     and with KV_FP8 their ``[BLOCK_N]`` float32 scales.
 
-    KV_FP8: the cache holds e4m3 bytes, converted exactly to ``dt``, and ``scale_ptr`` each
-    row's power-of-two scale at offsets ``srow``; the value is code x scale
+    KV_FP8: ``cache_ptr`` points at int32 words of 4 e4m3 codes (``row`` still counts codes),
+    converted exactly to ``dt``, and ``scale_ptr`` at each row's power-of-two scale at offsets
+    ``srow``; the value is code x scale
     (:func:`quarl.quant.kv.dequantize_kv`), and the caller multiplies the scale into the
     scores (K) or the probabilities (V): for a power of two that gives the same floats as
     the dot products over the scaled rows. Otherwise a plain load (the scales are unused)."""
