@@ -25,6 +25,8 @@ The sampling kernel streams a row of logits once: it computes the log-sum-exp of
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -78,7 +80,7 @@ def _e4m3x4_to_bf16(w):
 
 @triton.jit
 def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.constexpr, KV_FP8: tl.constexpr,
-             HEAD_DIM: tl.constexpr):
+             HEAD_DIM: tl.constexpr, BF16X2: tl.constexpr):
     """``[BLOCK_N, BLOCK_D]`` K or V rows at element offsets ``row`` in the model dtype ``dt``,
     and with KV_FP8 their ``[BLOCK_N]`` float32 scales.
 
@@ -96,7 +98,7 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
         offs_w = tl.arange(0, nw)
         w = tl.load(cache_ptr + row[:, None] // 4 + offs_w[None, :], mask=n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :],
                     other=0)
-        if HW_E4M3 and dt == tl.bfloat16:
+        if HW_E4M3 and BF16X2 and dt == tl.bfloat16:  # (mul.bf16x2 needs sm90+)
             p0, p1, p2, p3 = _e4m3x4_to_bf16(w)
         else:
             p0 = _e4m3_to(w & 0xFF, dt)
@@ -136,7 +138,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, BF16X2: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,14 +167,14 @@ def _paged_decode_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh  # fp8: the rows' scales
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         # V after the scores: its unpacked tile is not live next to K's (fp8: registers)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
         acc = acc * alpha[:, None] + tl.dot(_probs_for_v(p, v_s, v.dtype, KV_FP8), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -222,7 +224,7 @@ def _paged_prefill_kernel(
     out_ptr, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, BF16X2: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -255,8 +257,8 @@ def _paged_prefill_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM)
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(valid, s, float("-inf"))
@@ -271,6 +273,12 @@ def _paged_prefill_kernel(
         out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _has_bf16x2_mul(device: torch.device) -> bool:
+    """The GPU has ``mul.bf16x2`` (sm90+): the fp8 cache's codes then unpack in integer ops."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -335,7 +343,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8,
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8, BF16X2=_has_bf16x2_mul(q.device),
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
@@ -380,7 +388,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q.dtype), KV_FP8=fp8,
+        BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q.dtype), KV_FP8=fp8, BF16X2=_has_bf16x2_mul(q.device),
         num_warps=4, num_stages=2,
     )
     return out
