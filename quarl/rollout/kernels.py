@@ -37,16 +37,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _e4m3_to(b, dt: tl.constexpr):
-    """e4m3fn bytes (held in int32) as ``dt``, exact."""
-    if HW_E4M3:
-        x = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dt)
-    else:
-        x = e4m3_value(b).to(dt)
-    return x
-
-
-@triton.jit
 def _e4m3x4_to_bf16(w):
     """The 4 e4m3fn codes of each int32 word as bf16 (bytes 0..3), exact, in integer ops and
     one bf16x2 multiply per pair: each byte's sign and 7 low bits are moved into a bf16's
@@ -101,10 +91,10 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
         if HW_E4M3 and BF16X2 and dt == tl.bfloat16:  # (mul.bf16x2 needs sm90+)
             p0, p1, p2, p3 = _e4m3x4_to_bf16(w)
         else:
-            p0 = _e4m3_to(w & 0xFF, dt)
-            p1 = _e4m3_to((w >> 8) & 0xFF, dt)
-            p2 = _e4m3_to((w >> 16) & 0xFF, dt)
-            p3 = _e4m3_to((w >> 24) & 0xFF, dt)
+            p0 = e4m3_value(w & 0xFF).to(dt)
+            p1 = e4m3_value((w >> 8) & 0xFF).to(dt)
+            p2 = e4m3_value((w >> 16) & 0xFF).to(dt)
+            p3 = e4m3_value((w >> 24) & 0xFF).to(dt)
         x = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [row.shape[0], offs_d.shape[0]])
         return x, tl.load(scale_ptr + srow, mask=n_mask, other=1.0)
     else:
