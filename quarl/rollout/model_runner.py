@@ -36,6 +36,7 @@ def _check_fp8_kv_support(kv_cache_dtype: str, device: torch.device, backend: st
         )
 
 
+_QUEUE_AHEAD_CYCLES = 1_000_000  # ~0.6 ms of GPU clock
 _L2_FLUSH_BYTES = 64 << 20  # more than the L2 of the GPUs we tune on (H100 / H200: 50 MB)
 DENSE_AUTO_FRACTION = 0.10  # dense_weights="auto": keep the copies when they take at most this share of the GPU
 
@@ -240,14 +241,17 @@ class ModelRunner:
     @torch.inference_mode()
     def tune_decode(self) -> None:
         """Time decode-attention tilings (BLOCK_N, warps, programs per SM) on random K/V in
-        this cache at the largest batch and a mid-size context; keep the fastest."""
+        this cache at the largest batch, over the run's context lengths; keep the fastest."""
         from quarl.rollout import kernels
 
         batch = min(self.config.max_num_seqs, self._bs_cap)
-        ctx_len = min(self.max_model_len, 1024)
-        nb = -(-ctx_len // self.block_size)
-        if batch * nb > self.num_blocks:
+        # The run's context length (up to 4k, and what the cache holds at this batch), the
+        # sequences' lengths spread over it as a rollout's contexts grow: a tiling that wins
+        # at 1k can lose at 4k (fp8 K/V: 128-token tiles with 8 splits, 4k, batch 64).
+        nb = min(-(-min(self.max_model_len, 4096) // self.block_size), self.num_blocks // max(batch, 1))
+        if nb < 2:
             return
+        ctx_len = nb * self.block_size
         k_cache, v_cache = self.kv.k[0], self.kv.v[0]
         kv_scales = (self.kv.k_scale[0], self.kv.v_scale[0])
         for cache in (k_cache, v_cache):  # normal_ has no float8 kernel: draw, then cast
@@ -257,7 +261,7 @@ class ModelRunner:
         tables = torch.randperm(batch * nb, device=self.device).view(batch, nb).to(torch.int32)
         hq = self.model.config.num_attention_heads
         q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
-        lens = torch.randint(ctx_len // 2, ctx_len + 1, (batch,), device=self.device)
+        lens = torch.randint(max(1, ctx_len // 8), ctx_len + 1, (batch,), device=self.device)
         out = torch.empty_like(q)
         calls = {}
         for per_sm in (2, 4, 8):
@@ -283,6 +287,9 @@ class ModelRunner:
             for cand, call in calls.items():
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 flush.zero_()
+                # the GPU waits while the host queues the launches: the time is the kernels',
+                # not Triton's Python launcher's (~0.1 ms, more than a 1k-context kernel)
+                torch.cuda._sleep(_QUEUE_AHEAD_CYCLES)
                 start.record()
                 call()
                 end.record()

@@ -83,6 +83,19 @@ HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
+def _e4m3_satfinite(v):
+    """fp32 -> e4m3fn byte (int32) by the hardware's satfinite conversion, one value per
+    conversion. Triton's own cast converts pairs and splits each 16-bit result with a shift,
+    which ptxas (CUDA 12.8, the one triton 3.6 ships) folded into the conversion's merge
+    operand taken from a stale register: in ``act_quant_kernel`` with ``WRITE_DQ`` at
+    K = 768 every odd column's code came out wrong."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
+        "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1,
+    )
+
+
+@triton.jit
 def e4m3_code(v):
     """fp32 -> e4m3fn byte (int32 in [0, 255]) exactly as torch's ``clamp(v, +-448)`` + cast."""
     if HW_E4M3:
@@ -90,8 +103,7 @@ def e4m3_code(v):
         # +-448 (what the clamp does first in torch) and NaN to 0x7f; torch's cast gives
         # NaN the input's sign bit. Every other code already carries the input's sign (zeros
         # included), so or-ing it in unconditionally is exact and needs no NaN test.
-        c = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        return c | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
+        return _e4m3_satfinite(v) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
     else:
         return _e4m3_byte(v)
 
