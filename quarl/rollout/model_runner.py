@@ -248,7 +248,7 @@ class ModelRunner:
         # The run's context length (up to 4k, and what the cache holds at this batch), the
         # sequences' lengths spread over it as a rollout's contexts grow: a tiling that wins
         # at 1k can lose at 4k (fp8 K/V: 128-token tiles with 8 splits, 4k, batch 64).
-        nb = min(-(-min(self.max_model_len, 4096) // self.block_size), self.num_blocks // max(batch, 1))
+        nb = min(-(-min(self.max_model_len, 4096) // self.block_size), self.num_blocks // batch)
         if nb < 2:
             return
         ctx_len = nb * self.block_size
