@@ -83,7 +83,7 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
     if KV_FP8:
         # The codes are read as int32 words (4 codes each, 16-byte loads) and unpacked in
         # registers into 4 planes (plane j: codes 4w + j), which are put back in order: read
-        # as bytes, the dot's operand was gathered from shared memory one byte at a time.
+        # as bytes, the dot's operand would be gathered from shared memory one byte at a time.
         nw: tl.constexpr = offs_d.shape[0] // 4
         offs_w = tl.arange(0, nw)
         w = tl.load(cache_ptr + row[:, None] // 4 + offs_w[None, :], mask=n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :],

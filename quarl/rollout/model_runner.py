@@ -276,8 +276,8 @@ class ModelRunner:
                 call()  # compile
                 calls[(block_n, warps, per_sm)] = call
         torch.cuda.synchronize()
-        # Rounds over all candidates, median per candidate: the tilings are within a few % of
-        # each other, so a single timing each would pick among them at random. Each call starts
+        # Rounds over all candidates, median per candidate: the best few tilings are within a
+        # few % of each other, so a single timing each would pick among them at random. Each call starts
         # with L2 flushed, as in a decode step, where the weights pass through L2 between two
         # layers' attention: warm, the split partials of a many-split tiling stay in L2 and its
         # reduction looks cheaper than it is in the step.
