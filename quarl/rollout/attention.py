@@ -43,6 +43,7 @@ class StepContext:
     num_splits: int = 1
     decode_block_n: int = 64
     decode_warps: int = 4
+    decode_kernel: str = "triton"  # or "cuda": the fp8 cache's CUDA kernel (quarl.rollout.fp8_decode)
     host_context_lens: list[int] | None = None
     host_cu_seqlens_q: list[int] | None = None
 
@@ -124,6 +125,7 @@ class PagedAttention:
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, self.ctx.block_tables, self.ctx.context_lens, self.ctx.split_len,
             out, part_out, part_lse, splits, scale, self.ctx.decode_block_n, self.ctx.decode_warps, kv_scales=kv_scales,
+            kernel=self.ctx.decode_kernel,
         )
 
 

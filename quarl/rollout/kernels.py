@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from quarl.quant.kernels.triton_kernels import HW_E4M3, e4m3_value
+from quarl.rollout import fp8_decode
 
 LOG2E = 1.4426950408889634
 
@@ -308,6 +309,7 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     kv_scales: tuple = (None, None),
+    kernel: str = "triton",
 ) -> torch.Tensor:
     """One query token per sequence over its paged context.
 
@@ -318,15 +320,40 @@ def paged_decode_attention(
     ``[B, Hq, S]`` float32 scratch when ``num_splits > 1``. ``kv_scales``: an fp8 cache's
     ``(k_scale, v_scale)``, each ``[num_blocks, block_size, Hkv]`` float32 (caches then
     float8_e4m3fn); ``(None, None)`` for a cache in the model dtype.
+    ``kernel="cuda"``: an fp8 cache's split pass runs :mod:`quarl.rollout.fp8_decode`'s kernel
+    with ``block_n // 16`` chunks per tile and ``num_warps`` warps (where
+    :func:`~quarl.rollout.fp8_decode.supported`; else the Triton kernel).
     """
     b, hq, d = q.shape
-    _, page, hkv, _ = k_cache.shape
-    group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
     if num_splits > 1:
         assert part_out is not None and part_lse is not None
     else:
         part_out = part_lse = out
+    if kernel not in ("triton", "cuda"):
+        raise ValueError(f"decode kernel must be 'triton' or 'cuda', got {kernel!r}")
+    if kernel == "cuda" and fp8_decode.supported(q, k_cache, kv_scales):
+        cfg = fp8_decode.Fp8DecodeConfig(warps=num_warps, stages=4 if block_n <= 16 else 3, chunks=max(1, block_n // 16))
+        fp8_decode.fp8_decode_attention(q, k_cache, v_cache, kv_scales, block_tables, context_lens, split_len, out,
+                                        part_out, part_lse, num_splits, scale * LOG2E, cfg)
+    else:
+        _paged_decode_split(q, k_cache, v_cache, kv_scales, block_tables, context_lens, split_len, out, part_out,
+                            part_lse, num_splits, scale, block_n, num_warps)
+    if num_splits > 1:
+        _decode_reduce_kernel[(b, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def _paged_decode_split(q, k_cache, v_cache, kv_scales, block_tables, context_lens, split_len, out, part_out, part_lse,
+                        num_splits: int, scale: float, block_n: int, num_warps: int) -> None:
+    b, hq, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    group = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))
     k_arg, v_arg, ks, vs, stride_sb, stride_st, fp8 = _kv_args(k_cache, v_cache, kv_scales)
     _paged_decode_kernel[(b, hkv, num_splits)](
         q, k_arg, v_arg, ks, vs, block_tables, context_lens, split_len, out, part_out, part_lse, scale * LOG2E,
@@ -336,13 +363,6 @@ def paged_decode_attention(
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8, BF16X2=_has_bf16x2_mul(q.device),
         num_warps=num_warps, num_stages=2,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(b, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
-        )
-    return out
 
 
 def paged_prefill_attention(

@@ -100,9 +100,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         model.rotary.ensure(max_model_len)
         model.rotary.auto_grow = False
-        self.decode_tiling = (64, 4, 4)  # (BLOCK_N, num_warps, programs per SM) of the decode kernel
+        # (BLOCK_N, num_warps, programs per SM, kernel) of decode attention; kernel "cuda": the
+        # fp8 cache's CUDA kernel (quarl.rollout.fp8_decode), BLOCK_N its tokens per tile
+        self.decode_tiling: tuple[int, int, int, str] = (64, 4, 4, "triton")
         self.decode_tuning_ms = 0.0
-        self.decode_tuning_table: dict[str, float] = {}  # "BLOCK_Nxwarpsxper_sm" -> median ms
+        self.decode_tuning_table: dict[str, float] = {}  # "BLOCK_Nxwarpsxper_smxkernel" -> median ms
         self.fused = False
         if self.backend == "triton" and config.fused_kernels:
             from quarl.rollout.fused import fuse_projections, supports_fused
@@ -240,9 +242,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def tune_decode(self) -> None:
-        """Time decode-attention tilings (BLOCK_N, warps, programs per SM) on random K/V in
-        this cache at the largest batch, over the run's context lengths; keep the fastest."""
-        from quarl.rollout import kernels
+        """Time decode-attention tilings (BLOCK_N, warps, programs per SM, kernel) on random K/V
+        in this cache at the largest batch, over the run's context lengths; keep the fastest.
+        An fp8 cache also tries the CUDA kernel where it runs (:mod:`quarl.rollout.fp8_decode`)."""
+        from quarl.rollout import fp8_decode, kernels
 
         batch = min(self.config.max_num_seqs, self._bs_cap)
         # The run's context length (up to 4k, and what the cache holds at this batch), the
@@ -263,18 +266,22 @@ class ModelRunner:
         q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
         lens = torch.randint(max(1, ctx_len // 8), ctx_len + 1, (batch,), device=self.device)
         out = torch.empty_like(q)
+        candidates = [(block_n, warps, per_sm, "triton") for per_sm in (2, 4, 8)
+                      for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
+        if fp8_decode.supported(q, k_cache, kv_scales):  # ~150 registers a thread: 3 blocks of 4 warps per SM
+            candidates += [(block_n, 4, per_sm, "cuda") for per_sm in (2, 3, 4) for block_n in (16, 32)]
         calls = {}
-        for per_sm in (2, 4, 8):
+        for block_n, warps, per_sm, kernel in candidates:
             splits = self._num_splits(batch, per_sm)
             split_len = torch.tensor([self._split_len(ctx_len, splits)], device=self.device)
             po = torch.empty(batch, hq, splits, self.head_dim, device=self.device)
             pl = torch.empty(batch, hq, splits, device=self.device)
-            for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
-                def call(block_n=block_n, warps=warps, splits=splits, split_len=split_len, po=po, pl=pl):
-                    kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, split_len, out, po, pl,
-                                                   splits, self.head_dim**-0.5, block_n, warps, kv_scales=kv_scales)
-                call()  # compile
-                calls[(block_n, warps, per_sm)] = call
+
+            def call(block_n=block_n, warps=warps, kernel=kernel, splits=splits, split_len=split_len, po=po, pl=pl):
+                kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, split_len, out, po, pl, splits,
+                                               self.head_dim**-0.5, block_n, warps, kv_scales=kv_scales, kernel=kernel)
+            call()  # compile
+            calls[(block_n, warps, per_sm, kernel)] = call
         torch.cuda.synchronize()
         # Rounds over all candidates, median per candidate: the best few tilings are within a
         # few % of each other, so a single timing each would pick among them at random. Each call starts
@@ -282,7 +289,7 @@ class ModelRunner:
         # layers' attention: warm, the split partials of a many-split tiling stay in L2 and its
         # reduction looks cheaper than it is in the step.
         flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=self.device)
-        times: dict[tuple[int, int, int], list[float]] = {c: [] for c in calls}
+        times: dict[tuple, list[float]] = {c: [] for c in calls}
         for _ in range(9):
             for cand, call in calls.items():
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -384,6 +391,7 @@ class ModelRunner:
             num_splits=splits,
             decode_block_n=self.decode_tiling[0],
             decode_warps=self.decode_tiling[1],
+            decode_kernel=self.decode_tiling[3],
         )
 
     def _fill_decode_inputs(self, seqs: list[Sequence], padded: int, splits: int, keys: np.ndarray, ahead: int) -> int:

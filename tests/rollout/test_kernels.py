@@ -140,6 +140,37 @@ def test_paged_prefill_and_extend_read_fp8_cache(hq, hkv, d, page):
     assert torch.equal(ref, torch_prefill_attention(q, k_deq, v_deq, tables, cu.tolist(), kv_lens, d**-0.5))
 
 
+def test_cuda_decode_kernel_choice_is_checked_and_falls_back_where_it_cannot_run():
+    """``kernel="cuda"`` needs a GPU, head_dim 128 and bf16 queries; elsewhere (here: CPU,
+    float32) the Triton kernel runs, with the same result; an unknown kernel name is an error."""
+    from quarl.rollout import fp8_decode
+    from quarl.rollout.kernels import paged_decode_attention
+
+    lens = [1, 40]
+    ((kc, ks, _), (vc, vs, _)), tables = _fp8_paged_cache(lens, 16, 1, 128)
+    q = torch.randn(len(lens), 4, 128)
+    assert not fp8_decode.supported(q, kc, (ks, vs))
+    assert not fp8_decode.supported(q, kc, (None, None))
+    args = (q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), torch.tensor([64], dtype=torch.int32))
+
+    def run(kernel):
+        return paged_decode_attention(*args, torch.empty_like(q), None, None, 1, 128**-0.5, 32, 4,
+                                      kv_scales=(ks, vs), kernel=kernel)
+
+    assert torch.equal(run("cuda"), run("triton"))
+    with pytest.raises(ValueError, match="'triton' or 'cuda'"):
+        run("cutlass")
+
+
+def test_cuda_fp8_decode_smem_holds_the_ring_and_the_merge():
+    from quarl.rollout.fp8_decode import Fp8DecodeConfig
+
+    # 4 warps x 4 slots of 16 tokens: K and V codes (2 x 16 x 128) and their scales (2 x 16 x 4)
+    assert Fp8DecodeConfig(4, 4, 1).smem_bytes() == 4 * 4 * (2 * 16 * 128 + 2 * 16 * 4)
+    # 1 warp x 1 slot: the merge scratch (m, l and the padded 16 x 128 accumulator) is larger
+    assert Fp8DecodeConfig(1, 1, 1).smem_bytes() == (32 + 16 * 4 * 36) * 4
+
+
 def test_fp8_cache_needs_a_head_dim_in_whole_words():
     from quarl.rollout.kernels import paged_decode_attention
 

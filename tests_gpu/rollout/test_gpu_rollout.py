@@ -414,6 +414,96 @@ def test_decode_kernel_on_fp8_cache(hq, hkv, d, splits):
     assert _rel(got, ref_fp8) < 1e-2
 
 
+@pytest.mark.parametrize("hq,hkv", [(12, 2), (28, 4), (40, 8), (32, 2), (9, 1)])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("block_n,page", [(16, 16), (32, 16), (16, 32), (32, 64)])
+def test_cuda_fp8_decode_kernel_vs_triton_and_reference(hq, hkv, splits, block_n, page):
+    """The CUDA fp8-cache decode kernel (permuted fragments, integer code conversion) against the
+    Triton kernel on the same cache and the fp32 reference on the dequantized cache; groups
+    of 3-16 query heads (rows 8-15 of the mma from 9 on), contexts that end mid-tile and
+    splits that hold no token of a sequence."""
+    from quarl.rollout import fp8_decode
+    from quarl.rollout.kernels import paged_decode_attention
+
+    d = 128
+    lens = [1, 17, 300, 1025, 64, 513, 16, 33]
+    ((kc, ks, kd), (vc, vs, vd)), tables = _fp8_paged(lens, page, hkv, d)
+    q = torch.randn(len(lens), hq, d, device=DEV, dtype=torch.bfloat16)
+    assert fp8_decode.supported(q, kc, (ks, vs))
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    per = -(-max(lens) // splits)
+    split_len = torch.tensor([-(-per // 64) * 64], dtype=torch.int32, device=DEV)
+
+    def run(kernel):
+        out = torch.full_like(q, float("nan"))
+        po = torch.full((len(lens), hq, splits, d), float("nan"), device=DEV) if splits > 1 else None
+        pl = torch.full((len(lens), hq, splits), float("nan"), device=DEV) if splits > 1 else None
+        return paged_decode_attention(q, kc, vc, tables, ctx, split_len, out, po, pl, splits, d**-0.5, block_n, 4,
+                                      kv_scales=(ks, vs), kernel=kernel)
+
+    got = run("cuda")
+    assert not got.isnan().any()
+    assert _rel(got, run("triton")) < 1e-3
+    ref = torch_decode_attention(q.float(), kd.float(), vd.float(), tables, lens, d**-0.5)
+    assert _rel(got, ref) < 1e-2
+    for i, n in enumerate(lens):  # per sequence too: a wrong mask or page shows in one row
+        assert _rel(got[i], ref[i]) < 2e-2, (i, n)
+
+
+def test_cuda_fp8_decode_kernel_reads_every_code_exactly():
+    """With one token of context the output is that token's dequantized V row, bit for bit: every
+    non-NaN code in every position of a row, under scales from 2^-20 to 2^6."""
+    from quarl.rollout.kernels import paged_decode_attention
+
+    hq, hkv, d, page = 12, 2, 128, 16
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device=DEV)
+    rows = codes.numel()  # row i, dim j: code (i + j) mod 254, so every code sits in every dim
+    v_codes = codes[(torch.arange(rows, device=DEV)[:, None] + torch.arange(d, device=DEV)[None, :]) % rows]
+    kc = torch.randn(rows, page, hkv, d, device=DEV).to(torch.float8_e4m3fn)
+    vc = torch.zeros(rows, page, hkv, d, dtype=torch.uint8, device=DEV)
+    vc[:, 0, 1] = v_codes  # token 0 of each block, kv head 1
+    vc = vc.view(torch.float8_e4m3fn)
+    ks = torch.ones(rows, page, hkv, device=DEV)
+    vs = 2.0 ** torch.randint(-20, 7, (rows, page, hkv), device=DEV).float()
+    tables = torch.arange(rows, dtype=torch.int32, device=DEV)[:, None]
+    q = torch.randn(rows, hq, d, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ctx = torch.ones(rows, dtype=torch.int32, device=DEV)
+    paged_decode_attention(q, kc, vc, tables, ctx, torch.tensor([128], dtype=torch.int32, device=DEV), out, None,
+                           None, 1, d**-0.5, 16, 4, kv_scales=(ks, vs), kernel="cuda")
+    want = (v_codes.view(torch.float8_e4m3fn).float() * vs[:, 0, 1, None]).bfloat16()
+    got = out[:, 6:]  # the query heads of kv head 1
+    wrong = (got.view(torch.int16) != want[:, None].view(torch.int16)).nonzero()
+    assert not len(wrong), [(hex(int(v_codes[i, k])), float(got[i, j, k]), float(want[i, k])) for i, j, k in wrong[:8].tolist()]
+
+
+def test_fp8_kv_engine_cuda_decode_equals_triton_decode():
+    """A head_dim 128 model on an fp8 cache: the start-up tuner times the CUDA kernel too, and the
+    engine decodes the same tokens with it as with the Triton kernel."""
+    cfg = shape_config("qwen2.5-1.5b", 512)
+    cfg = type(cfg)(**{**cfg.as_dict(), "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 3,
+                       "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1000})
+    model = random_model(cfg, DEV, seed=5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(5)
+    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (5, 40, 17, 90, 3, 64, 33)]
+    kw = dict(max_model_len=512, max_num_seqs=16, num_kv_blocks=400, kv_cache_dtype="fp8", cuda_graphs=False)
+    runs = {}
+    for kernel in ("cuda", "triton"):
+        engine = Engine(model, config=EngineConfig(**kw))
+        assert any(key.endswith("cuda") for key in engine.runner.decode_tuning_table)
+        engine.runner.decode_tiling = (16, 4, 3, "cuda") if kernel == "cuda" else (64, 4, 3, "triton")
+        params = SamplingParams(n=2, temperature=0.8, max_new_tokens=100, seed=11, ignore_eos=True)
+        runs[kernel] = engine.generate(prompts, params)
+    a, b = runs["cuda"], runs["triton"]
+    match = sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / len(a)
+    assert match >= 0.8, match
+    torch.testing.assert_close(torch.tensor([x.logprobs[0] for x in a]), torch.tensor([y.logprobs[0] for y in b]),
+                               atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (8, 8, 64), (4, 1, 96)])
 def test_prefill_extend_kernel_on_fp8_cache(hq, hkv, d):
     from quarl.rollout.kernels import paged_prefill_attention
