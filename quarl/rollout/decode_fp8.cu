@@ -29,6 +29,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 constexpr int D = 128;
+#define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 a;
@@ -91,11 +92,6 @@ struct Slot {
 // Merge scratch per warp: m and l of 16 rows, then the 16 x 128 accumulator as [row][t][36]
 // (the 32 dims 32 t .. 32 t + 31 of lane t, padded against bank conflicts).
 constexpr int MERGE_FLOATS = 32 + 16 * 4 * 36;
-
-template <int NW, int ST, int KC>
-constexpr int smem_bytes() {
-  return NW * ST * Slot<16 * KC>::BYTES > NW * MERGE_FLOATS * 4 ? NW * ST * Slot<16 * KC>::BYTES : NW * MERGE_FLOATS * 4;
-}
 
 // q [B, Hq, 128] bf16 (strides sq_b, sq_h elements, unit last); caches [blocks, PAGE, Hkv, 128]
 // bytes (strides skb, skt, skh); scales [blocks, PAGE, Hkv] float32 (strides ssb, sst, unit
@@ -198,7 +194,7 @@ __global__ void __launch_bounds__(NW * 32) decode_fp8(
   float acc[16][4];
 #pragma unroll
   for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
   int pg[KC];
 #pragma unroll
@@ -238,12 +234,12 @@ __global__ void __launch_bounds__(NW * 32) decode_fp8(
         for (int e = 0; e < 4; ++e) {
           const int u = 2 * j + (e & 1);  // token 4t + u of the chunk
           const bool ok = tok0 + 16 * chunk + 4 * t + u < end;
-          c[e] = ok ? c[e] * (ksc[u] * qk_scale) : -INFINITY;
+          c[e] = ok ? c[e] * (ksc[u] * qk_scale) : NEG_INF;
         }
       }
     }
     // online softmax (rows g and g + 8; a row's four lanes agree on m)
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
     for (int chunk = 0; chunk < KC; ++chunk)
 #pragma unroll
@@ -346,11 +342,11 @@ __global__ void __launch_bounds__(NW * 32) decode_fp8(
   __syncthreads();
   for (int idx = threadIdx.x; idx < group * D; idx += NW * 32) {
     const int r = idx / D, d = idx % D;
-    float mstar = -INFINITY;
+    float mstar = NEG_INF;
 #pragma unroll
     for (int w = 0; w < NW; ++w) mstar = fmaxf(mstar, mrg[w * MERGE_FLOATS + r]);
     float lsum = 0.f, o = 0.f;
-    if (mstar != -INFINITY) {
+    if (mstar != NEG_INF) {
 #pragma unroll
       for (int w = 0; w < NW; ++w) {
         const float* mw = mrg + w * MERGE_FLOATS;
@@ -367,7 +363,7 @@ __global__ void __launch_bounds__(NW * 32) decode_fp8(
     } else {
       const size_t base = ((size_t)b * hkv * group + head) * num_splits + split;
       part_out[base * D + d] = o;
-      if (d == 0) part_lse[base] = lsum > 0.f ? mstar + __log2f(lsum) : -INFINITY;
+      if (d == 0) part_lse[base] = lsum > 0.f ? mstar + __log2f(lsum) : NEG_INF;
     }
   }
 }
