@@ -441,17 +441,17 @@ def test_cuda_fp8_decode_kernel_vs_triton_and_reference(hq, hkv, splits, block_n
         return paged_decode_attention(q, kc, vc, tables, ctx, split_len, out, po, pl, splits, d**-0.5, block_n, 4,
                                       kv_scales=(ks, vs), kernel=kernel)
 
-    got = run("cuda")
+    got, tri = run("cuda"), run("triton")
     assert not got.isnan().any()
-    assert _rel(got, run("triton")) < 1e-3
+    assert _rel(got, tri) < 3e-3  # the same values summed in another order, rounded to bf16
     ref = torch_decode_attention(q.float(), kd.float(), vd.float(), tables, lens, d**-0.5)
-    assert _rel(got, ref) < 1e-2
+    assert _rel(got, ref) < 1e-2 and _rel(got, ref) < 1.2 * _rel(tri, ref)
     for i, n in enumerate(lens):  # per sequence too: a wrong mask or page shows in one row
         assert _rel(got[i], ref[i]) < 2e-2, (i, n)
 
 
 def test_cuda_fp8_decode_kernel_reads_every_code_exactly():
-    """With one token of context the output is that token's dequantized V row, bit for bit: every
+    """With one token of context the output is that token's dequantized V row exactly: every
     non-NaN code in every position of a row, under scales from 2^-20 to 2^6."""
     from quarl.rollout.kernels import paged_decode_attention
 
@@ -473,13 +473,14 @@ def test_cuda_fp8_decode_kernel_reads_every_code_exactly():
                            None, 1, d**-0.5, 16, 4, kv_scales=(ks, vs), kernel="cuda")
     want = (v_codes.view(torch.float8_e4m3fn).float() * vs[:, 0, 1, None]).bfloat16()
     got = out[:, 6:]  # the query heads of kv head 1
-    wrong = (got.view(torch.int16) != want[:, None].view(torch.int16)).nonzero()
+    wrong = (got.float() != want[:, None].float()).nonzero()  # (code 0x80, -0, gives +0: 0 + v_s * -0)
     assert not len(wrong), [(hex(int(v_codes[i, k])), float(got[i, j, k]), float(want[i, k])) for i, j, k in wrong[:8].tolist()]
 
 
-def test_fp8_kv_engine_cuda_decode_equals_triton_decode():
-    """A head_dim 128 model on an fp8 cache: the start-up tuner times the CUDA kernel too, and the
-    engine decodes the same tokens with it as with the Triton kernel."""
+def test_fp8_kv_engine_with_the_cuda_decode_kernel_matches_the_fake_quantized_forward():
+    """A head_dim 128 model on an fp8 cache: the start-up tuner times the CUDA kernel too, and
+    the engine decoding with it reports the log-probs of the model's forward on fake-quantized
+    K/V as closely as with the Triton kernel (greedy, 40 tokens)."""
     cfg = shape_config("qwen2.5-1.5b", 512)
     cfg = type(cfg)(**{**cfg.as_dict(), "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 3,
                        "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1000})
@@ -488,20 +489,21 @@ def test_fp8_kv_engine_cuda_decode_equals_triton_decode():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.mul_(5)
-    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (5, 40, 17, 90, 3, 64, 33)]
-    kw = dict(max_model_len=512, max_num_seqs=16, num_kv_blocks=400, kv_cache_dtype="fp8", cuda_graphs=False)
-    runs = {}
-    for kernel in ("cuda", "triton"):
-        engine = Engine(model, config=EngineConfig(**kw))
-        assert any(key.endswith("cuda") for key in engine.runner.decode_tuning_table)
-        engine.runner.decode_tiling = (16, 4, 3, "cuda") if kernel == "cuda" else (64, 4, 3, "triton")
-        params = SamplingParams(n=2, temperature=0.8, max_new_tokens=100, seed=11, ignore_eos=True)
-        runs[kernel] = engine.generate(prompts, params)
-    a, b = runs["cuda"], runs["triton"]
-    match = sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / len(a)
-    assert match >= 0.8, match
-    torch.testing.assert_close(torch.tensor([x.logprobs[0] for x in a]), torch.tensor([y.logprobs[0] for y in b]),
-                               atol=2e-2, rtol=0)
+    tuned = Engine(model, config=EngineConfig(max_model_len=512, max_num_seqs=16, num_kv_blocks=400, kv_cache_dtype="fp8"))
+    assert any(key.endswith("cuda") for key in tuned.runner.decode_tuning_table)
+    del tuned
+    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (5, 40, 17, 90, 200)]
+    gaps = {}
+    for tiling in ((16, 4, 3, "cuda"), (32, 4, 2, "cuda"), (64, 4, 4, "triton")):
+        engine = Engine(model, config=EngineConfig(max_model_len=512, max_num_seqs=16, num_kv_blocks=400,
+                                                   kv_cache_dtype="fp8", cuda_graphs=False, tune_decode=False))
+        engine.runner.decode_tiling = tiling
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+        gap = torch.cat([(torch.tensor(c.logprobs) - _fake_quant_reference(model, p, c.token_ids, "fp8")).abs()
+                         for p, c in zip(prompts, outs)])
+        gaps[tiling] = (float(gap.max()), float(gap.mean()))
+    for tiling, (mx, mean) in gaps.items():
+        assert mx < 0.1 and mean < 1.5 * gaps[(64, 4, 4, "triton")][1] + 1e-3, gaps
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (8, 8, 64), (4, 1, 96)])
