@@ -32,7 +32,7 @@ class Fp8DecodeConfig(NamedTuple):
     ring, ``chunks`` of 16 tokens per tile (one softmax update per tile)."""
 
     warps: int = 4
-    stages: int = 4
+    stages: int = 2
     chunks: int = 1
 
     def smem_bytes(self) -> int:

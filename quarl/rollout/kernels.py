@@ -333,7 +333,7 @@ def paged_decode_attention(
     if kernel not in ("triton", "cuda"):
         raise ValueError(f"decode kernel must be 'triton' or 'cuda', got {kernel!r}")
     if kernel == "cuda" and fp8_decode.supported(q, k_cache, kv_scales):
-        cfg = fp8_decode.Fp8DecodeConfig(warps=num_warps, stages=4 if block_n <= 16 else 3, chunks=max(1, block_n // 16))
+        cfg = fp8_decode.Fp8DecodeConfig(warps=num_warps, stages=2, chunks=max(1, block_n // 16))
         fp8_decode.fp8_decode_attention(q, k_cache, v_cache, kv_scales, block_tables, context_lens, split_len, out,
                                         part_out, part_lse, num_splits, scale * LOG2E, cfg)
     else:

@@ -269,7 +269,7 @@ class ModelRunner:
         candidates = [(block_n, warps, per_sm, "triton") for per_sm in (2, 4, 8)
                       for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
         if fp8_decode.supported(q, k_cache, kv_scales):  # ~150 registers a thread: 3 blocks of 4 warps per SM
-            candidates += [(block_n, 4, per_sm, "cuda") for per_sm in (2, 3, 4) for block_n in (16, 32)]
+            candidates += [(16, 4, 2, "cuda"), (16, 4, 3, "cuda"), (16, 8, 1, "cuda"), (32, 4, 2, "cuda")]
         calls = {}
         for block_n, warps, per_sm, kernel in candidates:
             splits = self._num_splits(batch, per_sm)
