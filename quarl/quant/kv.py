@@ -92,7 +92,10 @@ class _FakeQuantizeKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fused: bool) -> torch.Tensor:  # type: ignore[override]
         if fused:  # one compiled kernel instead of ~15 elementwise passes over K or V
-            return compiled(_round_trip)(x)
+            # on a fresh contiguous copy without grad: the learner's K and V are views of
+            # different strides (a fused projection's slices), with and without grad, and each
+            # combination compiled the kernel again (W1-long: a learner step of 18 s, not 7)
+            return compiled(_round_trip)(x.detach().clone(memory_format=torch.contiguous_format))
         return _round_trip(x)
 
     @staticmethod

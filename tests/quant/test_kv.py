@@ -127,3 +127,20 @@ def test_compiled_round_trip_equals_eager_bit_for_bit():
         xg = x.clone().requires_grad_()
         fake_quantize_kv(xg, fused=True).float().sum().backward()
         assert torch.equal(xg.grad, torch.ones_like(x))
+
+
+def test_compiled_round_trip_compiles_once_for_the_learners_views():
+    """The learner hands the fused fake quantizer K and V as slices of one projection (other
+    strides than a contiguous tensor), with and without grad, at many lengths: after the first
+    compile none of them may compile it again (each recompile cost seconds of a GPU step)."""
+    torch.manual_seed(5)
+    fake_quantize_kv(torch.randn(1, 8, 2, 64).to(torch.bfloat16), fused=True)  # compiled (or cached) once
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b, t in ((1, 13), (2, 40), (3, 7)):
+            qkv = torch.randn(b, t, 12, 64).to(torch.bfloat16)
+            k, v = qkv[:, :, 8:10], qkv[:, :, 10:]  # strides of the fused projection, not contiguous
+            for x in (k, v, k.contiguous(), k.clone().requires_grad_()):
+                got = fake_quantize_kv(x, fused=True)
+                assert torch.equal(got.detach(), fake_quantize_kv(x.detach(), fused=False))
+            with torch.no_grad():
+                fake_quantize_kv(v, fused=True)
