@@ -94,11 +94,11 @@ def test_sampling_kernel_vs_reference():
     torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-5)
 
 
-def _small_model(dtype):
+def _small_model(dtype, seed=3, **shape):
     cfg = shape_config("qwen2.5-1.5b", 512)
     cfg = type(cfg)(**{**cfg.as_dict(), "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
-                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000})
-    model = random_model(cfg, DEV, seed=3)
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, **shape})
+    model = random_model(cfg, DEV, seed=seed)
     if dtype != torch.bfloat16:
         model = model.to(dtype)
     with torch.no_grad():  # larger weights: peaked distributions, so greedy is not a coin flip
@@ -481,14 +481,8 @@ def test_fp8_kv_engine_with_the_cuda_decode_kernel_matches_the_fake_quantized_fo
     """A head_dim 128 model on an fp8 cache: the start-up tuner times the CUDA kernel too, and
     the engine decoding with it reports the log-probs of the model's forward on fake-quantized
     K/V as closely as with the Triton kernel (greedy, 40 tokens)."""
-    cfg = shape_config("qwen2.5-1.5b", 512)
-    cfg = type(cfg)(**{**cfg.as_dict(), "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 3,
-                       "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1000})
-    model = random_model(cfg, DEV, seed=5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(5)
+    model = _small_model(torch.bfloat16, seed=5, hidden_size=512, intermediate_size=1024, num_attention_heads=12,
+                         head_dim=128)
     tuned = Engine(model, config=EngineConfig(max_model_len=512, max_num_seqs=16, num_kv_blocks=400, kv_cache_dtype="fp8"))
     assert any(key.endswith("cuda") for key in tuned.runner.decode_tuning_table)
     del tuned
