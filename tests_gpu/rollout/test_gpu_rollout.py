@@ -493,12 +493,8 @@ def test_fp8_kv_engine_with_the_cuda_decode_kernel_matches_the_fake_quantized_fo
                                                    kv_cache_dtype="fp8", cuda_graphs=False, tune_decode=False))
         engine.runner.decode_tiling = tiling
         outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
-        fq, plain = [], []
-        for p, c in zip(prompts, outs):
-            got = torch.tensor(c.logprobs)
-            fq.append((got - _fake_quant_reference(model, p, c.token_ids, "fp8")).abs())
-            plain.append((got - _fake_quant_reference(model, p, c.token_ids, None)).abs())
-        gaps[tiling] = (float(torch.cat(fq).max()), float(torch.cat(fq).mean()), float(torch.cat(plain).mean()))
+        fq, plain = _fake_quant_gaps(model, prompts, outs)
+        gaps[tiling] = (float(fq.max()), float(fq.mean()), float(plain.mean()))
     # bf16 forward vs bf16 engine: gaps of a few 1e-2 (this model's logits are large); each
     # engine scores its own greedy tokens, so the kernels are compared by their mean gaps
     for tiling, (mx, mean, mean_plain) in gaps.items():
@@ -561,6 +557,17 @@ def _fake_quant_reference(model, prompt, completion, kv_quant):
     return logp[0, len(prompt) - 1 :].float().cpu()
 
 
+def _fake_quant_gaps(model, prompts, outs):
+    """|engine log-prob - forward log-prob| of every generated token, against the forward with
+    fake-quantized K/V and against the plain forward."""
+    fq, plain = [], []
+    for p, c in zip(prompts, outs):
+        got = torch.tensor(c.logprobs)
+        fq.append((got - _fake_quant_reference(model, p, c.token_ids, "fp8")).abs())
+        plain.append((got - _fake_quant_reference(model, p, c.token_ids, None)).abs())
+    return torch.cat(fq), torch.cat(plain)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_kv_engine_matches_the_fake_quantized_forward(dtype):
     """The engine with an fp8 cache (fused kernels, CUDA graphs) reports the log-probs that the
@@ -572,12 +579,7 @@ def test_fp8_kv_engine_matches_the_fake_quantized_forward(dtype):
     fp8 = Engine(model, config=EngineConfig(kv_cache_dtype="fp8", gpu_memory_utilization=0.3, **kw))
     assert fp8.runner.graphs and fp8.runner.fused and fp8.runner.kv.quantized
     outs = fp8.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
-    gap_fq, gap_plain = [], []
-    for p, c in zip(prompts, outs):
-        got = torch.tensor(c.logprobs)
-        gap_fq.append((got - _fake_quant_reference(model, p, c.token_ids, "fp8")).abs())
-        gap_plain.append((got - _fake_quant_reference(model, p, c.token_ids, None)).abs())
-    gap_fq, gap_plain = torch.cat(gap_fq), torch.cat(gap_plain)
+    gap_fq, gap_plain = _fake_quant_gaps(model, prompts, outs)
     if dtype == torch.float32:
         assert gap_fq.max() < 5e-3, gap_fq.max()
     else:
