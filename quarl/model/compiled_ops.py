@@ -11,7 +11,7 @@ as data (:func:`quarl.quant.linear.traceable`): plain weights, or for aligned (Q
 the engine's own computation (a matmul over the dequantized weight, or the W8A8 op
 ``quarl::quantized_input_gemm``) with a straight-through gradient. Aligned q/k/v and
 gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them.
-A layer with a linear that has no traced form (a weight-only kernel at small M, per-tensor
+A layer with a linear that has no traced form (a reference kernel off the fast path, per-tensor
 scales) runs the steps one by one, each still compiled; attention stays outside (the caller's
 SDPA). Casts are emulated as eager rounds them, so the values stay those of
 :class:`~quarl.model.transformer.TorchOps` up to the order of float32 sums.

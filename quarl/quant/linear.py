@@ -13,13 +13,15 @@
   (tracked through the parameter's version counter and storage pointer; in-place writes
   through ``.data`` bypass the counter, so call :meth:`QATLinear.invalidate` after those)
   and is what :meth:`QATLinear.publish` hands to the engine: no re-quantization.
-* Where the engine's own GEMM for the batch is a plain matmul over the dequantized weight
-  (weight-only schemes at prefill-sized M on the fast path: the ``dequant`` plan of
-  :mod:`quarl.quant.kernels.dispatch`), :class:`QATLinear` runs ``F.linear`` on a leaf
-  tensor holding that dequantized weight instead of the autograd function: the same
-  values, with autograd's C++ backward; a hook moves the leaf's gradient onto the master
-  weight (straight-through). Per micro-batch this saves a Python forward and backward per
-  linear, which is what bounds a learner whose kernels take tens of microseconds.
+* Weight-only schemes on the fast path: :class:`QATLinear` runs ``F.linear`` on a leaf
+  tensor holding the dequantized weight (made once per weight version) instead of the
+  autograd function, at every batch size (:func:`learner_runs_dequantized`). That is the
+  engine's own GEMM at prefill-sized M (the ``dequant`` plan of
+  :mod:`quarl.quant.kernels.dispatch`); its low-bit kernels at smaller M multiply the same
+  bf16 weight values and sum in another order. Autograd's C++ backward runs, and a hook
+  moves the leaf's gradient onto the master weight (straight-through). Per micro-batch this
+  saves a Python forward and backward per linear, which is what bounds a learner whose
+  kernels take tens of microseconds.
 * The learner's compiled regions (:mod:`quarl.model.compiled_ops`) take a linear as data
   (:func:`traceable`): that leaf, or for schemes that quantize activations the engine's
   quantizer (torch ops the compiler fuses) and GEMM (the op ``quarl::quantized_input_gemm``)
@@ -211,11 +213,24 @@ def _grad_to_masters(leaf: torch.Tensor, masters: list[torch.Tensor]) -> None:
             p.grad += part
 
 
+def learner_runs_dequantized(x: torch.Tensor, qw: QuantizedWeight) -> bool:
+    """Whether the learner's aligned forward of ``qw`` on ``x`` is ``F.linear`` over the
+    dequantized weight: weight-only schemes wherever the engine's fast kernels run, at every
+    batch size. The engine runs that GEMM at prefill-sized M; at decode-sized M its low-bit
+    kernels take the same bf16 weight values and sum in another order, and the engine never
+    runs the learner's M anyway (it samples each token within a decode batch). One path for
+    every M also keeps each compiled layer region of the learner one graph: a short
+    micro-batch runs what the long ones run, with nothing compiled at its first use."""
+    sc = qw.scheme
+    return sc.quantizes_weights and sc.act_format == "none" and ops.uses_fast_path(x)
+
+
 def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, repacked: RepackCache,
                 leaf: _DequantizedLeaf, masters: list[torch.Tensor]) -> torch.Tensor:
     """The QAT forward of master weights ``masters`` stacked as ``qw``: ``F.linear`` on the
-    dequantized leaf where the engine runs that, else the autograd function."""
-    if ops.runs_dequantized(x, qw):
+    dequantized leaf for weight-only schemes (:func:`learner_runs_dequantized`), else the
+    autograd function."""
+    if learner_runs_dequantized(x, qw):
         return F.linear(x, leaf.get(qw, x.dtype, repacked, masters), bias)
     return _QATMatmul.apply(x, bias, qw, repacked, *masters)
 
@@ -276,9 +291,9 @@ def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache
     ``("dense", W_deq, bias)`` where the engine's GEMM is a matmul over the dequantized weight,
     ``("quantized_input", W_deq, bias, qdata, scales, zeros, scheme)`` for W8A8 / W4A8; the
     dequantized leaf carries the gradient to the masters either way. None for the rest
-    (weight-only kernels at small M, per-tensor scales)."""
+    (the reference kernels off the fast path, per-tensor scales)."""
     sc = qw.scheme
-    if ops.runs_dequantized(x, qw):
+    if learner_runs_dequantized(x, qw):
         return ("dense", leaf.get(qw, x.dtype, repacked, masters), bias)
     if sc.act_format in ("int8", "fp8") and not sc.per_tensor_scale:
         return ("quantized_input", leaf.get(qw, x.dtype, repacked, masters), bias, qw.qdata, qw.scales, qw.zeros,

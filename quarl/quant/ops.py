@@ -75,19 +75,6 @@ def quant_linear(
     return y.view(*lead, y.shape[-1])
 
 
-def runs_dequantized(x: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """Whether :func:`quant_linear` on ``x`` is ``F.linear`` over ``qw`` dequantized to
-    ``x.dtype`` (bias in the same call): weight-only schemes whose fast path picks the
-    ``dequant`` plan at this batch size."""
-    sc = qw.scheme
-    if not sc.quantizes_weights or sc.act_format != "none" or not uses_fast_path(x):
-        return False
-    from quarl.quant.kernels import dispatch
-
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return dispatch.pick(qw, m, x.device, x.dtype).kernel == "dequant"
-
-
 def _fast_quantized_input(xq: torch.Tensor) -> bool:
     return _backend != "reference" and triton_available() and (_backend == "triton" or xq.is_cuda)
 

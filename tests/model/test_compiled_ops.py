@@ -140,13 +140,13 @@ def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatc
     ``quarl::quantized_input_gemm`` op), runs as two compiled regions: no layer falls
     back to the step-by-step path, and the hidden states and every weight's gradient equal
     the eager forward's (which runs the same path outside a compiled region)."""
-    from quarl.quant import ops, quantize_model
+    from quarl.quant import linear, quantize_model
 
     model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=6)
     if scheme is not None:
         quantize_model(model, scheme)
     if scheme == "w4a16":
-        monkeypatch.setattr(ops, "runs_dequantized", lambda x, qw: True)
+        monkeypatch.setattr(linear, "learner_runs_dequantized", lambda x, qw: True)
     fallbacks = COMPILED_OPS.fallbacks
     ids = torch.randint(0, 50, (2, 11))
     mask = torch.ones(2, 11, dtype=torch.long)
