@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
         "hf-bf16/hf-fp32 write a plain HF model (UAQ undone); quarl-packed writes the low-bit "
         "tensors of quant.scheme that the rollout engine ran on (load with quarl.export.load_packed); "
         "compressed-tensors writes the same codes in the format vLLM and transformers load "
-        "(needs pip install compressed-tensors).",
+        "(needs pip install compressed-tensors). A LoRA run (model.lora_rank > 0) exports as peft "
+        "(adapter_config.json + adapter_model.safetensors) or hf-bf16/hf-fp32 with the adapters merged.",
     )
     p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT", help="run directory or checkpoints/step_NNNNNN")
     p.add_argument("--out", required=True, help="output directory (new or empty; see --force)")

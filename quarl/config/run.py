@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from quarl.config.typed import ConfigError, closest, from_dict, merge, parse_overrides, read_yaml
+from quarl.model.lora import DEFAULT_TARGETS as LORA_TARGETS
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import SCHEMES, QuantScheme
 from quarl.rollout.config import EngineConfig
@@ -40,6 +41,23 @@ class ModelConfig:
     builtin: Literal["tiny", "small", "100m"] = "small"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one; "builtin"
+    # LoRA (README, "LoRA on a low-bit base"): > 0 trains adapters of this rank on a frozen base held
+    # in quant.scheme (engine and learner share it); 0 = full fine-tune
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None = 2 * lora_rank (adapter scaling alpha / rank = 2)
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    @property
+    def lora_scale_alpha(self) -> float:
+        return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    def validate(self) -> None:
+        _at_least("model", self, 0, "lora_rank")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"model.lora_alpha must be > 0, got {self.lora_alpha} (or leave it unset: 2 * lora_rank)")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            raise ConfigError(f"model.lora_targets {self.lora_targets}: each must be one of {', '.join(LORA_TARGETS)}")
 
 
 @dataclass
@@ -232,6 +250,16 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> None:
+        if self.model.lora_rank:
+            if self.quant.mode is QuantMode.ROLLOUT:
+                raise ConfigError("model.lora_rank with quant.mode=rollout: a LoRA run's base is frozen in the "
+                                  "rollout scheme and shared by engine and learner; use quant.mode=aligned "
+                                  "(low-bit base) or quant.mode=bf16")
+            if self.algo.advantage == "gae":
+                raise ConfigError("model.lora_rank with algo.advantage=gae: the critic would be a full copy of "
+                                  "the model; use algo.advantage=grpo, dr_grpo or rloo with LoRA")
 
 
 def load_run_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -14,10 +14,11 @@ import torch
 from quarl.export.hf import (
     METADATA_FILE, copy_tokenizer, engine_scheme, export_hf, export_metadata, find_checkpoint, read_policy,
 )
+from quarl.export.lora import export_merged, export_peft, is_lora
 from quarl.export.packed import export_packed
 from quarl.model.loading import normal_permissions
 
-FORMATS = ("hf-bf16", "hf-fp32", "quarl-packed", "compressed-tensors")
+FORMATS = ("hf-bf16", "hf-fp32", "quarl-packed", "compressed-tensors", "peft")
 LOW_BIT = ("quarl-packed", "compressed-tensors")  # formats that quantize (and take --scheme)
 
 
@@ -50,6 +51,13 @@ def export_checkpoint(
     ckpt = read_policy(find_checkpoint(src, step))
     if ckpt.model_dir is not None and out.resolve() == ckpt.model_dir.resolve():
         raise ValueError(f"--out {out} is the run's own model.path; pick another directory")
+    lora = is_lora(ckpt)
+    if lora and fmt in LOW_BIT:
+        raise ValueError(f"{ckpt.path} is a LoRA run's checkpoint: export it as --format peft (the adapters) or "
+                         f"hf-bf16 / hf-fp32 (merged into the base), not {fmt}")
+    if fmt == "peft" and not lora:
+        raise ValueError(f"{ckpt.path} is a full fine-tune (model.lora_rank=0): there are no adapters to export "
+                         "as peft; use --format hf-bf16")
     weights_scheme = engine_scheme(ckpt, scheme, fmt) if fmt in LOW_BIT else None
     if fmt == "compressed-tensors":
         from quarl.export.compressed import quantization_scheme
@@ -66,6 +74,10 @@ def export_checkpoint(
             from quarl.export.compressed import export_compressed
 
             export_compressed(ckpt, tmp, weights_scheme, metadata)
+        elif fmt == "peft":
+            export_peft(ckpt, tmp, metadata)
+        elif lora:
+            export_merged(ckpt, tmp, torch.bfloat16 if fmt == "hf-bf16" else torch.float32, metadata)
         else:
             export_hf(ckpt, tmp, torch.bfloat16 if fmt == "hf-bf16" else torch.float32, metadata)
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str))

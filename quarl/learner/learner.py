@@ -23,6 +23,7 @@ from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
 from quarl.model.compiled_ops import COMPILED_OPS
+from quarl.model.lora import adapters_disabled, has_lora
 from quarl.model.transformer import TORCH_OPS, Transformer, batch_attention
 from quarl.quant.linear import deferred_master_grads, drop_dequantized
 
@@ -103,7 +104,13 @@ class Learner:
     # ---- forward passes -------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, token_budget: int, temperature: float = 1.0, ref: bool = False):
-        """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference)."""
+        """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference: the
+        ``ref_model``, or for a LoRA policy without one its base, adapters off)."""
+        if ref and self.ref_model is None:
+            if not has_lora(self.model):
+                raise ValueError("no reference model: pass ref_model (algo.kl_coef > 0 needs one)")
+            with adapters_disabled(self.model):
+                return self.logprobs(batch, token_budget, temperature)
         model = self.ref_model if ref else self.model
 
         def logp(mb: RolloutBatch) -> torch.Tensor:
@@ -247,7 +254,7 @@ class Learner:
     # ---- state ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = {
-            "model": self.model.state_dict(),
+            "model": self._model_state(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
@@ -260,8 +267,23 @@ class Learner:
                 sd["critic_master"] = self.critic_master.state_dict()
         return sd
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The policy's state: all of it, or for a LoRA policy its adapters alone (the frozen
+        base is rebuilt from the run's config and never changes)."""
+        if not has_lora(self.model):
+            return self.model.state_dict()
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
     def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"])
+        if has_lora(self.model):
+            want = set(self._model_state())
+            if set(sd["model"]) != want:
+                missing, extra = sorted(want - set(sd["model"])), sorted(set(sd["model"]) - want)
+                raise KeyError(f"the checkpoint's adapters do not match this LoRA model (missing {missing[:3]}, "
+                               f"unexpected {extra[:3]}): it was written with other model.lora_* settings")
+            self.model.load_state_dict(sd["model"], strict=False)
+        else:
+            self.model.load_state_dict(sd["model"])
         if self.master is not None:
             self.master.load_state_dict(sd["master"])
         self.optimizer.load_state_dict(sd["optimizer"])

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quarl.model.lora import apply_adapter
 from quarl.quant import ops
 from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -70,6 +71,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, t)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         self.repacked = RepackCache()  # kernel layouts of the weight (w4 fragment order)
+        self.learner_path = False  # True: the frozen base of a LoRA learner (forward's docstring)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QuantLinear":
@@ -105,10 +107,39 @@ class QuantLinear(nn.Module):
         cache.refresh(target, rows if was_fresh else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.quant_linear(x, self.qweight, self.bias, self.repacked)
+        """The engine's GEMM on the packed weight, plus the module's LoRA adapter if it has one
+        (``self.lora``, :mod:`quarl.model.lora`). With ``learner_path`` set (the frozen base of a
+        LoRA learner), the GEMM is :class:`_FrozenQuantMatmul`: differentiable in ``x``."""
+        if self.learner_path:
+            y = _FrozenQuantMatmul.apply(x, self.bias, self.qweight, self.repacked)
+        else:
+            y = ops.quant_linear(x, self.qweight, self.bias, self.repacked)
+        return apply_adapter(self, x, y)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
+
+
+class _FrozenQuantMatmul(torch.autograd.Function):
+    """A frozen low-bit linear that the gradient passes through to its input (the base of a
+    LoRA learner). Forward: what :class:`QATLinear` runs for the same weight (``F.linear`` over
+    the dequantized weight for weight-only schemes on the fast path, the engine's kernel
+    otherwise). Backward: ``grad_x = grad_y @ deq(W)`` (straight-through for W8A8), the
+    weight dequantized again rather than kept: a layer's dense weight lives only while its
+    GEMM runs, so a large base never exists in bf16 as a whole."""
+
+    @staticmethod
+    def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
+        ctx.qw, ctx.x_dtype = qw, x.dtype
+        if learner_runs_dequantized(x, qw):
+            return F.linear(x, ops.dequantize(qw, x.dtype), bias)
+        return ops.quant_linear(x, qw, bias, repacked)
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        w = ops.dequantize(ctx.qw, grad_y.dtype)
+        grad_x = (grad_y.reshape(-1, grad_y.shape[-1]) @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
+        return grad_x, None, None, None
 
 
 class _QATMatmul(torch.autograd.Function):
@@ -441,9 +472,10 @@ class QATGroup:
 def stackable(mods: list[nn.Module], layer: type) -> bool:
     """Whether ``mods`` can run as one GEMM over their weights stacked by rows: all of type
     ``layer`` (:class:`QuantLinear` in the engine, :class:`QATLinear` in the learner), one
-    scheme and input width, all with or all without a bias, and no per-tensor scale."""
+    scheme and input width, all with or all without a bias, no per-tensor scale, and no LoRA
+    adapter (a fused GEMM would leave it out)."""
     first = mods[0]
-    return (all(type(m) is layer for m in mods)
+    return (all(type(m) is layer and getattr(m, "lora", None) is None for m in mods)
             and all(m.scheme == first.scheme and m.in_features == first.in_features for m in mods)
             and len({m.bias is None for m in mods}) == 1 and not first.scheme.per_tensor_scale)
 

@@ -57,7 +57,7 @@ from quarl.trainer.resume import check_config_change, existing_run
 from quarl.runtime import matmul_rate
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
-from quarl.trainer.weights import build_engine_and_publisher
+from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
 
 
 class TrainingAborted(RuntimeError):
@@ -93,7 +93,13 @@ class Trainer:
         base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say,
                                 console)
 
-        self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config())
+        m = cfg.model
+        lora = LoRASettings(m.lora_rank, m.lora_scale_alpha, tuple(m.lora_targets)) if m.lora_rank else None
+        if lora is not None and cfg.algo.kl_coef > 0:
+            ref = None  # the reference of a LoRA policy is its base: the adapters switched off
+        else:
+            ref = copy.deepcopy(base).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config(), lora)
         if self.engine.runner.dense_weight_bytes:
             self._say(f"engine keeps its {cfg.quant.scheme.name} weights dense too: "
                       f"{self.engine.runner.dense_weight_bytes / 2**30:.1f} GB (rollout.engine.dense_weights)")
@@ -102,7 +108,6 @@ class Trainer:
         # None: decided after the first learner phase (GPU, auto); on CPU the cache is host memory
         self._keep_kv = {"keep": True, "release": False}.get(
             cfg.rollout.kv_cache_in_update, True if self.device.type != "cuda" else None)
-        ref = copy.deepcopy(base).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         critic = Critic(base) if cfg.algo.advantage == "gae" else None
         self.learner = Learner(
             self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,

@@ -15,11 +15,13 @@ models these are estimated on up to four decoder layers (first, two middle, last
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
 
 from quarl.config import QuantConfig
+from quarl.model.lora import adapter_state_dict, add_lora
 from quarl.model.transformer import Transformer
 from quarl.quant import (
     QATLinear,
@@ -36,8 +38,8 @@ from quarl.rollout import Engine, EngineConfig
 
 
 def build_engine_and_publisher(
-    learner_model: Transformer, quant: QuantConfig, engine_config: EngineConfig
-) -> tuple[Engine, "Publisher"]:
+    learner_model: Transformer, quant: QuantConfig, engine_config: EngineConfig, lora: LoRASettings | None = None,
+) -> tuple[Engine, "Publisher | LoRAPublisher"]:
     """The one place where the quantization mode shapes the models.
 
     The engine gets a copy of ``learner_model`` in ``quant.scheme`` (bf16 in ``bf16``
@@ -46,13 +48,92 @@ def build_engine_and_publisher(
     the learner's attention rounds K/V as that cache does (``learner_model.kv_quant``).
     In ``bf16`` / ``rollout`` mode the learner stays full precision: the fp8 cache is then
     part of the rollout-only mismatch. The publisher keeps the engine equal to the learner.
+    With ``lora`` the base is frozen and shared instead (:func:`build_lora_engine`).
     """
+    if lora is not None:
+        return build_lora_engine(learner_model, quant, engine_config, lora)
     engine = Engine(copy.deepcopy(learner_model), scheme=quant.scheme, config=engine_config,
                     include=quant.include, exclude=quant.exclude)
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
     learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
     return engine, Publisher(learner_model, engine, quant.mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASettings:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+
+def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: EngineConfig,
+                      lora: LoRASettings) -> tuple[Engine, "LoRAPublisher"]:
+    """A LoRA run (README, "LoRA on a low-bit base"): ``model``'s selected linears become
+    frozen :class:`QuantLinear` in ``quant.scheme`` (left plain in ``bf16`` mode, or kept if
+    they already are: a base loaded quantized), every parameter is frozen, and the target
+    linears get adapters. The engine's model shares every frozen tensor with the learner's:
+    after the engine has fused its projections, the learner's linears are pointed at the
+    engine's buffers, so one copy of the base exists. Only the adapters are the engine's own,
+    refreshed by the publisher. The learner's base linears run :class:`_FrozenQuantMatmul`
+    (``learner_path``): the engine's weights, a gradient to their input, none to them."""
+    if quant.scheme.quantizes_weights or quant.scheme.quantizes_activations:
+        quantize_model(model, quant.scheme, QuantLinear, include=quant.include, exclude=quant.exclude)
+    add_lora(model, lora.rank, lora.alpha, lora.targets)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen += [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False)]
+    engine_model = copy.deepcopy(model, memo={id(t): t for t in frozen})
+    engine = Engine(engine_model, scheme=quant.scheme, config=engine_config, include=quant.include,
+                    exclude=quant.exclude)
+    share_frozen(model, engine.model)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.learner_path = True
+    model.kv_quant = "fp8" if engine_config.kv_cache_dtype == "fp8" else None
+    return engine, LoRAPublisher(model, engine)
+
+
+@torch.no_grad()
+def share_frozen(learner: nn.Module, engine_model: nn.Module) -> None:
+    """Point ``learner``'s frozen tensors at ``engine_model``'s where the engine re-made them
+    (its fused q/k/v and gate/up buffers, whose row blocks became its modules' tensors): the
+    same values, one copy. Trainable tensors (the adapters) stay the learner's own."""
+    engine_mods = dict(engine_model.named_modules())
+    for name, mod in learner.named_modules():
+        twin = engine_mods.get(name)
+        if twin is None:
+            continue
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            other = getattr(twin, pname, None)
+            if not p.requires_grad and isinstance(other, torch.Tensor) and other is not p:
+                setattr(mod, pname, other if isinstance(other, nn.Parameter) else nn.Parameter(other, False))
+        if isinstance(mod, QuantLinear):
+            for f in mod._fields:
+                setattr(mod, f, getattr(twin, f))
+
+
+class LoRAPublisher:
+    """Keeps the engine's adapters equal to the learner's: a publish copies the adapter tensors
+    (``A`` and ``B`` of every adapted linear) into the engine's in place; the base is shared
+    and never moves."""
+
+    mode = None
+
+    def __init__(self, learner_model: nn.Module, engine: Engine) -> None:
+        self.learner_model = learner_model
+        self.engine = engine
+        self.last_bytes = 0
+
+    @torch.no_grad()
+    def published(self) -> dict[str, torch.Tensor]:
+        return adapter_state_dict(self.learner_model)
+
+    @torch.no_grad()
+    def publish(self) -> dict[str, float]:
+        pub = self.published()
+        self.engine.load_weights(pub)
+        self.last_bytes = sum(t.numel() * t.element_size() for t in pub.values())
+        return {"publish/bytes": float(self.last_bytes)}
 
 
 def learner_kv_quant(mode: QuantMode, kv_cache_dtype: str) -> str | None:

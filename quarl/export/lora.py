@@ -1,0 +1,127 @@
+"""Exports of a LoRA run (``model.lora_rank > 0``), whose checkpoints hold the adapters alone.
+
+* ``peft``: ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's layout, for
+  ``PeftModel.from_pretrained(<transformers model of model.path>, DIR)``. With UAQ the
+  adapters saw inputs scaled by ``s`` (the norms before q/k/v and gate/up carry it), so
+  their ``A`` of those linears is multiplied by ``s`` here: the export fits the plain model.
+  A run on a low-bit base trained its adapters against the dequantized base; on the
+  original bf16 weights they give the trained function up to the base's quantization error.
+* ``hf-bf16`` / ``hf-fp32``: the merged model, ``deq(W) + (alpha / r) B A`` for every adapted
+  linear, over the base the run trained on: rebuilt from ``model.path`` (or the built-in
+  model: the run's warm-start cache, or its seeded random init), UAQ applied as in training,
+  the selected linears quantized in the run's scheme (``aligned`` mode), then UAQ removed
+  from the merged weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from quarl.export.hf import PolicyCheckpoint, metadata_header
+from quarl.model.loading import CheckpointError, load_model, save_model
+from quarl.model.lora import DEFAULT_TARGETS, LoRALinear, add_lora, lora_modules, merged_weight, peft_config, \
+    peft_state_dict
+from quarl.model.transformer import Transformer
+
+
+def is_lora(ckpt: PolicyCheckpoint) -> bool:
+    return int(ckpt.section("model").get("lora_rank") or 0) > 0
+
+
+def _lora_settings(ckpt: PolicyCheckpoint) -> tuple[int, float, tuple[str, ...]]:
+    m = ckpt.section("model")
+    rank = int(m["lora_rank"])
+    alpha = float(m["lora_alpha"]) if m.get("lora_alpha") is not None else 2.0 * rank
+    return rank, alpha, tuple(m.get("lora_targets") or DEFAULT_TARGETS)
+
+
+def _base_model(ckpt: PolicyCheckpoint) -> Transformer:
+    """The run's frozen base in float32, as the trainer built it (before quantization)."""
+    from quarl.model.presets import build_random_model
+
+    model_dir = ckpt.model_dir
+    if model_dir is not None:
+        return load_model(model_dir, dtype=torch.float32)
+    trainer = ckpt.section("trainer")
+    if int(trainer.get("sft_warmup_steps") or 0) > 0:
+        cache = ckpt.path.parents[1] / "warmstart"
+        if not (cache / "config.json").is_file():
+            raise FileNotFoundError(f"the run's base is its warm-started built-in model, cached in {cache}, which is "
+                                    "gone; a LoRA checkpoint holds only the adapters, so restore that directory")
+        return load_model(cache, dtype=torch.float32)
+    return build_random_model(ckpt.arch, seed=int(trainer.get("seed") or 0), dtype=torch.float32)
+
+
+def lora_policy(ckpt: PolicyCheckpoint) -> Transformer:
+    """The trained policy of a LoRA checkpoint: its base (quantized as in training) plus the adapters."""
+    from quarl.quant import QuantLinear, apply_uaq, get_scheme, quantize_model
+
+    rank, alpha, targets = _lora_settings(ckpt)
+    model = _base_model(ckpt)
+    uaq = ckpt.uaq_scale
+    if uaq != 1.0:
+        apply_uaq(model, uaq)
+    quant = ckpt.section("quant")
+    if quant.get("mode") == "aligned":
+        quantize_model(model, get_scheme(quant["scheme"]), QuantLinear, include=quant.get("include"),
+                       exclude=quant.get("exclude") or ())
+    add_lora(model, rank, alpha, targets, dtype=torch.float32)
+    state = {k: v.float() for k, v in ckpt.state.items()}
+    missing = sorted(set(n for n, p in model.named_parameters() if p.requires_grad) - set(state))
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: adapters missing from the checkpoint: {', '.join(missing[:4])}")
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def export_peft(ckpt: PolicyCheckpoint, out: Path, metadata: dict) -> None:
+    """Write the adapters in PEFT's format (module docstring), in the dtype they trained in."""
+    from quarl.quant.uaq import ATTN_INPUTS, MLP_INPUTS
+
+    rank, alpha, targets = _lora_settings(ckpt)
+    dtype = next(iter(ckpt.state.values())).dtype
+    with torch.device("meta"):
+        holder = Transformer(ckpt.arch)
+    add_lora(holder, rank, alpha, targets)
+    holder.load_state_dict({k: v.float() for k, v in ckpt.state.items()}, strict=False, assign=True)
+    uaq = ckpt.uaq_scale
+    if uaq != 1.0:
+        for name, _, ad in lora_modules(holder):
+            if name.rpartition(".")[2] in ATTN_INPUTS + MLP_INPUTS:
+                ad.A = nn.Parameter(ad.A.detach() * uaq, requires_grad=False)
+    save_file(peft_state_dict(holder, dtype), str(out / "adapter_model.safetensors"), metadata=metadata_header(metadata))
+    config = peft_config(holder, str(ckpt.model_dir) if ckpt.model_dir is not None else None)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def export_merged(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype, metadata: dict) -> None:
+    """Write the merged policy (module docstring) as a plain HF checkpoint in ``dtype``."""
+    from quarl.quant import remove_uaq
+
+    model = lora_policy(ckpt)
+    _dense_linears(model)
+    if ckpt.uaq_scale != 1.0:
+        remove_uaq(model, ckpt.uaq_scale)
+    save_model(model, out, dtype=dtype, metadata=metadata_header(metadata))
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _dense_linears(model: nn.Module) -> None:
+    """Replace every adapted or quantized linear by a plain one holding its merged weight."""
+    from quarl.quant import QuantLinear
+
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, (QuantLinear, LoRALinear)):
+            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            dense.weight = nn.Parameter(merged_weight(mod, torch.float32), requires_grad=False)
+            if mod.bias is not None:
+                dense.bias = nn.Parameter(mod.bias.detach().float(), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, dense)

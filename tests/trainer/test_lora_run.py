@@ -1,0 +1,126 @@
+"""LoRA runs end to end: the shared frozen base, adapter-only publish, resume, exports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quarl.config import load_run_config
+from quarl.learner.logprobs import sequence_logprobs
+from quarl.model.lora import lora_modules
+from quarl.quant import QuantLinear
+from quarl.rollout import EngineConfig, SamplingParams
+from quarl.trainer import checkpoint as ckpt
+from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
+from tests.model.test_lora import _randomize_adapters, _tiny
+from tests.trainer.test_train_e2e import TINY, _train
+
+LORA = ["--model.lora_rank=4", "--model.lora_alpha=8", "--trainer.sft_warmup_steps=0"]
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8-fp8"])
+def test_engine_and_learner_share_the_base_and_publish_moves_only_adapters(scheme):
+    cfg = load_run_config(None, [f"--quant.scheme={scheme}"])
+    model = _tiny(seed=1)
+    engine, pub = build_engine_and_publisher(model, cfg.quant, EngineConfig(num_kv_blocks=64, max_model_len=128),
+                                             LoRASettings(4, 8.0, ("q_proj", "v_proj", "down_proj")))
+    learner_q = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    engine_q = {n: m for n, m in engine.model.named_modules() if isinstance(m, QuantLinear)}
+    assert learner_q.keys() == engine_q.keys() and learner_q
+    for n, m in learner_q.items():  # one copy of the packed base: the learner reads the engine's buffers
+        assert m.qdata.data_ptr() == engine_q[n].qdata.data_ptr() and m.learner_path and not engine_q[n].learner_path
+    assert model.embed_tokens.weight.data_ptr() == engine.model.embed_tokens.weight.data_ptr()
+
+    _randomize_adapters(model, seed=3, scale=0.3)
+    base_before = {n: m.qdata.clone() for n, m in engine_q.items()}
+    loaded = []
+    real_load = engine.load_weights
+    engine.load_weights = lambda published: (loaded.append(dict(published)), real_load(published))[1]
+    metrics = pub.publish()
+    (published,) = loaded
+    adapter_bytes = sum(ad.A.numel() * ad.A.element_size() + ad.B.numel() * ad.B.element_size()
+                        for _, _, ad in lora_modules(model))
+    assert set(published) == {f"{n}.lora.{p}" for n, _, _ in lora_modules(model) for p in "AB"}
+    assert metrics["publish/bytes"] == adapter_bytes
+    assert all(torch.equal(base_before[n], m.qdata) for n, m in engine_q.items())
+    for n, _, ad in lora_modules(engine.model):
+        assert torch.equal(ad.A, model.get_submodule(n).lora.A) and ad.A.data_ptr() != model.get_submodule(n).lora.A.data_ptr()
+
+    # the engine samples with the adapters: its log-probs are the learner's (aligned by construction)
+    comps = engine.generate([[3, 5, 7, 9]], [SamplingParams(n=4, max_new_tokens=10, seed=5)])
+    for c in comps:
+        ids = torch.tensor([[3, 5, 7, 9, *c.token_ids]])
+        with torch.no_grad():
+            logp = sequence_logprobs(model, ids, torch.ones_like(ids))[0][0, 3:]
+        torch.testing.assert_close(logp, torch.tensor(c.logprobs, dtype=logp.dtype), rtol=0, atol=2e-5)
+
+
+def test_lora_run_resumes_exactly_and_checkpoints_hold_only_adapters(tmp_path):
+    _, straight = _train(tmp_path / "a", *LORA, "--trainer.save_every=2", steps=4)
+    _train(tmp_path / "b", *LORA, "--trainer.save_every=2", steps=2)
+    _, resumed = _train(tmp_path / "b", *LORA, "--trainer.save_every=2", steps=4, resume=True)
+    volatile = ("time/", "rollout/tokens_per_s", "memory/", "perf/")
+    strip = [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in straight]
+    assert strip == [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in resumed]
+    assert straight[-1]["mismatch/kl_k3"] < 1e-9  # w4a16 base: engine and learner run the same math
+    wa = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "a"))["learner"]["model"]
+    wb = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "b"))["learner"]["model"]
+    assert set(wa) == set(wb) and all(k.endswith((".lora.A", ".lora.B")) for k in wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(wa[k].abs().sum() > 0 for k in wa if k.endswith(".lora.B"))  # the adapters trained
+
+
+def test_lora_exports_merged_and_peft(tmp_path):
+    """A LoRA run on a local HF checkpoint exports (a) merged weights that transformers loads
+    with the run's policy logits, (b) PEFT adapter files that PEFT loads onto the base with
+    the same logits (bf16 base: exact up to float32 sums)."""
+    import transformers as tf
+    from peft import PeftModel
+
+    from quarl.export.hf import find_checkpoint, read_policy
+    from quarl.export.lora import lora_policy
+    from quarl.export.run import export_checkpoint
+    from tests.hf_models import make_hf_checkpoint
+
+    make_hf_checkpoint("qwen2", tmp_path / "base", seed=2, vocab_size=128)
+    base_args = [f"--model.path={tmp_path / 'base'}", "--model.tokenizer=builtin", "--trainer.save_every=2",
+                 "--optim.lr=3e-2"]
+    ids = torch.randint(3, 60, (2, 12))
+    for mode in ("bf16", "aligned"):
+        run = tmp_path / f"run_{mode}"
+        _train(run, *LORA, *base_args, f"--quant.mode={mode}", steps=2)
+        policy = lora_policy(read_policy(find_checkpoint(run)))
+        with torch.no_grad():
+            ours = policy(ids)
+        export_checkpoint(run, tmp_path / f"merged_{mode}", "hf-fp32")
+        merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"merged_{mode}", torch_dtype=torch.float32)
+        with torch.no_grad():
+            theirs = merged(ids).logits
+        assert (ours - theirs).abs().max() / theirs.abs().max() < 1e-5
+        export_checkpoint(run, tmp_path / f"peft_{mode}", "peft")
+        cfg = json.loads((tmp_path / f"peft_{mode}" / "adapter_config.json").read_text())
+        assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["base_model_name_or_path"] == str(tmp_path / "base")
+        if mode == "bf16":
+            hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
+            peft_model = PeftModel.from_pretrained(hf, tmp_path / "peft_bf16").eval()
+            with torch.no_grad():
+                theirs = peft_model(ids).logits
+                with peft_model.disable_adapter():
+                    plain = peft_model(ids).logits
+            assert (ours - theirs).abs().max() / theirs.abs().max() < 1e-5
+            assert (ours - plain).abs().max() > 1e-4  # the trained adapters change the logits
+    with pytest.raises(ValueError, match="LoRA run"):
+        export_checkpoint(tmp_path / "run_aligned", tmp_path / "packed", "quarl-packed")
+
+
+def test_lora_config_errors():
+    from quarl.config.typed import ConfigError
+
+    with pytest.raises(ConfigError, match="quant.mode=rollout"):
+        load_run_config(None, ["--model.lora_rank=8", "--quant.mode=rollout"])
+    with pytest.raises(ConfigError, match="lora_targets"):
+        load_run_config(None, ["--model.lora_rank=8", "--model.lora_targets=[qproj]"])
+    with pytest.raises(ConfigError, match="algo.advantage=gae"):
+        load_run_config(None, ["--model.lora_rank=8", "--algo.advantage=gae"])
