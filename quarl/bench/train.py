@@ -60,6 +60,9 @@ WORKLOADS: dict[str, Workload] = {
     "w1": Workload("qwen2.5-1.5b", prompts=16, n=8, gen=1024, token_budget=6144),
     # W1-long: ~256k generated tokens per step, half the step in the learner
     "w1-long": Workload("qwen2.5-1.5b", prompts=8, n=8, gen=4096, token_budget=8192, steps=4),
+    # [L]: LoRA rank 64 on a Qwen2.5-7B-shape base, 64 rollouts x 1024 tokens (compare bf16 and aligned-w4a16)
+    "lora-7b": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=4096, steps=3,
+                        extra=("--model.lora_rank=64",)),
     # a quick check that everything runs (seconds per mode on a GPU)
     "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
 }
