@@ -35,23 +35,28 @@ def test_lora_engine_logprobs_match_the_learner(scheme):
                                              LoRASettings(16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                      "gate_proj", "up_proj", "down_proj")))
     g = torch.Generator(device="cuda").manual_seed(1)
+    prompts = [[int(t) for t in torch.randint(5, 900, (12,), generator=g, device="cuda")] for _ in range(8)]
+
+    def gaps():
+        comps = engine.generate(prompts, [SamplingParams(n=4, max_new_tokens=64, seed=i) for i in range(8)])
+        out = []
+        for c in comps:
+            p = prompts[c.prompt_index]
+            ids = torch.tensor([p + list(c.token_ids)], device="cuda")
+            with torch.no_grad():
+                logp = sequence_logprobs(model, ids, torch.ones_like(ids))[0][0, len(p) - 1:]
+            out.append((logp.float().cpu() - torch.tensor(c.logprobs)).abs())
+        return torch.cat(out), comps
+
+    base_gap, _ = gaps()  # B = 0: the base alone, the engine's usual bf16 summation-order noise
     with torch.no_grad():
         for _, _, ad in lora_modules(model):
             ad.A.copy_(0.02 * torch.randn(ad.A.shape, generator=g, device="cuda"))
             ad.B.copy_(0.02 * torch.randn(ad.B.shape, generator=g, device="cuda"))
     pub.publish()
-    prompts = [[int(t) for t in torch.randint(5, 900, (12,), generator=g, device="cuda")] for _ in range(8)]
-    comps = engine.generate(prompts, [SamplingParams(n=4, max_new_tokens=64, seed=i) for i in range(8)])
-    gaps = []
-    for c in comps:
-        p = prompts[c.prompt_index]
-        ids = torch.tensor([p + list(c.token_ids)], device="cuda")
-        with torch.no_grad():
-            logp = sequence_logprobs(model, ids, torch.ones_like(ids))[0][0, len(p) - 1:]
-        gaps.append((logp.float().cpu() - torch.tensor(c.logprobs)).abs())
-    gap = torch.cat(gaps)
-    # bf16 summation-order noise only (engine decode GEMMs vs the learner's prefill-sized ones)
-    assert gap.mean() < 2e-2 and gap.max() < 0.5, (float(gap.mean()), float(gap.max()))
+    gap, comps = gaps()
+    # the adapters add no mismatch of their own beyond the base's
+    assert gap.mean() < 1.5 * base_gap.mean() + 2e-3, (float(gap.mean()), float(base_gap.mean()))
     # the learner's gradient reaches every adapter through the frozen base
     ids = torch.tensor([prompts[0] + list(comps[0].token_ids)], device="cuda")
     sequence_logprobs(model, ids, torch.ones_like(ids))[0].sum().backward()
