@@ -126,20 +126,18 @@ class _FrozenQuantMatmul(torch.autograd.Function):
     the dequantized weight for weight-only schemes on the fast path, the engine's kernel
     otherwise). Backward: ``grad_x = grad_y @ deq(W)`` (straight-through for W8A8), the
     weight dequantized again rather than kept: a layer's dense weight lives only while its
-    GEMM runs, so a large base never exists in bf16 as a whole. Where the dense base fits, the
-    module's ``repacked`` cache keeps it through the learner phase instead (``keep_dequantized``,
-    set by the trainer; freed by :func:`drop_dequantized`): dequantized once per step."""
+    GEMM runs, so a large base never exists in bf16 as a whole."""
 
     @staticmethod
     def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
-        ctx.qw, ctx.x_dtype, ctx.repacked = qw, x.dtype, repacked
+        ctx.qw, ctx.x_dtype = qw, x.dtype
         if learner_runs_dequantized(x, qw):
-            return F.linear(x, repacked.dequantized(qw, x.dtype, ops.dequantize), bias)
+            return F.linear(x, ops.dequantize(qw, x.dtype), bias)
         return ops.quant_linear(x, qw, bias, repacked)
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
-        w = ctx.repacked.dequantized(ctx.qw, grad_y.dtype, ops.dequantize)
+        w = ops.dequantize(ctx.qw, grad_y.dtype)
         grad_x = (grad_y.reshape(-1, grad_y.shape[-1]) @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
         return grad_x, None, None, None
 
@@ -548,13 +546,9 @@ def _qat_holders(model: nn.Module) -> Iterator[QATLinear | QATGroup]:
 
 
 def drop_dequantized(model: nn.Module) -> None:
-    """Free the dequantized weights the model's :class:`QATLinear` (and a LoRA learner's frozen
-    :class:`QuantLinear` base) keep during an update."""
+    """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
     for holder in _qat_holders(model):
         holder.drop_dequantized()
-    for mod in model.modules():
-        if isinstance(mod, QuantLinear) and mod.learner_path:
-            mod.repacked.drop_dequantized()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ from torch import nn
 from quarl.config import QuantConfig
 from quarl.model.lora import adapter_state_dict, add_lora
 from quarl.model.transformer import Transformer
-from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant import (
     QATLinear,
     QuantLinear,
@@ -87,26 +86,11 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
     engine = Engine(engine_model, scheme=quant.scheme, config=engine_config, include=quant.include,
                     exclude=quant.exclude)
     share_frozen(model, engine.model)
-    keep = keep_dense_base(model, quant)
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.learner_path = True
-            m.repacked = RepackCache(keep_dequantized=keep)
     model.kv_quant = "fp8" if engine_config.kv_cache_dtype == "fp8" else None
     return engine, LoRAPublisher(model, engine)
-
-
-def keep_dense_base(model: nn.Module, quant: QuantConfig, share: float = 0.2) -> bool:
-    """Whether a LoRA learner keeps its low-bit base dequantized through each learner phase
-    (made once per step instead of twice per micro-batch): on CUDA, for weight-only schemes,
-    when the dense copy takes at most ``share`` of the GPU's memory (a 7B base on an 80 GB
-    GPU: yes; 32B: no, its layers are dequantized one GEMM at a time)."""
-    sc = quant.scheme
-    dev = next(model.parameters()).device
-    if dev.type != "cuda" or not sc.quantizes_weights or sc.act_format != "none":
-        return False
-    dense = sum(m.in_features * m.out_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
-    return dense <= share * torch.cuda.get_device_properties(dev).total_memory
 
 
 @torch.no_grad()
