@@ -1,7 +1,8 @@
-"""quarl's decoder-only transformer and HF checkpoint I/O."""
+"""quarl's decoder-only transformer and HF checkpoint I/O (also straight into packed low-bit linears)."""
 
 from quarl.model.config import SUPPORTED_MODEL_TYPES, ModelConfigError, TransformerConfig
 from quarl.model.loading import CheckpointError, load_model, save_model
+from quarl.model.quantized_loading import load_quantized_model
 from quarl.model.transformer import Transformer, batch_attention
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "TransformerConfig",
     "batch_attention",
     "load_model",
+    "load_quantized_model",
     "save_model",
 ]

@@ -80,15 +80,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} has config.json but no *.safetensors weights")
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a :class:`Transformer` parameter (decoder tensors under ``model.``)."""
     return name if name.startswith("lm_head") else "model." + name
 
 
-def load_model(
-    path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
-) -> Transformer:
-    """Build the transformer described by ``path/config.json`` and load its weights."""
-    path = Path(path)
+def checkpoint_config(path: Path) -> TransformerConfig:
+    """The architecture in ``path/config.json``; refuses checkpoints that are already quantized."""
     cfg = TransformerConfig.from_dir(path)
     raw = json.loads((path / "config.json").read_text())
     if raw.get("quantization_config"):
@@ -97,33 +95,43 @@ def load_model(
             f"{path}: checkpoint is quantized ({method}); quarl.load_model expects BF16/FP32 weights. "
             "Load the full-precision checkpoint and pick a scheme with quant.scheme instead"
         )
-    dtype = dtype or torch.float32
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {_hf_name(n): p for n, p in model.named_parameters()}
-    state: dict[str, torch.Tensor] = {}
+    return cfg
+
+
+def open_weights(file: Path):
+    """``safe_open`` on CPU, with a damaged file reported as a :class:`CheckpointError` naming it."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise damaged_file_error(file, e) from e
+
+
+def checkpoint_plan(
+    path: Path, cfg: TransformerConfig, expected: dict[str, tuple[int, ...]]
+) -> list[tuple[Path, list[str]]]:
+    """Which file holds each tensor of ``expected`` (HF name -> shape), grouped by file in the
+    order the files list them. Only the safetensors headers are read. Raises one
+    :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor (the last two
+    with their file)."""
+    where: dict[str, Path] = {}
     unexpected: list[str] = []
     mis_shaped: dict[str, str] = {}
     for file in checkpoint_files(path):
-        try:
-            f = safe_open(str(file), framework="pt", device="cpu")
-        except SafetensorError as e:
-            raise damaged_file_error(file, e) from e
-        with f:
+        with open_weights(file) as f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
                 if key == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # some tied checkpoints still store a copy
                 if key not in expected:
-                    unexpected.append(key)
+                    unexpected.append(f"{key} (in {file.name})")
                     continue
-                t = f.get_tensor(key)
-                if tuple(t.shape) != tuple(expected[key].shape):
-                    mis_shaped[key] = f"{key}: checkpoint {tuple(t.shape)} vs model {tuple(expected[key].shape)}"
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[key]):
+                    mis_shaped[key] = f"{key}: checkpoint {shape} vs model {tuple(expected[key])} (in {file.name})"
                     continue
-                state[key] = t.to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(state) - set(mis_shaped))
+                where[key] = file
+    missing = sorted(set(expected) - set(where) - set(mis_shaped))
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
@@ -133,7 +141,28 @@ def load_model(
         problems.append("mis-shaped tensors: " + "; ".join(list(mis_shaped.values())[:10]))
     if problems:
         raise CheckpointError(f"{path} does not match its config.json ({cfg.model_type}): " + " | ".join(problems))
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=False, assign=True)
+    by_file: dict[Path, list[str]] = {}
+    for key, file in where.items():
+        by_file.setdefault(file, []).append(key)
+    return list(by_file.items())
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
+    """Build the transformer described by ``path/config.json`` and load its weights."""
+    path = Path(path)
+    cfg = checkpoint_config(path)
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    plan = checkpoint_plan(path, cfg, {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()})
+    state: dict[str, torch.Tensor] = {}
+    for file, keys in plan:
+        with open_weights(file) as f:
+            for key in keys:
+                state[key.removeprefix("model.")] = f.get_tensor(key).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
     model.rotary = Rotary(cfg).to(device)
     return model.eval()
 
@@ -149,7 +178,7 @@ def save_model(
     tensors = {}
     for name, p in model.named_parameters():
         t = p.detach()
-        tensors[_hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
+        tensors[hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": "pt"})
     normal_permissions(tmp)

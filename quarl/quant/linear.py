@@ -523,18 +523,20 @@ def quantize_model(
     scheme = get_scheme(scheme)
     if layer not in (QATLinear, QuantLinear):
         raise ValueError(f"layer must be QATLinear or QuantLinear, got {layer!r}")
-    include = tuple(DEFAULT_INCLUDE if include is None else include)
-    exclude = tuple(exclude)
-    targets = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if type(mod) is nn.Linear and _selected(name, include, exclude)
-    ]
-    for name, mod in targets:
+    targets = selected_linears(model, include, exclude)
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.from_linear(mod, scheme))
-    return [name for name, _ in targets]
+        setattr(parent, child, layer.from_linear(model.get_submodule(name), scheme))
+    return targets
+
+
+def selected_linears(model: nn.Module, include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
+    """Names of the plain ``nn.Linear`` modules of ``model`` that :func:`quantize_model` swaps:
+    matched by an ``include`` pattern (default ``("layers.*",)``) and by no ``exclude`` one."""
+    include = tuple(DEFAULT_INCLUDE if include is None else include)
+    exclude = tuple(exclude)
+    return [name for name, mod in model.named_modules() if type(mod) is nn.Linear and _selected(name, include, exclude)]
 
 
 def _qat_holders(model: nn.Module) -> Iterator[QATLinear | QATGroup]:
