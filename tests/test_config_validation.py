@@ -30,6 +30,7 @@ BAD = [
     ("--data.reward_timeout_s=0", r"data.reward_timeout_s must be > 0"),
     ("--optim.lr=0", r"optim.lr must be > 0"),
     ("--optim.lr=-1e-6", r"optim.lr must be > 0"),
+    ("--optim.state_dtype=float16", r"optim.state_dtype.*float32.*bfloat16"),
     ("--quant.scheme=w5a5", r"quant.scheme: unknown quantization scheme 'w5a5' \(did you mean 'w4a16'\?\); schemes: bf16, w8a8-int8"),
     ("--algo.correction=tiss", r"unknown algo.correction 'tiss' \(did you mean 'tis'\?\); corrections: none, tis"),
     ("--algo.correction=tis", r"algo.loss=tbpo takes no correction; set algo.correction=none"),

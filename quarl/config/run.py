@@ -205,7 +205,12 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    fp32_master: bool = True  # bf16/fp16 learners step FP32 master copies (costs 4 bytes/param + optimizer)
+    # bf16/fp16 learners step FP32 master copies (4 bytes/param + its gradient); false: a bf16
+    # model's weights are stepped directly, each write stochastically rounded (unbiased below one ulp)
+    fp32_master: bool = True
+    # dtype of AdamW's moments m and v (Muon's momentum stays in the stepped weights' dtype);
+    # bfloat16 saves 4 bytes/param, with a float32 model too (its weights stay float32)
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self) -> None:
         _positive("optim", self, "lr")
@@ -219,6 +224,9 @@ class TrainerConfig:
     mini_batches: int = 1
     token_budget: int = 8192  # micro-batch size in tokens (gradient accumulation)
     compile: bool = True  # CUDA: the learner runs each decoder layer as compiled regions (torch.compile)
+    # the learner's forwards with gradients keep only each decoder layer's inputs and recompute
+    # the layer in the backward: activations of L x 2 x [tokens, hidden] instead of every layer's
+    activation_checkpointing: bool = False
     on_policy: bool = False
     dynamic_sampling: bool = False
     overlong_filter: bool = False

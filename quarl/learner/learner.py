@@ -21,10 +21,10 @@ from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
 from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
-from quarl.learner.optim import MasterWeights, build_optimizer, warmup_constant
+from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
-from quarl.model.transformer import TORCH_OPS, Transformer, batch_attention
+from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
 from quarl.quant.linear import deferred_master_grads, drop_dequantized
 
 
@@ -56,14 +56,24 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.head.to(device=policy.embed_tokens.weight.device, dtype=policy.embed_tokens.weight.dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, right_padded: bool | None = None) -> torch.Tensor:
-        """Values ``[B, T-1]`` of the states that predict tokens 1..T-1."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, right_padded: bool | None = None,
+                ops: TorchOps | CheckpointedOps = TORCH_OPS) -> torch.Tensor:
+        """Values ``[B, T-1]`` of the states that predict tokens 1..T-1 (``ops`` runs the trunk's layers)."""
         positions, attn = batch_attention(input_ids, attention_mask, right_padded=right_padded)
-        h = self.trunk.hidden_states(input_ids, positions, attn, max_position=input_ids.shape[1])[:, :-1]
+        h = self.trunk.hidden_states(input_ids, positions, attn, ops, max_position=input_ids.shape[1])[:, :-1]
         return self.head(h).squeeze(-1).float()
 
 
 class Learner:
+    """The policy (and critic) update of a :class:`~quarl.model.Transformer`.
+
+    Memory options: ``fp32_master`` (a 16-bit model steps fp32 master copies; off, its bf16
+    weights are stepped directly with stochastic rounding), ``state_dtype`` (the dtype of
+    AdamW's moments, :class:`~quarl.learner.optim.LeanAdamW` for bf16) and
+    ``activation_checkpointing`` (the forwards with gradients keep only each decoder layer's
+    inputs and recompute the layer in the backward, :class:`~quarl.model.transformer.CheckpointedOps`).
+    ``seed`` seeds the optimizer's stochastic rounding."""
+
     def __init__(
         self,
         model: Transformer,
@@ -77,25 +87,31 @@ class Learner:
         critic: Critic | None = None,
         fp32_master: bool = True,
         compile_ops: bool = False,
+        state_dtype: torch.dtype = torch.float32,
+        activation_checkpointing: bool = False,
+        seed: int = 0,
     ) -> None:
         self.model = model
         # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
-        self.ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
+        ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
+        self.ops = CheckpointedOps(ops) if activation_checkpointing else ops
+        self.critic_ops = CheckpointedOps(TORCH_OPS) if activation_checkpointing else TORCH_OPS
         self.ref_model = ref_model
         self.critic = critic
-        low_precision = model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
-        self.master = MasterWeights(model) if low_precision and fp32_master else None
+        dtype = model.embed_tokens.weight.dtype
+        self.master = MasterWeights(model) if dtype in (torch.bfloat16, torch.float16) and fp32_master else None
         params = self.master.named_masters() if self.master is not None else model
-        self.optimizer = build_optimizer(params, optim_name, lr, weight_decay, tuple(betas), muon_lr)
+        # bf16 weights stepped directly: updates below one ulp survive only with stochastic rounding
+        rounded = self.master is None and dtype == torch.bfloat16
+        lean = {"state_dtype": state_dtype, "stochastic_rounding": rounded, "seed": seed}
+        self.optimizer = build_optimizer(params, optim_name, lr, weight_decay, tuple(betas), muon_lr, **lean)
         self.scheduler = warmup_constant(self.optimizer, warmup_steps)
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
         self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
         critic_params = self.critic_master.masters() if self.critic_master is not None else (
             critic.parameters() if critic is not None else None)
-        self.critic_optimizer = (
-            torch.optim.AdamW(critic_params, lr=lr, weight_decay=weight_decay) if critic is not None else None
-        )
+        self.critic_optimizer = adamw(list(critic_params), lr, weight_decay, **lean) if critic is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -244,7 +260,7 @@ class Learner:
             loss = loss + s.kl_coef * kl
             m["loss/kl"] = kl.detach()
         if self.critic is not None and returns is not None:
-            v = self.critic(mb.input_ids, mb.attention_mask, right_padded=True)
+            v = self.critic(mb.input_ids, mb.attention_mask, right_padded=True, ops=self.critic_ops)
             v_loss = 0.5 * masked_mean((v - returns[part.lo : part.hi, : v.shape[1]]) ** 2, mask)
             loss = loss + s.value_coef * v_loss
             m["loss/value"] = v_loss.detach()

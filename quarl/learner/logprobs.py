@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from quarl.model.transformer import TORCH_OPS, TorchOps, Transformer, batch_attention
+from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -163,7 +163,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
-    ops: TorchOps = TORCH_OPS,
+    ops: TorchOps | CheckpointedOps = TORCH_OPS,
     right_padded: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token: ``out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
@@ -171,7 +171,8 @@ def sequence_logprobs(
     Returns ``[B, T-1]`` (float32). Padded and packed batches as in
     :meth:`Transformer.forward`; positions whose target is padding or belongs to the
     next packed sequence hold meaningless values and must be masked by the caller. ``ops``
-    runs the forward's steps (the learner passes :class:`~quarl.model.compiled_ops.CompiledOps` on CUDA).
+    runs the forward's steps (the learner passes :class:`~quarl.model.compiled_ops.CompiledOps` on CUDA,
+    wrapped in :class:`~quarl.model.transformer.CheckpointedOps` with activation checkpointing).
     With ``model.kv_quant = "fp8"`` attention sees K/V rounded as the engine's fp8 KV cache
     stores them (:func:`~quarl.model.transformer.batch_attention`). ``right_padded=True``
     (the learner's batches) spares reading the mask's layout back from the device.

@@ -4,12 +4,209 @@ QaRL's runs used Muon (lr 1e-6 on 7B+ models). Muon orthogonalises the update of
 matrix, so it applies to the decoder's linear weights only; embeddings, the LM head,
 norms and biases stay on AdamW. Both live in one :class:`CombinedOptimizer` so the
 trainer sees a single ``step()``/``zero_grad()``/``state_dict()``.
+
+Memory per trained parameter (:func:`training_memory_bytes`): a bf16 model stepped
+through fp32 master copies (:class:`MasterWeights`) with fp32 Adam states holds 20 bytes
+at the optimizer step (bf16 weight and gradient, fp32 master and its gradient, m, v).
+:class:`LeanAdamW` keeps m and v in bf16 and can step bf16 weights directly with
+stochastic rounding: 8 bytes (bf16 weight, gradient, m, v).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Iterable
+
 import torch
 from torch import nn
+from torch.optim._muon import muon as muon_step
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (float32) rounded to one of its two bfloat16 neighbours at random, the upper one
+    with probability (distance to the lower) / (gap between them), so that ``E[result] = x``.
+
+    A bf16 number is the upper 16 bits of a float32: adding 16 uniform random bits to the
+    lower half and dropping it carries into the upper half with exactly that probability.
+    The bits are sign and magnitude, so this rounds the magnitude and keeps the sign; an
+    infinity stays one."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"stochastic rounding takes float32 values, got {x.dtype}")
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -(1 << 16)  # -(1 << 16): the int32 mask 0xFFFF0000
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+class StochasticRounding:
+    """The random bits of an optimizer's stochastic rounding: one ``torch.Generator`` per
+    device, seeded with ``seed`` when first used. Its state travels in the optimizer's
+    ``state_dict``, so a resumed run draws the bits an uninterrupted one would."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.generators: dict[str, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self.generators:
+            self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[key]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return stochastic_round_to_bf16(x, self.generator(x.device))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {device: g.get_state() for device, g in self.generators.items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        for device, state in states.items():
+            self.generator(torch.device(device)).set_state(state)
+
+
+def _check_bf16_params(params: Iterable[torch.Tensor], what: str) -> None:
+    for p in params:
+        if p.dtype != torch.bfloat16:
+            raise ValueError(f"{what} writes bfloat16 weights, got a {p.dtype} parameter of shape "
+                             f"{tuple(p.shape)}: step 16-bit weights through fp32 masters (optim.fp32_master=true) "
+                             "or train in bfloat16 (model.dtype=bfloat16)")
+
+
+class LeanAdamW(torch.optim.Optimizer):
+    """AdamW (torch.optim.AdamW's update: decoupled weight decay, bias-corrected moments)
+    with two memory options.
+
+    * ``state_dtype=torch.bfloat16`` keeps m and v in bf16 (2 bytes each instead of 4).
+      Each step computes in float32 and writes them back with stochastic rounding: rounded
+      to nearest, ``v * 0.999`` (a relative change below half a bf16 ulp, 2^-9) would round
+      back to ``v``, so v would never decay, and both moments would stall short of a steady
+      gradient's value; stochastic rounding keeps every write unbiased.
+    * ``stochastic_rounding=True`` steps bf16 weights directly (no fp32 master): the new
+      weight is computed in float32 and written back with stochastic rounding
+      (:func:`stochastic_round_to_bf16`), so an update far below one bf16 ulp (lr 1e-6)
+      moves the weight by one ulp with the matching probability instead of vanishing.
+
+    The random bits come from :class:`StochasticRounding` (seed ``seed``), saved in
+    :meth:`state_dict`: resuming from a checkpoint continues bit for bit. With float32
+    parameters and states the step is torch.optim.AdamW's, to float32 rounding. The
+    parameters are stepped one at a time, so the float32 working copies of a 16-bit weight or
+    state never exceed one tensor's size. The state keys (``step``, ``exp_avg``,
+    ``exp_avg_sq``) are torch.optim.AdamW's: a checkpoint of either loads into the other,
+    the moments converted to this optimizer's ``state_dtype``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, state_dtype: torch.dtype = torch.float32,
+                 stochastic_rounding: bool = False, seed: int = 0) -> None:
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        if stochastic_rounding:
+            _check_bf16_params((p for g in self.param_groups for p in g["params"]), "stochastic rounding")
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.rounding = StochasticRounding(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["step"] += 1
+                self._step_param(p, state, group)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        """One AdamW step of ``p`` in float32 (in place where the tensors are float32)."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        step = float(state["step"])
+        grad = p.grad.float()
+        weight, m, v = p.float(), state["exp_avg"].float(), state["exp_avg_sq"].float()
+        weight.mul_(1 - lr * wd)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+        weight.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+        self._write(state["exp_avg"], m, stochastic=True)
+        self._write(state["exp_avg_sq"], v, stochastic=True)
+        self._write(p, weight, stochastic=self.stochastic_rounding)
+
+    def _write(self, target: torch.Tensor, value: torch.Tensor, stochastic: bool) -> None:
+        """Store the float32 ``value`` into ``target`` (the same tensor when it is float32)."""
+        if value is target:
+            return
+        target.copy_(self.rounding(value) if stochastic and target.dtype == torch.bfloat16 else value)
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        sd = super().state_dict()
+        sd["rounding"] = self.rounding.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        state_dict = dict(state_dict)
+        self.rounding.load_state_dict(state_dict.pop("rounding", {}))
+        super().load_state_dict(state_dict)
+        # torch casts floating-point state to its parameter's dtype; the moments keep state_dtype
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=self.state_dtype, copy=True)
+
+
+class StochasticRoundingMuon(torch.optim.Muon):
+    """torch.optim.Muon over bf16 weights with the update written back by stochastic
+    rounding (see :class:`LeanAdamW`): each matrix in turn is copied to float32, stepped by
+    torch's own Muon step, and rounded back. The momentum buffer stays in the gradient's
+    dtype, as torch.optim.Muon keeps it; the rounding's generator state is in
+    :meth:`state_dict`."""
+
+    def __init__(self, params, seed: int = 0, **muon_args) -> None:
+        super().__init__(params, **muon_args)
+        _check_bf16_params((p for g in self.param_groups for p in g["params"]), "stochastic rounding")
+        self.rounding = StochasticRounding(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                weight = p.float()
+                muon_step([weight], [p.grad], [state["momentum_buffer"]], lr=group["lr"],
+                          weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
+                          ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
+                          adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
+                p.copy_(self.rounding(weight))
+        return loss
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        sd = super().state_dict()
+        sd["rounding"] = self.rounding.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        state_dict = dict(state_dict)
+        self.rounding.load_state_dict(state_dict.pop("rounding", {}))
+        super().load_state_dict(state_dict)
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -43,6 +240,17 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 2 and name.startswith("layers.")
 
 
+def adamw(params: list[torch.Tensor], lr: float, weight_decay: float = 0.0,
+          betas: tuple[float, float] = (0.9, 0.999), state_dtype: torch.dtype = torch.float32,
+          stochastic_rounding: bool = False, seed: int = 0) -> torch.optim.Optimizer:
+    """torch.optim.AdamW, or :class:`LeanAdamW` where a memory option is on (bf16 moments,
+    or bf16 weights stepped with stochastic rounding)."""
+    if state_dtype == torch.float32 and not stochastic_rounding:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, state_dtype=state_dtype,
+                     stochastic_rounding=stochastic_rounding, seed=seed)
+
+
 def build_optimizer(
     model: nn.Module | list[tuple[str, torch.Tensor]],
     name: str,
@@ -50,22 +258,31 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     muon_lr: float | None = None,
+    state_dtype: torch.dtype = torch.float32,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
 ) -> torch.optim.Optimizer:
-    """AdamW, or Muon + AdamW, over a module's parameters or ``(name, tensor)`` pairs."""
+    """AdamW, or Muon + AdamW, over a module's parameters or ``(name, tensor)`` pairs.
+
+    ``state_dtype``: the dtype of AdamW's moments; ``stochastic_rounding``: the parameters
+    are bf16 weights stepped directly, each write stochastically rounded (Muon's too)."""
     named = model.named_parameters() if isinstance(model, nn.Module) else model
     params = [(n, p) for n, p in named if p.requires_grad]
+    lean = {"state_dtype": state_dtype, "stochastic_rounding": stochastic_rounding, "seed": seed}
     if name == "adamw":
-        return torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=weight_decay, betas=betas)
+        return adamw([p for _, p in params], lr, weight_decay, betas, **lean)
     if name == "muon":
         if not hasattr(torch.optim, "Muon"):
             raise ValueError("optim.name=muon needs torch >= 2.9 (torch.optim.Muon); use optim.name=adamw")
         hidden = [p for n, p in params if is_hidden_matrix(n, p)]
         rest = [p for n, p in params if not is_hidden_matrix(n, p)]
+        muon_args = {"lr": muon_lr or lr, "weight_decay": weight_decay, "adjust_lr_fn": "match_rms_adamw"}
         opts: list[torch.optim.Optimizer] = [
-            torch.optim.Muon(hidden, lr=muon_lr or lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+            StochasticRoundingMuon(hidden, seed=seed, **muon_args) if stochastic_rounding
+            else torch.optim.Muon(hidden, **muon_args)
         ]
         if rest:
-            opts.append(torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay, betas=betas))
+            opts.append(adamw(rest, lr, weight_decay, betas, **lean))
         return CombinedOptimizer(opts)
     raise ValueError(f"unknown optimizer {name!r}; use adamw or muon")
 
@@ -115,3 +332,22 @@ def warmup_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
     )
+
+
+def bytes_per_param(weight_dtype: torch.dtype, fp32_master: bool = True,
+                    state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one trained parameter takes at the AdamW step (activations not counted): the
+    weight and its gradient in the model's dtype, for a 16-bit model with ``fp32_master``
+    the float32 master and its float32 gradient, and the two moments in ``state_dtype``.
+    bf16 + fp32 master + fp32 states: 2 + 2 + 4 + 4 + 4 + 4 = 20; bf16 stepped directly
+    with bf16 states: 2 + 2 + 2 + 2 = 8."""
+    weight = weight_dtype.itemsize
+    master = 4 + 4 if fp32_master and weight < 4 else 0
+    return 2 * weight + master + 2 * state_dtype.itemsize
+
+
+def training_memory_bytes(n_params: int, weight_dtype: torch.dtype = torch.bfloat16, fp32_master: bool = True,
+                          state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of weights, gradients and optimizer states of a full fine-tune of ``n_params``
+    parameters with AdamW (:func:`bytes_per_param`)."""
+    return n_params * bytes_per_param(weight_dtype, fp32_master, state_dtype)

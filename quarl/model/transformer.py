@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from quarl.model.config import TransformerConfig
 
@@ -224,6 +225,37 @@ class TorchOps:
 TORCH_OPS = TorchOps()
 
 
+class CheckpointedOps:
+    """Another ops object (:class:`TorchOps`, the learner's compiled ops, ...) whose
+    :meth:`block` recomputes in the backward (activation checkpointing,
+    ``torch.utils.checkpoint`` without reentrancy): the forward keeps only each layer's
+    inputs, its normed input and the residual stream (2 x ``[B, T, H]`` per layer), and
+    the backward runs the layer's forward again to rebuild what its own backward needs.
+    The recomputation calls the same kernels on the same inputs, so values and gradients
+    equal those of ``inner``. Without gradients (log-prob passes under ``no_grad``) the
+    blocks run as ``inner`` runs them."""
+
+    def __init__(self, inner: TorchOps) -> None:
+        self.inner = inner
+
+    def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
+        return self.inner.norm(x, norm, residual, consumer)
+
+    def attention(self, module: "Attention", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttnFn) -> torch.Tensor:
+        return self.inner.attention(module, h, cos, sin, attn)
+
+    def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
+        return self.inner.mlp(module, h)
+
+    def block(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
+        if not torch.is_grad_enabled():
+            return self.inner.block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
+        return checkpoint(self.inner.block, layer, h, residual, cos, sin, attn, next_norm, next_consumer,
+                          use_reentrant=False)
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer; ``model(input_ids)`` returns logits ``[B, T, V]``."""
 
@@ -244,7 +276,8 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn, ops: TorchOps = TORCH_OPS,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
+        ops: TorchOps | CheckpointedOps = TORCH_OPS,
         max_position: int | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states ``[B, T, H]`` for ``input_ids``/``positions`` ``[B, T]``.

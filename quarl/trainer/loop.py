@@ -54,7 +54,7 @@ from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
-from quarl.runtime import matmul_rate
+from quarl.runtime import DTYPES, matmul_rate
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
 from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
@@ -112,7 +112,8 @@ class Trainer:
         self.learner = Learner(
             self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
             tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic, cfg.optim.fp32_master,
-            cfg.trainer.compile,
+            cfg.trainer.compile, state_dtype=DTYPES[cfg.optim.state_dtype],
+            activation_checkpointing=cfg.trainer.activation_checkpointing, seed=cfg.trainer.seed,
         )
         self.step = 0
         self.data_pos = 0

@@ -18,15 +18,16 @@ run out of the same step counter, so they are refused unless the user passes
   computed, not what they are) -- the examples, their order and the verifier
 * ``quant.mode``, ``quant.scheme``, ``quant.uaq_scale``, ``quant.include``,
   ``quant.exclude``                     -- the learner's weight layout and values
-* ``optim.name``, ``optim.fp32_master`` -- the optimizer state's layout
+* ``optim.name``, ``optim.fp32_master``, ``optim.state_dtype`` -- the optimizer state's layout
 * ``trainer.seed``, ``trainer.prompts_per_step``, ``rollout.n`` -- the per-step
   randomness and how far a step moves the data position
 * ``trainer.sft_warmup_steps``, ``trainer.sft_lr`` -- the step-0 policy (the KL reference)
 * ``algo.advantage`` when it adds or removes the critic (``gae``)
 
 Everything else (``trainer.steps``, ``eval_every``, ``save_every``, ``keep_last``,
-logging, learning rate, loss hyper-parameters, ...) may change on resume; each change
-is named in a one-line notice.
+``trainer.activation_checkpointing`` (the same values, recomputed), logging, learning
+rate, loss hyper-parameters, ...) may change on resume; each change is named in a
+one-line notice.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ FIXED_SECTIONS = ("model.", "data.")
 FIXED_EXCEPT = ("data.reward_workers", "data.reward_timeout_s")
 FIXED = (
     "quant.mode", "quant.scheme", "quant.uaq_scale", "quant.include", "quant.exclude",
-    "optim.name", "optim.fp32_master", "trainer.seed", "trainer.prompts_per_step", "rollout.n",
+    "optim.name", "optim.fp32_master", "optim.state_dtype", "trainer.seed", "trainer.prompts_per_step", "rollout.n",
     "trainer.sft_warmup_steps", "trainer.sft_lr",
 )
 IGNORED = ("trainer.run_dir",)  # the directory may have been moved; it is where we resume from

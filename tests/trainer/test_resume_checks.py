@@ -118,3 +118,13 @@ def test_quiet_progress_prints_nothing(capsys):
     with StepProgress(10, 0, console=None) as p:
         p.update(1, {})
     assert capsys.readouterr() == ("", "")
+
+
+def test_memory_options_on_resume():
+    """Activation checkpointing recomputes the same values: accepted. The moments' dtype is the
+    optimizer state's layout: refused like the other optimizer settings."""
+    notices = check_config_change(_cfg(), _cfg(trainer__activation_checkpointing=True), "x", allow=False)
+    assert notices == ["resume: trainer.activation_checkpointing changed False -> True"]
+    with pytest.raises(ValueError, match="optim.state_dtype: 'float32' -> 'bfloat16'"):
+        check_config_change(_cfg(), _cfg(optim__state_dtype="bfloat16"), "x", allow=False)
+    assert check_config_change(_cfg(), _cfg(optim__state_dtype="bfloat16"), "x", allow=True)

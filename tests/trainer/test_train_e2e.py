@@ -91,6 +91,27 @@ def test_resume_is_exact(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+# the memory-lean learner: bf16 weights stepped directly (stochastic rounding), bf16 Adam moments,
+# activation checkpointing
+LEAN = ["--optim.fp32_master=false", "--optim.state_dtype=bfloat16", "--trainer.activation_checkpointing=true"]
+
+
+def test_lean_memory_options_resume_exactly(tmp_path):
+    """bf16 model, bf16 moments, stochastic rounding: 2 steps straight == 1 step, then --resume
+    for 1 more with activation checkpointing turned on (accepted: it recomputes the same values)."""
+    lean = ["--model.dtype=bfloat16", "--optim.fp32_master=false", "--optim.state_dtype=bfloat16",
+            "--trainer.sft_warmup_steps=0", "--trainer.save_every=1"]
+    _, straight = _train(tmp_path / "a", *lean, steps=2)
+    _train(tmp_path / "b", *lean, steps=1)
+    trainer, rows = _train(tmp_path / "b", *lean, "--trainer.activation_checkpointing=true", steps=2, resume=True)
+    assert type(trainer.learner.optimizer).__name__ == "LeanAdamW"
+    volatile = ("time/", "rollout/tokens_per_s", "memory/", "perf/learner_tflops", "perf/learner_mfu")
+    assert [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows] == \
+        [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in straight]
+    wa, wb = _checkpoint_weights(tmp_path / "a"), _checkpoint_weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 @pytest.mark.parametrize("extra", [
     ["--trainer.dynamic_sampling=true", "--trainer.overlong_filter=true"],
     ["--algo.kl_coef=0.1", "--algo.loss=gspo", "--algo.correction=mis"],
@@ -98,7 +119,10 @@ def test_resume_is_exact(tmp_path):
     ["--optim.name=muon", "--quant.uaq_scale=1.5", "--algo.loss=ppo", "--algo.correction=acr"],
     ["--quant.scheme=w8a8-int8", "--algo.loss=sapo", "--algo.advantage=rloo", "--trainer.on_policy=true"],
     ["--model.dtype=bfloat16", "--optim.lr=1e-6", "--algo.advantage=gae", "--algo.loss=ppo"],
-], ids=["dapo", "kl-gspo-mis", "gae-critic", "muon-uaq-acr", "int8-sapo-rloo", "bf16-fp32-master"])
+    ["--model.dtype=bfloat16", *LEAN, "--optim.name=muon", "--algo.advantage=gae", "--algo.loss=ppo",
+     "--trainer.sft_warmup_steps=0"],
+], ids=["dapo", "kl-gspo-mis", "gae-critic", "muon-uaq-acr", "int8-sapo-rloo", "bf16-fp32-master",
+        "bf16-lean-muon-critic"])
 def test_trainer_variants_run(tmp_path, extra):
     trainer, rows = _train(tmp_path, *extra, steps=2)
     assert len(rows) == 2
@@ -110,7 +134,9 @@ def test_trainer_variants_run(tmp_path, extra):
         assert "loss/value" in rows[-1]
     if "--trainer.dynamic_sampling=true" in extra:
         assert "dapo/dropped_groups" in rows[-1]
-    if "--model.dtype=bfloat16" in extra:
+    if "--optim.fp32_master=false" in extra:
+        assert trainer.learner.master is None and trainer.learner.critic_master is None
+    elif "--model.dtype=bfloat16" in extra:
         assert trainer.learner.master is not None
         state = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["learner"]
         assert "master" in state and "critic_master" in state
