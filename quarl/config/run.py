@@ -46,6 +46,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float | None = None  # None = 2 * lora_rank (adapter scaling alpha / rank = 2)
     lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # a LoRA run's base from model.path is quantized while it loads; this directory keeps the packed
+    # base for the next run (keyed by the checkpoint files, scheme, selection, dtype; None = no cache)
+    packed_cache: str | None = None
 
     @property
     def lora_scale_alpha(self) -> float:

@@ -12,6 +12,7 @@ from quarl.config import DataConfig, RunConfig
 from quarl.model.config import TransformerConfig
 from quarl.model.presets import build_random_model, preset_config
 from quarl.model.transformer import Transformer
+from quarl.quant.mode import QuantMode
 
 
 def resolve_runtime(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
@@ -54,6 +55,17 @@ def build_base_model(
             + ("set model.tokenizer to the model's own tokenizer" if m.path else
                "the built-in models use the built-in tokenizer: unset model.tokenizer")
         )
+
+    if m.path and m.lora_rank and cfg.quant.mode is QuantMode.ALIGNED and cfg.quant.uaq_scale == 1.0 \
+            and t.sft_warmup_steps == 0:
+        # a LoRA base never trains: quantize it on the way to the device, one linear at a time
+        from quarl.model.quantized_loading import load_quantized_model
+
+        model = load_quantized_model(m.path, cfg.quant.scheme, dtype=dtype, device=device,
+                                     include=cfg.quant.include, exclude=cfg.quant.exclude, cache_dir=m.packed_cache)
+        say(f"base {m.path} in {cfg.quant.scheme.name}" + (" (from the packed cache)" if model.quantized_from_cache
+                                                           else ", quantized while loading"))
+        return model
 
     def build(build_dtype: torch.dtype) -> Transformer:
         if m.path:

@@ -90,7 +90,13 @@ def test_lora_exports_merged_and_peft(tmp_path):
     ids = torch.randint(3, 60, (2, 12))
     for mode in ("bf16", "aligned"):
         run = tmp_path / f"run_{mode}"
-        _train(run, *LORA, *base_args, f"--quant.mode={mode}", steps=2)
+        trainer, _ = _train(run, *LORA, *base_args, f"--quant.mode={mode}", f"--model.packed_cache={tmp_path / 'packed'}",
+                            steps=2)
+        if mode == "aligned":  # the base was quantized while loading, and its packed copy cached for the next run
+            assert any(isinstance(m, QuantLinear) for m in trainer.learner.model.modules())
+            assert len(list((tmp_path / "packed").iterdir())) == 1
+            _train(tmp_path / "again", *LORA, *base_args, "--quant.mode=aligned",
+                              f"--model.packed_cache={tmp_path / 'packed'}", steps=1)
         policy = lora_policy(read_policy(find_checkpoint(run)))
         with torch.no_grad():
             ours = policy(ids)
@@ -112,7 +118,7 @@ def test_lora_exports_merged_and_peft(tmp_path):
             assert (ours - theirs).abs().max() / theirs.abs().max() < 1e-5
             assert (ours - plain).abs().max() > 1e-4  # the trained adapters change the logits
     with pytest.raises(ValueError, match="LoRA run"):
-        export_checkpoint(tmp_path / "run_aligned", tmp_path / "packed", "quarl-packed")
+        export_checkpoint(tmp_path / "run_aligned", tmp_path / "packed_export", "quarl-packed")
 
 
 def test_lora_config_errors():
