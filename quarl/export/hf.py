@@ -196,11 +196,17 @@ def metadata_header(metadata: dict[str, Any]) -> dict[str, str]:
 
 def export_hf(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype, metadata: dict[str, Any]) -> None:
     """Write the plain (UAQ removed) policy as ``config.json`` + ``model.safetensors`` in ``dtype``."""
+    # undo UAQ in fp32: one rounding, at the final cast
+    save_plain(build_policy(ckpt, torch.float32), out, dtype, metadata, ckpt.uaq_scale)
+
+
+def save_plain(model: Transformer, out: Path, dtype: torch.dtype, metadata: dict[str, Any], uaq_scale: float) -> None:
+    """Write ``model`` (float32, UAQ ``uaq_scale`` as trained) with UAQ removed, as ``config.json`` +
+    ``model.safetensors`` in ``dtype``."""
     from quarl.quant import remove_uaq
 
-    model = build_policy(ckpt, torch.float32)  # undo UAQ in fp32: one rounding, at the final cast
-    if ckpt.uaq_scale != 1.0:
-        remove_uaq(model, ckpt.uaq_scale)
+    if uaq_scale != 1.0:
+        remove_uaq(model, uaq_scale)
     save_model(model, out, dtype=dtype, metadata=metadata_header(metadata))
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]

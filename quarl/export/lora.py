@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quarl.export.hf import PolicyCheckpoint, metadata_header
-from quarl.model.loading import CheckpointError, load_model, save_model
+from quarl.export.hf import PolicyCheckpoint, metadata_header, save_plain
+from quarl.model.loading import CheckpointError, load_model
 from quarl.model.lora import DEFAULT_TARGETS, LoRALinear, add_lora, lora_modules, merged_weight, peft_config, \
     peft_state_dict
 from quarl.model.transformer import Transformer
@@ -101,16 +101,9 @@ def export_peft(ckpt: PolicyCheckpoint, out: Path, metadata: dict) -> None:
 
 def export_merged(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype, metadata: dict) -> None:
     """Write the merged policy (module docstring) as a plain HF checkpoint in ``dtype``."""
-    from quarl.quant import remove_uaq
-
     model = lora_policy(ckpt)
     _dense_linears(model)
-    if ckpt.uaq_scale != 1.0:
-        remove_uaq(model, ckpt.uaq_scale)
-    save_model(model, out, dtype=dtype, metadata=metadata_header(metadata))
-    config = json.loads((out / "config.json").read_text())
-    config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_plain(model, out, dtype, metadata, ckpt.uaq_scale)
 
 
 def _dense_linears(model: nn.Module) -> None:
