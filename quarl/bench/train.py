@@ -53,6 +53,9 @@ class Workload:
     token_budget: int
     steps: int = 5
     extra: tuple[str, ...] = field(default_factory=tuple)
+    # random weights made in each mode's process (--model.builtin=shape: a LoRA base is then packed one
+    # linear at a time on the GPU) instead of a bf16 checkpoint saved once: shapes too big for that
+    random_base: bool = False
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -63,6 +66,10 @@ WORKLOADS: dict[str, Workload] = {
     # [L]: LoRA rank 64 on a Qwen2.5-7B-shape base, 64 rollouts x 1024 tokens (compare bf16 and aligned-w4a16)
     "lora-7b": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=4096, steps=3,
                         extra=("--model.lora_rank=64",)),
+    # [L]: a Qwen2.5-32B-shape w4a16 base + LoRA 64 on one GPU (its bf16 weights alone are 65 GB)
+    "lora-32b": Workload("qwen2.5-32b", prompts=8, n=8, gen=1024, token_budget=4096, steps=2, random_base=True,
+                         extra=("--model.lora_rank=64", "--trainer.activation_checkpointing=true",
+                                "--rollout.engine.gpu_memory_utilization=0.65")),
     # a quick check that everything runs (seconds per mode on a GPU)
     "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
 }
@@ -97,9 +104,10 @@ def mode_overrides(mode: str) -> list[str]:
     return MODES[base] + [flag for o in options for flag in MODE_OPTIONS[o]]
 
 
-def workload_overrides(w: Workload, model_dir: Path) -> list[str]:
+def workload_overrides(w: Workload, model_dir: Path | None) -> list[str]:
+    source = f"--model.path={model_dir}" if model_dir is not None else f"--model.builtin={w.shape}"
     return [
-        f"--model.path={model_dir}", "--model.tokenizer=builtin", "--trainer.sft_warmup_steps=0", "--data.task=arith",
+        source, "--model.tokenizer=builtin", "--trainer.sft_warmup_steps=0", "--data.task=arith",
         f"--trainer.prompts_per_step={w.prompts}", f"--rollout.n={w.n}", f"--rollout.max_new_tokens={w.gen}",
         f"--trainer.token_budget={w.token_budget}", f"--trainer.steps={w.steps}", "--algo.loss=tbpo",
         "--optim.lr=1e-6", "--optim.fp32_master=true", "--trainer.eval_every=0", "--trainer.save_every=0",
@@ -359,7 +367,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
         # the random weights are made and saved once (seconds of CPU for a 1.5B model) and every
         # mode's process loads them
-        model_dir = model or save_random_model(w.shape, Path(tmp) / "model")
+        model_dir = model or (None if w.random_base else save_random_model(w.shape, Path(tmp) / "model"))
         for mode in modes:
             if isolate:
                 r = result["modes"][mode] = run_child(workload, mode, extra, package_root(), git_commit(), Path(tmp),

@@ -38,7 +38,9 @@ def _positive(section: str, obj: object, *names: str) -> None:
 @dataclass
 class ModelConfig:
     path: str | None = None  # HF checkpoint dir; None = built-in model of `builtin` size
-    builtin: Literal["tiny", "small", "100m"] = "small"
+    # tiny / small / 100m: the demo's (built-in tokenizer); the released shapes: random weights, for benchmarks
+    builtin: Literal["tiny", "small", "100m", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b",
+                     "qwen3-8b"] = "small"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one; "builtin"
     # LoRA (README, "LoRA on a low-bit base"): > 0 trains adapters of this rank on a frozen base held

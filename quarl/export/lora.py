@@ -42,7 +42,7 @@ def _lora_settings(ckpt: PolicyCheckpoint) -> tuple[int, float, tuple[str, ...]]
 
 def _base_model(ckpt: PolicyCheckpoint) -> Transformer:
     """The run's frozen base in float32, as the trainer built it (before quantization)."""
-    from quarl.model.presets import build_random_model
+    from quarl.model.presets import DEMO_PRESETS, build_random_model
 
     model_dir = ckpt.model_dir
     if model_dir is not None:
@@ -54,6 +54,10 @@ def _base_model(ckpt: PolicyCheckpoint) -> Transformer:
             raise FileNotFoundError(f"the run's base is its warm-started built-in model, cached in {cache}, which is "
                                     "gone; a LoRA checkpoint holds only the adapters, so restore that directory")
         return load_model(cache, dtype=torch.float32)
+    builtin = ckpt.section("model").get("builtin") or "small"
+    if builtin not in DEMO_PRESETS:
+        raise ValueError(f"the run's base is random {builtin} weights made on its device for a benchmark; they "
+                         "cannot be rebuilt here, so only --format peft exports this run")
     return build_random_model(ckpt.arch, seed=int(trainer.get("seed") or 0), dtype=torch.float32)
 
 

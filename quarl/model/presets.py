@@ -14,6 +14,8 @@ from quarl.model.transformer import Transformer
 
 _DEMO = dict(model_type="qwen3", vocab_size=128, qk_norm=True, rope_theta=10000.0, max_position_embeddings=2048)
 
+DEMO_PRESETS = ("tiny", "small", "100m")  # the built-in tokenizer's models; the rest are released shapes
+
 PRESETS: dict[str, dict] = {
     # ~0.1M parameters: CPU tests.
     "tiny": dict(_DEMO, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -32,6 +34,14 @@ PRESETS: dict[str, dict] = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                        attention_bias=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
                        max_position_embeddings=32768),
+    "qwen2.5-14b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                        attention_bias=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                        max_position_embeddings=32768),
+    "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                        attention_bias=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                        max_position_embeddings=32768),
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,

@@ -256,3 +256,42 @@ def _read_cache_entry(entry: Path, cfg: TransformerConfig, scheme: QuantScheme, 
         return None
     model.rotary = Rotary(cfg).to(device)
     return model.eval()
+
+
+def random_quantized_model(
+    cfg: TransformerConfig,
+    scheme: QuantScheme | str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    include: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    std: float = 0.02,
+) -> Transformer:
+    """Random weights of ``cfg`` (``build_random_model``'s distribution: normal(0, std), unit
+    norms, zero biases) with the selected linears packed in ``scheme``, made one linear at a
+    time on ``device`` as :func:`load_quantized_model` does: benchmark shapes whose bf16 weights
+    would not fit (a 32B model's 65 GB) never exist whole. Draws from a generator on
+    ``device``, so the values differ from ``build_random_model``'s."""
+    scheme, device = get_scheme(scheme), torch.device(device)
+    model = _meta_model(cfg, dtype)
+    modules = selected_linears(model, tuple(DEFAULT_INCLUDE if include is None else include), tuple(exclude))
+    if scheme.quantizes_weights:
+        _pack_linears(model, modules, scheme, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            _place(model, name, torch.ones(p.shape, dtype=dtype, device=device))
+        elif name.endswith("bias"):
+            _place(model, name, torch.zeros(p.shape, dtype=dtype, device=device))
+        else:
+            _place(model, name, (torch.randn(p.shape, generator=gen, device=device) * std).to(dtype))
+    if scheme.quantizes_weights:
+        for module in modules:
+            mod = model.get_submodule(module)
+            w = (torch.randn(mod.out_features, mod.in_features, generator=gen, device=device) * std).to(dtype)
+            for field, t in quantize_weight(w, scheme).tensors().items():
+                _place(model, f"{module}.{field}", t)
+            del w
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval()

@@ -469,13 +469,13 @@ class QATGroup:
         return traced_qat(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
 
 
-def stackable(mods: list[nn.Module], layer: type) -> bool:
+def stackable(mods: list[nn.Module], layer: type, adapters: bool = False) -> bool:
     """Whether ``mods`` can run as one GEMM over their weights stacked by rows: all of type
     ``layer`` (:class:`QuantLinear` in the engine, :class:`QATLinear` in the learner), one
     scheme and input width, all with or all without a bias, no per-tensor scale, and no LoRA
-    adapter (a fused GEMM would leave it out)."""
+    adapter unless the caller adds them to the fused output itself (``adapters``)."""
     first = mods[0]
-    return (all(type(m) is layer and getattr(m, "lora", None) is None for m in mods)
+    return (all(type(m) is layer and (adapters or getattr(m, "lora", None) is None) for m in mods)
             and all(m.scheme == first.scheme and m.in_features == first.in_features for m in mods)
             and len({m.bias is None for m in mods}) == 1 and not first.scheme.per_tensor_scale)
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from quarl.model.lora import LoRALinear
 from quarl.model.transformer import AttnFn, TorchOps, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear, stackable
@@ -364,21 +365,30 @@ class FusedLinear:
     ``weight`` is the ``[sum N, K]`` buffer (a tensor for plain linears, a
     ``QuantizedWeight`` for quantized ones) whose row blocks are the modules' own
     parameters/buffers, so loading a module's weights by name writes straight into it.
-    """
 
-    def __init__(self, weight, bias: torch.Tensor | None) -> None:
+    ``adapters``: the LoRA adapters of the members, ``(first row, last row, adapter)``: each
+    adds its ``scaling * B (A x)`` into its member's columns of the fused output, in place (the
+    sum the member's own forward makes); their input is the plain rows, so the fused GEMM then
+    takes plain rows too (``act_format`` None)."""
+
+    def __init__(self, weight, bias: torch.Tensor | None, adapters: list | None = None) -> None:
         self.weight, self.bias = weight, bias
-        self.act_format = act_format_of(weight)
+        self.adapters = adapters or []
+        self.act_format = None if self.adapters else act_format_of(weight)
         self.repacked = RepackCache()  # kernel layouts of a quantized fused weight
 
     def __call__(self, x) -> torch.Tensor:
         """``x``: the input rows, or ``(codes, scales, out_dtype)`` already quantized for a
         W8A8 scheme (:func:`rmsnorm` with ``quant=self.act_format``)."""
         if isinstance(self.weight, torch.Tensor):
-            return F.linear(x, self.weight, self.bias)
-        if isinstance(x, tuple):
+            y = F.linear(x, self.weight, self.bias)
+        elif isinstance(x, tuple):
             return ops.quant_linear_quantized_input(*x[:2], self.weight, self.bias, x[2])
-        return ops.quant_linear(x, self.weight, self.bias, self.repacked)
+        else:
+            y = ops.quant_linear(x, self.weight, self.bias, self.repacked)
+        for lo, hi, ad in self.adapters:
+            y[:, lo:hi] += ad(x)
+        return y
 
 
 # Activation formats whose quantizer runs inside the engine's RMSNorm / SiLU-and-mul
@@ -413,7 +423,18 @@ def _concat_as_views(mods: list[nn.Linear]) -> FusedLinear:
     The modules keep their names and shapes, so in-place weight loading writes straight
     into the fused buffer and one GEMM serves them all.
     """
-    return FusedLinear(_concat_param_as_views(mods, "weight"), _concat_param_as_views(mods, "bias"))
+    return FusedLinear(_concat_param_as_views(mods, "weight"), _concat_param_as_views(mods, "bias"), _adapters(mods))
+
+
+def _adapters(mods: list[nn.Module]) -> list:
+    """The members' LoRA adapters with their row ranges in the fused output."""
+    out, row = [], 0
+    for m in mods:
+        ad = getattr(m, "lora", None)
+        if ad is not None:
+            out.append((row, row + m.out_features, ad))
+        row += m.out_features
+    return out
 
 
 def _concat_quantized_as_views(mods: list) -> FusedLinear:
@@ -425,7 +446,7 @@ def _concat_quantized_as_views(mods: list) -> FusedLinear:
     fields = mods[0]._fields
     fused = concat_quantized([m.qweight for m in mods])
     tensors = fused.tensors()
-    group = FusedLinear(fused, _concat_param_as_views(mods, "bias"))
+    group = FusedLinear(fused, _concat_param_as_views(mods, "bias"), _adapters(mods))
     row = 0
     for m in mods:
         n = m.out_features
@@ -440,9 +461,9 @@ def _fusable(mods: list[nn.Module]) -> str | None:
     """"plain", "quant" or None (mixed types, schemes, biases, or a per-tensor scale)."""
     if len({m.bias is None for m in mods}) != 1:
         return None
-    if all(type(x) is nn.Linear for x in mods):
+    if all(type(x) in (nn.Linear, LoRALinear) for x in mods):
         return "plain"
-    return "quant" if stackable(mods, QuantLinear) else None
+    return "quant" if stackable(mods, QuantLinear, adapters=True) else None
 
 
 def fuse_projections(model: Transformer) -> int:
@@ -529,7 +550,8 @@ class FusedOps(TorchOps):
         fused_gu = getattr(mlp, "_fused_gate_up", None)
         if fused_gu is None:
             return mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        down_fmt = act_format_of(getattr(mlp.down_proj, "qweight", None))
+        down = mlp.down_proj  # its quantizer runs in the SiLU-and-mul kernel, unless an adapter needs plain rows
+        down_fmt = None if getattr(down, "lora", None) is not None else act_format_of(getattr(down, "qweight", None))
         y = silu_mul_for(fused_gu, h, down_fmt)
         if down_fmt is not None:
             return ops.quant_linear_quantized_input(*y, mlp.down_proj.qweight, mlp.down_proj.bias, h_dtype(h))

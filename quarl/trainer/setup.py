@@ -10,7 +10,7 @@ import torch
 from quarl.runtime import resolve_device, resolve_dtype
 from quarl.config import DataConfig, RunConfig
 from quarl.model.config import TransformerConfig
-from quarl.model.presets import build_random_model, preset_config
+from quarl.model.presets import DEMO_PRESETS, build_random_model, preset_config
 from quarl.model.transformer import Transformer
 from quarl.quant.mode import QuantMode
 
@@ -56,15 +56,20 @@ def build_base_model(
                "the built-in models use the built-in tokenizer: unset model.tokenizer")
         )
 
-    if m.path and m.lora_rank and cfg.quant.mode is QuantMode.ALIGNED and cfg.quant.uaq_scale == 1.0 \
-            and t.sft_warmup_steps == 0:
+    if m.lora_rank and cfg.quant.mode is QuantMode.ALIGNED and cfg.quant.uaq_scale == 1.0 \
+            and t.sft_warmup_steps == 0 and (m.path or m.builtin not in DEMO_PRESETS):
         # a LoRA base never trains: quantize it on the way to the device, one linear at a time
-        from quarl.model.quantized_loading import load_quantized_model
+        from quarl.model.quantized_loading import load_quantized_model, random_quantized_model
 
-        model = load_quantized_model(m.path, cfg.quant.scheme, dtype=dtype, device=device,
-                                     include=cfg.quant.include, exclude=cfg.quant.exclude, cache_dir=m.packed_cache)
-        say(f"base {m.path} in {cfg.quant.scheme.name}" + (" (from the packed cache)" if model.quantized_from_cache
-                                                           else ", quantized while loading"))
+        q = cfg.quant
+        if not m.path:  # a released model's shape on random weights (benchmarks)
+            say(f"base: random {m.builtin} weights in {q.scheme.name}, made one linear at a time")
+            return random_quantized_model(arch, q.scheme, seed=t.seed, dtype=dtype, device=device,
+                                          include=q.include, exclude=q.exclude)
+        model = load_quantized_model(m.path, q.scheme, dtype=dtype, device=device, include=q.include,
+                                     exclude=q.exclude, cache_dir=m.packed_cache)
+        say(f"base {m.path} in {q.scheme.name}" + (" (from the packed cache)" if model.quantized_from_cache
+                                                   else ", quantized while loading"))
         return model
 
     def build(build_dtype: torch.dtype) -> Transformer:

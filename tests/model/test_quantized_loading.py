@@ -220,3 +220,39 @@ def test_mis_shaped_tensor_names_tensor_and_file(checkpoints, tmp_path):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: checkpoint \(96, 63\).*{shard.name}"):
         load_quantized_model(bad, "w4a16")
+
+
+def test_random_quantized_model_packs_every_selected_linear_and_is_seeded():
+    """Random weights of a shape with the selected linears packed one at a time (the bench's
+    32B LoRA base): no full-precision weight of a selected linear, the distribution of
+    build_random_model (norms one, biases zero, weights ~ N(0, std)), equal for equal seeds."""
+    from quarl.model.presets import preset_config
+    from quarl.model.quantized_loading import random_quantized_model
+    from quarl.quant import QuantLinear
+
+    cfg = preset_config("tiny")
+    a = random_quantized_model(cfg, "w4a16", seed=3, dtype=torch.float32, exclude=("*.down_proj",), std=0.05)
+    b = random_quantized_model(cfg, "w4a16", seed=3, dtype=torch.float32, exclude=("*.down_proj",), std=0.05)
+    packed = {n for n, m in a.named_modules() if isinstance(m, QuantLinear)}
+    assert packed == {f"layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}
+    assert all(not t.is_meta for t in list(a.parameters()) + list(a.buffers()))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.equal(v, torch.ones_like(v)) for k, v in sa.items() if k.endswith("norm.weight"))
+    w = a.layers[0].mlp.up_proj.qweight.dequantize(torch.float32)
+    assert 0.04 < float(w.std()) < 0.06
+    ids = torch.randint(0, 100, (1, 5))
+    assert torch.isfinite(a(ids)).all()
+
+
+def test_bench_random_base_workload_uses_the_builtin_shape():
+    from quarl.bench.train import WORKLOADS, workload_overrides
+
+    w = WORKLOADS["lora-32b"]
+    flags = workload_overrides(w, None)
+    assert "--model.builtin=qwen2.5-32b" in flags and not any(f.startswith("--model.path") for f in flags)
+    from quarl.config import load_run_config
+
+    cfg = load_run_config(None, flags + ["--quant.mode=aligned", "--quant.scheme=w4a16"])
+    assert cfg.model.lora_rank == 64 and cfg.trainer.activation_checkpointing

@@ -312,3 +312,38 @@ def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():
     assert auto.runner.dense_weight_bytes == 0 and not any(c.dense for c, _ in weight_only_caches(auto.model))
     with pytest.raises(ValueError, match="dense_weights must be auto, on or off"):
         EngineConfig(dense_weights="yes")
+
+
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8-fp8"])
+def test_fused_projections_with_lora_adapters_match_and_load_in_place(scheme):
+    """Adapted q/k/v and gate/up still run as one base GEMM each: their adapters add into the
+    fused output's columns (and the W8A8 quantizer then reads plain rows), giving the model's
+    own forward; adapters published by name reach the fused path."""
+    from quarl.model.lora import add_lora, lora_modules
+
+    torch.manual_seed(0)
+    model = build_random_model("tiny", seed=4, std=0.2)
+    if scheme is not None:
+        quantize_model(model, scheme, QuantLinear)
+    add_lora(model, rank=3, alpha=6, targets=("q_proj", "v_proj", "up_proj", "down_proj"))
+    with torch.no_grad():
+        for _, _, ad in lora_modules(model):
+            ad.A.normal_(0, 0.2)
+            ad.B.normal_(0, 0.2)
+    ref = copy.deepcopy(model)
+    assert fuse_projections(model) == 2 * len(model.layers)
+    fused = model.layers[0].self_attn._fused_qkv
+    assert [(lo, hi) for lo, hi, _ in fused.adapters] == [(0, 64), (96, 128)] and fused.act_format is None
+    ids = torch.randint(0, 128, (2, 7))
+    positions, attn = batch_attention(ids)
+    with torch.no_grad():
+        want = ref.hidden_states(ids, positions, attn)
+        torch.testing.assert_close(model.hidden_states(ids, positions, attn, FUSED_OPS), want, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            for _, _, ad in lora_modules(ref):
+                ad.B.mul_(-2.0)
+        load_published(model, {f"{n}.lora.B": ad.B.detach() for n, _, ad in lora_modules(ref)})
+        got = model.hidden_states(ids, positions, attn, FUSED_OPS)
+        want2 = ref.hidden_states(ids, positions, attn)
+    torch.testing.assert_close(got, want2, rtol=1e-5, atol=1e-5)
+    assert (want2 - want).abs().max() > 1e-2
