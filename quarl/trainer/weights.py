@@ -83,6 +83,14 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
     frozen = [p for p in model.parameters() if not p.requires_grad]
     frozen += [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False)]
     engine_model = copy.deepcopy(model, memo={id(t): t for t in frozen})
+    if engine_config.fused_kernels and next(model.parameters()).is_cuda:
+        from quarl.rollout.fused import fuse_projections, supports_fused
+
+        if supports_fused(engine_model):
+            # fused before the engine sizes its KV cache from the free memory, and the learner moved
+            # onto the fused buffers at once: the unfused copies of q/k/v and gate/up are gone by then
+            fuse_projections(engine_model)
+            share_frozen(model, engine_model)
     engine = Engine(engine_model, scheme=quant.scheme, config=engine_config, include=quant.include,
                     exclude=quant.exclude)
     share_frozen(model, engine.model)

@@ -34,6 +34,13 @@ def test_lora_engine_logprobs_match_the_learner(scheme):
     engine, pub = build_engine_and_publisher(model, cfg.quant, EngineConfig(max_model_len=256, max_num_seqs=64),
                                              LoRASettings(16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                      "gate_proj", "up_proj", "down_proj")))
+    # one copy of the base: the learner reads the engine's fused buffers (made before the KV cache was sized)
+    a_l, a_e = model.layers[0].self_attn, engine.model.layers[0].self_attn
+    assert a_e._fused_qkv.adapters
+    for name in ("q_proj", "k_proj", "v_proj"):
+        lm, em = getattr(a_l, name), getattr(a_e, name)
+        ptr = (lambda m: m.qdata.data_ptr()) if hasattr(lm, "qdata") else (lambda m: m.weight.data_ptr())
+        assert ptr(lm) == ptr(em)
     g = torch.Generator(device="cuda").manual_seed(1)
     prompts = [[int(t) for t in torch.randint(5, 900, (12,), generator=g, device="cuda")] for _ in range(8)]
 
