@@ -88,10 +88,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]
     """Freeze every parameter of ``model`` and give each decoder linear named in ``targets``
     (the last component of its name: ``q_proj``, ``down_proj``, ...) an adapter of ``rank``
     and ``alpha``; returns the adapted linears' names. Plain ``nn.Linear`` bases become
-    :class:`LoRALinear`; quantized ones (``QuantLinear``) carry the adapter themselves.
-    The adapters take ``dtype`` (default: the model's embedding dtype)."""
-    from quarl.quant.linear import QATLinear, QuantLinear
-
+    :class:`LoRALinear`; quantized ones (``QuantLinear``: packed, a ``qweight``) carry the adapter
+    themselves. The adapters take ``dtype`` (default: the model's embedding dtype)."""
     targets = tuple(targets)
     unknown = sorted(set(targets) - set(DEFAULT_TARGETS))
     if unknown:
@@ -103,20 +101,25 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]
     for name, mod in list(model.named_modules()):
         if not _is_target(name, targets):
             continue
-        if isinstance(mod, QATLinear):
+        if hasattr(mod, "quantized_weight"):  # a QATLinear
             raise ValueError(f"{name} is a QATLinear (master weights): LoRA's base stays frozen in the rollout "
                              "scheme, so it is a QuantLinear; build the LoRA model from plain linears")
         if type(mod) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             mod = LoRALinear.wrap(mod)
             setattr(model.get_submodule(parent_name), child, mod)
-        elif not isinstance(mod, (QuantLinear, LoRALinear)):
+        elif not (isinstance(mod, LoRALinear) or _is_packed(mod)):
             continue
         mod.lora = LoRAAdapter(mod.in_features, mod.out_features, rank, alpha, device=ref.device, dtype=dtype)
         names.append(name)
     if not names:
         raise ValueError(f"no decoder linear named {', '.join(targets)} to put a LoRA adapter on")
     return names
+
+
+def _is_packed(mod: nn.Module) -> bool:
+    """A ``QuantLinear`` (quarl.quant imports this module, so it is told by its packed weight)."""
+    return hasattr(mod, "qweight") and hasattr(mod, "load_quantized")
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, LoRAAdapter]]:
@@ -183,9 +186,7 @@ def peft_config(model: nn.Module, base_model_path: str | None) -> dict:
 def merged_weight(mod: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dense weight ``[N, K]`` of an adapted linear with its adapter merged in:
     ``deq(W) + scaling * B A`` (the base dequantized when it is low-bit), in ``dtype``."""
-    from quarl.quant.linear import QuantLinear
-
-    base = mod.qweight.dequantize().to(torch.float32) if isinstance(mod, QuantLinear) else mod.weight.float()
+    base = mod.qweight.dequantize().to(torch.float32) if _is_packed(mod) else mod.weight.float()
     ad = getattr(mod, "lora", None)
     if ad is not None:
         base = base + ad.scaling * (ad.B.float() @ ad.A.float())
