@@ -66,7 +66,7 @@ def test_example_configs_load():
     assert examples
     for f in examples:
         cfg = load_run_config(str(f), ["--model.path=/models/x", "--data.path=train.jsonl"])
-        assert cfg.data.task == "file" and cfg.optim.lr == 1e-6, f
+        assert cfg.data.task == "file" and cfg.optim.lr == (1e-5 if cfg.model.lora_rank else 1e-6), f
 
 
 def test_quant_mode_and_scheme_are_resolved_once():

@@ -104,6 +104,8 @@ class Trainer:
             self._say(f"engine keeps its {cfg.quant.scheme.name} weights dense too: "
                       f"{self.engine.runner.dense_weight_bytes / 2**30:.1f} GB (rollout.engine.dense_weights)")
         self._matmul_params = base.config.matmul_params
+        self._lora_params = (sum(p.numel() for p in base.parameters() if p.requires_grad) if lora is not None
+                             else None)  # the adapters (the base is frozen: perf/learner_mfu counts no weight grads)
         self._matmul_rate = matmul_rate(self.device)  # the denominator of perf/learner_mfu (None on CPU)
         # None: decided after the first learner phase (GPU, auto); on CPU the cache is host memory
         self._keep_kv = {"keep": True, "release": False}.get(
@@ -305,7 +307,7 @@ class Trainer:
                       clock: StageClock) -> dict[str, float]:
         m = update.metrics
         timing = clock.metrics()
-        flops = update.model_flops(self._matmul_params) / max(timing["time/learner"], 1e-9)
+        flops = update.model_flops(self._matmul_params, self._lora_params) / max(timing["time/learner"], 1e-9)
         perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate

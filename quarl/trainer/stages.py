@@ -59,9 +59,14 @@ class UpdateResult:
     tokens: int = 0
     extra_forwards: int = 0
 
-    def model_flops(self, matmul_params: int) -> float:
-        """``(6 + 2 * extra_forwards) * P * tokens`` (forward 2 P T, backward 4 P T)."""
-        return (6 + 2 * self.extra_forwards) * matmul_params * self.tokens
+    def model_flops(self, matmul_params: int, lora_params: int | None = None) -> float:
+        """``(6 + 2 * extra_forwards) * P * tokens`` (forward 2 P T, backward 4 P T). A LoRA
+        learner (``lora_params``: the adapters' parameters) computes no weight gradient of its
+        frozen base: ``(4 + 2 e) P T`` for the base plus ``(6 + 2 e) P_lora T``."""
+        e = 2 * self.extra_forwards
+        if lora_params is None:
+            return (6 + e) * matmul_params * self.tokens
+        return ((4 + e) * matmul_params + (6 + e) * lora_params) * self.tokens
 
 
 class StageClock:

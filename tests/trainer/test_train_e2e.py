@@ -252,6 +252,8 @@ def test_update_result_model_flops_by_hand():
 
     # forward + backward 6 P T; each extra forward adds 2 P T: (6 + 2 * 2) * 1000 * 50 = 500000
     assert UpdateResult({}, {}, tokens=50, extra_forwards=2).model_flops(1000) == 500_000
+    # LoRA: the frozen base has no weight gradient (4 + 4) * 1000 * 50, the adapters (6 + 4) * 10 * 50
+    assert UpdateResult({}, {}, tokens=50, extra_forwards=2).model_flops(1000, lora_params=10) == 400_000 + 5_000
 
 
 def test_fp8_kv_cache_in_aligned_mode_adds_no_mismatch(tmp_path):
