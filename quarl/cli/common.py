@@ -17,15 +17,22 @@ def add_common_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
-def load_model_and_tokenizer(args: argparse.Namespace):
-    """The model and tokenizer named by the common arguments, on the chosen device."""
+def load_model_and_tokenizer(args: argparse.Namespace, scheme=None):
+    """The model and tokenizer named by the common arguments, on the chosen device. With a
+    low-bit ``scheme`` a checkpoint's decoder linears are quantized as they load, one at a time
+    (``load_quantized_model``), so a model whose bf16 weights do not fit the device still runs."""
     import quarl
     from quarl.model.presets import build_random_model
     from quarl.tasks.tokenizer import load_tokenizer
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if args.model:
+    if args.model and scheme is not None and scheme.quantizes_weights:
+        from quarl.model.quantized_loading import load_quantized_model
+
+        model = load_quantized_model(args.model, scheme, dtype=dtype, device=device)
+        tok_dir = args.tokenizer or (args.model if _has_tokenizer(args.model) else None)
+    elif args.model:
         model = quarl.load_model(args.model, dtype=dtype, device=device)
         tok_dir = args.tokenizer or (args.model if _has_tokenizer(args.model) else None)
     else:

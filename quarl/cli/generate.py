@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from quarl.quant import get_scheme
     from quarl.rollout import Engine, EngineConfig, SamplingParams
 
-    model, tok, device = load_model_and_tokenizer(args)
+    model, tok, device = load_model_and_tokenizer(args, get_scheme(args.scheme))
     prompts = prompt_ids(tok, args.prompt, chat=tok.has_chat_template if args.chat is None else args.chat)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt encodes to zero tokens; give a non-empty --prompt")

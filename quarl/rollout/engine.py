@@ -81,11 +81,14 @@ class Engine:
         exclude: list[str] | tuple[str, ...] = (),
     ) -> None:
         if not isinstance(model, Transformer):
-            from quarl.model.loading import load_model
+            from quarl.model.quantized_loading import load_quantized_model
 
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            model = load_model(model, dtype=dtype, device=device)
+            # a low-bit scheme's linears are quantized as they load, one at a time: a checkpoint
+            # whose bf16 weights would not fit on the device still runs in its packed form
+            model = load_quantized_model(model, "bf16" if scheme is None else scheme, dtype=dtype, device=device,
+                                         include=include, exclude=exclude)
         self.model = model.eval()
         self.scheme = get_scheme("bf16" if scheme is None else scheme)
         if self.scheme.quantizes_weights or self.scheme.quantizes_activations:

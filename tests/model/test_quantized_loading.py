@@ -256,3 +256,20 @@ def test_bench_random_base_workload_uses_the_builtin_shape():
 
     cfg = load_run_config(None, flags + ["--quant.mode=aligned", "--quant.scheme=w4a16"])
     assert cfg.model.lora_rank == 64 and cfg.trainer.activation_checkpointing
+
+
+def test_engine_from_a_path_runs_the_quantized_load(tmp_path):
+    """``Engine(path, scheme)`` packs the checkpoint while loading: the same greedy completions
+    and log-probs as an engine over ``load_model`` + ``quantize_model``."""
+    import quarl
+    from quarl.rollout import Engine, EngineConfig, SamplingParams
+    from tests.hf_models import make_hf_checkpoint
+
+    make_hf_checkpoint("qwen2", tmp_path / "m", seed=5)
+    cfg = EngineConfig(num_kv_blocks=32, max_model_len=64)
+    a = Engine(tmp_path / "m", scheme="w4a16", config=cfg, device="cpu")
+    b = Engine(quarl.load_model(tmp_path / "m", dtype=torch.float32), scheme="w4a16", config=cfg)
+    params = [SamplingParams(n=1, temperature=0.0, max_new_tokens=8)]
+    (ca,), (cb,) = a.generate([[3, 4, 5]], params), b.generate([[3, 4, 5]], params)
+    assert ca.token_ids == cb.token_ids and ca.logprobs == cb.logprobs
+    assert a.model.layers[0].mlp.down_proj.qweight.qdata.dtype != torch.float32
