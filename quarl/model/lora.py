@@ -49,6 +49,16 @@ class LoRAAdapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, self.A), self.B) * self.scaling
 
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y + scaling * B (A x)`` as one ``addmm`` over rows (the scaled product and the sum
+        rounded once, no separate scale and add kernels): what a base linear's forward returns."""
+        xa = F.linear(x.reshape(-1, x.shape[-1]), self.A)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, self.B.t(), alpha=self.scaling).view(y.shape)
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """:meth:`add_to` in place, into ``y`` (rows; a column block of a fused GEMM's output)."""
+        y.addmm_(F.linear(x, self.A), self.B.t(), alpha=self.scaling)
+
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}, in={self.A.shape[1]}, out={self.B.shape[0]}"
 
@@ -58,7 +68,7 @@ def apply_adapter(mod: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     ad = getattr(mod, "lora", None)
     if ad is None or not ad.enabled:
         return y
-    return y + ad(x)
+    return ad.add_to(y, x)
 
 
 class LoRALinear(nn.Linear):

@@ -367,9 +367,9 @@ class FusedLinear:
     parameters/buffers, so loading a module's weights by name writes straight into it.
 
     ``adapters``: the LoRA adapters of the members, ``(first row, last row, adapter)``: each
-    adds its ``scaling * B (A x)`` into its member's columns of the fused output, in place (the
-    sum the member's own forward makes); their input is the plain rows, so the fused GEMM then
-    takes plain rows too (``act_format`` None)."""
+    adds its ``scaling * B (A x)`` into its member's columns of the fused output, in place, with
+    the one ``addmm`` the member's own forward runs (``LoRAAdapter.add_to``); their input is the
+    plain rows, so the fused GEMM then takes plain rows too (``act_format`` None)."""
 
     def __init__(self, weight, bias: torch.Tensor | None, adapters: list | None = None) -> None:
         self.weight, self.bias = weight, bias
@@ -387,7 +387,7 @@ class FusedLinear:
         else:
             y = ops.quant_linear(x, self.weight, self.bias, self.repacked)
         for lo, hi, ad in self.adapters:
-            y[:, lo:hi] += ad(x)
+            ad.add_into(y[:, lo:hi], x)
         return y
 
 
