@@ -125,8 +125,6 @@ class LoRAPublisher:
     (``A`` and ``B`` of every adapted linear) into the engine's in place; the base is shared
     and never moves."""
 
-    mode = None
-
     def __init__(self, learner_model: nn.Module, engine: Engine) -> None:
         self.learner_model = learner_model
         self.engine = engine

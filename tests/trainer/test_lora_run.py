@@ -15,7 +15,7 @@ from quarl.rollout import EngineConfig, SamplingParams
 from quarl.trainer import checkpoint as ckpt
 from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
 from tests.model.test_lora import _randomize_adapters, _tiny
-from tests.trainer.test_train_e2e import TINY, _train
+from tests.trainer.test_train_e2e import _train
 
 LORA = ["--model.lora_rank=4", "--model.lora_alpha=8", "--trainer.sft_warmup_steps=0"]
 
