@@ -140,3 +140,19 @@ def test_a_saved_model_must_have_the_workloads_shape(tmp_path):
         check_model(tiny, smoke)
     argv, _ = child_command("smoke", "bf16", ["--trainer.steps=2"], tmp_path, "abc", tmp_path / "o.json", None, tiny)
     assert argv[argv.index("--model") + 1] == str(tiny.resolve()) and argv[-1] == "--trainer.steps=2"
+
+
+def test_every_workload_and_mode_makes_a_valid_run_config(tmp_path):
+    """The flags `quarl bench train` hands each mode's run load as a config (later flags win:
+    a workload's extras override the common ones)."""
+    from quarl.bench.train import MODES, WORKLOADS, mode_overrides, workload_overrides
+    from quarl.config import load_run_config
+
+    for name, w in WORKLOADS.items():
+        for mode in MODES:
+            if mode == "rollout-w4a16" and "--model.lora_rank=64" in w.extra:
+                continue  # LoRA runs refuse rollout mode (tests/trainer/test_lora_run.py)
+            cfg = load_run_config(None, workload_overrides(w, None if w.random_base else tmp_path) + mode_overrides(mode))
+            assert cfg.rollout.max_new_tokens == w.gen, (name, mode)
+    lean = load_run_config(None, workload_overrides(WORKLOADS["full-7b-lean"], tmp_path))
+    assert not lean.optim.fp32_master and lean.optim.state_dtype == "bfloat16" and lean.trainer.activation_checkpointing
