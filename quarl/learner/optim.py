@@ -71,7 +71,37 @@ def _check_bf16_params(params: Iterable[torch.Tensor], what: str) -> None:
                              "or train in bfloat16 (model.dtype=bfloat16)")
 
 
-class LeanAdamW(torch.optim.Optimizer):
+class _RoundingOptimizer:
+    """What the stochastically rounding optimizers share: the step's walk over the parameters
+    that have a gradient, and the rounding generator kept in the state dict (exact resume)."""
+
+    rounding: StochasticRounding
+
+    def _params_with_grads(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    yield p, self.state[p], group
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        sd = super().state_dict()
+        sd["rounding"] = self.rounding.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        state_dict = dict(state_dict)
+        self.rounding.load_state_dict(state_dict.pop("rounding", {}))
+        super().load_state_dict(state_dict)
+
+
+def _closure_loss(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
     """AdamW (torch.optim.AdamW's update: decoupled weight decay, bias-corrected moments)
     with two memory options.
 
@@ -108,21 +138,14 @@ class LeanAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-                state["step"] += 1
-                self._step_param(p, state, group)
+        loss = _closure_loss(closure)
+        for p, state, group in self._params_with_grads():
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+            state["step"] += 1
+            self._step_param(p, state, group)
         return loss
 
     def _step_param(self, p: torch.Tensor, state: dict, group: dict) -> None:
@@ -146,14 +169,7 @@ class LeanAdamW(torch.optim.Optimizer):
             return
         target.copy_(self.rounding(value) if stochastic and target.dtype == torch.bfloat16 else value)
 
-    def state_dict(self) -> dict:  # type: ignore[override]
-        sd = super().state_dict()
-        sd["rounding"] = self.rounding.state_dict()
-        return sd
-
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        state_dict = dict(state_dict)
-        self.rounding.load_state_dict(state_dict.pop("rounding", {}))
         super().load_state_dict(state_dict)
         # torch casts floating-point state to its parameter's dtype; the moments keep state_dtype
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -165,7 +181,7 @@ class LeanAdamW(torch.optim.Optimizer):
                     self.state[p][key] = saved[key].to(device=p.device, dtype=self.state_dtype, copy=True)
 
 
-class StochasticRoundingMuon(torch.optim.Muon):
+class StochasticRoundingMuon(_RoundingOptimizer, torch.optim.Muon):
     """torch.optim.Muon over bf16 weights with the update written back by stochastic
     rounding (see :class:`LeanAdamW`): each matrix in turn is copied to float32, stepped by
     torch's own Muon step, and rounded back. The momentum buffer stays in the gradient's
@@ -179,34 +195,17 @@ class StochasticRoundingMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                weight = p.float()
-                muon_step([weight], [p.grad], [state["momentum_buffer"]], lr=group["lr"],
-                          weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
-                          ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
-                          adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
-                p.copy_(self.rounding(weight))
+        loss = _closure_loss(closure)
+        for p, state, group in self._params_with_grads():
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            weight = p.float()
+            muon_step([weight], [p.grad], [state["momentum_buffer"]], lr=group["lr"],
+                      weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
+                      ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
+                      adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
+            p.copy_(self.rounding(weight))
         return loss
-
-    def state_dict(self) -> dict:  # type: ignore[override]
-        sd = super().state_dict()
-        sd["rounding"] = self.rounding.state_dict()
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        state_dict = dict(state_dict)
-        self.rounding.load_state_dict(state_dict.pop("rounding", {}))
-        super().load_state_dict(state_dict)
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
