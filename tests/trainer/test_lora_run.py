@@ -130,3 +130,27 @@ def test_lora_config_errors():
         load_run_config(None, ["--model.lora_rank=8", "--model.lora_targets=[qproj]"])
     with pytest.raises(ConfigError, match="algo.advantage=gae"):
         load_run_config(None, ["--model.lora_rank=8", "--algo.advantage=gae"])
+
+
+def test_peft_export_of_a_uaq_run_fits_the_plain_base(tmp_path):
+    """With UAQ the adapters of q/k/v and gate/up saw inputs scaled by s; the PEFT export folds
+    s into their A, so PEFT on the plain base checkpoint gives the run's policy."""
+    import transformers as tf
+    from peft import PeftModel
+
+    from quarl.export.hf import find_checkpoint, read_policy
+    from quarl.export.lora import lora_policy
+    from quarl.export.run import export_checkpoint
+    from tests.hf_models import make_hf_checkpoint
+
+    make_hf_checkpoint("llama", tmp_path / "base", seed=6, vocab_size=128)
+    _train(tmp_path / "run", *LORA, f"--model.path={tmp_path / 'base'}", "--model.tokenizer=builtin",
+           "--trainer.save_every=2", "--optim.lr=3e-2", "--quant.mode=bf16", "--quant.uaq_scale=1.5", steps=2)
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        ours = lora_policy(read_policy(find_checkpoint(tmp_path / "run")))(ids)
+    export_checkpoint(tmp_path / "run", tmp_path / "peft", "peft")
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(ids).logits
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 1e-5
