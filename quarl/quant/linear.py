@@ -72,6 +72,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         self.repacked = RepackCache()  # kernel layouts of the weight (w4 fragment order)
         self.learner_path = False  # True: the frozen base of a LoRA learner (forward's docstring)
+        self.lora = None  # a LoRA adapter (quarl.model.lora.add_lora); a plain attribute until set
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: QuantScheme | str) -> "QuantLinear":

@@ -554,8 +554,8 @@ class FusedOps(TorchOps):
         down_fmt = None if getattr(down, "lora", None) is not None else act_format_of(getattr(down, "qweight", None))
         y = silu_mul_for(fused_gu, h, down_fmt)
         if down_fmt is not None:
-            return ops.quant_linear_quantized_input(*y, mlp.down_proj.qweight, mlp.down_proj.bias, h_dtype(h))
-        return mlp.down_proj(y)
+            return ops.quant_linear_quantized_input(*y, down.qweight, down.bias, h_dtype(h))
+        return down(y)
 
 
 FUSED_OPS = FusedOps()
