@@ -98,14 +98,32 @@ def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: in
     }
 
 
+def make_engine(model: Transformer, fmt: str, config: EngineConfig, lora_rank: int = 0) -> Engine:
+    """The engine of ``model`` in ``fmt``; with ``lora_rank`` the one a LoRA run builds
+    (:func:`~quarl.trainer.weights.build_lora_engine`: a frozen base in ``fmt`` with rank
+    ``lora_rank`` adapters on every default target, B at zero as at step 0)."""
+    if not lora_rank:
+        return Engine(model, scheme=None if fmt == "bf16" else fmt, config=config)
+    from quarl.config.run import QuantConfig
+    from quarl.model.lora import DEFAULT_TARGETS
+    from quarl.quant.mode import QuantMode
+    from quarl.quant.scheme import SCHEMES
+    from quarl.trainer.weights import LoRASettings, build_lora_engine
+
+    quant = QuantConfig(mode=QuantMode.BF16 if fmt == "bf16" else QuantMode.ALIGNED, scheme=SCHEMES[fmt])
+    quant.validate()
+    engine, _ = build_lora_engine(model, quant, config, LoRASettings(lora_rank, 2.0 * lora_rank, DEFAULT_TARGETS))
+    return engine
+
+
 def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, ceil: Ceilings,
-               device: torch.device, seed: int = 0, engine_kw: dict | None = None) -> dict[str, Any]:
+               device: torch.device, seed: int = 0, engine_kw: dict | None = None, lora_rank: int = 0) -> dict[str, Any]:
     cfg = shape_config(shape, prompt_len + gen_len)
     model = random_model(cfg, device, seed)
     t0 = time.perf_counter()
     config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + gen_len, max_num_batched_tokens=32768,
                           **(engine_kw or {}))
-    engine = Engine(model, scheme=None if fmt == "bf16" else fmt, config=config)
+    engine = make_engine(model, fmt, config, lora_rank)
     init_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(seed + 1)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
@@ -125,7 +143,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
         replay_ms = 1e3 * median_cuda_time(graph.replay, 20)
     steps = sorted(st.decode_step_s)
     row = {
-        "shape": shape, "format": fmt, "kv_cache_dtype": config.kv_cache_dtype, "batch": batch,
+        "shape": shape, "format": fmt, "kv_cache_dtype": config.kv_cache_dtype, "lora_rank": lora_rank, "batch": batch,
         "prompt_len": prompt_len, "gen_len": gen_len, "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
         "prefill_s": st.prefill_s, "prefill_steps": st.prefill_steps, "decode_s": st.decode_s,
         "decode_steps": st.decode_steps, "planned_steps": st.planned_steps, "preemptions": st.preemptions,
@@ -179,7 +197,7 @@ def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.
 
 def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats: list[str],
                   hf_gen_len: int = 0, out: str | None = None, engine_kw: dict | None = None,
-                  kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+                  kv_cache_dtypes: tuple[str, ...] = ("auto",), lora_rank: int = 0) -> dict[str, Any]:
     """One row per weight format and KV-cache dtype; ``speedup_vs_bf16`` against the bf16
     row with the model-dtype cache (the first bf16 row when there is none)."""
     device = torch.device("cuda")
@@ -189,7 +207,8 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
         for kv in kv_cache_dtypes:
             kw = {**(engine_kw or {}), "kv_cache_dtype": kv}
             try:
-                rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw))
+                rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw,
+                                       lora_rank=lora_rank))
             except Exception as e:  # keep the other rows of a long run
                 rows.append({"shape": shape, "format": fmt, "kv_cache_dtype": kv,
                              "error": f"{type(e).__name__}: {str(e)[:2000]}"})
@@ -241,7 +260,7 @@ def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("
 
 
 def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int = 10, top: int = 14,
-                    device: torch.device | None = None, kv_cache_dtype: str = "auto") -> str:
+                    device: torch.device | None = None, kv_cache_dtype: str = "auto", lora_rank: int = 0) -> str:
     """Per-kernel GPU time of one decode step: the engine on random weights generates a few
     tokens, then its largest captured decode graph is replayed under torch.profiler. A table
     of the kernels by total time per step (ms, launches per step, name)."""
@@ -250,8 +269,8 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
     device = device or torch.device("cuda")
     cfg = shape_config(shape, prompt_len + 64)
     model = random_model(cfg, device)
-    engine = Engine(model, scheme=None if fmt == "bf16" else fmt,
-                    config=EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64, kv_cache_dtype=kv_cache_dtype))
+    engine = make_engine(model, fmt, EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64,
+                                                  kv_cache_dtype=kv_cache_dtype), lora_rank)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
     engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     graph = engine.runner.graphs[max(engine.runner.graphs)][0]
@@ -271,7 +290,7 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
     total_us = sum(t for t, _ in kernels.values()) / reps
     spans = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     idle_us, before = idle_gaps(spans, max_gap_us=0.5 * replay_ms * 1e3)
-    lines = [f"{shape} {fmt} kv={kv_cache_dtype} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
+    lines = [f"{shape} {fmt} kv={kv_cache_dtype} lora={lora_rank} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
              f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "
              f"{torch.cuda.get_device_name(device)}, commit {git_commit()[:10]})"]
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:

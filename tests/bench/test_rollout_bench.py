@@ -16,3 +16,30 @@ def test_idle_gaps_sums_the_holes_and_names_the_kernel_that_waited():
 def test_overlapping_kernels_leave_no_idle_time():
     idle, before = idle_gaps([("a", 0.0, 10.0), ("b", 5.0, 8.0), ("c", 9.0, 12.0), ("d", 12.5, 13.0)])
     assert idle == pytest.approx(0.5) and before == {"d": (pytest.approx(0.5), 1)}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "w4a16"])
+def test_lora_engine_is_the_one_a_lora_run_builds(fmt):
+    """``--lora-rank``: every default target of the engine's model carries an adapter over a
+    frozen base in the format, and the engine decodes with it."""
+    import torch
+
+    from quarl.bench.rollout import make_engine, random_model
+    from quarl.model.config import TransformerConfig
+    from quarl.model.lora import DEFAULT_TARGETS
+    from quarl.quant import QuantLinear
+    from quarl.rollout.config import EngineConfig
+    from quarl.rollout.sampling_params import SamplingParams
+
+    cfg = TransformerConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            max_position_embeddings=64)
+    model = random_model(cfg, torch.device("cpu"))
+    engine = make_engine(model, fmt, EngineConfig(max_num_seqs=2, max_model_len=32), lora_rank=4)
+    adapted = [n for n, m in engine.model.named_modules() if getattr(m, "lora", None) is not None]
+    assert len(adapted) == len(DEFAULT_TARGETS) * cfg.num_hidden_layers
+    bases = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert (len(bases) == len(adapted)) == (fmt != "bf16")
+    assert not any(p.requires_grad for n, p in engine.model.named_parameters() if ".lora." not in n)
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True, seed=0))
+    assert [len(o.token_ids) for o in outs] == [3, 3]
