@@ -80,9 +80,7 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
     if quant.scheme.quantizes_weights or quant.scheme.quantizes_activations:
         quantize_model(model, quant.scheme, QuantLinear, include=quant.include, exclude=quant.exclude)
     add_lora(model, lora.rank, lora.alpha, lora.targets)
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    frozen += [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False)]
-    engine_model = copy.deepcopy(model, memo={id(t): t for t in frozen})
+    engine_model = _copy_sharing_frozen(model)
     if engine_config.fused_kernels and next(model.parameters()).is_cuda:
         from quarl.rollout.fused import fuse_projections, supports_fused
 
@@ -99,6 +97,16 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
             m.learner_path = True
     model.kv_quant = "fp8" if engine_config.kv_cache_dtype == "fp8" else None
     return engine, LoRAPublisher(model, engine)
+
+
+def _copy_sharing_frozen(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose frozen tensors are ``model``'s own (not copies). Its own
+    function so that no list of those tensors outlives it: once the engine fuses its copy and
+    the learner is moved onto the fused buffers, nothing may keep the unfused ones alive while
+    the engine sizes its KV cache from the free memory."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen += [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False)]
+    return copy.deepcopy(model, memo={id(t): t for t in frozen})
 
 
 @torch.no_grad()

@@ -333,7 +333,11 @@ def test_fused_projections_with_lora_adapters_match_and_load_in_place(scheme):
     ref = copy.deepcopy(model)
     assert fuse_projections(model) == 2 * len(model.layers)
     fused = model.layers[0].self_attn._fused_qkv
-    assert [(lo, hi) for lo, hi, _ in fused.adapters] == [(0, 64), (96, 128)] and fused.act_format is None
+    group = fused.adapters
+    assert group.A.shape == (6, 64) and group.B.shape == (128, 6) and fused.act_format is None
+    q, v = model.layers[0].self_attn.q_proj.lora, model.layers[0].self_attn.v_proj.lora
+    assert q.A.data_ptr() == group.A.data_ptr() and v.B.data_ptr() == group.B[96:, 3:].data_ptr()
+    assert not group.B[64:96].any() and not group.B[:64, 3:].any() and not group.B[96:, :3].any()
     ids = torch.randint(0, 128, (2, 7))
     positions, attn = batch_attention(ids)
     with torch.no_grad():

@@ -36,7 +36,8 @@ def test_lora_engine_logprobs_match_the_learner(scheme):
                                                                      "gate_proj", "up_proj", "down_proj")))
     # one copy of the base: the learner reads the engine's fused buffers (made before the KV cache was sized)
     a_l, a_e = model.layers[0].self_attn, engine.model.layers[0].self_attn
-    assert a_e._fused_qkv.adapters
+    # the group's adapters run as one shrink and one expand GEMM over buffers the adapters view
+    assert a_e.q_proj.lora.A.data_ptr() == a_e._fused_qkv.adapters.A.data_ptr()
     for name in ("q_proj", "k_proj", "v_proj"):
         lm, em = getattr(a_l, name), getattr(a_e, name)
         ptr = (lambda m: m.qdata.data_ptr()) if hasattr(lm, "qdata") else (lambda m: m.weight.data_ptr())
