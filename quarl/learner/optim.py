@@ -22,6 +22,9 @@ from torch import nn
 from torch.optim._muon import muon as muon_step
 
 
+STEP_CHUNK = 1 << 24  # elements per slice of LeanAdamW's float32 working copies (64 MB each)
+
+
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """``x`` (float32) rounded to one of its two bfloat16 neighbours at random, the upper one
     with probability (distance to the lower) / (gap between them), so that ``E[result] = x``.
@@ -118,8 +121,8 @@ class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
     The random bits come from :class:`StochasticRounding` (seed ``seed``), saved in
     :meth:`state_dict`: resuming from a checkpoint continues bit for bit. With float32
     parameters and states the step is torch.optim.AdamW's, to float32 rounding. The
-    parameters are stepped one at a time, so the float32 working copies of a 16-bit weight or
-    state never exceed one tensor's size. The state keys (``step``, ``exp_avg``,
+    parameters are stepped one at a time and in slices of :data:`STEP_CHUNK` elements, so
+    the float32 working copies of 16-bit weights and states stay a few slices' size. The state keys (``step``, ``exp_avg``,
     ``exp_avg_sq``) are torch.optim.AdamW's: a checkpoint of either loads into the other,
     the moments converted to this optimizer's ``state_dtype``.
     """
@@ -149,18 +152,29 @@ class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
         return loss
 
     def _step_param(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        """One AdamW step of ``p`` in float32 (in place where the tensors are float32)."""
+        """One AdamW step of ``p``, :data:`STEP_CHUNK` elements at a time (the update is
+        elementwise): the float32 working copies of a 16-bit tensor then take a few chunks,
+        not a few copies of the tensor (the 7B LM head's alone are 2 GB each)."""
+        tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+        if not all(t.is_contiguous() for t in tensors):
+            return self._step_slice(*tensors, group, float(state["step"]))
+        flat = [t.view(-1) for t in tensors]
+        for lo in range(0, p.numel(), STEP_CHUNK):
+            self._step_slice(*(t[lo : lo + STEP_CHUNK] for t in flat), group, float(state["step"]))
+
+    def _step_slice(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    group: dict, step: float) -> None:
+        """The AdamW step of matching slices in float32 (in place where the tensors are float32)."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        step = float(state["step"])
-        grad = p.grad.float()
-        weight, m, v = p.float(), state["exp_avg"].float(), state["exp_avg_sq"].float()
+        grad = grad.float()
+        weight, m, v = p.float(), exp_avg.float(), exp_avg_sq.float()
         weight.mul_(1 - lr * wd)
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
         weight.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-        self._write(state["exp_avg"], m, stochastic=True)
-        self._write(state["exp_avg_sq"], v, stochastic=True)
+        self._write(exp_avg, m, stochastic=True)
+        self._write(exp_avg_sq, v, stochastic=True)
         self._write(p, weight, stochastic=self.stochastic_rounding)
 
     def _write(self, target: torch.Tensor, value: torch.Tensor, stochastic: bool) -> None:

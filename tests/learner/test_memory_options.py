@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 
+import quarl.learner.optim as optim
 import quarl.quant.linear as qlinear
 from quarl.learner.learner import Learner, UpdateSettings
 from quarl.learner.logprobs import sequence_logprobs
@@ -113,7 +114,12 @@ def _run(opt, params, steps: range) -> None:
         opt.step()
 
 
-def test_lean_adamw_with_float32_states_is_torch_adamw():
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_lean_adamw_with_float32_states_is_torch_adamw(chunk, monkeypatch):
+    """Also stepped in slices smaller than the tensors (``STEP_CHUNK``, 7 elements: slices
+    that cross rows and a ragged last one): the update is elementwise, so it is the same."""
+    if chunk is not None:
+        monkeypatch.setattr(optim, "STEP_CHUNK", chunk)
     hp = dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     ours, torchs = _params(), _params()
     _run(LeanAdamW(ours, **hp), ours, range(8))
@@ -123,10 +129,14 @@ def test_lean_adamw_with_float32_states_is_torch_adamw():
         assert not torch.equal(a, _params()[0]) if a.shape == (17, 33) else True
 
 
-def test_bf16_moments_track_float32_moments():
+@pytest.mark.parametrize("chunk", [None, 100])
+def test_bf16_moments_track_float32_moments(chunk, monkeypatch):
     """After 600 steps of noisy gradients the bf16 moments are unbiased (mean drift < 0.5%)
     and within the random walk stochastic rounding makes over each moment's horizon (m: a
-    couple of ulps, v over 1/(1-beta2) = 1000 steps: ~10), and the weights stay close."""
+    couple of ulps, v over 1/(1-beta2) = 1000 steps: ~10), and the weights stay close; also
+    when the step runs in slices (``STEP_CHUNK``)."""
+    if chunk is not None:
+        monkeypatch.setattr(optim, "STEP_CHUNK", chunk)
     hp = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     ref, lean = _params(), _params()
     opt_ref, opt_lean = LeanAdamW(ref, **hp), LeanAdamW(lean, state_dtype=torch.bfloat16, **hp)
