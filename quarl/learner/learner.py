@@ -25,7 +25,7 @@ from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_co
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
-from quarl.quant.linear import deferred_master_grads, drop_dequantized
+from quarl.quant.linear import deferred_master_grads, drop_dequantized, set_per_use_dequant
 
 
 @dataclass
@@ -71,7 +71,8 @@ class Learner:
     weights are stepped directly with stochastic rounding), ``state_dtype`` (the dtype of
     AdamW's moments, :class:`~quarl.learner.optim.LeanAdamW` for bf16) and
     ``activation_checkpointing`` (the forwards with gradients keep only each decoder layer's
-    inputs and recompute the layer in the backward, :class:`~quarl.model.transformer.CheckpointedOps`).
+    inputs and recompute the layer in the backward, :class:`~quarl.model.transformer.CheckpointedOps`;
+    aligned linears then also dequantize per use, :func:`~quarl.quant.linear.set_per_use_dequant`).
     ``seed`` seeds the optimizer's stochastic rounding."""
 
     def __init__(
@@ -95,6 +96,8 @@ class Learner:
         # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
         ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
         self.ops = CheckpointedOps(ops) if activation_checkpointing else ops
+        if activation_checkpointing:  # nor a dense copy of every quantized weight through the update
+            set_per_use_dequant(model)
         self.critic_ops = CheckpointedOps(TORCH_OPS) if activation_checkpointing else TORCH_OPS
         self.ref_model = ref_model
         self.critic = critic
@@ -210,6 +213,7 @@ class Learner:
                 names = list(m)  # (every micro-batch reports the same names)
                 term = torch.stack([v.double().reshape(()) for v in m.values()]) * weight
                 acc = term if acc is None else acc + term
+        self.release_caches()  # the dequantized weights go stale at the step: not held through it
         if self.master is not None:
             self.master.grads_to_masters()
         stepped = self.master.masters() if self.master is not None else self.model.parameters()

@@ -150,16 +150,22 @@ class _QATMatmul(torch.autograd.Function):
     group's); each gets its row block of ``grad_W``. For schemes that quantize activations
     the forward quantizes ``x`` once and runs the GEMM on the codes; the quantizer's pass also
     writes ``x`` as the GEMM saw it (codes times scales, in x's dtype), which ``grad_W``
-    needs: no dequantizing launch in the backward."""
+    needs: no dequantizing launch in the backward.
+
+    ``repacked`` None (:func:`set_per_use_dequant`): the weight is dequantized at each use
+    and kept by nothing, a weight-only forward on the learner's fast path is ``F.linear`` over
+    it (as :func:`_qat_linear`'s leaf path computes), the kernel's layouts are made per call."""
 
     @staticmethod
-    def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache, *weights):  # type: ignore[override]
+    def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache | None, *weights):  # type: ignore[override]
         ctx.qw, ctx.repacked, ctx.has_bias = qw, repacked, bias is not None
         ctx.sizes, ctx.w_dtypes, ctx.x_dtype = [w.shape[0] for w in weights], [w.dtype for w in weights], x.dtype
         fmt = qw.scheme.act_format
         if fmt == "none":
             ctx.save_for_backward(x)
-            return ops.quant_linear(x, qw, bias, repacked)
+            if repacked is None and learner_runs_dequantized(x, qw):
+                return F.linear(x, ops.dequantize(qw, x.dtype), bias)
+            return ops.quant_linear(x, qw, bias, repacked if repacked is not None else RepackCache())
         if any(ctx.needs_input_grad[4:]):  # grad_W needs x as the GEMM saw it: written by the quantizer's pass
             xq, sx, x_seen = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt, x.dtype)
             ctx.save_for_backward(x_seen)
@@ -175,7 +181,8 @@ class _QATMatmul(torch.autograd.Function):
         grad_x = grad_b = None
         grad_ws: list[torch.Tensor | None] = [None] * len(ctx.sizes)
         if ctx.needs_input_grad[0]:
-            w = ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
+            w = ops.dequantize(qw, grad_y.dtype) if ctx.repacked is None else \
+                ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
             grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
         if any(ctx.needs_input_grad[4:]):
             (x_seen,) = ctx.saved_tensors  # (for W8A8 / W4A8 the dequantized codes)
@@ -196,16 +203,19 @@ class _DequantizedLeaf:
     accumulated gradient a hook hands, row block by row block, to the master weights (at once,
     or at the exit of :func:`deferred_master_grads`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self.leaf: torch.Tensor | None = None
         self.of: QuantizedWeight | None = None
         self.masters: list[torch.Tensor] = []
+        # False (:func:`set_per_use_dequant`): no leaf; the linear runs _QATMatmul, which
+        # dequantizes at each use and keeps nothing (one layer's dense weight at a time)
+        self.keep = keep
 
     def __deepcopy__(self, memo) -> "_DequantizedLeaf":  # a copy's hook would feed this one's masters
-        return _DequantizedLeaf()
+        return _DequantizedLeaf(self.keep)
 
     def __getstate__(self) -> dict:
-        return {"leaf": None, "of": None, "masters": []}
+        return {"leaf": None, "of": None, "masters": [], "keep": self.keep}
 
     def get(self, qw: QuantizedWeight, dtype: torch.dtype, repacked: RepackCache,
             masters: list[torch.Tensor]) -> torch.Tensor:
@@ -240,7 +250,7 @@ def _grad_to_masters(leaf: torch.Tensor, masters: list[torch.Tensor]) -> None:
             continue
         part = part.to(p.dtype)
         if p.grad is None:
-            p.grad = part if len(masters) == 1 else part.clone()
+            p.grad = part  # (a row block of a group's gradient: a view, no second copy of it)
         else:
             p.grad += part
 
@@ -262,9 +272,9 @@ def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     """The QAT forward of master weights ``masters`` stacked as ``qw``: ``F.linear`` on the
     dequantized leaf for weight-only schemes (:func:`learner_runs_dequantized`), else the
     autograd function."""
-    if learner_runs_dequantized(x, qw):
+    if learner_runs_dequantized(x, qw) and leaf.keep:
         return F.linear(x, leaf.get(qw, x.dtype, repacked, masters), bias)
-    return _QATMatmul.apply(x, bias, qw, repacked, *masters)
+    return _QATMatmul.apply(x, bias, qw, repacked if leaf.keep else None, *masters)
 
 
 # Defined through torch.library.Library rather than ``torch.library.custom_op``: the latter
@@ -325,6 +335,8 @@ def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache
     dequantized leaf carries the gradient to the masters either way. None for the rest
     (the reference kernels off the fast path, per-tensor scales)."""
     sc = qw.scheme
+    if not leaf.keep:  # per-use dequantization: the autograd function, outside compiled regions
+        return None
     if learner_runs_dequantized(x, qw):
         return ("dense", leaf.get(qw, x.dtype, repacked, masters), bias)
     if sc.act_format in ("int8", "fp8") and not sc.per_tensor_scale:
@@ -442,7 +454,7 @@ class QATGroup:
         self.mods = list(mods)
         self.sizes = [m.out_features for m in self.mods]
         self.repacked = RepackCache(keep_dequantized=True)
-        self._leaf = _DequantizedLeaf()
+        self._leaf = _DequantizedLeaf(keep=all(m._leaf.keep for m in self.mods))
         self._qw: QuantizedWeight | None = None
         self._parts: list[QuantizedWeight] = []
 
@@ -552,6 +564,18 @@ def drop_dequantized(model: nn.Module) -> None:
     """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
     for holder in _qat_holders(model):
         holder.drop_dequantized()
+
+
+def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:
+    """Whether ``model``'s aligned linears dequantize their weight at each use instead of
+    keeping one dense copy per weight version through an update (the default: the fastest,
+    but a bf16 copy of every quantized weight lives through the learner phase, 12 GB on a
+    7B model). On: a linear's dense weight lives only while its GEMM runs (with activation
+    checkpointing, one layer's at a time); the forward and the backward each dequantize
+    again and the layers run outside the compiled regions. The values are the same."""
+    for holder in _qat_holders(model):
+        holder.drop_dequantized()
+        holder._leaf.keep = not on
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from quarl.learner.optim import (
 )
 from quarl.model.presets import build_random_model
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps
-from quarl.quant.linear import QATLinear, quantize_model
+from quarl.quant.linear import QATLinear, quantize_model, set_per_use_dequant
 from tests.learner.test_learner import _batch
 
 BF16_ULP_AT_1 = 2.0**-7  # the gap between bf16 numbers in [1, 2)
@@ -65,6 +65,37 @@ def test_checkpointed_update_has_the_same_loss_and_gradients(mode, monkeypatch):
         model = _model(mode)
         qat = [n + ".weight" for n, m in model.named_modules() if isinstance(m, QATLinear)]
         assert qat and all(g_ckpt[n].abs().max() > 0 for n in qat)
+
+
+def test_per_use_dequant_keeps_no_dense_weight(monkeypatch):
+    """``set_per_use_dequant`` (on with activation checkpointing): an aligned weight-only
+    forward keeps neither a dequantized leaf between forwards nor the dense weight for its
+    backward (it saves x only), with the same log-probs and gradients."""
+    monkeypatch.setattr(qlinear, "learner_runs_dequantized", lambda x, qw: qw.scheme.act_format == "none")
+    model = _model("aligned-w4a16")
+    kept, logp_kept = _saved_bytes(model, TORCH_OPS)
+    leaves = lambda: [h._leaf.leaf for h in qlinear._qat_holders(model) if h._leaf.leaf is not None]  # noqa: E731
+    assert leaves()
+    grads_kept = _grads_of(model)
+    set_per_use_dequant(model)
+    assert not leaves()
+    per_use, logp_per_use = _saved_bytes(model, TORCH_OPS)
+    assert not leaves() and torch.equal(logp_kept, logp_per_use)
+    dense = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, QATLinear))
+    assert kept - per_use >= dense, (kept, per_use, dense)
+    grads = _grads_of(model)
+    assert grads.keys() == grads_kept.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_kept[name]), name
+
+
+def _grads_of(model) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    batch = _batch(2)
+    with qlinear.deferred_master_grads(model):
+        logp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, right_padded=True)
+        logp.sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _saved_bytes(model, ops) -> tuple[int, torch.Tensor]:
