@@ -163,10 +163,12 @@ def test_checkpointed_compiled_regions_give_the_same_values_and_less_memory(sche
     lp0, g0, peak0 = run(COMPILED_OPS)
     lp1, g1, _ = run(COMPILED_OPS)
     lp2, g2, peak2 = run(CheckpointedOps(COMPILED_OPS))
-    print(f"scheme {scheme}: peak {peak0 / 2**20:.0f} MiB plain, {peak2 / 2**20:.0f} MiB checkpointed")
-    assert torch.equal(lp0, lp2)
     floor = float((g1 - g0).norm() / g0.norm())
-    assert float((g2 - g0).norm() / g0.norm()) <= 2 * floor + 1e-6, floor
+    rel = float((g2 - g0).norm() / g0.norm())
+    print(f"scheme {scheme}: peak {peak0 / 2**20:.0f} MiB plain, {peak2 / 2**20:.0f} MiB checkpointed; "
+          f"grads differ by {rel:.3g} (plain runs: {floor:.3g})")
+    assert torch.equal(lp0, lp2)
+    assert rel <= 2 * floor + 1e-6, (rel, floor)
     assert peak2 < 0.7 * peak0
 
 
