@@ -134,7 +134,7 @@ def test_the_compiled_regions_quantizer_gives_the_engine_kernels_codes_bit_for_b
 @pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8-fp8"])
 def test_checkpointed_compiled_regions_give_the_same_values_and_less_memory(scheme):
     """Activation checkpointing around the compiled layer regions: the same log-probs bit for
-    bit, gradients as close as two plain runs are to each other, and a lower peak."""
+    bit, gradients as close to a plain run's as plain runs are to each other, and a lower peak."""
     from quarl.model.transformer import CheckpointedOps
     from quarl.quant import quantize_model
 
@@ -161,9 +161,11 @@ def test_checkpointed_compiled_regions_give_the_same_values_and_less_memory(sche
 
     run(COMPILED_OPS)  # compile
     lp0, g0, peak0 = run(COMPILED_OPS)
-    lp1, g1, _ = run(COMPILED_OPS)
+    plain = [g0] + [run(COMPILED_OPS)[1] for _ in range(2)]
     lp2, g2, peak2 = run(CheckpointedOps(COMPILED_OPS))
-    floor = float((g1 - g0).norm() / g0.norm())
+    # the backward's atomics make plain runs differ by 3e-4 to 6e-3 (relative): the floor is the
+    # largest difference among three plain runs, one pair alone can come out nearly equal
+    floor = max(float((a - b).norm() / g0.norm()) for i, a in enumerate(plain) for b in plain[i + 1 :])
     rel = float((g2 - g0).norm() / g0.norm())
     print(f"scheme {scheme}: peak {peak0 / 2**20:.0f} MiB plain, {peak2 / 2**20:.0f} MiB checkpointed; "
           f"grads differ by {rel:.3g} (plain runs: {floor:.3g})")
