@@ -10,8 +10,9 @@ compilation and graph capture).
 
 Learner model-FLOPs utilisation is the trainer's ``perf/learner_mfu``: ``6 * P * T`` FLOPs
 for a forward + backward over ``T`` tokens (``P`` = matmul parameters incl. the LM head),
-plus ``2 * P * T`` per extra forward, over the learner time and the GPU's measured bf16
-matrix rate.
+plus ``2 * P * T`` per extra forward (a LoRA run: ``4 * P * T`` for its frozen base, which
+gets no weight gradient, plus ``6 * P_lora * T``), over the learner time and the GPU's
+measured bf16 matrix rate.
 """
 
 from __future__ import annotations
