@@ -99,7 +99,8 @@ def _load_config(args: argparse.Namespace, scheme: str | None, extra: list[str])
     if scheme:
         base = _load_config(args, None, extra)
         if scheme != base.quant.scheme:  # the engine in that scheme, the weights as trained
-            mode = "bf16" if scheme == "bf16" else "rollout"
+            # (a LoRA run: its frozen base is packed in that scheme, its adapters added as trained)
+            mode = "bf16" if scheme == "bf16" else "aligned" if base.model.lora_rank else "rollout"
             overrides += [f"--quant.scheme={scheme}", f"--quant.mode={mode}"]
     if args.run_dir:
         run_dir = Path(args.run_dir)

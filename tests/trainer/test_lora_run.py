@@ -154,3 +154,30 @@ def test_peft_export_of_a_uaq_run_fits_the_plain_base(tmp_path):
     with torch.no_grad():
         theirs = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(ids).logits
     assert (ours - theirs).abs().max() / theirs.abs().max() < 1e-5
+
+
+def test_eval_of_a_lora_run_in_another_scheme_uses_the_trained_adapters(tmp_path):
+    """``quarl eval RUN_DIR --scheme S`` on a LoRA run: the base is packed in S (a LoRA base is
+    always frozen in the engine's scheme, so the mode is aligned, not rollout) and the engine
+    samples with the checkpoint's adapters."""
+    import argparse
+
+    from quarl.cli.eval import _load_config
+    from quarl.trainer.loop import Trainer
+
+    _train(tmp_path / "r", *LORA, "--trainer.save_every=2", steps=2)
+    args = argparse.Namespace(run_dir=str(tmp_path / "r"), config=None, model=None, reward=None,
+                              reward_timeout=None, max_new_tokens=None, overrides=[])
+    cfg = _load_config(args, "w8a8-int8", [])
+    assert cfg.quant.mode.value == "aligned" and cfg.quant.scheme.name == "w8a8-int8"
+    trainer = Trainer(cfg, resume=True, evaluation_only=True)
+    try:
+        saved = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "r"))["learner"]["model"]
+        adapted = lora_modules(trainer.engine.model)
+        assert adapted and {f"{n}.lora.{p}" for n, _, _ in adapted for p in "AB"} == set(saved)
+        for n, _, ad in adapted:
+            assert torch.equal(ad.A, saved[f"{n}.lora.A"]) and torch.equal(ad.B, saved[f"{n}.lora.B"])
+        bases = [m for m in trainer.engine.model.modules() if isinstance(m, QuantLinear)]
+        assert bases and all(m.qweight.scheme.name == "w8a8-int8" for m in bases)
+    finally:
+        trainer.rewards.close()
