@@ -146,7 +146,8 @@ class Learner:
 
     # ---- the update -----------------------------------------------------------------
     def release_caches(self) -> None:
-        """Free the dequantized weights the model's quantized linears keep between forwards."""
+        """Free the dequantized weights the model's quantized linears keep between forwards
+        (and a LoRA learner's frozen base, when it keeps it dense through an update)."""
         drop_dequantized(self.model)
 
     def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
@@ -213,7 +214,7 @@ class Learner:
                 names = list(m)  # (every micro-batch reports the same names)
                 term = torch.stack([v.double().reshape(()) for v in m.values()]) * weight
                 acc = term if acc is None else acc + term
-        self.release_caches()  # the dequantized weights go stale at the step: not held through it
+        drop_dequantized(self.model, frozen=False)  # stale at the step: not held through it (frozen bases stay)
         if self.master is not None:
             self.master.grads_to_masters()
         stepped = self.master.masters() if self.master is not None else self.model.parameters()

@@ -125,20 +125,21 @@ class _FrozenQuantMatmul(torch.autograd.Function):
     """A frozen low-bit linear that the gradient passes through to its input (the base of a
     LoRA learner). Forward: what :class:`QATLinear` runs for the same weight (``F.linear`` over
     the dequantized weight for weight-only schemes on the fast path, the engine's kernel
-    otherwise). Backward: ``grad_x = grad_y @ deq(W)`` (straight-through for W8A8), the
-    weight dequantized again rather than kept: a layer's dense weight lives only while its
-    GEMM runs, so a large base never exists in bf16 as a whole."""
+    otherwise). Backward: ``grad_x = grad_y @ deq(W)`` (straight-through for W8A8). The
+    dequantized weight comes from ``repacked``: made per GEMM by default, so a layer's dense
+    weight lives only while its GEMM runs and a large base never exists in bf16 as a whole;
+    kept through the learner phase where memory allows (:func:`keep_frozen_bases_dense`)."""
 
     @staticmethod
     def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
-        ctx.qw, ctx.x_dtype = qw, x.dtype
+        ctx.qw, ctx.x_dtype, ctx.repacked = qw, x.dtype, repacked
         if learner_runs_dequantized(x, qw):
-            return F.linear(x, ops.dequantize(qw, x.dtype), bias)
+            return F.linear(x, repacked.dequantized(qw, x.dtype, ops.dequantize), bias)
         return ops.quant_linear(x, qw, bias, repacked)
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
-        w = ops.dequantize(ctx.qw, grad_y.dtype)
+        w = ctx.repacked.dequantized(ctx.qw, grad_y.dtype, ops.dequantize)
         grad_x = (grad_y.reshape(-1, grad_y.shape[-1]) @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
         return grad_x, None, None, None
 
@@ -560,10 +561,35 @@ def _qat_holders(model: nn.Module) -> Iterator[QATLinear | QATGroup]:
         yield from _GROUPS.get(mod, {}).values()
 
 
-def drop_dequantized(model: nn.Module) -> None:
-    """Free the dequantized weights the model's :class:`QATLinear` keep during an update."""
+def drop_dequantized(model: nn.Module, frozen: bool = True) -> None:
+    """Free the dequantized weights the model's :class:`QATLinear` keep during an update, and
+    with ``frozen`` those of its frozen LoRA bases (:func:`keep_frozen_bases_dense`)."""
     for holder in _qat_holders(model):
         holder.drop_dequantized()
+    if frozen:
+        for m in frozen_bases(model):
+            m.repacked.drop_dequantized()
+
+
+def frozen_bases(model: nn.Module) -> list[QuantLinear]:
+    """The frozen low-bit bases of a LoRA learner (``QuantLinear`` with ``learner_path``)."""
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and m.learner_path]
+
+
+def dense_bytes(mods: Iterable[QuantLinear], dtype: torch.dtype) -> int:
+    """What the modules' weights take dequantized to ``dtype``."""
+    return sum(m.out_features * m.in_features for m in mods) * torch.empty((), dtype=dtype).element_size()
+
+
+def keep_frozen_bases_dense(model: nn.Module, on: bool = True) -> None:
+    """Whether a LoRA learner keeps each frozen base weight dequantized from its first GEMM of
+    an update to the update's end (:meth:`Learner.release_caches`), instead of dequantizing
+    it at every GEMM (forward and backward of every micro-batch: 0.4 s of a 7B step). Costs
+    the base's size in bf16 during the update; the values are the same either way."""
+    for m in frozen_bases(model):
+        m.repacked.keep_dequantized = on
+        if not on:
+            m.repacked.drop_dequantized()
 
 
 def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:

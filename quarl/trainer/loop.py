@@ -47,6 +47,7 @@ from quarl.config.typed import dump_yaml, to_dict
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.quant import QuantMode
+from quarl.quant.linear import dense_bytes, frozen_bases, keep_frozen_bases_dense
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
@@ -110,6 +111,10 @@ class Trainer:
         # None: decided after the first learner phase (GPU, auto); on CPU the cache is host memory
         self._keep_kv = {"keep": True, "release": False}.get(
             cfg.rollout.kv_cache_in_update, True if self.device.type != "cuda" else None)
+        # a LoRA learner's frozen low-bit base kept dequantized through each update: None =
+        # decided after the first learner phase from its peak (GPU), False = never
+        self._dense_base = None if (self.device.type == "cuda" and frozen_bases(self.publisher.learner_model)) \
+            else False
         critic = Critic(base) if cfg.algo.advantage == "gae" else None
         self.learner = Learner(
             self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
@@ -249,6 +254,8 @@ class Trainer:
                 quant_metrics = self.publisher.publish()                                   # 7
         if self._keep_kv is None:
             self._keep_kv = self._kv_cache_fits(clock.peak_gb["learner"])
+        if self._dense_base is None:
+            self._dense_base = self._dense_base_fits(clock.peak_gb["learner"], kv_counted=not release)
         self._check_finite(update)
         return self._step_metrics(rollout, update, quant_metrics, clock)
 
@@ -259,6 +266,21 @@ class Trainer:
         fits = learner_peak_gb * 2**30 + kv <= 0.9 * total
         self._say(f"KV cache ({kv / 2**30:.1f} GB) {'kept' if fits else 'released'} during the learner phase: "
                   f"learner peak {learner_peak_gb:.1f} GB, GPU {total / 2**30:.0f} GB")
+        return fits
+
+    def _dense_base_fits(self, learner_peak_gb: float, kv_counted: bool) -> bool:
+        """Whether a LoRA learner can keep its frozen base dequantized through each update
+        (:func:`~quarl.quant.linear.keep_frozen_bases_dense`): its bf16 size on top of the
+        first update's peak (plus the KV cache when it stays and was not in that peak) within
+        90% of the GPU; the KV cache's decision comes first."""
+        model = self.learner.model
+        dense = dense_bytes(frozen_bases(model), model.embed_tokens.weight.dtype)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        kv = self.engine.kv_cache_bytes if self._keep_kv and not kv_counted else 0
+        fits = learner_peak_gb * 2**30 + kv + dense <= 0.9 * total
+        keep_frozen_bases_dense(model, fits)
+        self._say(f"LoRA base ({dense / 2**30:.1f} GB in bf16) {'kept dense' if fits else 'dequantized per GEMM'} "
+                  f"during the learner phase: learner peak {learner_peak_gb:.1f} GB, GPU {total / 2**30:.0f} GB")
         return fits
 
     # ------------------------------------------------------------------ stages

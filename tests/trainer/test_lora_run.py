@@ -181,3 +181,52 @@ def test_eval_of_a_lora_run_in_another_scheme_uses_the_trained_adapters(tmp_path
         assert bases and all(m.qweight.scheme.name == "w8a8-int8" for m in bases)
     finally:
         trainer.rewards.close()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_frozen_base_kept_dense_gives_the_same_values_and_goes_at_release(fast_path, monkeypatch):
+    """``keep_frozen_bases_dense``: each base weight is dequantized once for all micro-batches
+    (forward on the GPU's weight-only path, backward on every path) instead of at every GEMM,
+    with the same log-probs and gradients bit for bit; the learner's release drops the copies."""
+    import quarl.quant.linear as qlinear
+    from quarl.learner.learner import Learner
+    from quarl.quant import ops
+
+    if fast_path:  # the GPU's path: F.linear over the dequantized weight
+        monkeypatch.setattr(qlinear, "learner_runs_dequantized", lambda x, qw: qw.scheme.act_format == "none")
+    calls = []
+    real = ops.dequantize
+    monkeypatch.setattr(ops, "dequantize", lambda qw, dtype: (calls.append(qw.qdata.data_ptr()), real(qw, dtype))[1])
+    cfg = load_run_config(None, ["--quant.scheme=w4a16"])
+    model = _tiny(seed=2)
+    build_engine_and_publisher(model, cfg.quant, EngineConfig(num_kv_blocks=64, max_model_len=128),
+                               LoRASettings(4, 8.0, ("q_proj", "v_proj", "down_proj")))
+    _randomize_adapters(model, seed=5, scale=0.3)
+    bases = qlinear.frozen_bases(model)
+    assert len(bases) == 7 * len(model.layers) and qlinear.dense_bytes(bases, torch.float32) == 4 * sum(
+        m.out_features * m.in_features for m in bases)
+    ids = [torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+
+    def grads_over_micro_batches():
+        model.zero_grad(set_to_none=True)
+        out = []
+        for x in ids:  # two micro-batches, one update
+            logp = sequence_logprobs(model, x, torch.ones_like(x))[0]
+            (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+            out.append(logp.detach())
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    calls.clear()
+    per_gemm = grads_over_micro_batches()
+    n_per_gemm = len(calls)
+    qlinear.keep_frozen_bases_dense(model)
+    calls.clear()
+    kept = grads_over_micro_batches()
+    # once per base for the whole update (off the fast path only the backward dequantizes, and
+    # not for the first layer's q/k/v, whose input needs no gradient)
+    assert len(set(calls)) == len(calls) < n_per_gemm and len(calls) == (len(bases) if fast_path else len(bases) - 3)
+    assert all(torch.equal(a, b) for a, b in zip(per_gemm[0], kept[0]))
+    assert per_gemm[1].keys() == kept[1].keys() and all(torch.equal(per_gemm[1][k], kept[1][k]) for k in kept[1])
+    assert sum(bool(m.repacked._entries) for m in bases) == len(calls)
+    Learner(model, lr=0.0).release_caches()
+    assert not any(m.repacked._entries for m in bases)
