@@ -62,7 +62,9 @@ class ModelConfig:
             raise ConfigError(f"model.lora_alpha must be > 0, got {self.lora_alpha} (or leave it unset: 2 * lora_rank)")
         unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
         if unknown or not self.lora_targets:
-            raise ConfigError(f"model.lora_targets {self.lora_targets}: each must be one of {', '.join(LORA_TARGETS)}")
+            hint = "".join(f"; {t!r}{closest(t, list(LORA_TARGETS))}" for t in unknown)
+            raise ConfigError(f"model.lora_targets {self.lora_targets}: each must be one of "
+                              f"{', '.join(LORA_TARGETS)}{hint}")
 
 
 @dataclass

@@ -82,8 +82,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
         return value
     if origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        if isinstance(value, str):  # "a,b" or YAML's flow form "[a, 'b']"
+            text = value.strip()
+            text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+            value = [v for v in (s.strip().strip("'\"") for s in text.split(",")) if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         inner = args[0] if args else Any

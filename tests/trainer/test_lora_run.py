@@ -126,8 +126,11 @@ def test_lora_config_errors():
 
     with pytest.raises(ConfigError, match="quant.mode=rollout"):
         load_run_config(None, ["--model.lora_rank=8", "--quant.mode=rollout"])
-    with pytest.raises(ConfigError, match="lora_targets"):
+    with pytest.raises(ConfigError, match="lora_targets.*'qproj' \\(did you mean 'q_proj'\\?\\)"):
         load_run_config(None, ["--model.lora_rank=8", "--model.lora_targets=[qproj]"])
+    # a YAML flow list on the command line is the list it reads as in a config file
+    cfg = load_run_config(None, ["--model.lora_rank=8", "--model.lora_targets=[q_proj, 'v_proj']"])
+    assert cfg.model.lora_targets == ["q_proj", "v_proj"]
     with pytest.raises(ConfigError, match="algo.advantage=gae"):
         load_run_config(None, ["--model.lora_rank=8", "--algo.advantage=gae"])
 
