@@ -51,15 +51,7 @@ class LoRAAdapter(nn.Module):
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y + scaling * B (A x)`` as one ``addmm`` over rows (the scaled product and the sum
-        rounded once, no separate scale and add kernels): what a base linear's forward returns.
-        In the engine's decode (GPU, no autograd, small batches) the products are the Triton
-        kernels of :mod:`quarl.rollout.lora_kernels`, adding into ``y`` in place (the base's
-        fresh output)."""
-        if x.is_cuda:
-            from quarl.rollout import lora_kernels  # (imported here: the engine's, not the model's)
-
-            if lora_kernels.add_into(y, x, self.A, self.B, self.scaling):
-                return y
+        rounded once, no separate scale and add kernels): what a base linear's forward returns."""
         xa = F.linear(x.reshape(-1, x.shape[-1]), self.A)
         return torch.addmm(y.reshape(-1, y.shape[-1]), xa, self.B.t(), alpha=self.scaling).view(y.shape)
 

@@ -28,7 +28,6 @@ from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
 from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, e4m3_code, silu_mul_value, store_act_codes
-from quarl.rollout import lora_kernels
 
 
 # Launch option of every kernel here: no contraction of a rounded product and an add into
@@ -435,18 +434,16 @@ class GroupAdapter:
     adapter, so one ``addmm`` adds every member's ``scaling * B (A x)`` into its columns of
     the fused output (one rounding, as ``LoRAAdapter.add_to``). Each adapter's ``A`` and
     ``B`` become views of their blocks, so a publish by name writes straight into the
-    buffers. At decode sizes on a GPU the two products are the Triton kernels of
-    :mod:`quarl.rollout.lora_kernels` (one launch each, the expand reading only each
-    member's own block of ``B``); elsewhere cuBLAS.
+    buffers. A decode step then runs two small GEMMs per group instead of two per member
+    (they are latency-bound: at batch 64 each costs a few microseconds whatever its size).
     """
 
-    def __init__(self, members: list[tuple[int, int, "nn.Module"]], starts: list[int], rows: int) -> None:
-        """``members``: ``(first row, last row, adapter)`` of each adapted member; ``starts``:
-        every member's first row in the fused output; ``rows``: its width."""
+    def __init__(self, members: list[tuple[int, int, "nn.Module"]], rows: int) -> None:
+        """``members``: ``(first row, last row, adapter)`` of each adapted member; ``rows``:
+        the fused output's width."""
         first = members[0][2]
         ranks = [ad.rank for _, _, ad in members]
         self.scaling = first.scaling
-        cols = {}
         with torch.no_grad():
             self.A = torch.cat([ad.A.detach() for _, _, ad in members], 0)
             self.B = first.B.new_zeros(rows, sum(ranks))
@@ -456,17 +453,9 @@ class GroupAdapter:
                 grad = ad.A.requires_grad
                 ad.A = nn.Parameter(self.A[col : col + r], requires_grad=grad)
                 ad.B = nn.Parameter(self.B[lo:hi, col : col + r], requires_grad=grad)
-                cols[lo] = col
                 col += r
-        self.segments = [(lo, cols.get(lo, -1)) for lo in starts]
-        self.rank = ranks[0] if len(set(ranks)) == 1 else 0
-        self.kernels = self.rank > 0 and lora_kernels.expandable(self.segments, self.rank)
 
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        if self.kernels and lora_kernels.applies(x) and y.is_contiguous():
-            lora_kernels.lora_expand(y, lora_kernels.lora_shrink(x, self.A), self.B, self.scaling,
-                                     self.segments, self.rank)
-            return
         y.addmm_(F.linear(x, self.A), self.B.t(), alpha=self.scaling)
 
 
@@ -484,17 +473,16 @@ class _MemberAdapters:
 
 def _adapters(mods: list[nn.Module]) -> "GroupAdapter | _MemberAdapters | None":
     """The members' LoRA adapters, batched for the group (None when no member has one)."""
-    members, starts, row = [], [], 0
+    members, row = [], 0
     for m in mods:
         ad = getattr(m, "lora", None)
         if ad is not None:
             members.append((row, row + m.out_features, ad))
-        starts.append(row)
         row += m.out_features
     if not members:
         return None
     if len({(ad.scaling, ad.A.dtype, ad.B.dtype, ad.A.device) for _, _, ad in members}) == 1:
-        return GroupAdapter(members, starts, row)
+        return GroupAdapter(members, row)
     return _MemberAdapters(members)
 
 
