@@ -233,3 +233,35 @@ def test_frozen_base_kept_dense_gives_the_same_values_and_goes_at_release(fast_p
     assert sum(bool(m.repacked._entries) for m in bases) == len(calls)
     Learner(model, lr=0.0).release_caches()
     assert not any(m.repacked._entries for m in bases)
+
+
+@pytest.mark.parametrize("keep_kv,kv_counted,peak_gb,fits", [
+    (True, False, 40.0, True),     # 40 + 8 (KV, not in the peak) + base <= 90% of 80
+    (True, False, 60.0, False),    # 60 + 8 + base > 72
+    (True, True, 60.0, True),      # the KV cache was in the peak already: 60 + base <= 72
+    (False, False, 63.0, True),    # the KV cache is released through updates: it does not count
+])
+def test_the_trainer_keeps_the_lora_base_dense_only_where_it_fits(keep_kv, kv_counted, peak_gb, fits, monkeypatch):
+    """The first update's peak, plus the KV cache if it stays and was not in that peak, plus
+    the base's bf16 size must stay within 90% of the GPU; the bases are switched accordingly."""
+    import types
+
+    import quarl.quant.linear as qlinear
+    from quarl.trainer.loop import Trainer
+
+    cfg = load_run_config(None, ["--quant.scheme=w4a16"])
+    model = _tiny(seed=2).to(torch.bfloat16)
+    build_engine_and_publisher(model, cfg.quant, EngineConfig(num_kv_blocks=64, max_model_len=128),
+                               LoRASettings(4, 8.0, ("q_proj",)))
+    bases = qlinear.frozen_bases(model)
+    dense = qlinear.dense_bytes(bases, torch.bfloat16)
+    gib = 2**30
+    scale = 8 * gib / dense  # pretend the base is 8 GiB: the GPU's numbers scaled to it
+    total = 80 * gib / scale
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=total))
+    said = []
+    fake = types.SimpleNamespace(learner=types.SimpleNamespace(model=model), device="cuda", _keep_kv=keep_kv,
+                                 engine=types.SimpleNamespace(kv_cache_bytes=8 * gib / scale), _say=said.append)
+    assert Trainer._dense_base_fits(fake, peak_gb / scale, kv_counted) is fits
+    assert all(m.repacked.keep_dequantized is fits for m in bases)
+    assert ("kept dense" if fits else "dequantized per GEMM") in said[0]
