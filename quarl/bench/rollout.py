@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from quarl.model.config import TransformerConfig
+from quarl.model.presets import DEMO_PRESETS, PRESETS
 from quarl.model.transformer import Rotary, Transformer
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
@@ -33,21 +34,30 @@ from quarl.rollout.sampling_params import SamplingParams
 from quarl.bench.common import git_commit
 from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 
+# the released shapes of quarl.model.presets, with their tokenizers' EOS id
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
-                         attention_bias=True, tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
-                       attention_bias=True, tie_word_embeddings=False, rope_theta=1e6, eos_token_id=151643),
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, eos_token_id=151645),
+    name: dict(PRESETS[name], eos_token_id=151645 if PRESETS[name]["model_type"] == "qwen3" else 151643)
+    for name in PRESETS if name not in DEMO_PRESETS
 }
+# shapes whose bf16 weights would leave a GPU little for the KV cache (a 32B model's are 65 GB):
+# a low-bit format packs their random weights one linear at a time, never holding them in bf16
+PACKED_ON_LOAD = ("qwen2.5-14b", "qwen2.5-32b")
 
 
 def shape_config(shape: str, max_len: int) -> TransformerConfig:
-    return TransformerConfig(rms_norm_eps=1e-6, max_position_embeddings=max(max_len, 4096), **SHAPES[shape])
+    return TransformerConfig(**dict(SHAPES[shape], max_position_embeddings=max(max_len, 4096)))
+
+
+def bench_model(shape: str, fmt: str, device: torch.device, max_len: int, seed: int = 0) -> Transformer:
+    """The random model a benchmark runs: :func:`random_model`, or for a low-bit format of a
+    ``PACKED_ON_LOAD`` shape the same distribution packed as it is made
+    (:func:`~quarl.model.quantized_loading.random_quantized_model`)."""
+    cfg = shape_config(shape, max_len)
+    if fmt != "bf16" and shape in PACKED_ON_LOAD:
+        from quarl.model.quantized_loading import random_quantized_model
+
+        return random_quantized_model(cfg, fmt, seed=seed, device=device)
+    return random_model(cfg, device, seed)
 
 
 @torch.no_grad()
@@ -119,7 +129,7 @@ def make_engine(model: Transformer, fmt: str, config: EngineConfig, lora_rank: i
 def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, ceil: Ceilings,
                device: torch.device, seed: int = 0, engine_kw: dict | None = None, lora_rank: int = 0) -> dict[str, Any]:
     cfg = shape_config(shape, prompt_len + gen_len)
-    model = random_model(cfg, device, seed)
+    model = bench_model(shape, fmt, device, prompt_len + gen_len, seed)
     t0 = time.perf_counter()
     config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + gen_len, max_num_batched_tokens=32768,
                           **(engine_kw or {}))
@@ -268,7 +278,7 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
 
     device = device or torch.device("cuda")
     cfg = shape_config(shape, prompt_len + 64)
-    model = random_model(cfg, device)
+    model = bench_model(shape, fmt, device, prompt_len + 64)
     engine = make_engine(model, fmt, EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64,
                                                   kv_cache_dtype=kv_cache_dtype), lora_rank)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()

@@ -43,3 +43,25 @@ def test_lora_engine_is_the_one_a_lora_run_builds(fmt):
     assert not any(p.requires_grad for n, p in engine.model.named_parameters() if ".lora." not in n)
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True, seed=0))
     assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_large_shapes_are_packed_as_they_are_made(monkeypatch):
+    """``PACKED_ON_LOAD`` shapes (14B, 32B) in a low-bit format come packed from
+    ``random_quantized_model``; in bf16, and other shapes, from ``random_model``."""
+    import torch
+
+    from quarl.bench import rollout
+    from quarl.model.presets import PRESETS
+    from quarl.quant import QuantLinear
+
+    assert {"qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen3-8b"} <= set(rollout.SHAPES)
+    assert rollout.shape_config("qwen2.5-32b", 128).num_hidden_layers == 64
+    monkeypatch.setitem(rollout.SHAPES, "tiny", dict(PRESETS["tiny"], eos_token_id=1))
+    monkeypatch.setattr(rollout, "PACKED_ON_LOAD", ("tiny",))
+    made = []
+    real = rollout.random_model
+    monkeypatch.setattr(rollout, "random_model", lambda *a, **k: made.append(a) or real(*a, **k))
+    packed = rollout.bench_model("tiny", "w4a16", torch.device("cpu"), 64)
+    assert not made and sum(isinstance(m, QuantLinear) for m in packed.modules()) == 7 * 2
+    plain = rollout.bench_model("tiny", "bf16", torch.device("cpu"), 64)
+    assert made and not any(isinstance(m, QuantLinear) for m in plain.modules())
