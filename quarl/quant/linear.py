@@ -578,7 +578,7 @@ def frozen_bases(model: nn.Module) -> list[QuantLinear]:
 
 def dense_bytes(mods: Iterable[QuantLinear], dtype: torch.dtype) -> int:
     """What the modules' weights take dequantized to ``dtype``."""
-    return sum(m.out_features * m.in_features for m in mods) * torch.empty((), dtype=dtype).element_size()
+    return sum(m.out_features * m.in_features for m in mods) * dtype.itemsize
 
 
 def keep_frozen_bases_dense(model: nn.Module, on: bool = True) -> None:
