@@ -28,10 +28,7 @@ def old_form(plan: Plan | None, fam: str):
         return None
     cfg = plan.config
     if plan.kernel in ("frag", "tile", "wgmma"):
-        fields = list(cfg)
-        if plan.kernel == "wgmma" and not cfg.sbd:  # a field added after the capture, at its default
-            fields = fields[:-1]
-        return [type(cfg).__name__, *fields]
+        return [type(cfg).__name__, *cfg]
     if plan.kernel == "dequant" and fam == "wo":
         return ["dequant"]
     if cfg is None:

@@ -490,36 +490,6 @@ def test_wgmma_128_token_tiles(name, m, shape):
         cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 3, 1.0, False))
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-@pytest.mark.parametrize("m", [1, 9, 33, 64, 100])
-@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944)])
-def test_wgmma_scale_before_dot(name, m, shape):
-    """``sbd``: each weight dequantized in registers to bf16((u - z) x bf16(s)) and summed by the
-    tensor cores in fp32 over all of K. Output elements within half a bf16 step (plus fp32
-    summation slack) of that bf16 weight's float64 product; deterministic; near the exact
-    reference; at several block shapes, K splits, the cluster sum and 128-token tiles."""
-    from quarl.quant.kernels import cuda_w4
-    from quarl.quant.kernels.config import WgConfig
-
-    n, k = shape
-    qw, x, bias, expect = _w4_case(n, k, m, name)
-    s_bf = qw.scales.to(torch.bfloat16).double()
-    w_bf = ref.dequantize_tensors(qw.scheme, qw.shape, qw.qdata, s_bf, qw.zeros, dtype=torch.float64)
-    w_bf = w_bf.to(torch.bfloat16).double()
-    y = x.double() @ w_bf.T + bias.double()
-    slack = 1e-5 * (x.double().abs() @ w_bf.abs().T + bias.double().abs())
-    configs = [WgConfig(3, 4, 1.0, True, 1, True, sbd=True), WgConfig(2, 4, 2.0, True, 1, True, sbd=True),
-               WgConfig(1, 4, 2.0, False, 1, True, True, sbd=True), WgConfig(2, 6, 0.3, True, 1, True, sbd=True),
-               WgConfig(1, 3, 4.0, True, 2, False, sbd=True)]
-    for cfg in configs:
-        a = cuda_w4.wgmma_gemm(x, qw, bias, cfg)
-        assert torch.equal(a, cuda_w4.wgmma_gemm(x, qw, bias, cfg)), cfg
-        err = (a.double() - y).abs()
-        bound = y.abs() * 2.0 ** -8 + slack
-        assert (err <= bound).all(), (cfg, float((err - bound).max()))
-        _check(a, expect, 5e-3)
-
-
 def test_wgmma_kernel_is_the_default_up_to_m_128_and_follows_loads():
     from quarl.quant.kernels import dispatch
     from quarl.quant.kernels.config import WgConfig

@@ -550,16 +550,6 @@ __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
-__device__ __forceinline__ u32 mul_bf2(u32 a, u32 b) {  // one rounding of the exact product (sm_90)
-  u32 r;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ u32 splat_bf2(float v) {  // {bf16(v), bf16(v)}
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(v));
-  return r;
-}
 //WGMMA_WRAPPERS//
 // Timing probes, compiled only with -DW4_TRACE (bench/w4_trace.py): thread 0 of each block
 // stores %globaltimer and %clock64 at point i (0 entry, 1 first group landed, 2 main loop done,
@@ -614,14 +604,14 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 #define W4_WGMMA_ARGS \
   x, wq, scales, negz, bias, out, part, counters, M, N, K, ldx, ldo, Np, G, gpb, split, has_bias, whole W4_TRACE_ARG
 
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool SBD>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
-  static_assert(NTOK <= 64 || SINGLE || SBD, "128-token tiles run the single-tile loop");
+  static_assert(NTOK <= 64 || SINGLE, "128-token tiles run the single-tile loop");
   W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
-  constexpr int LA = SINGLE && !SBD ? ST - 1 : ST - 2;
+  constexpr int LA = SINGLE ? ST - 1 : ST - 2;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
@@ -692,10 +682,8 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
   // write would make the compiler copy them between wgmma and wait (ptxas then serializes)
   float acc[NACC], t0[NACC], t1[NACC];
-  if constexpr (!SBD) {  // SBD: acc is only ever written by wgmma (the first overwrites)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  }
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   u32 a0[8][4], a1[8][4];
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;  // scales of the group in t0 / t1
   const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
@@ -750,75 +738,12 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
   };
 
-  // SBD (scale before dot): each weight is dequantized to bf16((u - z) * s) in registers (the
-  // bf16 weight the learner's dequantized copy holds when s is a bf16 value) and every group's
-  // wgmmas accumulate into acc: no per-group tile, fold or wait; a group's `a` registers and
-  // slot are reused two groups later (wait_group 1 after each commit)
-  auto ld_scales_bf = [&](int gi, u32& s0, u32& s1) {
-    s0 = splat_bf2(scales[(size_t)(gb0 + gi) * Np + srow]);
-    s1 = splat_bf2(scales[(size_t)(gb0 + gi) * Np + srow + 8]);
-  };
-  auto stage_sbd = [&](int gi, u32 (&a)[8][4], u32 s0, u32 s1) {
-    const int grp = gb0 + gi;
-    const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
-    const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
-    cp_wait<LA - 1>();
-    proxy_fence();
-    __syncthreads();  // group gi landed everywhere; every warpgroup is done with gi - 2's wgmmas
-    if (gi == 0) W4_TRACE_AT(1);
-    if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
-    cp_commit();
-    const u32 sbase = ring + (gi % ST) * STAGE;
-    u32 w[8];
-    lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
-    lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      a[s][0] = mul_bf2(sub_z(lop_q(w[s]), z0), s0);
-      a[s][1] = mul_bf2(sub_z(lop_q(w[s] >> 8), z1), s1);
-      a[s][2] = mul_bf2(sub_z(lop_q(w[s] >> 4), z0), s0);
-      a[s][3] = mul_bf2(sub_z(lop_q(w[s] >> 12), z1), s1);
-    }
-    wg_fence();
-    const unsigned long long d0 = desc_sw128(sbase);
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-      wgmma_bf16<NTOK>(acc, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), gi > 0 || s > 0);
-    wg_commit();
-  };
-  auto keep_a = [&](u32 (&a)[8][4]) {  // `a` lives (unmodified) until its wgmmas are done
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) keep_r(a[s][c]);
-  };
-
 #pragma unroll
   for (int p = 0; p < LA; ++p) {
     if (p < ngroups) issue(gb0 + p, p);
     cp_commit();
   }
-  if constexpr (SBD) {
-    u32 p0, p1, q0, q1;
-    ld_scales_bf(0, p0, p1);
-    int gi = 0;
-    for (; gi + 1 < ngroups; gi += 2) {
-      ld_scales_bf(gi + 1, q0, q1);
-      stage_sbd(gi, a0, p0, p1);
-      wg_wait1();  // gi - 1 done: a1 free
-      keep_a(a1);
-      if (gi + 2 < ngroups) ld_scales_bf(gi + 2, p0, p1);
-      stage_sbd(gi + 1, a1, q0, q1);
-      wg_wait1();  // gi done: a0 free
-      keep_a(a0);
-    }
-    if (gi < ngroups) stage_sbd(gi, a0, p0, p1);
-    wg_wait0();
-    keep_a(a0);
-    keep_a(a1);
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) keep_f(acc[i]);
-  } else if (SINGLE) {
+  if (SINGLE) {
     // one tile: wait for each group's wgmmas before folding it (about half the registers,
     // so more blocks per SM hide the latency the double-buffered loop hides with ILP); the
     // next group's scales are loaded a group ahead
@@ -926,11 +851,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   W4_TRACE_AT(4);
   }
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool SBD>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, SBD>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0>(W4_WGMMA_ARGS);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool SBD, int CS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, int CS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, SBD>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS>(W4_WGMMA_ARGS);
 }
