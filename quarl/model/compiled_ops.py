@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
+from quarl.quant.kv import kv_seen
 from quarl.quant.linear import qat_group, traceable, traced_linear
 from quarl.runtime import compiled
 
@@ -87,14 +88,17 @@ def _projected(x: torch.Tensor, lins: tuple[tuple, ...], sizes: list[int]) -> li
 
 
 def _qkv_region(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: tuple[tuple, ...],
-                qk_norm: tuple | None, heads: tuple[int, int, int]):
-    """A layer's work before attention: q/k/v projections, q/k norm, rotary (``[1, B * T, heads, D]`` each)."""
+                qk_norm: tuple | None, heads: tuple[int, int, int], kv_fp8: bool = False):
+    """A layer's work before attention: q/k/v projections, q/k norm, rotary (``[1, B * T, heads, D]`` each);
+    ``kv_fp8``: K and V as the engine's fp8 KV cache gives them back (:func:`~quarl.quant.kv.kv_seen`)."""
     b, t, width = h.shape
     n_heads, n_kv, d = heads
     q, k, v = _projected(h.reshape(b * t, width), qkv, [n_heads * d, n_kv * d, n_kv * d])
     q, k, v = q.view(1, b * t, n_heads, d), k.view(1, b * t, n_kv, d), v.view(1, b * t, n_kv, d)
     cos, sin = cos.reshape(1, -1, d), sin.reshape(1, -1, d)
     q, k = _qk_rope(q, k, cos, sin) if qk_norm is None else _qk_norm_rope(q, k, *qk_norm, cos, sin)
+    if kv_fp8:
+        k, v = kv_seen(k), kv_seen(v)
     return q, k, v
 
 
@@ -144,8 +148,11 @@ class CompiledOps(TorchOps):
             return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
         qk_norm = None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
         b, t, width = h.shape
-        q, k, v = compiled(_qkv_region)(h, cos, sin, qkv, qk_norm, (a.n_heads, a.n_kv, a.head_dim))
-        out = attn(a.layer_idx, q.view(b, t, a.n_heads, -1), k.view(b, t, a.n_kv, -1), v.view(b, t, a.n_kv, -1))
+        # K/V rounding for an fp8 engine cache fuses into the rotary kernel here, not in the attention callable
+        kv_fp8 = getattr(attn, "kv_quant", None) == "fp8"
+        q, k, v = compiled(_qkv_region)(h, cos, sin, qkv, qk_norm, (a.n_heads, a.n_kv, a.head_dim), kv_fp8)
+        sdpa = attn.unrounded if kv_fp8 else attn
+        out = sdpa(a.layer_idx, q.view(b, t, a.n_heads, -1), k.view(b, t, a.n_kv, -1), v.view(b, t, a.n_kv, -1))
         post = layer.post_attention_layernorm
         h, residual = compiled(_after_attention_region)(out, residual, o_proj, (post.weight, post.eps), gate_up,
                                                          down, (next_norm.weight, next_norm.eps),

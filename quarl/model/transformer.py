@@ -347,6 +347,9 @@ def _with_fake_quantized_kv(attn: AttnFn) -> AttnFn:
     def fp8_kv_attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attn(layer_idx, q, fake_quantize_kv(k), fake_quantize_kv(v))
 
+    # a caller that rounds K/V itself (the compiled regions, inside the region that makes them)
+    # calls the attention underneath
+    fp8_kv_attn.kv_quant, fp8_kv_attn.unrounded = "fp8", attn
     return fp8_kv_attn
 
 

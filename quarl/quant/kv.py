@@ -103,6 +103,15 @@ class _FakeQuantizeKV(torch.autograd.Function):
         return grad, None  # straight-through: d x_hat / d x taken as the identity
 
 
+def kv_seen(x: torch.Tensor) -> torch.Tensor:
+    """``fake_quantize_kv(x)`` as plain tensor ops for a compiled region (no autograd function):
+    the round trip's value, exactly (``x + (r - x)`` in float32: the difference of two nearby
+    bf16 values is exact), with the identity as its gradient."""
+    xf = x.float()
+    r = dequantize_kv(*quantize_kv(x), torch.float32)
+    return (xf + (r - xf).detach()).to(x.dtype)
+
+
 def fake_quantize_kv(x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """``dequantize_kv(*quantize_kv(x), x.dtype)`` with a straight-through (identity) gradient:
     the learner's K (after rotary) and V as the engine's fp8 cache gives them back.
