@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.lora import apply_adapter
+from quarl.model.lora import LoRALinear, apply_adapter
 from quarl.quant import ops
 from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -348,10 +348,17 @@ def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache
 
 def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     """Run a linear described by :func:`traced_qat` or :func:`traceable` (inside or outside a
-    compiled region). A tuple of biases (a group's) is concatenated."""
+    compiled region). A tuple of biases (a group's) is concatenated. ``("dense", W, bias,
+    (A, B, scaling))``: a frozen base plus a LoRA adapter, summed as the adapter's ``add_to``
+    sums them (one ``addmm``)."""
     bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
     if lin[0] == "dense":
-        return F.linear(x, lin[1], bias)
+        y = F.linear(x, lin[1], bias)
+        if len(lin) < 4:
+            return y
+        a, b, scaling = lin[3]
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.addmm(y.reshape(-1, y.shape[-1]), F.linear(rows, a), b.t(), alpha=scaling).view(y.shape)
     # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
     # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
     rows = x.reshape(-1, x.shape[-1])
@@ -363,12 +370,35 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
 
 def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:
     """:func:`traced_qat`'s description of a plain ``nn.Linear`` or a :class:`QATLinear`
-    on inputs like ``x``; None for any other module or path."""
+    on inputs like ``x``, or of a LoRA learner's linear (:func:`_traced_lora`); None for any
+    other module or path."""
     if type(mod) is nn.Linear:
         return ("dense", mod.weight, mod.bias)
     if isinstance(mod, QATLinear):
         return traced_qat(x, mod.quantized_weight(), mod.bias, mod.repacked, mod._leaf, [mod.weight])
+    if isinstance(mod, (LoRALinear, QuantLinear)):
+        return _traced_lora(mod, x)
     return None
+
+
+def _traced_lora(mod: "LoRALinear | QuantLinear", x: torch.Tensor) -> tuple | None:
+    """A LoRA learner's linear as ``("dense", W, bias[, (A, B, scaling)])``: a bf16 base
+    (:class:`~quarl.model.lora.LoRALinear`), or a frozen low-bit base whose learner forward is
+    ``F.linear`` over its dequantized weight and which keeps that weight through the update
+    (:func:`keep_frozen_bases_dense`: a weight made per use would be saved for the backward
+    of every layer at once inside a compiled region). The frozen ``W`` gets no gradient, the
+    adapter's ``A`` and ``B`` do. None for the other paths (W8A8 bases, dequantized per use)."""
+    if isinstance(mod, QuantLinear):
+        qw = mod.qweight
+        if not (mod.learner_path and mod.repacked.keep_dequantized and learner_runs_dequantized(x, qw)):
+            return None
+        w = mod.repacked.dequantized(qw, x.dtype, ops.dequantize)
+    else:
+        w = mod.weight
+    ad = getattr(mod, "lora", None)
+    if ad is None or not ad.enabled:
+        return ("dense", w, mod.bias)
+    return ("dense", w, mod.bias, (ad.A, ad.B, ad.scaling))
 
 
 class QATLinear(nn.Module):

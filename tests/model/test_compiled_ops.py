@@ -264,3 +264,47 @@ def test_compiled_regions_index_rows_with_constants(scheme, qk_norm):
     assert ("quantized_input_gemm" in code) == bool(scheme)
     assert re.findall(r"div_floor_integer\(static_cast<int64_t>\(x\d+\)|% static_cast<int64_t>\(ks\d", code) == []
     assert "std::max(static_cast<int64_t>(1L), static_cast<int64_t>(ks" not in code
+
+
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8-int8"])
+def test_lora_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatch):
+    """A LoRA learner's layers (adapters on every decoder linear but k_proj) run as the two
+    compiled regions when every base has a traced form: a bf16 base, or a w4a16 base kept
+    dequantized through the update (forced onto the dequantized path here: on the CPU the
+    engine runs the reference kernel). Hidden states and the adapters' gradients equal the
+    eager forward's; the frozen base gets no gradient. A w4a16 base dequantized per use, and a
+    W8A8 base, run step by step (their regions would keep every layer's dense weight alive
+    for the backward, or have no traced form), with the same values."""
+    from quarl.model.lora import add_lora, lora_modules
+    from quarl.quant import QuantLinear, linear, quantize_model
+    from quarl.quant.linear import keep_frozen_bases_dense
+
+    model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=7)
+    if scheme is not None:
+        quantize_model(model, scheme, QuantLinear)
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.learner_path = True
+    if scheme == "w4a16":
+        monkeypatch.setattr(linear, "learner_runs_dequantized", lambda x, qw: True)
+    add_lora(model, rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for _, _, ad in lora_modules(model):
+            ad.A.copy_(0.2 * torch.randn(ad.A.shape, generator=g))
+            ad.B.copy_(0.2 * torch.randn(ad.B.shape, generator=g))
+    ids = torch.randint(0, 50, (2, 11))
+    pos, attn = batch_attention(ids)
+    w = torch.randn(2, 11, 64)
+    for kept in ((False, True) if scheme == "w4a16" else (False,)):
+        keep_frozen_bases_dense(model, kept)
+        fallbacks = COMPILED_OPS.fallbacks
+        (h0, g0), (h1, g1) = _eager_then_compiled(model, ids, pos, attn, w)
+        regions = scheme is None or (scheme == "w4a16" and kept)
+        assert COMPILED_OPS.fallbacks - fallbacks == (0 if regions else 2), (scheme, kept)
+        torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
+        assert set(g0) == set(g1) == {n for n, p in model.named_parameters() if p.requires_grad}
+        assert "layers.1.mlp.down_proj.lora.B" in g0 and not any(".k_proj." in n for n in g0)
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+    keep_frozen_bases_dense(model, False)
