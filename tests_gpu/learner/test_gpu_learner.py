@@ -111,6 +111,20 @@ def _norm_then_quantize(x, w, fmt: str):
     return h, q, s, ref.dequantize_activations(q, s, h.dtype)
 
 
+def test_the_compiled_regions_kv_rounding_gives_the_fp8_cache_values_bit_for_bit():
+    """:func:`~quarl.quant.kv.kv_seen` compiled (as the regions run it) equals the eager round
+    trip through the cache format bit for bit on bf16 K/V rows of widely spread magnitudes."""
+    from quarl.quant.kv import fake_quantize_kv, kv_seen
+    from quarl.runtime import compiled
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mag = torch.logspace(-5, 3, 57, device="cuda")[None, :, None, None]
+    x = (torch.randn(3, 57, 4, 128, device="cuda", generator=g) * mag).bfloat16()
+    x[0, 3] = 0
+    y = compiled(kv_seen)(x)
+    assert torch.equal(y, fake_quantize_kv(x, fused=False)) and not torch.equal(y, x)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_the_compiled_regions_quantizer_gives_the_engine_kernels_codes_bit_for_bit(fmt):
     """The learner quantizes W8A8 activations inside its compiled regions (inductor's kernel

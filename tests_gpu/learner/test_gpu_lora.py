@@ -26,14 +26,24 @@ def _small_model(seed: int):
     return model
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w8a8-fp8", "bf16"])
-def test_lora_engine_logprobs_match_the_learner(scheme):
+@pytest.mark.parametrize("scheme,dense,kv", [("w4a16", False, "auto"), ("w4a16", True, "auto"), ("w4a16", True, "fp8"),
+                                             ("w8a8-fp8", False, "auto"), ("bf16", False, "auto")])
+def test_lora_engine_logprobs_match_the_learner(scheme, dense, kv):
+    """``dense``: the learner keeps its w4a16 base dequantized through the update, so its layers
+    run as the compiled regions (a bf16 base always does); ``kv``: the engine's KV cache format
+    (fp8: the learner's regions round K/V as the cache does)."""
+    from quarl.model.compiled_ops import COMPILED_OPS
+    from quarl.quant.linear import keep_frozen_bases_dense
+
     mode = "bf16" if scheme == "bf16" else "aligned"
     cfg = load_run_config(None, [f"--quant.mode={mode}", f"--quant.scheme={scheme}"])
     model = _small_model(seed=4)
-    engine, pub = build_engine_and_publisher(model, cfg.quant, EngineConfig(max_model_len=256, max_num_seqs=64),
+    engine, pub = build_engine_and_publisher(model, cfg.quant, EngineConfig(max_model_len=256, max_num_seqs=64,
+                                                                            kv_cache_dtype=kv),
                                              LoRASettings(16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                      "gate_proj", "up_proj", "down_proj")))
+    keep_frozen_bases_dense(model, dense)
+    fallbacks = COMPILED_OPS.fallbacks
     # one copy of the base: the learner reads the engine's fused buffers (made before the KV cache was sized)
     a_l, a_e = model.layers[0].self_attn, engine.model.layers[0].self_attn
     # the group's adapters run as one shrink and one expand GEMM over buffers the adapters view
@@ -52,7 +62,7 @@ def test_lora_engine_logprobs_match_the_learner(scheme):
             p = prompts[c.prompt_index]
             ids = torch.tensor([p + list(c.token_ids)], device="cuda")
             with torch.no_grad():
-                logp = sequence_logprobs(model, ids, torch.ones_like(ids))[0][0, len(p) - 1:]
+                logp = sequence_logprobs(model, ids, torch.ones_like(ids), ops=COMPILED_OPS)[0][0, len(p) - 1:]
             out.append((logp.float().cpu() - torch.tensor(c.logprobs)).abs())
         return torch.cat(out), comps
 
@@ -67,5 +77,8 @@ def test_lora_engine_logprobs_match_the_learner(scheme):
     assert gap.mean() < 1.5 * base_gap.mean() + 2e-3, (float(gap.mean()), float(base_gap.mean()))
     # the learner's gradient reaches every adapter through the frozen base
     ids = torch.tensor([prompts[0] + list(comps[0].token_ids)], device="cuda")
-    sequence_logprobs(model, ids, torch.ones_like(ids))[0].sum().backward()
+    sequence_logprobs(model, ids, torch.ones_like(ids), ops=COMPILED_OPS)[0].sum().backward()
     assert all(ad.A.grad is not None and ad.A.grad.abs().sum() > 0 for _, _, ad in lora_modules(model))
+    regions = scheme == "bf16" or dense
+    assert (COMPILED_OPS.fallbacks == fallbacks) == regions, (COMPILED_OPS.fallbacks - fallbacks, regions)
+    keep_frozen_bases_dense(model, False)
