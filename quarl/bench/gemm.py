@@ -30,16 +30,22 @@ import torch
 import torch.nn.functional as F
 
 from quarl.bench.common import git_commit
+from quarl.model.presets import PRESETS
 from quarl.bench.timing import Ceilings, measure_ceilings, n_sets, time_per_call
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.ops import quant_linear
 from quarl.quant.qweight import QuantizedWeight, quantize_weight
 from quarl.quant.scheme import SCHEMES, get_scheme
 
-MODELS: dict[str, dict[str, int]] = {
-    "qwen2.5-1.5b": dict(hidden=1536, inter=8960, heads=12, kv_heads=2, head_dim=128),
-    "qwen2.5-7b": dict(hidden=3584, inter=18944, heads=28, kv_heads=4, head_dim=128),
-}
+def _dims(name: str) -> dict[str, int]:
+    c = PRESETS[name]
+    return dict(hidden=c["hidden_size"], inter=c["intermediate_size"], heads=c["num_attention_heads"],
+                kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"])
+
+
+# the released shapes' linears (quarl.model.presets); DEFAULT_MODELS are what `quarl bench gemm` runs unasked
+MODELS: dict[str, dict[str, int]] = {n: _dims(n) for n in ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")}
+DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
 
 

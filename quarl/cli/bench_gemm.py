@@ -10,9 +10,9 @@ import argparse
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from quarl.bench.gemm import ALL_FORMATS, M_VALUES, MODELS, SHAPE_SETS
+    from quarl.bench.gemm import ALL_FORMATS, DEFAULT_MODELS, M_VALUES, MODELS, SHAPE_SETS
 
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (tokens)")
     p.add_argument("--formats", default=",".join(ALL_FORMATS), help="comma list of scheme names")
     p.add_argument("--shapes", default=",".join(SHAPE_SETS),
