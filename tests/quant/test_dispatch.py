@@ -61,6 +61,10 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("fp8", "none", m, n, k)
             assert got.kernel == "tma" and got.config.split_k == 4 and got.config.bm == 64, (m, n, k)
             continue
+        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.wide_hidden_m64(m, n, k):  # added: 14B / 32B shapes at M 33-64
+            got = dispatch.lookup("w4a16", gen, m, n, k)
+            assert got.config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True), (m, n, k)
+            continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))
         else:
@@ -82,6 +86,12 @@ def test_every_generation_has_a_row_for_every_shape():
 def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 1, 4608, 3584).kernel == "wgmma"
     assert dispatch.lookup("w4a16", "sm90", 64, 37888, 3584).config.nwg == 3
+    # the 32B's o and down at M = 64 (H100 sweep, bench/results/w4_wgmma_sweep_h100_s25_32b_m64.json); the 7B's as before
+    for n, k in ((5120, 5120), (7168, 5120), (5120, 27648)):
+        assert dispatch.lookup("w4a16", "sm90", 64, n, k).config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
+        assert dispatch.lookup("w4a16", "sm90", 32, n, k).config != dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
+    assert dispatch.lookup("w4a16", "sm90", 64, 3584, 18944).config.nwg == 2
+    assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.nwg == 1
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups

@@ -101,6 +101,12 @@ def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
 
 
+def wide_hidden_m64(m: int, n: int, k: int) -> bool:
+    """33-64 tokens, a hidden size of 5120 or more (14B, 32B) and no wide output: q/k/v and o
+    (K = hidden), and down when its weight is as large as the 32B's (K = 27648)."""
+    return m > 32 and ((k >= 5120 and n < 16384 and k <= 8192) or (k > 8192 and n * k >= 1 << 27))
+
+
 def swap_deep_split(m: int, n: int, k: int) -> bool:
     """Enough work per column that the swap kernel's K splits go to ~8 waves."""
     return cdiv(n, 64) >= 256 or k >= 8192
@@ -130,6 +136,7 @@ DEQUANT = Plan("dequant")
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True, cluster=True)), 64, wide_hidden_m64, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)), 64, long_k, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
