@@ -28,7 +28,10 @@ def old_form(plan: Plan | None, fam: str):
         return None
     cfg = plan.config
     if plan.kernel in ("frag", "tile", "wgmma"):
-        return [type(cfg).__name__, *cfg]
+        fields = list(cfg)
+        if plan.kernel == "wgmma" and not cfg.mbar:  # a field added after the capture, at its default
+            fields = fields[:-1]
+        return [type(cfg).__name__, *fields]
     if plan.kernel == "dequant" and fam == "wo":
         return ["dequant"]
     if cfg is None:

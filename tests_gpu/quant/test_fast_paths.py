@@ -490,6 +490,30 @@ def test_wgmma_128_token_tiles(name, m, shape):
         cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 3, 1.0, False))
 
 
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 17, 64, 100])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (5120, 27648)])
+def test_wgmma_mbarrier_loop_equals_the_barrier_loop(name, m, shape):
+    """``mbar``: the single-tile loop with per-slot mbarriers (no block barrier per group) gives
+    the barrier loop's output bit for bit (same products, same order) at several block shapes,
+    ring depths, K splits (global partials and clusters) and 64/128-token tiles; deterministic."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+
+    n, k = shape
+    qw, x, bias, expect = _w4_case(n, k, m, name)
+    for cfg in (WgConfig(3, 4, 1.0, True, 1, True), WgConfig(3, 5, 1.0, True, 1, True, True),
+                WgConfig(2, 4, 2.0, True, 1, True, True), WgConfig(1, 6, 0.3, True, 2, True),
+                WgConfig(2, 4, 1e-3, True, 1, False)):
+        if cfg.smem_bytes(cuda_w4.wgmma_tokens(m)) > 227 * 1024:
+            continue
+        plain = cuda_w4.wgmma_gemm(x, qw, bias, cfg)
+        a = _check_block_config(cuda_w4.wgmma_gemm, cfg._replace(mbar=True), x, qw, bias, expect, None)
+        assert torch.equal(a, plain), cfg
+    with pytest.raises(ValueError, match="mbar=True"):
+        cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 4, 1.0, False, mbar=True))
+
+
 def test_wgmma_kernel_is_the_default_up_to_m_128_and_follows_loads():
     from quarl.quant.kernels import dispatch
     from quarl.quant.kernels.config import WgConfig

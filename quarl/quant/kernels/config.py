@@ -96,6 +96,7 @@ class WgConfig(NamedTuple):
     minb: int = 1  # __launch_bounds__ blocks per SM (caps registers at 64K / (minb x threads))
     tail: bool = False  # blocks_per_sm = resident slots per SM; split K of the last wave only
     cluster: bool = False  # sum the K splits through distributed shared memory (all column blocks split)
+    mbar: bool = False  # single-tile loop with per-slot mbarriers instead of a block barrier per group
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -103,6 +104,8 @@ class WgConfig(NamedTuple):
     def check(self, m: int) -> None:
         if self.nwg not in (1, 2, 3, 4) or self.stages < 3 or self.blocks_per_sm <= 0 or not 1 <= self.minb * self.nwg <= 16:
             raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, 1 <= minb x nwg <= 16; got {self}")
+        if self.mbar and not (self.single and self.stages >= 4):
+            raise ValueError(f"wgmma w4 kernel: mbar=True runs the single-tile loop with >= 4 stages; got {self}")
         if wgmma_tokens(m) > 64 and not self.single:
             raise ValueError(f"wgmma w4 kernel: M={m} (128 tokens) needs single=True (a second fp32 tile of 64 "
                              f"registers a thread would spill); got {self}")

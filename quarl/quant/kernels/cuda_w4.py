@@ -71,9 +71,9 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
-                  cs: int = 0, defines: tuple[str, ...] = ()):
+                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py)."""
-    args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}"
+    args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}>" if cs else f"w4a16_wgmma<{args}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
@@ -185,7 +185,7 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
     smem = cfg.smem_bytes(ntok)
 
     def kernel_for(asym: bool, cs: int):
-        return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines)
+        return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar)
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.nwg * 128, smem, one_d=True)

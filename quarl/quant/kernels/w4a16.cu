@@ -550,6 +550,18 @@ __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
+// mbarriers (shared::cta, 64-bit): the MB loop's per-slot "landed" and "read" barriers
+__device__ __forceinline__ void mb_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mb_arrive(u32 bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mb_wait(u32 bar, u32 parity) {  // until the phase of this parity completed
+  asm volatile("{\n.reg .pred done;\nMB_WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra MB_WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
 //WGMMA_WRAPPERS//
 // Timing probes, compiled only with -DW4_TRACE (bench/w4_trace.py): thread 0 of each block
 // stores %globaltimer and %clock64 at point i (0 entry, 1 first group landed, 2 main loop done,
@@ -604,14 +616,15 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 #define W4_WGMMA_ARGS \
   x, wq, scales, negz, bias, out, part, counters, M, N, K, ldx, ldo, Np, G, gpb, split, has_bias, whole W4_TRACE_ARG
 
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE, "128-token tiles run the single-tile loop");
+  static_assert(!MB || (SINGLE && ST >= 4), "the mbarrier loop is a single-tile loop of >= 4 slots");
   W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
-  constexpr int LA = SINGLE ? ST - 1 : ST - 2;
+  constexpr int LA = SINGLE && !MB ? ST - 1 : ST - 2;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
@@ -743,7 +756,71 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     if (p < ngroups) issue(gb0 + p, p);
     cp_commit();
   }
-  if (SINGLE) {
+  if constexpr (MB) {
+    // MB: the single-tile loop without a block barrier per group. Slot s has two mbarriers:
+    // full[s] completes when every thread's copies of the slot's group landed (each thread
+    // arrives one group ahead, after its own cp.async wait and proxy fence), empty[s] when
+    // every warp's wgmmas that read it are done; a slot is refilled two groups behind, so
+    // the warpgroups drift apart by up to a group and one's unpacking and folding overlap
+    // another's wgmmas. Same arithmetic, in the same order, as the barrier loop.
+    __shared__ __align__(8) unsigned long long mbar[2 * ST];
+    const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
+    if (tid == 0) {
+#pragma unroll
+      for (int p = 0; p < ST; ++p) {
+        mb_init(full0 + 8 * p, NTH);
+        mb_init(empty0 + 8 * p, NWG * 4);
+      }
+    }
+    proxy_fence();  // the zeroed activation rows, before any wgmma reads them
+    __syncthreads();  // ... and the barriers initialized
+    cp_wait<LA - 1>();  // this thread's copies of group 0
+    proxy_fence();
+    mb_arrive(full0);
+    ld_scales(0, s10, s11);
+    for (int gi = 0; gi < ngroups; ++gi) {
+      s00 = s10;
+      s01 = s11;
+      if (gi + 1 < ngroups) {
+        ld_scales(gi + 1, s10, s11);
+        cp_wait<LA - 2>();  // this thread's copies of group gi + 1
+        proxy_fence();
+        mb_arrive(full0 + 8 * ((gi + 1) % ST));
+      }
+      if (gi + LA < ngroups) {
+        const int j = gi + LA;
+        if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);  // group j - ST read by every warp
+        issue(gb0 + j, j % ST);
+      }
+      cp_commit();
+      const int grp = gb0 + gi;
+      const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
+      const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
+      mb_wait(full0 + 8 * (gi % ST), (gi / ST) & 1);
+      if (gi == 0) W4_TRACE_AT(1);
+      const u32 sbase = ring + (gi % ST) * STAGE;
+      u32 w[8];
+      lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
+      lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        a0[s][0] = sub_z(lop_q(w[s]), z0);
+        a0[s][1] = sub_z(lop_q(w[s] >> 8), z1);
+        a0[s][2] = sub_z(lop_q(w[s] >> 4), z0);
+        a0[s][3] = sub_z(lop_q(w[s] >> 12), z1);
+      }
+      wg_fence();
+      const unsigned long long d0 = desc_sw128(sbase);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        wgmma_bf16<NTOK>(t0, a0[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
+      wg_commit();
+      wg_wait0();
+      fold(a0, t0, s00, s01);
+      __syncwarp();
+      if (lane == 0) mb_arrive(empty0 + 8 * (gi % ST));  // this warp is done with the slot
+    }
+  } else if (SINGLE) {
     // one tile: wait for each group's wgmmas before folding it (about half the registers,
     // so more blocks per SM hide the latency the double-buffered loop hides with ILP); the
     // next group's scales are loaded a group ahead
@@ -851,11 +928,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   W4_TRACE_AT(4);
   }
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB>(W4_WGMMA_ARGS);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, int CS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB>(W4_WGMMA_ARGS);
 }
