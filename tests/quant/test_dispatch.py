@@ -68,6 +68,10 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True), (m, n, k)
             continue
+        if want == ["WgConfig", 3, 4, 1.0, True, 1, True, False]:  # since s25: 5 slots, per-slot mbarriers
+            got = dispatch.lookup("w4a16", gen, m, n, k)
+            assert got.config == dispatch.WgConfig(3, 5, 1.0, True, 1, True, mbar=True), (m, n, k)
+            continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))
         else:

@@ -141,7 +141,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True)), 64, None, SM90),
+    Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True)), 64, None, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, small_weight, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
