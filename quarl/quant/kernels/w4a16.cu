@@ -710,16 +710,15 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     s0 = scales[(size_t)(gb0 + gi) * Np + srow];
     s1 = scales[(size_t)(gb0 + gi) * Np + srow + 8];
   };
-  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC]) {
+  // group gi's zero points (loaded before the wait for its slot), then, once the slot has landed
+  // for every thread: unpack its 8 steps into `a` and issue their wgmmas into `tmp`
+  auto zero_points = [&](int gi, u32& z0, u32& z1) {
     const int grp = gb0 + gi;
-    const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
-    const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
-    cp_wait<LA - 1>();
-    proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
-    __syncthreads();
+    z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
+    z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
+  };
+  auto mma_group = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], u32 z0, u32 z1) {
     if (gi == 0) W4_TRACE_AT(1);
-    if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
-    cp_commit();
     const u32 sbase = ring + (gi % ST) * STAGE;
     u32 w[8];
     lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
@@ -737,6 +736,16 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     for (int s = 0; s < 8; ++s)
       wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
     wg_commit();
+  };
+  auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC]) {
+    u32 z0, z1;
+    zero_points(gi, z0, z1);
+    cp_wait<LA - 1>();
+    proxy_fence();  // cp.async wrote through the generic proxy, wgmma reads through the async one
+    __syncthreads();
+    if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
+    cp_commit();
+    mma_group(gi, a, tmp, z0, z1);
   };
   // after the wait for its wgmmas: acc += tmp x the group scale of each row; `a` stays
   // live (and unmodified) until here, as wgmma reads registers asynchronously
@@ -793,28 +802,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
         issue(gb0 + j, j % ST);
       }
       cp_commit();
-      const int grp = gb0 + gi;
-      const u32 z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
-      const u32 z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
+      u32 z0, z1;
+      zero_points(gi, z0, z1);
       mb_wait(full0 + 8 * (gi % ST), (gi / ST) & 1);
-      if (gi == 0) W4_TRACE_AT(1);
-      const u32 sbase = ring + (gi % ST) * STAGE;
-      u32 w[8];
-      lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
-      lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        a0[s][0] = sub_z(lop_q(w[s]), z0);
-        a0[s][1] = sub_z(lop_q(w[s] >> 8), z1);
-        a0[s][2] = sub_z(lop_q(w[s] >> 4), z0);
-        a0[s][3] = sub_z(lop_q(w[s] >> 12), z1);
-      }
-      wg_fence();
-      const unsigned long long d0 = desc_sw128(sbase);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        wgmma_bf16<NTOK>(t0, a0[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
-      wg_commit();
+      mma_group(gi, a0, t0, z0, z1);
       wg_wait0();
       fold(a0, t0, s00, s01);
       __syncwarp();
