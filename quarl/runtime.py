@@ -3,6 +3,7 @@ its compiled steps are built (:func:`compiled`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 from typing import Callable
@@ -85,3 +86,25 @@ def compiled(fn):
         return traced(*args)
 
     return call
+
+
+_RECOMPUTED_DEPTH = 0
+
+
+@contextlib.contextmanager
+def recomputed_layer():
+    """Marks a decoder layer run under activation checkpointing (its first forward and its
+    recomputation in the backward): what it saves for its backward lives only while that
+    layer's backward runs, so a weight made per use may enter a compiled region."""
+    global _RECOMPUTED_DEPTH
+    _RECOMPUTED_DEPTH += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTED_DEPTH -= 1
+
+
+def saves_nothing_past_the_layer() -> bool:
+    """Whether nothing the current forward saves for a backward outlives its layer: no
+    gradient is being recorded, or the layer is recomputed (:func:`recomputed_layer`)."""
+    return not torch.is_grad_enabled() or _RECOMPUTED_DEPTH > 0

@@ -252,8 +252,14 @@ class CheckpointedOps:
               sin: torch.Tensor, attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
         if not torch.is_grad_enabled():
             return self.inner.block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
-        return checkpoint(self.inner.block, layer, h, residual, cos, sin, attn, next_norm, next_consumer,
+        return checkpoint(self._recomputed_block, layer, h, residual, cos, sin, attn, next_norm, next_consumer,
                           use_reentrant=False)
+
+    def _recomputed_block(self, *args):
+        from quarl.runtime import recomputed_layer
+
+        with recomputed_layer():  # the first forward and the recomputation alike
+            return self.inner.block(*args)
 
 
 class Transformer(nn.Module):

@@ -46,6 +46,7 @@ from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight, quantize_weights
 from quarl.quant.scheme import QuantScheme, get_scheme
+from quarl.runtime import saves_nothing_past_the_layer
 
 DEFAULT_INCLUDE = ("layers.*",)
 
@@ -384,13 +385,15 @@ def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:
 def _traced_lora(mod: "LoRALinear | QuantLinear", x: torch.Tensor) -> tuple | None:
     """A LoRA learner's linear as ``("dense", W, bias[, (A, B, scaling)])``: a bf16 base
     (:class:`~quarl.model.lora.LoRALinear`), or a frozen low-bit base whose learner forward is
-    ``F.linear`` over its dequantized weight and which keeps that weight through the update
-    (:func:`keep_frozen_bases_dense`: a weight made per use would be saved for the backward
-    of every layer at once inside a compiled region). The frozen ``W`` gets no gradient, the
-    adapter's ``A`` and ``B`` do. None for the other paths (W8A8 bases, dequantized per use)."""
+    ``F.linear`` over its dequantized weight and which either keeps that weight through the
+    update (:func:`keep_frozen_bases_dense`) or makes it per use where nothing the region saves
+    outlives the layer (activation checkpointing, or no gradient: otherwise every layer's dense
+    weight would be saved for the backward at once). The frozen ``W`` gets no gradient, the
+    adapter's ``A`` and ``B`` do. None for the other paths (W8A8 bases, per use otherwise)."""
     if isinstance(mod, QuantLinear):
         qw = mod.qweight
-        if not (mod.learner_path and mod.repacked.keep_dequantized and learner_runs_dequantized(x, qw)):
+        if not (mod.learner_path and learner_runs_dequantized(x, qw)
+                and (mod.repacked.keep_dequantized or saves_nothing_past_the_layer())):
             return None
         w = mod.repacked.dequantized(qw, x.dtype, ops.dequantize)
     else:

@@ -308,3 +308,48 @@ def test_lora_layers_run_as_compiled_regions_with_the_eager_values(scheme, monke
         for n in g0:
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
     keep_frozen_bases_dense(model, False)
+
+
+def test_lora_base_dequantized_per_use_runs_the_regions_where_nothing_outlives_the_layer(monkeypatch):
+    """A w4a16 LoRA base dequantized per use (not kept dense) enters the compiled regions under
+    activation checkpointing (the layer's saved tensors, that weight among them, are recomputed)
+    and without gradients, and stays step by step otherwise: values and adapter gradients equal
+    the eager forward's either way."""
+    from quarl.model.lora import add_lora, lora_modules
+    from quarl.model.transformer import CheckpointedOps
+    from quarl.quant import QuantLinear, linear, quantize_model
+
+    model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=9)
+    quantize_model(model, "w4a16", QuantLinear)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.learner_path = True
+    monkeypatch.setattr(linear, "learner_runs_dequantized", lambda x, qw: True)
+    add_lora(model, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for _, _, ad in lora_modules(model):
+            ad.B.copy_(0.2 * torch.randn(ad.B.shape, generator=g))
+    ids = torch.randint(0, 50, (2, 11))
+    pos, attn = batch_attention(ids)
+    w = torch.randn(2, 11, 64)
+    out = {}
+    for name, ops in (("eager", TORCH_OPS), ("regions", COMPILED_OPS), ("checkpointed", CheckpointedOps(COMPILED_OPS))):
+        model.zero_grad()
+        fallbacks = COMPILED_OPS.fallbacks
+        h = model.hidden_states(ids, pos, attn, ops)
+        (h * w).sum().backward()
+        out[name] = (h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     COMPILED_OPS.fallbacks - fallbacks)
+        with torch.no_grad():
+            fallbacks = COMPILED_OPS.fallbacks
+            torch.testing.assert_close(model.hidden_states(ids, pos, attn, ops), h.detach(), rtol=1e-5, atol=1e-5)
+            assert name == "eager" or COMPILED_OPS.fallbacks == fallbacks  # no gradient: regions
+    assert out["regions"][2] == 2 and out["checkpointed"][2] == 0
+    h0, g0, _ = out["eager"]
+    for name in ("regions", "checkpointed"):
+        h1, g1, _ = out[name]
+        torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
+        assert g1.keys() == g0.keys() and len(g0) == 2 * 7 * 2
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
