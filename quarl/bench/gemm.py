@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from quarl.bench.common import git_commit
-from quarl.model.presets import PRESETS
 from quarl.bench.timing import Ceilings, measure_ceilings, n_sets, time_per_call
+from quarl.model.presets import PRESETS
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.ops import quant_linear
 from quarl.quant.qweight import QuantizedWeight, quantize_weight

@@ -50,10 +50,8 @@ class LoRAAdapter(nn.Module):
         return F.linear(F.linear(x, self.A), self.B) * self.scaling
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y + scaling * B (A x)`` as one ``addmm`` over rows (the scaled product and the sum
-        rounded once, no separate scale and add kernels): what a base linear's forward returns."""
-        xa = F.linear(x.reshape(-1, x.shape[-1]), self.A)
-        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, self.B.t(), alpha=self.scaling).view(y.shape)
+        """:func:`add_adapter` of this adapter: what a base linear's forward returns."""
+        return add_adapter(y, x, self.A, self.B, self.scaling)
 
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """:meth:`add_to` in place, into ``y`` (rows; a column block of a fused GEMM's output)."""
@@ -61,6 +59,13 @@ class LoRAAdapter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}, in={self.A.shape[1]}, out={self.B.shape[0]}"
+
+
+def add_adapter(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``y + scaling * b (a x)`` as one ``addmm`` over rows (the scaled product and the sum
+    rounded once, no separate scale and add kernels); the learner's compiled regions call it too."""
+    xa = F.linear(x.reshape(-1, x.shape[-1]), a)
+    return torch.addmm(y.reshape(-1, y.shape[-1]), xa, b.t(), alpha=scaling).view(y.shape)
 
 
 def apply_adapter(mod: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from quarl.model.config import TransformerConfig
+from quarl.runtime import recomputed_layer
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -256,8 +257,6 @@ class CheckpointedOps:
                           use_reentrant=False)
 
     def _recomputed_block(self, *args):
-        from quarl.runtime import recomputed_layer
-
         with recomputed_layer():  # the first forward and the recomputation alike
             return self.inner.block(*args)
 

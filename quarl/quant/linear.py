@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.lora import LoRALinear, apply_adapter
+from quarl.model.lora import LoRALinear, add_adapter, apply_adapter
 from quarl.quant import ops
 from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -355,11 +355,7 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
     if lin[0] == "dense":
         y = F.linear(x, lin[1], bias)
-        if len(lin) < 4:
-            return y
-        a, b, scaling = lin[3]
-        rows = x.reshape(-1, x.shape[-1])
-        return torch.addmm(y.reshape(-1, y.shape[-1]), F.linear(rows, a), b.t(), alpha=scaling).view(y.shape)
+        return y if len(lin) < 4 else add_adapter(y, x, *lin[3])
     # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
     # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
     rows = x.reshape(-1, x.shape[-1])
