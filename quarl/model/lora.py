@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from quarl.quant.ops import LoRATerm
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model.model."
@@ -56,6 +59,12 @@ class LoRAAdapter(nn.Module):
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """:meth:`add_to` in place, into ``y`` (rows; a column block of a fused GEMM's output)."""
         y.addmm_(F.linear(x, self.A), self.B.t(), alpha=self.scaling)
+
+    def term(self, x: torch.Tensor) -> LoRATerm:
+        """This adapter on ``x`` as a GEMM's LoRA term (:func:`quarl.quant.ops.quant_linear` adds it)."""
+        from quarl.quant.ops import LoRATerm  # (quarl.quant imports this module)
+
+        return LoRATerm(F.linear(x.reshape(-1, x.shape[-1]), self.A), self.B, self.scaling, self.rank)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}, in={self.A.shape[1]}, out={self.B.shape[0]}"

@@ -113,10 +113,10 @@ class QuantLinear(nn.Module):
         (``self.lora``, :mod:`quarl.model.lora`). With ``learner_path`` set (the frozen base of a
         LoRA learner), the GEMM is :class:`_FrozenQuantMatmul`: differentiable in ``x``."""
         if self.learner_path:
-            y = _FrozenQuantMatmul.apply(x, self.bias, self.qweight, self.repacked)
-        else:
-            y = ops.quant_linear(x, self.qweight, self.bias, self.repacked)
-        return apply_adapter(self, x, y)
+            return apply_adapter(self, x, _FrozenQuantMatmul.apply(x, self.bias, self.qweight, self.repacked))
+        ad = getattr(self, "lora", None)
+        term = ad.term(x) if ad is not None and ad.enabled else None  # added by the GEMM (its epilogue, where it can)
+        return ops.quant_linear(x, self.qweight, self.bias, self.repacked, term)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,21 +58,48 @@ def _fast(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
+class LoRATerm(NamedTuple):
+    """What LoRA adapters add to a base GEMM's output ``y [M, N]``: ``scaling * xa @ b.T``.
+
+    ``xa = x @ A.T`` (``[M, R]``, the shrink, already computed) and ``b [N, R]``; for a fused
+    group's adapters ``b`` is block-diagonal: member i owns the output rows from ``starts[i]``
+    (``starts[0] == 0``) and the columns ``cols[i] .. cols[i] + rank`` of ``xa`` and ``b``, its
+    rows zero elsewhere. ``rank``: the widest member's. The Hopper w4a16 kernel adds the term
+    in its epilogue (one launch instead of two, the sum rounded once); elsewhere it is one
+    ``addmm`` after the GEMM, as :func:`quarl.model.lora.add_adapter` sums."""
+
+    xa: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    rank: int
+    starts: tuple[int, ...] = (0,)
+    cols: tuple[int, ...] = (0,)
+
+    def add_to(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the term, as one ``addmm`` over rows."""
+        rows = torch.addmm(y.reshape(-1, y.shape[-1]), self.xa, self.b.t(), alpha=self.scaling)
+        return rows.view(y.shape)
+
+
 def quant_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, repacked: RepackCache | None = None,
+    lora: LoRATerm | None = None,
 ) -> torch.Tensor:
-    """``y [..., N] = Q_act(x) [..., K] @ deq(W).T + bias`` with the scheme's kernel.
-    ``repacked``: the cache of kernel-specific weight layouts kept by the weight's owner
-    (``QuantLinear`` and ``QATLinear`` pass theirs; None: made for this call only)."""
+    """``y [..., N] = Q_act(x) [..., K] @ deq(W).T + bias`` with the scheme's kernel, plus the
+    LoRA term ``lora`` (rows of ``x``) if given. ``repacked``: the cache of kernel-specific
+    weight layouts kept by the weight's owner (``QuantLinear`` and ``QATLinear`` pass theirs;
+    None: made for this call only)."""
     if not qw.scheme.quantizes_weights:
-        return F.linear(x, qw.qdata.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    if not uses_fast_path(x):
-        return ref.reference_linear(x, qw, bias)
-    from quarl.quant.kernels import launch
+        y = F.linear(x, qw.qdata.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    elif not uses_fast_path(x):
+        y = ref.reference_linear(x, qw, bias)
+    else:
+        from quarl.quant.kernels import launch
 
-    lead = x.shape[:-1]
-    y = launch.linear(x.reshape(-1, x.shape[-1]), qw, bias, repacked)
-    return y.view(*lead, y.shape[-1])
+        lead = x.shape[:-1]
+        y = launch.linear(x.reshape(-1, x.shape[-1]), qw, bias, repacked, lora)
+        return y.view(*lead, y.shape[-1])
+    return y if lora is None else lora.add_to(y)
 
 
 def _fast_quantized_input(xq: torch.Tensor) -> bool:

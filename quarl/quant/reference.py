@@ -327,3 +327,18 @@ def reference_linear(
     if bias is not None:
         y = y + bias.to(cdt)
     return y.to(x.dtype)
+
+
+def lora_term_by_member(xa: torch.Tensor, b: torch.Tensor, scaling: float, starts: tuple[int, ...],
+                        cols: tuple[int, ...], width: int) -> torch.Tensor:
+    """A :class:`~quarl.quant.ops.LoRATerm` summed as the w4a16 wgmma kernel's epilogue sums
+    it, in float64: output rows ``starts[i]`` up to the next start take columns ``cols[i] ..
+    cols[i] + width`` of ``xa [M, R]`` and ``b [N, R]`` (cut at R), times ``scaling``. Equal to
+    ``scaling * xa @ b.T`` when ``b`` is block-diagonal over the members and ``width`` covers
+    every member's rank."""
+    n, r = b.shape
+    out = torch.zeros(xa.shape[0], n, dtype=torch.float64, device=xa.device)
+    for lo, hi, c in zip(starts, (*starts[1:], n), cols):
+        c1 = min(c + width, r)
+        out[:, lo:hi] = scaling * (xa[:, c:c1].double() @ b[lo:hi, c:c1].double().T)
+    return out

@@ -383,6 +383,8 @@ class FusedLinear:
             y = F.linear(x, self.weight, self.bias)
         elif isinstance(x, tuple):
             return ops.quant_linear_quantized_input(*x[:2], self.weight, self.bias, x[2])
+        elif isinstance(self.adapters, GroupAdapter):  # the w4a16 kernel adds the adapters in its epilogue
+            return ops.quant_linear(x, self.weight, self.bias, self.repacked, self.adapters.term(x))
         else:
             y = ops.quant_linear(x, self.weight, self.bias, self.repacked)
         if self.adapters is not None:
@@ -444,6 +446,11 @@ class GroupAdapter:
         first = members[0][2]
         ranks = [ad.rank for _, _, ad in members]
         self.scaling = first.scaling
+        self.rank = max(ranks)
+        # the members' first output rows (the first from row 0: rows of no member are zero in B)
+        # and first columns of A / B, as a LoRATerm describes them
+        self.starts = (0, *(lo for lo, _, _ in members[1:]))
+        self.cols = tuple(sum(ranks[:i]) for i in range(len(ranks)))
         with torch.no_grad():
             self.A = torch.cat([ad.A.detach() for _, _, ad in members], 0)
             self.B = first.B.new_zeros(rows, sum(ranks))
@@ -457,6 +464,10 @@ class GroupAdapter:
 
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
         y.addmm_(F.linear(x, self.A), self.B.t(), alpha=self.scaling)
+
+    def term(self, x: torch.Tensor) -> ops.LoRATerm:
+        """The adapters on rows ``x`` as a GEMM's LoRA term (the shrink run, the expand left to the GEMM)."""
+        return ops.LoRATerm(F.linear(x, self.A), self.B, self.scaling, self.rank, self.starts, self.cols)
 
 
 class _MemberAdapters:

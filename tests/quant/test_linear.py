@@ -353,3 +353,61 @@ def test_quantize_weights_stacked_equals_one_call_each(name):
     fresh = mods[1].quantized_weight()
     for f, t in quantize_weight(mods[1].weight.detach(), name).tensors().items():
         assert torch.equal(getattr(fresh, f), t), f
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w8a8-fp8"])
+def test_quant_linear_with_an_adapter_is_the_base_plus_its_addmm_and_trains_it(name):
+    """The engine's QuantLinear with a LoRA adapter hands the adapter to the GEMM as a LoRA term
+    (the Hopper w4a16 kernel adds it in its epilogue); elsewhere it is one addmm after the base,
+    the sum the learner's regions make (``add_adapter``), and with gradients wanted A and B train."""
+    from quarl.model.lora import LoRAAdapter, add_adapter
+
+    torch.manual_seed(1)
+    base = nn.Linear(256, 192, bias=True)
+    mod = QuantLinear.from_linear(base, name)
+    mod.lora = LoRAAdapter(256, 192, rank=8, alpha=16)
+    with torch.no_grad():
+        mod.lora.B.normal_(0, 0.1)
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        want = add_adapter(ref.reference_linear(x, mod.qweight, mod.bias), x, mod.lora.A, mod.lora.B, 2.0)
+        got = mod(x)
+    assert got.shape == (2, 5, 192) and torch.equal(got, want)
+    assert not torch.equal(got, ref.reference_linear(x, mod.qweight, mod.bias))
+    mod(x).square().sum().backward()
+    xa = torch.nn.functional.linear(x.reshape(-1, 256), mod.lora.A)
+    assert mod.lora.B.grad is not None and mod.lora.A.grad is not None and mod.lora.B.grad.abs().sum() > 0
+    torch.testing.assert_close(mod.lora.B.grad, 2.0 * (2 * got.detach().reshape(-1, 192)).T @ xa.detach())
+
+
+def test_wgmma_kernel_takes_a_lora_term_only_where_it_fits():
+    """``cuda_w4.takes_lora``: ranks up to 128, at most 3 members on 64-row boundaries, bf16
+    operands in 16-byte rows, no gradient wanted, and shared memory that keeps the block's
+    residency (the 7B gate/up block of 3 warpgroups x 5 slots has room for rank 64, not 128)."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+    from quarl.quant.ops import LoRATerm
+
+    x = torch.zeros(64, 512, dtype=torch.bfloat16)
+    wide, long_k = WgConfig(3, 5, 1.0, single=True, tail=True, mbar=True), WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)
+
+    def term(rank, starts=(0,), cols=(0,), dtype=torch.bfloat16, r=None, grad=False):
+        r = r or rank * len(starts)
+        b = torch.zeros(4608, r, dtype=dtype, requires_grad=grad)
+        return LoRATerm(torch.zeros(64, r, dtype=dtype), b, 2.0, rank, starts, cols)
+
+    assert cuda_w4.takes_lora(wide, x, term(64)) and cuda_w4.takes_lora(long_k, x, term(64))
+    assert cuda_w4.takes_lora(wide, x, term(64, (0, 3584, 4096), (0, 64, 128)))
+    assert not cuda_w4.takes_lora(wide, x, term(128))  # 3 x 34 KB more: past 227 KB
+    two_per_sm = WgConfig(1, 4, 2.0, tail=True, cluster=True)  # 83 KB: two blocks an SM
+    assert cuda_w4.takes_lora(two_per_sm, x, term(64)) and not cuda_w4.takes_lora(two_per_sm, x, term(128))
+    assert cuda_w4.takes_lora(WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True), x, term(128))
+    assert not cuda_w4.takes_lora(wide, x, term(192))
+    assert not cuda_w4.takes_lora(wide, x, term(64, (0, 3584, 4100), (0, 64, 128)))  # a slab in two members
+    assert not cuda_w4.takes_lora(wide, x, term(64, (0, 64, 128, 192), (0, 64, 128, 192)))
+    assert not cuda_w4.takes_lora(wide, x, term(64, dtype=torch.float32))
+    assert not cuda_w4.takes_lora(wide, x, term(12, r=12))  # rows of 24 bytes
+    with torch.enable_grad():
+        assert not cuda_w4.takes_lora(wide, x, term(64, grad=True))
+    with torch.no_grad():
+        assert cuda_w4.takes_lora(wide, x, term(64, grad=True))

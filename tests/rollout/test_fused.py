@@ -10,6 +10,7 @@ import torch
 
 from quarl.model.presets import build_random_model
 from quarl.quant import QuantLinear, load_published, quantize_model, quantize_weight
+from quarl.quant import reference as ref_quant
 from quarl.quant.kernels.w4_layout import repack_w4
 from quarl.model.transformer import batch_attention
 from quarl.rollout.fused import FUSED_OPS, fuse_projections
@@ -338,6 +339,12 @@ def test_fused_projections_with_lora_adapters_match_and_load_in_place(scheme):
     q, v = model.layers[0].self_attn.q_proj.lora, model.layers[0].self_attn.v_proj.lora
     assert q.A.data_ptr() == group.A.data_ptr() and v.B.data_ptr() == group.B[96:, 3:].data_ptr()
     assert not group.B[64:96].any() and not group.B[:64, 3:].any() and not group.B[96:, :3].any()
+    # the term the w4a16 kernel adds per 64-row slab: each member's rows take its own columns
+    term = group.term(torch.randn(5, 64, dtype=group.A.dtype))
+    assert (term.rank, term.starts, term.cols) == (3, (0, 96), (0, 3))
+    for width in (3, 64):
+        by_member = ref_quant.lora_term_by_member(term.xa, term.b, term.scaling, term.starts, term.cols, width)
+        torch.testing.assert_close(by_member, 2.0 * term.xa.double() @ term.b.double().T, rtol=1e-12, atol=1e-12)
     ids = torch.randint(0, 128, (2, 7))
     positions, attn = batch_attention(ids)
     with torch.no_grad():

@@ -566,3 +566,75 @@ def test_wgmma_kernel_rejects_what_it_cannot_run():
         cuda_w4.wgmma_gemm(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(4, 8))
     with pytest.raises(ValueError, match="minb x nwg"):
         cuda_w4.wgmma_gemm(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), qw, None, WgConfig(4, 3, 1.0, True, 5))
+
+
+def _lora_case(n_members, ranks, k, m, starts=None):
+    """Adapters of a fused group (block-diagonal B over members of the given row counts, the
+    last member without an adapter) as a LoRATerm on random rows."""
+    from quarl.quant.ops import LoRATerm
+
+    n, r = sum(n_members), sum(ranks)
+    b = torch.zeros(n, r, device="cuda", dtype=torch.bfloat16)
+    row, col, starts_, cols = 0, 0, [], []
+    for i, (rows, rank) in enumerate(zip(n_members, ranks)):
+        starts_.append(row)
+        cols.append(col)
+        if i < len(n_members) - 1 or len(n_members) == 1:
+            b[row:row + rows, col:col + rank] = torch.randn(rows, rank, device="cuda") * 0.05
+        row, col = row + rows, col + rank
+    xa = torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
+    starts_[0] = 0
+    return LoRATerm(xa, b, 1.5, max(ranks), tuple(starts_), tuple(cols))
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [9, 16, 33, 64, 100, 128])
+def test_wgmma_adds_a_lora_term_in_its_epilogue(name, m):
+    """The wgmma kernel with a LoRA term (ranks 8-128, one to three members, K splits through
+    global partials and clusters) equals the kernel without it plus the term summed per member
+    in float64, to the bf16 rounding of the two outputs; deterministic."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+
+    torch.manual_seed(m)
+    k = 1536
+    layouts = [((768,), (8,)), ((512, 128, 128), (64, 64, 64)), ((512, 256), (128, 128)), ((384, 640), (24, 40))]
+    for members, ranks in layouts:
+        n = sum(members)
+        qw, x, bias, _ = _w4_case(n, k, m, name)
+        term = _lora_case(members, ranks, k, m)
+        width = 64 if term.rank <= 64 else 128
+        extra = ref.lora_term_by_member(term.xa, term.b, term.scaling, term.starts, term.cols, width)
+        ran = 0
+        for cfg in (WgConfig(3, 5, 1.0, True, 1, True, mbar=True), WgConfig(2, 3, 2.0, True, 2, True, True),
+                    WgConfig(1, 4, 2.0, tail=True, cluster=True), WgConfig(1, 3, 4.0, True, 4, True),
+                    WgConfig(2, 4, 1e-3, True, 1, False), WgConfig(2, 3, 1.0, True, 1, True, True)):
+            if cfg.smem_bytes(cuda_w4.wgmma_tokens(m)) > 227 * 1024 or (m > 64 and not cfg.single):
+                continue
+            if not cuda_w4.takes_lora(cfg, x, term):
+                continue
+            plain = cuda_w4.wgmma_gemm(x, qw, bias, cfg)
+            got = cuda_w4.wgmma_gemm(x, qw, bias, cfg, lora=term)
+            assert torch.equal(got, cuda_w4.wgmma_gemm(x, qw, bias, cfg, lora=term)), cfg
+            want = plain.double() + extra
+            err = (got.double() - want).abs()
+            assert (err <= 2 ** -7 * (want.abs() + plain.double().abs()) + 1e-3).all(), (cfg, members, float(err.max()))
+            assert (got.double() - plain.double()).abs().max() > 1e-2  # the term is there
+            ran += 1
+        assert ran >= 2, (members, ranks)
+
+
+def test_engine_lora_shapes_of_7b_take_the_fused_epilogue():
+    """At decode batch 64 every adapted 7B projection's default plan adds its rank-64 adapters in
+    the w4a16 kernel (no fallback to a separate addmm), and gives the addmm's result."""
+    from quarl.quant.kernels import cuda_w4, dispatch, launch
+
+    for members, k in (((3584, 512, 512), 3584), ((3584,), 3584), ((18944, 18944), 3584), ((3584,), 18944)):
+        n = sum(members)
+        qw, x, _, _ = _w4_case(n, k, 64, "w4a16")
+        term = _lora_case(members, (64,) * len(members), k, 64)
+        plan = dispatch.pick(qw, 64, x.device)
+        assert plan.kernel == "wgmma" and cuda_w4.takes_lora(plan.config, x, term), (members, k, plan)
+        got = launch.linear(x, qw, None, None, term)
+        want = term.add_to(launch.linear(x, qw, None)).double()
+        assert ((got.double() - want).abs() <= 2 ** -6 * want.abs() + 2e-3).all(), members

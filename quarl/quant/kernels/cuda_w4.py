@@ -27,6 +27,7 @@ shared memory, in the same order.
 from __future__ import annotations
 
 import functools
+import struct
 from importlib import resources
 
 import torch
@@ -71,10 +72,11 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
-                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False):
-    """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py)."""
+                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0):
+    """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py);
+    ``lr``: 64-column atoms of the LoRA term (0: none)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
-    name = f"w4a16_wgmma_cluster<{args}, {cs}>" if cs else f"w4a16_wgmma<{args}>"
+    name = f"w4a16_wgmma_cluster<{args}, {cs}, {lr}>" if cs else f"w4a16_wgmma<{args}, {lr}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
@@ -134,10 +136,10 @@ def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail:
 
 
 def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_args: tuple, threads: int,
-                    smem: int, one_d: bool) -> torch.Tensor:
+                    smem: int, one_d: bool, extra: tuple = ()) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
     wgmma kernels). ``kernel_for(asym, cluster_size)`` -> the kernel. ``one_d`` (wgmma): a
-    1-D grid, the ``whole`` column blocks first, and a ``whole`` argument."""
+    1-D grid, the ``whole`` column blocks first, and a ``whole`` argument, then ``extra``."""
     m = x.shape[0]
     groups, np_ = fw.scales.shape
     cols = splitk.cdiv(np_ // SLAB, slabs_per_block)
@@ -152,6 +154,7 @@ def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_
     if one_d:
         grid = (plan.programs(cols), 1, 1)
         args.append(plan.whole)
+    args.extend(extra)
     kernel_for(fw.negz is not None, plan.cluster)(grid=grid, block=(threads, 1, 1), shared_mem=smem, args=args)
     return out
 
@@ -172,20 +175,77 @@ def wgmma_available() -> bool:
     return nvrtc_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+SMEM_PER_SM = 228 * 1024  # Hopper: shared memory of an SM (a block takes at most 227 KB of it, + 1 KB reserved)
+
+
+def _lora_atoms(rank: int) -> int:
+    return 1 if rank <= 64 else 2
+
+
+def lora_smem_bytes(cfg: WgConfig, ntok: int, rank: int) -> int:
+    """Shared memory the LoRA term adds to a wgmma block: per warpgroup, the t tile (64-column
+    atoms of ``ntok`` rows) and the slab's B rows (row pitch 64 atoms + 8 bf16)."""
+    lr = _lora_atoms(rank)
+    return cfg.nwg * (lr * ntok * 128 + 64 * (lr * 64 + 8) * 2)
+
+
+def takes_lora(cfg: WgConfig, x: torch.Tensor, lora) -> bool:
+    """Whether the wgmma kernel with ``cfg`` adds ``lora`` (a :class:`~quarl.quant.ops.LoRATerm`)
+    in its epilogue: rank <= 128, at most 3 members whose row starts (but the first) are
+    64-row aligned, bf16 operands in 16-byte aligned rows, no gradient wanted, and shared
+    memory for it without losing a block per SM."""
+    xa, b = lora.xa, lora.b
+    if lora.rank > 128 or len(lora.starts) > 3 or any(s % 64 for s in lora.starts[1:]):
+        return False
+    if xa.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or xa.shape[1] != b.shape[1] or b.shape[1] % 8:
+        return False
+    if xa.shape[0] != x.shape[0] or xa.stride(1) != 1 or b.stride(1) != 1:
+        return False
+    if xa.stride(0) % 8 or b.stride(0) % 8 or xa.data_ptr() % 16 or b.data_ptr() % 16:
+        return False
+    if torch.is_grad_enabled() and (xa.requires_grad or b.requires_grad):
+        return False
+    ntok = wgmma_tokens(x.shape[0])
+    base = cfg.smem_bytes(ntok)
+    smem = base + lora_smem_bytes(cfg, ntok, lora.rank)
+    want = max(1, round(cfg.blocks_per_sm))
+
+    def resident(nbytes: int) -> int:
+        return min(want, SMEM_PER_SM // (nbytes + 1024))
+
+    return smem <= 227 * 1024 and resident(smem) >= resident(base)
+
+
+def _lora_args(lora, x: torch.Tensor) -> tuple:
+    """The kernel's LoRA arguments (``lt, lb, ldt, ldb, lw, lscale_bits, lr1, lr2, lc0..lc2``;
+    without a term, ``x`` stands in for the operands the kernel then never reads)."""
+    if lora is None:
+        return (x, x, 0, 0, 0, 0, 1 << 30, 1 << 30, 0, 0, 0)
+    starts = tuple(lora.starts[1:]) + (1 << 30,) * (3 - len(lora.starts))
+    cols = tuple(lora.cols) + (0,) * (3 - len(lora.cols))
+    bits = struct.unpack("<i", struct.pack("<f", float(lora.scaling)))[0]
+    return (lora.xa, lora.b, lora.xa.stride(0), lora.b.stride(0), lora.b.shape[1], bits, *starts[:2], *cols)
+
+
 def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig = WgConfig(),
-               repacked: RepackCache | None = None, defines: tuple[str, ...] = ()) -> torch.Tensor:
+               repacked: RepackCache | None = None, defines: tuple[str, ...] = (), lora=None) -> torch.Tensor:
     """``x [M, K] (bf16, M <= 128) @ W.T + bias`` with the wgmma kernel (Hopper): same fragment
-    words (reordered, :func:`~.w4_layout.wgmma_words`) and numerics as :func:`frag_gemm`."""
+    words (reordered, :func:`~.w4_layout.wgmma_words`) and numerics as :func:`frag_gemm`.
+    ``lora``: a :class:`~quarl.quant.ops.LoRATerm` the kernel adds to its fp32 tile before the
+    one rounding to bf16 (check :func:`takes_lora` first)."""
     m = x.shape[0]
     cfg.check(m)
     if qw.shape[0] * qw.shape[1] // 2 >= 1 << 32 or m * x.stride(0) * 2 >= 1 << 32:  # the kernel's 32-bit byte offsets
         raise ValueError(f"wgmma w4 kernel: weight {tuple(qw.shape)} or activation rows past 4 GiB; split the layer")
+    if lora is not None and not takes_lora(cfg, x, lora):
+        raise ValueError(f"wgmma w4 kernel: this LoRA term does not fit {cfg} (rank {lora.rank}, starts {lora.starts})")
     x, bias, fw = _prepare(x, qw, bias, "wgmma", repacked)
     ntok = wgmma_tokens(m)
-    smem = cfg.smem_bytes(ntok)
+    lr = 0 if lora is None else _lora_atoms(lora.rank)
+    smem = cfg.smem_bytes(ntok) + (0 if lora is None else lora_smem_bytes(cfg, ntok, lora.rank))
 
     def kernel_for(asym: bool, cs: int):
-        return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar)
+        return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr)
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
-                           cfg.nwg * 128, smem, one_d=True)
+                           cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from quarl.quant.kernels import act_quant as _aq
-from quarl.quant.kernels import dispatch
+from quarl.quant.kernels import cuda_w4, dispatch
 from quarl.quant.kernels.act_quant import act_quant_buffers, act_quant_from_partials  # noqa: F401 (engine API)
 from quarl.quant.kernels.device import num_sms  # noqa: F401 (engine API)
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -49,14 +49,21 @@ def gated_silu_gemm(
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
-           repacked: RepackCache | None = None) -> torch.Tensor:
-    """Fast quantized ``x [M, K] @ W.T + bias`` for any quantized scheme. ``repacked``: the
-    weight owner's cache of kernel-specific layouts (None: made for this call only)."""
+           repacked: RepackCache | None = None, lora=None) -> torch.Tensor:
+    """Fast quantized ``x [M, K] @ W.T + bias`` for any quantized scheme, plus ``lora`` (a
+    :class:`~quarl.quant.ops.LoRATerm`: in the wgmma w4a16 kernel's epilogue where it fits,
+    else one ``addmm`` after). ``repacked``: the weight owner's cache of kernel-specific
+    layouts (None: made for this call only)."""
     sc = qw.scheme
     if not x.is_contiguous():
         x = x.contiguous()
     if sc.act_format in ("fp8", "int8"):
         xq, sx = act_quant(x, sc.act_format)
-        return linear_quantized_input(xq, sx, qw, bias, x.dtype)
-    dense = repacked is not None and repacked.dense
-    return dispatch.pick(qw, x.shape[0], x.device, x.dtype, dense).run(x, qw, bias, repacked=repacked)
+        y = linear_quantized_input(xq, sx, qw, bias, x.dtype)
+    else:
+        dense = repacked is not None and repacked.dense
+        plan = dispatch.pick(qw, x.shape[0], x.device, x.dtype, dense)
+        if lora is not None and plan.kernel == "wgmma" and cuda_w4.takes_lora(plan.config, x, lora):
+            return cuda_w4.wgmma_gemm(x, qw, bias, plan.config, repacked, lora=lora)
+        y = plan.run(x, qw, bias, repacked=repacked)
+    return y if lora is None else lora.add_to(y)

@@ -612,11 +612,23 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
   const u16* __restrict__ x, const u32* __restrict__ wq, const float* __restrict__ scales,    \
       const u32* __restrict__ negz, const u16* __restrict__ bias, u16* __restrict__ out,      \
       float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, int ldx,     \
-      int ldo, int Np, int G, int gpb, int split, int has_bias, int whole W4_TRACE_PARAM
-#define W4_WGMMA_ARGS \
-  x, wq, scales, negz, bias, out, part, counters, M, N, K, ldx, ldo, Np, G, gpb, split, has_bias, whole W4_TRACE_ARG
+      int ldo, int Np, int G, int gpb, int split, int has_bias, int whole, const u16* __restrict__ lt, \
+      const u16* __restrict__ lb, int ldt, int ldb, int lw, int lscale_bits, int lr1, int lr2, int lc0, int lc1, \
+      int lc2 W4_TRACE_PARAM
+#define W4_WGMMA_ARGS                                                                                 \
+  x, wq, scales, negz, bias, out, part, counters, M, N, K, ldx, ldo, Np, G, gpb, split, has_bias, whole, lt, lb, \
+      ldt, ldb, lw, lscale_bits, lr1, lr2, lc0, lc1, lc2 W4_TRACE_ARG
 
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB>
+// LoRA term (LR > 0: LR 64-column atoms, ranks up to 64 LR): the K-split 0 block of each
+// column block adds scaling * t[:, c .. c + 64 LR) B[rows, c .. c + 64 LR)^T to its fp32 tile
+// before the epilogue: t = x A^T [M, lw] (the group's stacked shrink, bf16), B [N, lw] (bf16,
+// block-diagonal over the members of a fused group: other members' columns are zero in a
+// member's rows), c the column offset of the member that owns the slab (member i starts at
+// output row lr_i: lr1, lr2; offsets lc0..lc2). One more wgmma group, the same instructions as a
+// weight group's with bf16 B rows as the A operand. Each warpgroup's t tile (swizzled as the
+// activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied at the
+// start, in the first group's cp.async batch, to shared memory past the ring.
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE, "128-token tiles run the single-tile loop");
@@ -626,6 +638,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
   constexpr int LA = SINGLE && !MB ? ST - 1 : ST - 2;
   constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
+  constexpr int BROW = (LR * 64 + 8) * 2, LBYTES = LR * NTOK * 128 + 64 * BROW;  // LoRA bytes a warpgroup
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, t = lane & 3;
@@ -760,6 +773,24 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
   };
 
+  if constexpr (LR > 0) {
+    if (sp == 0 && live) {
+      const int mi = (n0 >= lr1) + (n0 >= lr2), coff = mi == 0 ? lc0 : (mi == 1 ? lc1 : lc2);
+      const u32 lbase = ring + ST * STAGE + wg * LBYTES;
+      const int ltid = tid & 127;
+      for (int c = ltid; c < NTOK * LR * 8; c += 128) {  // the t tile: 16-byte chunk q of token row r
+        const int r = c / (LR * 8), q = c % (LR * 8), col = coff + q * 8;
+        const bool ok = r < M && col < lw;
+        cp_async16(lbase + (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4),
+                   ok ? lt + (size_t)r * ldt + col : lt, ok ? 16 : 0);
+      }
+      for (int c = ltid; c < 64 * LR * 8; c += 128) {  // the slab's B rows
+        const int rr = c / (LR * 8), q = c % (LR * 8), col = coff + q * 8, n = n0 + rr;
+        const bool ok = n < N && col < lw;
+        cp_async16(lbase + LR * NTOK * 128 + rr * BROW + q * 16, ok ? lb + (size_t)n * ldb + col : lb, ok ? 16 : 0);
+      }
+    }
+  }
 #pragma unroll
   for (int p = 0; p < LA; ++p) {
     if (p < ngroups) issue(gb0 + p, p);
@@ -853,6 +884,32 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   }
   }
   cp_wait<0>();
+  if constexpr (LR > 0) {
+    if (sp == 0) {  // (uniform in the block)
+      proxy_fence();
+      __syncthreads();  // every thread's copies of the t tiles and B rows landed
+      if (live) {
+        const u32 lbase = ring + ST * STAGE + wg * LBYTES;
+        const u32 brow = lbase + LR * NTOK * 128 + (16 * warp + g) * BROW + 4 * t;
+#pragma unroll
+        for (int s = 0; s < 4 * LR; ++s) {  // rows g / g + 8 of the warp's 16, columns 16 s + 2 t (+ 8)
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][0]) : "r"(brow + 32 * s));
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][1]) : "r"(brow + 8 * BROW + 32 * s));
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][2]) : "r"(brow + 32 * s + 16));
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][3]) : "r"(brow + 8 * BROW + 32 * s + 16));
+        }
+        wg_fence();
+        const unsigned long long d0 = desc_sw128(lbase);
+#pragma unroll
+        for (int s = 0; s < 4 * LR; ++s)
+          wgmma_bf16<NTOK>(t0, a0[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
+        wg_commit();
+        wg_wait0();
+        const float ls = __int_as_float(lscale_bits);
+        fold(a0, t0, ls, ls);
+      }
+    }
+  }
   W4_TRACE_AT(2);
 
   // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
@@ -919,11 +976,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   W4_TRACE_AT(4);
   }
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB, LR>(W4_WGMMA_ARGS);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR>(W4_WGMMA_ARGS);
 }
