@@ -750,6 +750,29 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
       wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
     wg_commit();
   };
+  // the LoRA term's copies (LR > 0), issued in the prologue's last cp.async batch (or its first
+  // without a group, for a block with fewer groups): they land by that group's wait rather
+  // than delay the first group
+  auto lora_copies = [&]() {
+    if constexpr (LR > 0) {
+    if (sp == 0 && live) {
+      const int mi = (n0 >= lr1) + (n0 >= lr2), coff = mi == 0 ? lc0 : (mi == 1 ? lc1 : lc2);
+      const u32 lbase = ring + ST * STAGE + wg * LBYTES;
+      const int ltid = tid & 127;
+      for (int c = ltid; c < NTOK * LR * 8; c += 128) {  // the t tile: 16-byte chunk q of token row r
+        const int r = c / (LR * 8), q = c % (LR * 8), col = coff + q * 8;
+        const bool ok = r < M && col < lw;
+        cp_async16(lbase + (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4),
+                   ok ? lt + (size_t)r * ldt + col : lt, ok ? 16 : 0);
+      }
+      for (int c = ltid; c < 64 * LR * 8; c += 128) {  // the slab's B rows
+        const int rr = c / (LR * 8), q = c % (LR * 8), col = coff + q * 8, n = n0 + rr;
+        const bool ok = n < N && col < lw;
+        cp_async16(lbase + LR * NTOK * 128 + rr * BROW + q * 16, ok ? lb + (size_t)n * ldb + col : lb, ok ? 16 : 0);
+      }
+    }
+    }
+  };
   auto stage = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC]) {
     u32 z0, z1;
     zero_points(gi, z0, z1);
@@ -773,27 +796,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
   };
 
-  if constexpr (LR > 0) {
-    if (sp == 0 && live) {
-      const int mi = (n0 >= lr1) + (n0 >= lr2), coff = mi == 0 ? lc0 : (mi == 1 ? lc1 : lc2);
-      const u32 lbase = ring + ST * STAGE + wg * LBYTES;
-      const int ltid = tid & 127;
-      for (int c = ltid; c < NTOK * LR * 8; c += 128) {  // the t tile: 16-byte chunk q of token row r
-        const int r = c / (LR * 8), q = c % (LR * 8), col = coff + q * 8;
-        const bool ok = r < M && col < lw;
-        cp_async16(lbase + (q >> 3) * (NTOK * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4),
-                   ok ? lt + (size_t)r * ldt + col : lt, ok ? 16 : 0);
-      }
-      for (int c = ltid; c < 64 * LR * 8; c += 128) {  // the slab's B rows
-        const int rr = c / (LR * 8), q = c % (LR * 8), col = coff + q * 8, n = n0 + rr;
-        const bool ok = n < N && col < lw;
-        cp_async16(lbase + LR * NTOK * 128 + rr * BROW + q * 16, ok ? lb + (size_t)n * ldb + col : lb, ok ? 16 : 0);
-      }
-    }
-  }
 #pragma unroll
   for (int p = 0; p < LA; ++p) {
     if (p < ngroups) issue(gb0 + p, p);
+    if (p == min(ngroups, LA - 1)) lora_copies();
     cp_commit();
   }
   if constexpr (MB) {
