@@ -891,10 +891,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   }
   cp_wait<0>();
   if constexpr (LR > 0) {
-    if (sp == 0) {  // (uniform in the block)
+    if (sp == 0 && live) {  // (uniform in the warpgroup)
       proxy_fence();
-      __syncthreads();  // every thread's copies of the t tiles and B rows landed
-      if (live) {
+      asm volatile("bar.sync %0, 128;" :: "r"(wg + 1) : "memory");  // the warpgroup's copies landed
+      {
         const u32 lbase = ring + ST * STAGE + wg * LBYTES;
         const u32 brow = lbase + LR * NTOK * 128 + (16 * warp + g) * BROW + 4 * t;
 #pragma unroll
