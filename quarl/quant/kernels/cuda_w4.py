@@ -249,3 +249,48 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x))
+
+
+SHRINK_SPLITS = 8  # K splits of one 64-row slab of A: the blocks of one cluster
+SHRINK_STAGES = 4
+
+
+@functools.lru_cache(maxsize=16)
+def _shrink_kernel(ntok: int, smem: int):
+    name = f"lora_shrink<{ntok}, {SHRINK_STAGES}, {SHRINK_SPLITS}>"
+    kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=["-std=c++17"])
+    kern.set_shared_memory_config(smem)
+    return kern
+
+
+@functools.lru_cache(maxsize=8)
+def _hopper(device: torch.device) -> bool:
+    return nvrtc_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def shrink_fits(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether :func:`lora_shrink` takes ``x [M, K] @ a[R, K].T``: a Hopper GPU, bf16, M <= 128,
+    rows of 16-byte multiples at 16-byte aligned addresses, R a multiple of 8."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and a.dtype == torch.bfloat16 and x.dim() == 2 and a.dim() == 2):
+        return False
+    m, k = x.shape
+    if not (1 <= m <= 128 and a.shape[1] == k and k % 8 == 0 and a.shape[0] % 8 == 0 and a.device == x.device):
+        return False
+    if x.stride(1) != 1 or a.stride(1) != 1 or x.stride(0) % 8 or a.stride(0) % 8 or x.data_ptr() % 16 or a.data_ptr() % 16:
+        return False
+    return _hopper(x.device)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ a[R, K].T`` in bf16 (fp32 sums, rounded once) for decode-sized M on Hopper:
+    the LoRA adapters' shrink in one launch, its K splits summed through a thread-block
+    cluster (check :func:`shrink_fits` first)."""
+    m, k = x.shape
+    r = a.shape[0]
+    ntok = wgmma_tokens(m)
+    smem = SHRINK_STAGES * (ntok * 128 + 8192) + 1024
+    out = torch.empty(m, r, dtype=torch.bfloat16, device=x.device)
+    cpb = splitk.cdiv(splitk.cdiv(k, 64), SHRINK_SPLITS)
+    _shrink_kernel(ntok, smem)(grid=(splitk.cdiv(r, 64) * SHRINK_SPLITS, 1, 1), block=(128, 1, 1), shared_mem=smem,
+                               args=[x, a, out, m, r, k, x.stride(0), a.stride(0), out.stride(0), cpb])
+    return out

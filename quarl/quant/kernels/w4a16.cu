@@ -990,3 +990,90 @@ template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, 
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR>(W4_WGMMA_ARGS);
 }
+
+// ----------------------------------------------------------------------------- LoRA shrink (sm90a)
+// t = x A^T for decode-sized M (<= 128 tokens): x [M, K] and A [R, K] bf16, t [M, R] bf16 (fp32
+// sums, rounded once). The LoRA adapters' first GEMM: R (the stacked ranks, 64-384) is narrow
+// and K long, which a library GEMM splits over K and sums in a second kernel. Here the CS K
+// splits of a 64-row slab of A are the CS blocks of one cluster, summed through distributed
+// shared memory in split order: one launch. Block (slab, split), one warpgroup: a ring of ST
+// slots of 64-column chunks (the x chunk in the 128-byte swizzled layout wgmma reads, then the
+// A chunk in the same layout, read into registers with ldmatrix as the wgmma A operand; rows
+// >= M / >= R and columns >= K zero-filled); 4 wgmma.m64nNTOKk16 a chunk into one fp32 tile.
+template <int NTOK, int ST, int CS>
+__global__ void __launch_bounds__(128, 1) __cluster_dims__(CS, 1, 1) lora_shrink(
+    const u16* __restrict__ x, const u16* __restrict__ a, u16* __restrict__ out, int M, int R, int K, int ldx,
+    int lda, int ldo, int cpb) {
+  constexpr int XB = NTOK * 128, STAGE = XB + 64 * 128, NACC = NTOK / 2, RW = 68;  // XB, STAGE: multiples of 1024
+  extern __shared__ unsigned char dsmem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int slab = blockIdx.x / CS, sp = blockIdx.x % CS;
+  const int nch = (K + 63) >> 6, c0 = min(nch, sp * cpb), n = min(nch, c0 + cpb) - c0;
+  const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
+  auto chunk = [&](const u16* src, int ld, int row, int rows, int col, u32 dst) {
+    const int left = K - col;
+    const int valid = row < rows ? (left >= 8 ? 16 : (left > 0 ? 2 * left : 0)) : 0;
+    cp_async16(dst, valid ? src + (size_t)row * ld + col : src, valid);
+  };
+  auto issue = [&](int c, int slot) {
+    const u32 sb = ring + slot * STAGE;
+    for (int i = tid; i < NTOK * 8; i += 128) {
+      const int r = i >> 3, q = i & 7;
+      chunk(x, ldx, r, M, c * 64 + q * 8, sb + r * 128 + ((q ^ (r & 7)) << 4));
+    }
+    for (int i = tid; i < 64 * 8; i += 128) {
+      const int r = i >> 3, q = i & 7;
+      chunk(a, lda, slab * 64 + r, R, c * 64 + q * 8, sb + XB + r * 128 + ((q ^ (r & 7)) << 4));
+    }
+  };
+  float acc[NACC];
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (p < n) issue(c0 + p, p);
+    cp_commit();
+  }
+  const int arow = 16 * warp + (lane & 15);  // this lane's ldmatrix row of A; column half lane / 16
+  for (int ci = 0; ci < n; ++ci) {
+    cp_wait<ST - 2>();
+    proxy_fence();
+    __syncthreads();  // chunk ci landed for every thread; the slot of ci - 1 is free (its wgmmas waited for)
+    if (ci + ST - 1 < n) issue(c0 + ci + ST - 1, (ci + ST - 1) % ST);
+    cp_commit();
+    const u32 sb = ring + (ci % ST) * STAGE;
+    u32 af[4][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) ldmatrix4(af[s], sb + XB + arow * 128 + (((2 * s + (lane >> 4)) ^ (arow & 7)) << 4));
+    wg_fence();
+    const unsigned long long d0 = desc_sw128(sb);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma_bf16<NTOK>(acc, af[s], d0 + ((s * 32) >> 4), ci > 0 || s > 0);
+    wg_commit();
+    wg_wait0();
+  }
+  if (n == 0) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  }
+  cp_wait<0>();
+  __syncthreads();  // the ring becomes this block's fp32 tile [token][64 rows (+ 4)]
+  float* red = reinterpret_cast<float*>(dsmem + (ring - smem_addr(dsmem)));
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) {  // accumulator i: A row 16 warp + g + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
+    const int row = 16 * warp + g + 8 * ((i >> 1) & 1), tok = 8 * (i >> 2) + 2 * t + (i & 1);
+    if (tok < M) red[tok * RW + row] = acc[i];
+  }
+  cluster_sync();
+  const int total = M * 16, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
+  for (int i = sp * per + tid; i < i1; i += 128) {  // (token, 4 rows): summed over the CS tiles in split order
+    const int tok = i >> 4, q = i & 15;
+    const u32 addr = ring + (u32)(tok * RW + q * 4) * 4;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < CS; ++s) {
+      const float4 p = ld_cluster_f4(addr, s);
+      v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+    }
+    store_out<4>(out, ldo, tok, slab * 64 + q * 4, R, v, out, 0);
+  }
+  cluster_sync();  // the other blocks may still be reading this block's tile
+}
