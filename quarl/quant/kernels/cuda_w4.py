@@ -251,12 +251,13 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
                            cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x))
 
 
+SHRINK_SPLITS = 8  # K splits of one 64-row slab of A: the blocks of one cluster
 SHRINK_STAGES = 4
 
 
 @functools.lru_cache(maxsize=16)
 def _shrink_kernel(ntok: int, smem: int):
-    name = f"lora_shrink<{ntok}, {SHRINK_STAGES}>"
+    name = f"lora_shrink<{ntok}, {SHRINK_STAGES}, {SHRINK_SPLITS}>"
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=["-std=c++17"])
     kern.set_shared_memory_config(smem)
     return kern
@@ -280,27 +281,16 @@ def shrink_fits(x: torch.Tensor, a: torch.Tensor) -> bool:
     return _hopper(x.device)
 
 
-def shrink_groups(slabs: int, chunks: int, sms: int) -> int:
-    """Clusters of 8 K splits per 64-row slab of A: about two blocks an SM in all, at least two
-    64-column chunks a block, at most 8 partials for the last block to add."""
-    return max(1, min(8, chunks // 16, round(2 * sms / (8 * slabs))))
-
-
 def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ a[R, K].T`` in bf16 (fp32 sums, rounded once) for decode-sized M on Hopper:
-    the LoRA adapters' shrink in one launch, its K splits summed through thread-block clusters
-    and, past 8 splits, fp32 partials added in order by the last block (check
-    :func:`shrink_fits` first)."""
+    the LoRA adapters' shrink in one launch, its K splits summed through a thread-block
+    cluster (check :func:`shrink_fits` first)."""
     m, k = x.shape
     r = a.shape[0]
     ntok = wgmma_tokens(m)
     smem = SHRINK_STAGES * (ntok * 128 + 8192) + 1024
-    slabs, chunks = splitk.cdiv(r, 64), splitk.cdiv(k, 64)
-    groups = shrink_groups(slabs, chunks, num_sms(x.device))
-    cpb = splitk.cdiv(chunks, 8 * groups)
     out = torch.empty(m, r, dtype=torch.bfloat16, device=x.device)
-    part = torch.empty(groups, m, r, dtype=torch.float32, device=x.device) if groups > 1 else out
-    cnt = splitk.COUNTERS.get(x.device, slabs)
-    _shrink_kernel(ntok, smem)(grid=(slabs * groups * 8, 1, 1), block=(128, 1, 1), shared_mem=smem,
-                               args=[x, a, out, part, cnt, m, r, k, x.stride(0), a.stride(0), out.stride(0), groups, cpb])
+    cpb = splitk.cdiv(splitk.cdiv(k, 64), SHRINK_SPLITS)
+    _shrink_kernel(ntok, smem)(grid=(splitk.cdiv(r, 64) * SHRINK_SPLITS, 1, 1), block=(128, 1, 1), shared_mem=smem,
+                               args=[x, a, out, m, r, k, x.stride(0), a.stride(0), out.stride(0), cpb])
     return out

@@ -994,24 +994,21 @@ __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4
 // ----------------------------------------------------------------------------- LoRA shrink (sm90a)
 // t = x A^T for decode-sized M (<= 128 tokens): x [M, K] and A [R, K] bf16, t [M, R] bf16 (fp32
 // sums, rounded once). The LoRA adapters' first GEMM: R (the stacked ranks, 64-384) is narrow
-// and K long, which a library GEMM splits over K and sums in a second kernel. Here one launch
-// splits K 8 G ways: the 8 blocks of a cluster sum their tiles through distributed shared memory
-// (in rank order), each cluster stores its sum as one of G fp32 partials, and the last block of
-// the slab to arrive adds the G partials in order (deterministic). Block (slab, g, rank), one
-// warpgroup: a ring of ST slots of 64-column chunks (the x chunk in the 128-byte swizzled layout
-// wgmma reads, then the A chunk in the same layout, read into registers with ldmatrix as the
-// wgmma A operand; rows >= M / >= R and columns >= K zero-filled); 4 wgmma.m64nNTOKk16 a chunk
-// into one fp32 tile.
-template <int NTOK, int ST>
-__global__ void __launch_bounds__(128, 1) __cluster_dims__(8, 1, 1) lora_shrink(
-    const u16* __restrict__ x, const u16* __restrict__ a, u16* __restrict__ out, float* __restrict__ part,
-    int* __restrict__ counters, int M, int R, int K, int ldx, int lda, int ldo, int G, int cpb) {
+// and K long, which a library GEMM splits over K and sums in a second kernel. Here the CS K
+// splits of a 64-row slab of A are the CS blocks of one cluster, summed through distributed
+// shared memory in split order: one launch. Block (slab, split), one warpgroup: a ring of ST
+// slots of 64-column chunks (the x chunk in the 128-byte swizzled layout wgmma reads, then the
+// A chunk in the same layout, read into registers with ldmatrix as the wgmma A operand; rows
+// >= M / >= R and columns >= K zero-filled); 4 wgmma.m64nNTOKk16 a chunk into one fp32 tile.
+template <int NTOK, int ST, int CS>
+__global__ void __launch_bounds__(128, 1) __cluster_dims__(CS, 1, 1) lora_shrink(
+    const u16* __restrict__ x, const u16* __restrict__ a, u16* __restrict__ out, int M, int R, int K, int ldx,
+    int lda, int ldo, int cpb) {
   constexpr int XB = NTOK * 128, STAGE = XB + 64 * 128, NACC = NTOK / 2, RW = 68;  // XB, STAGE: multiples of 1024
   extern __shared__ unsigned char dsmem[];
-  __shared__ int last_flag;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int rank = blockIdx.x & 7, gq = (blockIdx.x >> 3) % G, slab = (blockIdx.x >> 3) / G;
-  const int nch = (K + 63) >> 6, c0 = min(nch, (gq * 8 + rank) * cpb), n = min(nch, c0 + cpb) - c0;
+  const int slab = blockIdx.x / CS, sp = blockIdx.x % CS;
+  const int nch = (K + 63) >> 6, c0 = min(nch, sp * cpb), n = min(nch, c0 + cpb) - c0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
   auto chunk = [&](const u16* src, int ld, int row, int rows, int col, u32 dst) {
     const int left = K - col;
@@ -1066,32 +1063,17 @@ __global__ void __launch_bounds__(128, 1) __cluster_dims__(8, 1, 1) lora_shrink(
     if (tok < M) red[tok * RW + row] = acc[i];
   }
   cluster_sync();
-  const int cols = min(64, R - slab * 64);
-  const int total = M * 16, per = (total + 7) / 8, i1 = min(total, (rank + 1) * per);
-  for (int i = rank * per + tid; i < i1; i += 128) {  // (token, 4 rows): the cluster's sum, in rank order
+  const int total = M * 16, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
+  for (int i = sp * per + tid; i < i1; i += 128) {  // (token, 4 rows): summed over the CS tiles in split order
     const int tok = i >> 4, q = i & 15;
-    if (q * 4 >= cols) continue;
     const u32 addr = ring + (u32)(tok * RW + q * 4) * 4;
     float v[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
+    for (int s = 0; s < CS; ++s) {
       const float4 p = ld_cluster_f4(addr, s);
       v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
     }
-    if (G == 1) store_out<4>(out, ldo, tok, slab * 64 + q * 4, R, v, out, 0);
-    else *reinterpret_cast<float4*>(part + ((size_t)gq * M + tok) * R + slab * 64 + q * 4) = make_float4(v[0], v[1], v[2], v[3]);
+    store_out<4>(out, ldo, tok, slab * 64 + q * 4, R, v, out, 0);
   }
   cluster_sync();  // the other blocks may still be reading this block's tile
-  if (G == 1) return;
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();  // this block's partial stores, visible at GPU scope before the arrival
-    const int last = atomicAdd(counters + slab, 1) == 8 * G - 1;
-    if (last) __threadfence();
-    last_flag = last;
-  }
-  __syncthreads();
-  if (!last_flag) return;
-  splitk_sum<128, 16, 4>(part, out, out, slab * 64, cols, M, R, ldo, G, 0);
-  if (tid == 0) atomicExch(counters + slab, 0);
 }
