@@ -58,32 +58,22 @@ class LoRAAdapter(nn.Module):
 
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """:meth:`add_to` in place, into ``y`` (rows; a column block of a fused GEMM's output)."""
-        y.addmm_(shrink(x, self.A), self.B.t(), alpha=self.scaling)
+        y.addmm_(F.linear(x, self.A), self.B.t(), alpha=self.scaling)
 
     def term(self, x: torch.Tensor) -> LoRATerm:
         """This adapter on ``x`` as a GEMM's LoRA term (:func:`quarl.quant.ops.quant_linear` adds it)."""
         from quarl.quant.ops import LoRATerm  # (quarl.quant imports this module)
 
-        return LoRATerm(shrink(x.reshape(-1, x.shape[-1]), self.A), self.B, self.scaling, self.rank)
+        return LoRATerm(F.linear(x.reshape(-1, x.shape[-1]), self.A), self.B, self.scaling, self.rank)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}, in={self.A.shape[1]}, out={self.B.shape[0]}"
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``x @ a.T`` (rows): ``F.linear`` where gradients are wanted or in a compiled region, else
-    :func:`quarl.quant.ops.lora_shrink` (one kernel at decode sizes on Hopper)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or a.requires_grad)):
-        return F.linear(x, a)
-    from quarl.quant.ops import lora_shrink  # (quarl.quant imports this module)
-
-    return lora_shrink(x, a)
-
-
 def add_adapter(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``y + scaling * b (a x)`` as one ``addmm`` over rows (the scaled product and the sum
     rounded once, no separate scale and add kernels); the learner's compiled regions call it too."""
-    xa = shrink(x.reshape(-1, x.shape[-1]), a)
+    xa = F.linear(x.reshape(-1, x.shape[-1]), a)
     return torch.addmm(y.reshape(-1, y.shape[-1]), xa, b.t(), alpha=scaling).view(y.shape)
 
 

@@ -81,20 +81,6 @@ class LoRATerm(NamedTuple):
         return rows.view(y.shape)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ a[R, K].T``: the first GEMM of LoRA adapters (``a``: their stacked ``A``).
-    At decode-sized M on Hopper, with no gradient wanted and outside a compiled region, one
-    launch of :func:`~quarl.quant.kernels.cuda_w4.lora_shrink` (a library GEMM splits this
-    narrow, long-K product over K and sums the splits in a second kernel); else ``F.linear``."""
-    if x.dim() == 2 and uses_fast_path(x) and not torch.compiler.is_compiling() \
-            and not (torch.is_grad_enabled() and (x.requires_grad or a.requires_grad)):
-        from quarl.quant.kernels import cuda_w4
-
-        if cuda_w4.shrink_fits(x, a):
-            return cuda_w4.lora_shrink(x, a)
-    return F.linear(x, a)
-
-
 def quant_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, repacked: RepackCache | None = None,
     lora: LoRATerm | None = None,

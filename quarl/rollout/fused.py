@@ -463,11 +463,11 @@ class GroupAdapter:
                 col += r
 
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        y.addmm_(ops.lora_shrink(x, self.A), self.B.t(), alpha=self.scaling)
+        y.addmm_(F.linear(x, self.A), self.B.t(), alpha=self.scaling)
 
     def term(self, x: torch.Tensor) -> ops.LoRATerm:
         """The adapters on rows ``x`` as a GEMM's LoRA term (the shrink run, the expand left to the GEMM)."""
-        return ops.LoRATerm(ops.lora_shrink(x, self.A), self.B, self.scaling, self.rank, self.starts, self.cols)
+        return ops.LoRATerm(F.linear(x, self.A), self.B, self.scaling, self.rank, self.starts, self.cols)
 
 
 class _MemberAdapters:
