@@ -5,8 +5,9 @@ directory, so each mode loads the same weights the way a user's run does), a bat
 response length. Random weights never emit EOS, so every response runs to
 ``max_new_tokens`` and each mode decodes the same number of tokens. Each mode is a
 fresh :class:`~quarl.trainer.loop.Trainer` in a fresh process over that directory whose steps are run
-without checkpoints or evaluation; the numbers are medians of steps 2..N (step 1 pays
-compilation and graph capture).
+without checkpoints or evaluation; the numbers are medians of the steps after the workload's
+warm-up (step 1 pays compilation and graph capture; a LoRA run on a low-bit base compiles its
+layer regions again at step 2, once its frozen base is kept dense), the same steps in every mode.
 
 Learner model-FLOPs utilisation is the trainer's ``perf/learner_mfu``: ``6 * P * T`` FLOPs
 for a forward + backward over ``T`` tokens (``P`` = matmul parameters incl. the LM head),
@@ -57,6 +58,7 @@ class Workload:
     # random weights made in each mode's process (--model.builtin=shape: a LoRA base is then packed one
     # linear at a time on the GPU) instead of a bf16 checkpoint saved once: shapes too big for that
     random_base: bool = False
+    warmup: int = 1  # steps left out of the medians
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -65,7 +67,7 @@ WORKLOADS: dict[str, Workload] = {
     # W1-long: ~256k generated tokens per step, half the step in the learner
     "w1-long": Workload("qwen2.5-1.5b", prompts=8, n=8, gen=4096, token_budget=8192, steps=4),
     # [L]: LoRA rank 64 on a Qwen2.5-7B-shape base, 64 rollouts x 1024 tokens (compare bf16 and aligned-w4a16)
-    "lora-7b": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=4096, steps=3,
+    "lora-7b": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=4096, steps=5, warmup=2,
                         extra=("--model.lora_rank=64",)),
     # [L]: a Qwen2.5-32B-shape w4a16 base + LoRA 64 on one GPU (its bf16 weights alone are 65 GB)
     "lora-32b": Workload("qwen2.5-32b", prompts=8, n=8, gen=1024, token_budget=4096, steps=2, random_base=True,
@@ -131,8 +133,9 @@ def save_random_model(shape: str, out: Path) -> Path:
     return out
 
 
-def median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    steady = rows[1:] if len(rows) > 1 else rows
+def median_metrics(rows: list[dict[str, Any]], warmup: int = 1) -> dict[str, float]:
+    """Medians of the metrics over the steps after the first ``warmup`` (all steps if none is left)."""
+    steady = rows[warmup:] or rows
     out = {}
     for key, short in KEYS.items():
         vals = [r[key] for r in steady if r.get(key) is not None]
@@ -384,7 +387,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                 overrides = workload_overrides(w, model_dir) + mode_overrides(mode) + extra
                 rows, table = run_mode(mode, overrides, Path(tmp) / mode, profile, profile_stage)
                 timed = rows[:-1] if table else rows  # the profiled step runs slower
-                r = result["modes"][mode] = {"median": median_metrics(timed), "steps": rows, "overrides": overrides}
+                r = result["modes"][mode] = {"median": median_metrics(timed, w.warmup), "steps": rows,
+                                             "overrides": overrides}
                 if table:
                     r["profile"] = table.splitlines()
             if "profile" in r:
