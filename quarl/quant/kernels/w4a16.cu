@@ -802,6 +802,33 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     if (p == min(ngroups, LA - 1)) lora_copies();
     cp_commit();
   }
+  // the LoRA term (LR > 0), once this warpgroup's copies of it landed: acc += scaling * t B^T
+  auto lora_term = [&]() {
+    if constexpr (LR > 0) {
+      if (sp == 0 && live) {  // (uniform in the warpgroup)
+        proxy_fence();
+        asm volatile("bar.sync %0, 128;" :: "r"(wg + 1) : "memory");  // the warpgroup's copies landed
+        const u32 lbase = ring + ST * STAGE + wg * LBYTES;
+        const u32 brow = lbase + LR * NTOK * 128 + (16 * warp + g) * BROW + 4 * t;
+#pragma unroll
+        for (int s = 0; s < 4 * LR; ++s) {  // rows g / g + 8 of the warp's 16, columns 16 s + 2 t (+ 8)
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][0]) : "r"(brow + 32 * s));
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][1]) : "r"(brow + 8 * BROW + 32 * s));
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][2]) : "r"(brow + 32 * s + 16));
+          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][3]) : "r"(brow + 8 * BROW + 32 * s + 16));
+        }
+        wg_fence();
+        const unsigned long long d0 = desc_sw128(lbase);
+#pragma unroll
+        for (int s = 0; s < 4 * LR; ++s)
+          wgmma_bf16<NTOK>(t0, a0[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
+        wg_commit();
+        wg_wait0();
+        const float ls = __int_as_float(lscale_bits);
+        fold(a0, t0, ls, ls);
+      }
+    }
+  };
   if constexpr (MB) {
     // MB: the single-tile loop without a block barrier per group. Slot s has two mbarriers:
     // full[s] completes when every thread's copies of the slot's group landed (each thread
@@ -890,32 +917,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   }
   }
   cp_wait<0>();
-  if constexpr (LR > 0) {
-    if (sp == 0 && live) {  // (uniform in the warpgroup)
-      proxy_fence();
-      asm volatile("bar.sync %0, 128;" :: "r"(wg + 1) : "memory");  // the warpgroup's copies landed
-      {
-        const u32 lbase = ring + ST * STAGE + wg * LBYTES;
-        const u32 brow = lbase + LR * NTOK * 128 + (16 * warp + g) * BROW + 4 * t;
-#pragma unroll
-        for (int s = 0; s < 4 * LR; ++s) {  // rows g / g + 8 of the warp's 16, columns 16 s + 2 t (+ 8)
-          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][0]) : "r"(brow + 32 * s));
-          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][1]) : "r"(brow + 8 * BROW + 32 * s));
-          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][2]) : "r"(brow + 32 * s + 16));
-          asm volatile("ld.shared.u32 %0, [%1];" : "=r"(a0[s][3]) : "r"(brow + 8 * BROW + 32 * s + 16));
-        }
-        wg_fence();
-        const unsigned long long d0 = desc_sw128(lbase);
-#pragma unroll
-        for (int s = 0; s < 4 * LR; ++s)
-          wgmma_bf16<NTOK>(t0, a0[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
-        wg_commit();
-        wg_wait0();
-        const float ls = __int_as_float(lscale_bits);
-        fold(a0, t0, ls, ls);
-      }
-    }
-  }
+  lora_term();
   W4_TRACE_AT(2);
 
   // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
