@@ -621,13 +621,14 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 
 // LoRA term (LR > 0: LR 64-column atoms, ranks up to 64 LR): the K-split 0 block of each
 // column block adds scaling * t[:, c .. c + 64 LR) B[rows, c .. c + 64 LR)^T to its fp32 tile
-// before the epilogue: t = x A^T [M, lw] (the group's stacked shrink, bf16), B [N, lw] (bf16,
+// (before the main loop in the mbarrier loop, after it in the others: whichever measured
+// cheaper): t = x A^T [M, lw] (the group's stacked shrink, bf16), B [N, lw] (bf16,
 // block-diagonal over the members of a fused group: other members' columns are zero in a
 // member's rows), c the column offset of the member that owns the slab (member i starts at
 // output row lr_i: lr1, lr2; offsets lc0..lc2). One more wgmma group, the same instructions as a
 // weight group's with bf16 B rows as the A operand. Each warpgroup's t tile (swizzled as the
-// activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied at the
-// start, in the first group's cp.async batch, to shared memory past the ring.
+// activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied to
+// shared memory past the ring with the prologue's copies.
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
@@ -750,9 +751,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
       wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
     wg_commit();
   };
-  // the LoRA term's copies (LR > 0), issued in the prologue's last cp.async batch (or its first
-  // without a group, for a block with fewer groups): they land by that group's wait rather
-  // than delay the first group
+  // the LoRA term's copies (LR > 0): in the mbarrier loop with the first group's, the term then
+  // added before the main loop; else in the prologue's last cp.async batch (or its first without
+  // a group, for a block with fewer groups), landing by that group's wait, the term added after
   auto lora_copies = [&]() {
     if constexpr (LR > 0) {
     if (sp == 0 && live) {
@@ -799,7 +800,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
 #pragma unroll
   for (int p = 0; p < LA; ++p) {
     if (p < ngroups) issue(gb0 + p, p);
-    if (p == min(ngroups, LA - 1)) lora_copies();
+    if (p == (MB ? 0 : min(ngroups, LA - 1))) lora_copies();
     cp_commit();
   }
   // the LoRA term (LR > 0), once this warpgroup's copies of it landed: acc += scaling * t B^T
@@ -829,6 +830,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
       }
     }
   };
+  if constexpr (LR > 0 && MB) {  // (the warpgroups drift apart: the term first hides its latency, measured)
+    cp_wait<LA - 1>();
+    lora_term();
+  }
   if constexpr (MB) {
     // MB: the single-tile loop without a block barrier per group. Slot s has two mbarriers:
     // full[s] completes when every thread's copies of the slot's group landed (each thread
@@ -917,7 +922,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   }
   }
   cp_wait<0>();
-  lora_term();
+  if constexpr (!MB) lora_term();
   W4_TRACE_AT(2);
 
   // accumulator i: weight row row0 + 8 ((i >> 1) & 1), token 8 (i >> 2) + 2 t + (i & 1)
