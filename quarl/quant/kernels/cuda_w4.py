@@ -237,6 +237,8 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
     cfg.check(m)
     if qw.shape[0] * qw.shape[1] // 2 >= 1 << 32 or m * x.stride(0) * 2 >= 1 << 32:  # the kernel's 32-bit byte offsets
         raise ValueError(f"wgmma w4 kernel: weight {tuple(qw.shape)} or activation rows past 4 GiB; split the layer")
+    if lora is not None and lora.b.shape[0] != qw.shape[0]:
+        raise ValueError(f"wgmma w4 kernel: the LoRA term's B has {lora.b.shape[0]} rows, the weight {qw.shape[0]}")
     if lora is not None and not takes_lora(cfg, x, lora):
         raise ValueError(f"wgmma w4 kernel: this LoRA term does not fit {cfg} (rank {lora.rank}, starts {lora.starts})")
     x, bias, fw = _prepare(x, qw, bias, "wgmma", repacked)
