@@ -71,9 +71,14 @@ class LoRAAdapter(nn.Module):
 
 
 def add_adapter(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``y + scaling * b (a x)`` as one ``addmm`` over rows (the scaled product and the sum
-    rounded once, no separate scale and add kernels); the learner's compiled regions call it too."""
-    xa = F.linear(x.reshape(-1, x.shape[-1]), a)
+    """``y + scaling * b (a x)``: the shrink, then :func:`add_expand`; the learner's compiled
+    regions call it too."""
+    return add_expand(y, F.linear(x.reshape(-1, x.shape[-1]), a), b, scaling)
+
+
+def add_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``y + scaling * xa b^T`` as one ``addmm`` over rows (``xa``: the shrink's rows; the scaled
+    product and the sum rounded once, no separate scale and add kernels)."""
     return torch.addmm(y.reshape(-1, y.shape[-1]), xa, b.t(), alpha=scaling).view(y.shape)
 
 

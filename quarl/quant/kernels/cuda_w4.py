@@ -221,10 +221,10 @@ def _lora_args(lora, x: torch.Tensor) -> tuple:
     without a term, ``x`` stands in for the operands the kernel then never reads)."""
     if lora is None:
         return (x, x, 0, 0, 0, 0, 1 << 30, 1 << 30, 0, 0, 0)
-    starts = tuple(lora.starts[1:]) + (1 << 30,) * (3 - len(lora.starts))
-    cols = tuple(lora.cols) + (0,) * (3 - len(lora.cols))
+    starts = (*lora.starts[1:], 1 << 30, 1 << 30)[:2]  # members 1 and 2 (none: past every row)
+    cols = (*lora.cols, 0, 0)[:3]
     bits = struct.unpack("<i", struct.pack("<f", float(lora.scaling)))[0]
-    return (lora.xa, lora.b, lora.xa.stride(0), lora.b.stride(0), lora.b.shape[1], bits, *starts[:2], *cols)
+    return (lora.xa, lora.b, lora.xa.stride(0), lora.b.stride(0), lora.b.shape[1], bits, *starts, *cols)
 
 
 def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig = WgConfig(),
