@@ -76,10 +76,10 @@ class LoRATerm(NamedTuple):
     cols: tuple[int, ...] = (0,)
 
     def add_to(self, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus the term, as one ``addmm`` over rows (:func:`quarl.model.lora.add_expand`)."""
-        from quarl.model.lora import add_expand  # (quarl.model.lora imports this package lazily too)
-
-        return add_expand(y, self.xa, self.b, self.scaling)
+        """``y`` plus the term, as one ``addmm`` over rows (the sum ``quarl.model.lora.add_expand``
+        makes; not imported from there: that module imports this one)."""
+        rows = torch.addmm(y.reshape(-1, y.shape[-1]), self.xa, self.b.t(), alpha=self.scaling)
+        return rows.view(y.shape)
 
 
 def quant_linear(
