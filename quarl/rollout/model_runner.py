@@ -264,7 +264,7 @@ class ModelRunner:
         tables = torch.randperm(batch * nb, device=self.device).view(batch, nb).to(torch.int32)
         hq = self.model.config.num_attention_heads
         q = torch.randn(batch, hq, self.head_dim, device=self.device, dtype=self.dtype)
-        lens = torch.randint(max(1, ctx_len // 8), ctx_len + 1, (batch,), device=self.device)
+        lens = torch.randint(max(1, ctx_len // 8), ctx_len + 1, (batch,), device=self.device, dtype=torch.int32)
         out = torch.empty_like(q)
         candidates = [(block_n, warps, per_sm, "triton") for per_sm in (2, 4, 8)
                       for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
@@ -273,7 +273,7 @@ class ModelRunner:
         calls = {}
         for block_n, warps, per_sm, kernel in candidates:
             splits = self._num_splits(batch, per_sm)
-            split_len = torch.tensor([self._split_len(ctx_len, splits)], device=self.device)
+            split_len = torch.tensor([self._split_len(ctx_len, splits)], device=self.device, dtype=torch.int32)
             po = torch.empty(batch, hq, splits, self.head_dim, device=self.device)
             pl = torch.empty(batch, hq, splits, device=self.device)
 
@@ -356,7 +356,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- decode
     def _make_decode_buffers(self, max_bs: int) -> None:
         """Static decode inputs: one int64 buffer (ids, positions, slots, context lengths,
-        row seeds, split length) filled on the host and sent with one copy, and the
+        row seeds, split length; the two lengths as int32) filled on the host and sent with
+        one copy, and the
         block tables, updated row by row only where a sequence changed."""
         dev = self.device
         pin = self.is_cuda
@@ -364,10 +365,15 @@ class ModelRunner:
         self._host_ints = torch.zeros(5 * max_bs + 1, dtype=torch.int64, pin_memory=pin)
         self._dev_ints = torch.zeros(5 * max_bs + 1, dtype=torch.int64, device=dev)
         h, d = self._host_ints.numpy(), self._dev_ints
-        self._h_ids, self._h_pos, self._h_slots, self._h_ctx, self._h_seed = (h[i * max_bs : (i + 1) * max_bs] for i in range(5))
-        self._h_split = h[5 * max_bs :]
-        self._d_ids, self._d_pos, self._d_slots, self._d_ctx, self._d_seed = (d[i * max_bs : (i + 1) * max_bs] for i in range(5))
-        self._d_split = d[5 * max_bs :]
+        self._h_ids, self._h_pos, self._h_slots, _, self._h_seed = (h[i * max_bs : (i + 1) * max_bs] for i in range(5))
+        self._d_ids, self._d_pos, self._d_slots, _, self._d_seed = (d[i * max_bs : (i + 1) * max_bs] for i in range(5))
+        # the context lengths and the split length are int32, as the attention kernels read
+        # them (int64 made every layer's decode kernel convert both): the first half of
+        # their int64 words, so one copy still sends every input
+        self._h_ctx = h[3 * max_bs : 4 * max_bs].view(np.int32)[:max_bs]
+        self._d_ctx = d[3 * max_bs : 4 * max_bs].view(torch.int32)[:max_bs]
+        self._h_split = h[5 * max_bs :].view(np.int32)[:1]
+        self._d_split = d[5 * max_bs :].view(torch.int32)[:1]
         self._host_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, pin_memory=pin)
         self._h_tables = self._host_tables.numpy()
         self._d_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)

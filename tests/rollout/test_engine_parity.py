@@ -124,3 +124,21 @@ def test_triton_backend_matches_hf(hf_checkpoint):
     assert [c.token_ids for c in engine.generate(prompts, seeded)] == [
         c.token_ids for c in torch_engine.generate(prompts, seeded)
     ]
+
+
+def test_decode_lengths_reach_the_kernels_as_int32(hf_checkpoint):
+    """The attention kernels read context and split lengths as int32: the decode step hands
+    them over in that dtype (an int64 tensor made every layer's kernel convert both), with
+    the values the host wrote, next to the int64 inputs of the same single copy."""
+    family, path, hf = hf_checkpoint
+    engine = Engine(quarl.load_model(path, dtype=torch.float32), config=EngineConfig(max_model_len=40, block_size=4))
+    runner = engine.runner
+    runner._h_ids[:3] = [11, 12, 13]
+    runner._h_ctx[:3] = [5, 17, 2**31 - 1]
+    runner._h_split[0] = 192
+    runner._h_seed[:3] = [2**40 + 1, -3, 7]
+    runner._dev_ints.copy_(runner._host_ints)
+    ctx = runner._decode_context(3, 1)
+    assert ctx.context_lens.dtype == ctx.split_len.dtype == torch.int32
+    assert ctx.context_lens.tolist() == [5, 17, 2**31 - 1] and ctx.split_len.tolist() == [192]
+    assert runner._d_ids[:3].tolist() == [11, 12, 13] and runner._d_seed[:3].tolist() == [2**40 + 1, -3, 7]
