@@ -10,9 +10,7 @@ steps fuse into a few kernels, the backward is derived by AOTAutograd, and the l
 as data (:func:`quarl.quant.linear.traceable`): plain weights, or for aligned (QAT) linears
 the engine's own computation (a matmul over the dequantized weight, or the W8A8 op
 ``quarl::quantized_input_gemm``) with a straight-through gradient. Aligned q/k/v and
-gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them,
-except a W8A8 gate/up: one GEMM per member on one quantization of the input (the same values;
-the stacked form's backward concatenated its gradient).
+gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them.
 A layer with a linear that has no traced form (a reference kernel off the fast path, per-tensor
 scales) runs the steps one by one, each still compiled; attention stays outside (the caller's
 SDPA). Casts are emulated as eager rounds them, so the values stay those of
@@ -32,7 +30,7 @@ from torch import nn
 
 from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
 from quarl.quant.kv import kv_seen
-from quarl.quant.linear import member_rows, qat_group, traceable, traced_linear, traced_linears
+from quarl.quant.linear import qat_group, traceable, traced_linear
 from quarl.runtime import compiled
 
 
@@ -76,7 +74,7 @@ def _projected(x: torch.Tensor, lins: tuple[tuple, ...], sizes: list[int]) -> li
     one per linear, or a single stacked one split by ``sizes``."""
     if len(lins) == 1:
         return list(traced_linear(x, lins[0]).split(sizes, -1))
-    return traced_linears(x, lins)
+    return [traced_linear(x, lin) for lin in lins]
 
 
 # The regions work on rows: ``[B, T, ...]`` activations are viewed as ``[B * T, ...]`` (or
@@ -117,17 +115,12 @@ def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: t
     return _add_rms_norm(m, residual, *next_norm)
 
 
-def _traced_group(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor,
-                  per_member: bool = False) -> tuple[tuple, ...] | None:
+def _traced_group(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[tuple, ...] | None:
     """``owner``'s linears ``names`` as traced linears: one stacked QAT GEMM (their group),
-    or one each; None when one of them has no traced form. ``per_member``: a stacked W8A8 /
-    W4A8 group runs one GEMM per member on one quantization of the input
-    (:func:`~quarl.quant.linear.member_rows`; its backward then has no concatenation)."""
+    or one each; None when one of them has no traced form."""
     group = qat_group(owner, names)
     if group is not None:
         lin = group.traced(x)
-        if lin is not None and per_member and lin[0] == "quantized_input":
-            return member_rows(lin, group.sizes)
         return None if lin is None else (lin,)
     lins = tuple(traceable(getattr(owner, n), x) for n in names)
     return None if any(lin is None for lin in lins) else lins
@@ -149,7 +142,7 @@ class CompiledOps(TorchOps):
         a, mlp = layer.self_attn, layer.mlp
         qkv = _traced_group(a, ("q_proj", "k_proj", "v_proj"), h)
         o_proj, down = traceable(a.o_proj, h), traceable(mlp.down_proj, h)
-        gate_up = _traced_group(mlp, ("gate_proj", "up_proj"), h, per_member=True)
+        gate_up = _traced_group(mlp, ("gate_proj", "up_proj"), h)
         if qkv is None or gate_up is None or o_proj is None or down is None:
             self.fallbacks += 1
             return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)

@@ -365,41 +365,6 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def traced_linears(x: torch.Tensor, lins: tuple[tuple, ...]) -> list[torch.Tensor]:
-    """:func:`traced_linear` of each of ``lins`` on the same ``x``; W8A8 / W4A8 linears of one
-    scheme share one quantization of ``x`` (its codes, scales and dequantized rows)."""
-    names = {lin[-1] for lin in lins if lin[0] == "quantized_input"}
-    if len(names) != 1 or any(lin[0] != "quantized_input" for lin in lins):
-        return [traced_linear(x, lin) for lin in lins]
-    rows = x.reshape(-1, x.shape[-1])
-    xq, sx = ref.quantize_activations(rows.detach(), get_scheme(names.pop()).act_format)
-    seen = ref.dequantize_activations(xq, sx, x.dtype)
-    outs = []
-    for lin in lins:
-        bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
-        y = _QuantizedInputSTE.apply(rows, lin[1], bias, xq, sx, seen, *lin[3:])
-        outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-    return outs
-
-
-def member_rows(lin: tuple, sizes: list[int]) -> tuple[tuple, ...]:
-    """A stacked W8A8 / W4A8 group's :func:`traced_qat` description as one description per
-    member: row blocks (views) of its dequantized weight, codes, scales and zero points, each
-    member's own bias. The members' GEMMs give the stacked GEMM's values (each output sums
-    over K alike); their backward writes each member's input gradient on its own, where the
-    stacked output's backward first assembles ``[M, sum N]`` (for the 1.5B shape's gate/up at
-    M = 6144 that concatenation cost 0.37 ms of a 4.2 ms layer region, fwd + bwd)."""
-    if lin[0] != "quantized_input":
-        raise ValueError(f"member_rows splits a quantized-input GEMM, got {lin[0]!r}")
-    out, row = [], 0
-    for i, n in enumerate(sizes):
-        part = [None if t is None else t[row : row + n] for t in lin[3:6]]
-        bias = lin[2][i] if isinstance(lin[2], tuple) else None if lin[2] is None else lin[2][row : row + n]
-        out.append(("quantized_input", lin[1][row : row + n], bias, *part, lin[6]))
-        row += n
-    return tuple(out)
-
-
 def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:
     """:func:`traced_qat`'s description of a plain ``nn.Linear`` or a :class:`QATLinear`
     on inputs like ``x``, or of a LoRA learner's linear (:func:`_traced_lora`); None for any

@@ -233,7 +233,7 @@ def test_compiled_regions_index_rows_with_constants(scheme, qk_norm):
     with constant strides: no per-element division by the dynamic batch / time sizes and no
     ``Max(1, T)`` strides (a tensor made as ``[B, T, N]`` with both unbacked gets them, and the
     GPU kernels that mixed the two layouts ran the fused SwiGLU backward at a quarter of its
-    bandwidth). The aligned W8A8 layer (gate/up per member, the quantizer in the region) included."""
+    bandwidth). The aligned W8A8 layer (stacked gate/up, the quantizer in the region) included."""
     import re
 
     from torch._inductor.utils import run_and_get_code

@@ -411,37 +411,3 @@ def test_wgmma_kernel_takes_a_lora_term_only_where_it_fits():
         assert not cuda_w4.takes_lora(wide, x, term(64, grad=True))
     with torch.no_grad():
         assert cuda_w4.takes_lora(wide, x, term(64, grad=True))
-
-
-@pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
-def test_a_stacked_quantized_input_gemm_split_per_member_gives_its_values_and_gradients(scheme):
-    """``member_rows`` + ``traced_linears`` (the learner's W8A8 gate/up: one GEMM per member
-    on one quantization of x) against the stacked GEMM (``traced_linear``) split afterwards:
-    the same outputs and weight gradient bit for bit, the same gradients for x and each bias
-    up to float32 summation order; a description that is not a quantized-input GEMM is refused."""
-    from quarl.quant.linear import member_rows, traced_linear, traced_linears
-    from quarl.quant.qweight import quantize_weight
-
-    torch.manual_seed(11)
-    sizes = [24, 40]
-    qw = quantize_weight(torch.randn(sum(sizes), 32) * 0.2, scheme)
-    x = torch.randn(3, 5, 32)
-    grads = [torch.randn(3, 5, n) for n in sizes]
-    runs = []
-    for split in (False, True):
-        w = qw.dequantize(torch.float32).requires_grad_(True)
-        biases = tuple(torch.randn(n, generator=torch.Generator().manual_seed(n), requires_grad=True) for n in sizes)
-        xr = x.clone().requires_grad_(True)
-        lin = ("quantized_input", w, biases, qw.qdata, qw.scales, qw.zeros, scheme)
-        ys = traced_linears(xr, member_rows(lin, sizes)) if split else list(traced_linear(xr, lin).split(sizes, -1))
-        sum((y * g).sum() for y, g in zip(ys, grads)).backward()
-        runs.append((ys, xr.grad, w.grad, [b.grad for b in biases]))
-    (y0, gx0, gw0, gb0), (y1, gx1, gw1, gb1) = runs
-    for a, b in zip(y0, y1):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-    torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gw1, gw0, rtol=0, atol=0)
-    for a, b in zip(gb0, gb1):  # column sums of a narrower tensor: another float32 order
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="quantized-input GEMM"):
-        member_rows(("dense", qw.dequantize(torch.float32), None), sizes)
