@@ -5,7 +5,9 @@ The policy is a :class:`~quarl.model.Transformer` whose decoder linears are, in
 backward); the learner does not care which. A step is ``ppo_epochs`` passes over
 ``mini_batches`` mini-batches; each mini-batch is cut into micro-batches of at most
 ``token_budget`` padded tokens whose gradients are accumulated with weights that make
-the sum equal to the loss over the whole mini-batch.
+the sum equal to the loss over the whole mini-batch. Data-parallel ranks (``dist``) each hold
+their share of the batch: the weights use the totals over all ranks and the gradients are
+summed across them before the clip, so every rank steps as one process on the whole batch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
 from quarl.algos.losses import SEQUENCE_LOSSES
+from quarl.distributed import Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
@@ -91,8 +94,10 @@ class Learner:
         state_dtype: torch.dtype = torch.float32,
         activation_checkpointing: bool = False,
         seed: int = 0,
+        dist: Dist = Dist(),
     ) -> None:
         self.model = model
+        self.dist = dist
         # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
         ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
         self.ops = CheckpointedOps(ops) if activation_checkpointing else ops
@@ -191,11 +196,12 @@ class Learner:
         seq_loss = s.loss_type in SEQUENCE_LOSSES
         token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
         parts = micro_batches(mini, s.token_budget)
-        total_tokens = max(sum(mb.response_tokens for mb in parts), 1)
-        total_rows = mini.size
+        # the mini-batch is the union of every rank's rows: its totals are summed over the ranks
+        tokens, total_rows = self.dist.sum([sum(mb.response_tokens for mb in parts), mini.size])
+        total_tokens = max(tokens, 1)
         hparams = dict(s.loss_hparams)
         if s.loss_hparams.get("agg") == "seq-mean-token-sum-norm":
-            hparams.setdefault("max_len", max([mb.longest_response for mb in parts] + [1]))
+            hparams.setdefault("max_len", self.dist.max(max([mb.longest_response for mb in parts] + [1])))
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
@@ -217,7 +223,11 @@ class Learner:
         drop_dequantized(self.model, frozen=False)  # stale at the step: not held through it (frozen bases stay)
         if self.master is not None:
             self.master.grads_to_masters()
-        stepped = self.master.masters() if self.master is not None else self.model.parameters()
+        stepped = list(self.master.masters() if self.master is not None else self.model.parameters())
+        if self.dist.world > 1:  # the weighted losses of all ranks add up to the mini-batch's: so do their grads
+            self.dist.sum_grads_(p for p in stepped if p.requires_grad)
+            if acc is not None:
+                acc = self.dist.sum_tensor_(acc)
         grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip).double().reshape(1)
         values = grad_norm if acc is None else torch.cat([acc, grad_norm])
         metrics = dict(zip(names + ["grad_norm"], values.tolist()))  # the one read of the device here
@@ -231,10 +241,12 @@ class Learner:
             if self.critic_optimizer is not None:
                 if self.critic_master is not None:
                     self.critic_master.grads_to_masters()
+                    self.dist.sum_grads_(self.critic_master.masters())
                     torch.nn.utils.clip_grad_norm_(self.critic_master.masters(), s.grad_clip)
                     self.critic_optimizer.step()
                     self.critic_master.masters_to_model()
                 else:
+                    self.dist.sum_grads_(self.critic.parameters())
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), s.grad_clip)
                     self.critic_optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,135 @@
+"""Several processes, one run: the ranks of a data-parallel job on ``torch.distributed``.
+
+A run launched with ``torchrun`` (one process per GPU, or several CPU processes on gloo)
+finds its rank and world size in the environment (:func:`from_env`). Each rank samples
+its own share of a step's prompts (a prompt's group of samples never splits across ranks),
+so a step's batch is the union of the ranks' shares; the learner normalises its loss by the
+totals over all ranks and sums the gradients across them, so every rank takes the same
+optimizer step as one process on the whole batch would.
+
+:class:`Dist` is the small state every part asks: which rank am I, how many are there, and
+the few collectives the step needs. ``Dist()`` is the single process: every collective is
+the identity, nothing is imported or initialised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+# how long a collective may wait for a rank that stopped answering before the others fail
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job: ``rank`` of ``world`` (``world == 1``: one process)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that logs, writes the report and checkpoints, and prints progress."""
+        return self.rank == 0
+
+    def share(self, count: int, what: str = "prompts per step", fix: str = "trainer.prompts_per_step") -> range:
+        """This rank's contiguous share of ``count`` items, equal on every rank; a count the
+        ranks cannot split evenly is refused (naming the setting to change)."""
+        if count % self.world:
+            raise ValueError(f"{count} {what} cannot be split evenly over {self.world} ranks: set {fix} to a "
+                             f"multiple of {self.world} (the world size), or launch a number of ranks that divides "
+                             f"{count}")
+        k = count // self.world
+        return range(self.rank * k, (self.rank + 1) * k)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the ranks (float64)."""
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=_device())
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def sum_tensor_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks, in place."""
+        if self.world > 1:
+            torch.distributed.all_reduce(t)
+        return t
+
+    def sum_grads_(self, params) -> None:
+        """Every parameter's gradient summed over the ranks, in place: one flat buffer per
+        dtype (one collective each instead of one per tensor). A parameter that has a gradient
+        on some rank but not on this one sends zeros; one without a gradient on every rank keeps
+        none (the optimizer skips it, as it would in one process)."""
+        if self.world == 1:
+            return
+        params = list(params)
+        if not params:
+            return
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_device())
+        torch.distributed.all_reduce(has)
+        params = [p for p, n in zip(params, has.tolist()) if n]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def _device() -> torch.device:
+    """Where this rank's collectives run: its GPU with NCCL, the CPU with gloo."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def from_env(device: str = "auto") -> Dist:
+    """The job this process belongs to, from ``torchrun``'s environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``): initialises the process group once (NCCL when the run
+    uses GPUs, gloo on CPU) and binds the rank to GPU ``LOCAL_RANK``. Without those
+    variables: one process, ``Dist()``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    rank = int(os.environ["RANK"])
+    gpu = device != "cpu" and torch.cuda.is_available()
+    if gpu:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {rank} wants GPU {local} but this node has {torch.cuda.device_count()}: launch "
+                               f"at most {torch.cuda.device_count()} processes per node (torchrun --nproc_per_node)")
+        torch.cuda.set_device(local)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT)
+    return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size())

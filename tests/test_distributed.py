@@ -1,0 +1,131 @@
+"""Data-parallel ranks (``quarl.distributed``): 2 gloo processes under ``torchrun`` each update
+on their half of a batch and end with the weights and metrics of one process on all of it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quarl.distributed import Dist
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = 8  # 4 prompts x 2 samples: 2 prompts per rank
+MODES = ("fp32", "bf16-masters", "aligned-w4a16")
+
+
+def test_share_splits_evenly_or_names_the_setting():
+    assert [Dist(r, 4).share(12) for r in range(4)] == [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]
+    assert Dist().share(5) == range(5)
+    with pytest.raises(ValueError, match=r"10 prompts per step cannot be split evenly over 4 ranks: set "
+                                         r"trainer.prompts_per_step to a multiple of 4"):
+        Dist(1, 4).share(10)
+
+
+def test_one_process_collectives_are_the_identity():
+    d = Dist()
+    assert d.main and d.sum([1.5, 2.0]) == [1.5, 2.0] and d.max(3) == 3 and d.gather({"a": 1}) == [{"a": 1}]
+    t = torch.ones(2)
+    assert d.sum_tensor_(t) is t and torch.equal(t, torch.ones(2))
+
+
+def _batch():
+    from quarl.learner.batch import build_batch
+
+    g = torch.Generator().manual_seed(5)
+    prompts, responses, lps = [], [], []
+    for i in range(ROWS):
+        prompts.append(torch.randint(3, 120, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist())
+        r = torch.randint(3, 120, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        responses.append(r)
+        lps.append((-torch.rand(len(r), generator=g) * 4).tolist())
+    adv = torch.randn(ROWS, generator=g)
+    return build_batch(prompts, responses, lps, [0.0] * ROWS, adv)
+
+
+def _learner(mode: str, dist: Dist):
+    from quarl.learner.learner import Learner
+    from quarl.model.presets import build_random_model
+    from quarl.quant import quantize_model
+
+    dtype = torch.bfloat16 if mode == "bf16-masters" else torch.float32
+    model = build_random_model("tiny", seed=3, dtype=dtype, std=0.1)
+    if mode == "aligned-w4a16":
+        quantize_model(model, "w4a16")
+    return Learner(model, lr=1e-2, dist=dist)
+
+
+def _update(mode: str, dist: Dist, rows: range, loss: str, agg: str | None):
+    """Two updates on ``rows`` of the batch, one row per micro-batch (a few metrics, such as
+    the largest ratio, are means of per-micro-batch values: the same micro-batches on one
+    process and on the ranks make them comparable); the final weights and both updates'
+    metrics."""
+    from quarl.learner.learner import UpdateSettings
+
+    learner = _learner(mode, dist)
+    batch = _batch().select(torch.tensor(list(rows)))
+    hp = {} if agg is None else {"agg": agg}
+    metrics = [learner.update(batch, UpdateSettings(loss_type=loss, loss_hparams=hp, token_budget=1))]
+    batch.old_logp = learner.last_logp.clone()
+    metrics.append(learner.update(batch, UpdateSettings(loss_type=loss, loss_hparams=hp, token_budget=1)))
+    weights = {n: p.detach().float().clone() for n, p in learner.model.named_parameters()}
+    moments = {i: st["exp_avg"].float().clone() for i, st in learner.optimizer.state_dict()["state"].items()}
+    return weights, moments, metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("tbpo", None), ("sapo", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize("mode", MODES)
+def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode, loss, agg):
+    """Each rank holds half of the rows; the learner's totals and gradients summed over the ranks make every rank's weights and
+    metrics those of one process on all the rows (float32 tolerance), in fp32, bf16 with
+    fp32 masters and aligned w4a16."""
+    out = tmp_path / "ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(Path(__file__)), str(out), mode, loss, str(agg)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref_w, ref_adam, ref_m = _update(mode, Dist(), range(ROWS), loss, agg)
+    start = {n: p.detach().float() for n, p in _learner(mode, Dist()).model.named_parameters()}
+    bf16 = mode == "bf16-masters"  # micro-batch gradients accumulate in bf16 before the fp32 masters
+    rel = 5e-2 if bf16 else 1e-4
+    for rank in range(2):
+        got = torch.load(out / f"rank{rank}.pt")
+        for k in ref_m[0]:  # grad_norm among them: the norm of the summed gradients
+            for a, b in zip(got["metrics"], ref_m):
+                assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-6), (rank, k)
+        # Adam's first moments are linear in the gradients: the ranks' sums are the one process's
+        assert got["adam"].keys() == ref_adam.keys() and ref_adam
+        for i, m in ref_adam.items():
+            torch.testing.assert_close(got["adam"][i], m, rtol=rel, atol=rel * m.abs().max().item(),
+                                       msg=lambda e: f"rank {rank} moment {i}: {e}")
+        # the weights: equal but where a gradient near zero changed sign with the float32 sum
+        # order (Adam then steps that element by -lr instead of +lr, 2e-2 apart)
+        assert got["weights"].keys() == ref_w.keys()
+        for n, w in ref_w.items():
+            off = (got["weights"][n] - w).abs() > 1e-5 + rel * w.abs()
+            assert off.float().mean() < (3e-2 if bf16 else 5e-3) and (got["weights"][n] - w).abs().max() <= 4e-2 + 1e-6, (rank, n)
+        assert any(not torch.equal(ref_w[n], start[n]) for n in ref_w)  # the updates did move the weights
+
+
+if __name__ == "__main__":  # one rank of the test above, under torchrun
+    from quarl.distributed import from_env
+
+    out, mode, loss, agg = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist = from_env("cpu")
+    weights, adam, metrics = _update(mode, dist, dist.share(ROWS, "rows"), loss, None if agg == "None" else agg)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"weights": weights, "adam": adam, "metrics": metrics}, out / f"rank{dist.rank}.pt")
+    torch.distributed.destroy_process_group()
