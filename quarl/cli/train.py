@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = None if args.quiet else Console(stderr=True)
     trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
+    if not trainer.dist.main:  # under torchrun: rank 0 alone reports and prints
+        return _run_rank(trainer)
     resume_hint = f"quarl train --resume --trainer.run_dir={trainer.run_dir}"
     try:
         last = trainer.run()
@@ -72,6 +74,20 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"finished {trainer.step} steps in {trainer.run_dir}: {summary}" + (f"; report {report}" if report else ""))
     return 0
+
+
+def _run_rank(trainer) -> int:
+    """A rank other than 0: the same steps, silently; its exit status says how they ended."""
+    from quarl.trainer.checkpoint import CheckpointWriteError
+    from quarl.trainer.loop import TrainingAborted
+
+    try:
+        trainer.run()
+    except KeyboardInterrupt:
+        return 130
+    except (TrainingAborted, CheckpointWriteError):
+        return 3
+    return 130 if trainer.interrupted else 0
 
 
 def resolve_config(args: argparse.Namespace):

@@ -16,6 +16,12 @@ One step, top to bottom (DESIGN.md, "Architecture"):
 
 All randomness of a step is derived from ``(seed, step)``, so a resumed run repeats
 the steps of an uninterrupted one exactly.
+
+Under ``torchrun`` (:mod:`quarl.distributed`) every rank runs this loop on its share of each
+step's prompts with its own engine: the samples of a prompt are seeded by the prompt's place in
+the step, not by the rank, the learner sums its totals and gradients over the ranks, and each
+step's metrics are computed over the union of the ranks' rollouts. Rank 0 alone logs, prints
+and writes checkpoints (which hold no per-rank state, so a run resumes on any number of ranks).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from quarl.algos.losses import policy_loss_defaults
 from quarl.config import RunConfig
 from quarl.config.run import upgrade
 from quarl.config.typed import dump_yaml, to_dict
+from quarl.distributed import Dist, from_env
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.quant import QuantMode
@@ -80,7 +87,9 @@ class Trainer:
                  allow_config_change: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.console = console
+        self.dist = from_env(cfg.trainer.device)
+        _check_ranks(cfg, self.dist)
+        self.console = console if self.dist.main else None
         self.device, self.dtype = resolve_runtime(cfg)
         found = self._preflight(resume, evaluation_only, allow_config_change)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,8 +100,12 @@ class Trainer:
         self.task, self.rewards = build_task_and_rewards(cfg.data)
         self.train_examples = self.task.train_examples()
         self.eval_examples = self.task.eval_examples()
+        if not self.dist.main:
+            self.dist.barrier()  # rank 0 warm-starts (and caches) the base first; the others load it
         base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say,
-                                console)
+                                self.console)
+        if self.dist.main:
+            self.dist.barrier()
 
         m = cfg.model
         lora = LoRASettings(m.lora_rank, m.lora_scale_alpha, tuple(m.lora_targets)) if m.lora_rank else None
@@ -120,7 +133,7 @@ class Trainer:
             self.publisher.learner_model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay,
             tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic, cfg.optim.fp32_master,
             cfg.trainer.compile, state_dtype=DTYPES[cfg.optim.state_dtype],
-            activation_checkpointing=cfg.trainer.activation_checkpointing, seed=cfg.trainer.seed,
+            activation_checkpointing=cfg.trainer.activation_checkpointing, seed=cfg.trainer.seed, dist=self.dist,
         )
         self.step = 0
         self.data_pos = 0
@@ -131,7 +144,7 @@ class Trainer:
         self._saved_step: int | None = None
         start_step = self._restore(found, quarantine=not evaluation_only) if resume else None
         self.logger = None
-        if not evaluation_only:  # written only now: the checkpoint (if any) has loaded into this config's model
+        if not evaluation_only and self.dist.main:  # written only now: the checkpoint (if any) has loaded
             _write_atomic(self.run_dir / "config.yaml", dump_yaml(cfg))
             self.logger = MetricsLogger(self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project,
                                         to_dict(cfg), resume_step=start_step)
@@ -145,6 +158,8 @@ class Trainer:
 
     def _warn(self, msg: str) -> None:
         """Printed even with --quiet: the user must know (a skipped checkpoint, a changed setting)."""
+        if not self.dist.main:
+            return
         if self.console is not None:
             self.console.print(f"[yellow]{msg}[/yellow]")
         else:
@@ -210,20 +225,25 @@ class Trainer:
         try:
             with GracefulStop(lambda: self._in_flight) as stop, \
                     StepProgress(t.steps, self.step, self.console) as progress:
-                while self.step < t.steps and not stop.requested:
+                while self.step < t.steps and not self._stop_requested(stop):
                     self._in_flight = self.step + 1
                     last = self._step_and_log()
                     self._in_flight = None
                     progress.update(self.step, last)
                     if t.save_every > 0 and self.step % t.save_every == 0:
                         self.save()
-                self.interrupted = stop.requested
+                self.interrupted = self._stop_requested(stop)
                 if self._saved_step != self.step:
                     self.save()
         finally:
-            self.logger.close()
+            if self.logger is not None:
+                self.logger.close()
             self.rewards.close()
         return last
+
+    def _stop_requested(self, stop: GracefulStop) -> bool:
+        """Whether any rank was asked to stop: the ranks stop after the same step."""
+        return bool(self.dist.max(int(stop.requested)))
 
     def _step_and_log(self) -> dict[str, float]:
         t = self.cfg.trainer
@@ -232,7 +252,8 @@ class Trainer:
         if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
             metrics.update(self.evaluate())
             metrics["mismatch/engine_check"] = self._check_engine_sync()
-        self.logger.log(self.step, metrics)
+        if self.logger is not None:
+            self.logger.log(self.step, metrics)
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -257,7 +278,18 @@ class Trainer:
         if self._dense_base is None:
             self._dense_base = self._dense_base_fits(clock.peak_gb["learner"], kv_counted=not release)
         self._check_finite(update)
-        return self._step_metrics(rollout, update, quant_metrics, clock)
+        return self._step_metrics(self._all_ranks(rollout), update, quant_metrics, clock)
+
+    def _all_ranks(self, rollout: Rollout) -> Rollout:
+        """The step's rollout over every rank (for its metrics): the ranks' completions and
+        rewards in rank order (the step's prompt order), their reward counts and tokens summed."""
+        if self.dist.world == 1:
+            return rollout
+        parts = self.dist.gather((rollout.completions, rollout.rewards, rollout.reward_metrics,
+                                  rollout.generated_tokens))
+        counts = {k: sum(p[2].get(k, 0.0) for p in parts) for k in parts[0][2]}
+        return Rollout([], [], [c for p in parts for c in p[0]], torch.cat([p[1] for p in parts]), counts,
+                       sum(p[3] for p in parts))
 
     def _kv_cache_fits(self, learner_peak_gb: float) -> bool:
         """Whether the KV cache can stay through the learner phase (``kv_cache_in_update=auto``)."""
@@ -287,8 +319,10 @@ class Trainer:
     def collect_rollout(self, clock: StageClock) -> Rollout:
         """Stages 1-3: the next prompts, ``n`` completions each, their rewards (DAPO refills)."""
         prompts, examples = self._next_prompts(self.cfg.trainer.prompts_per_step)
+        mine = self.dist.share(len(prompts))  # every rank draws the step's prompts, then takes its share
+        prompts, examples = prompts[mine.start : mine.stop], examples[mine.start : mine.stop]
         with clock.stage("rollout", memory=True):
-            completions = self._rollout(prompts, seed_offset=0)
+            completions = self._rollout(prompts, seed_offset=0, first=mine.start)
         rewards, reward_metrics = self._score(completions, examples)
         rollout = Rollout(prompts, examples, completions, rewards, reward_metrics,
                           sum(len(c.token_ids) for c in completions))
@@ -322,14 +356,17 @@ class Trainer:
         extra = (batch.old_logp is not None) + (batch.ref_logp is not None) + (returns is not None)
         metrics = self.learner.update(batch, settings, returns)
         old_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
-        return UpdateResult(metrics, mismatch_metrics(old_logp, batch.sampler_logp, batch.response_mask),
-                            tokens=int(batch.attention_mask.sum()), extra_forwards=int(extra))
+        rows = _rows_of_all_ranks(self.dist, old_logp, batch.sampler_logp, batch.response_mask)
+        (tokens,) = self.dist.sum([int(batch.attention_mask.sum())])
+        return UpdateResult(metrics, mismatch_metrics(*rows), tokens=int(tokens), extra_forwards=int(extra))
 
     def _step_metrics(self, rollout: Rollout, update: UpdateResult, quant_metrics: dict[str, float],
                       clock: StageClock) -> dict[str, float]:
         m = update.metrics
         timing = clock.metrics()
-        flops = update.model_flops(self._matmul_params, self._lora_params) / max(timing["time/learner"], 1e-9)
+        # per GPU: the ranks' tokens over their GPUs
+        flops = update.model_flops(self._matmul_params, self._lora_params) / max(timing["time/learner"], 1e-9) \
+            / self.dist.world
         perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate
@@ -375,9 +412,10 @@ class Trainer:
             stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed,
         )
 
-    def _rollout(self, prompts: list[list[int]], seed_offset: int):
+    def _rollout(self, prompts: list[list[int]], seed_offset: int, first: int = 0):
+        """``first``: the step's index of ``prompts[0]`` (a rank's share starts there)."""
         base = (self.cfg.trainer.seed * 1_000_003 + self.step) * 1009 + seed_offset
-        params = [self._sampling_params(base * 4099 + i) for i in range(len(prompts))]
+        params = [self._sampling_params(base * 4099 + first + i) for i in range(len(prompts))]
         return self.engine.generate(prompts, params)
 
     def _score(self, completions, examples) -> tuple[torch.Tensor, dict[str, float]]:
@@ -468,8 +506,10 @@ class Trainer:
         prompts = [self.tokenizer.apply_chat_template(self.task.messages(e))[-self.cfg.data.max_prompt_len :]
                    for e in exs]
         params = self._sampling_params(seed=0, temperature=0.0, n=1)
-        comps = self.engine.generate(prompts, params)
-        texts = [self.tokenizer.decode(c.token_ids) for c in comps]
+        k, r = self.dist.world, self.dist.rank  # each rank decodes a contiguous part, all see every text
+        lo, hi = len(prompts) * r // k, len(prompts) * (r + 1) // k
+        comps = self.engine.generate(prompts[lo:hi], params)
+        texts = [t for part in self.dist.gather([self.tokenizer.decode(c.token_ids) for c in comps]) for t in part]
         metrics = self.task.evaluate(texts, exs)
         k = self.cfg.trainer.log_samples
         samples = [
@@ -483,7 +523,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        """Write this step's checkpoint atomically (:class:`ckpt.CheckpointWriteError` if it cannot be)."""
+        """Write this step's checkpoint atomically (:class:`ckpt.CheckpointWriteError` if it cannot be).
+        On several ranks rank 0 writes it (every rank holds the same weights and optimizer
+        state) while the others wait."""
+        if not self.dist.main:
+            self.dist.barrier()
+            self._saved_step = self.step
+            return self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         state = {
             "step": self.step,
             "data_pos": self.data_pos,
@@ -492,7 +538,10 @@ class Trainer:
             "rng": ckpt.rng_state(),
             "config": to_dict(self.cfg),
         }
-        path = ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.trainer.keep_last)
+        try:
+            path = ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.trainer.keep_last)
+        finally:
+            self.dist.barrier()
         self._saved_step = self.step
         return path
 
@@ -521,6 +570,33 @@ class Trainer:
             self._warn(f"moved the unreadable checkpoint aside to {aside}")
         self._say(f"resumed from {path} (step {self.step})")
         return self.step
+
+
+def _check_ranks(cfg: RunConfig, dist: Dist) -> None:
+    """What a run on several ranks cannot do (yet), refused before anything is built."""
+    if dist.world == 1:
+        return
+    dist.share(cfg.trainer.prompts_per_step)
+    if cfg.trainer.dynamic_sampling:
+        raise ValueError("trainer.dynamic_sampling refills each rank's groups from fresh prompts, which would take "
+                         "the ranks' data positions apart: run it on one rank, or set trainer.dynamic_sampling=false")
+    if cfg.algo.advantage == "gae":
+        raise ValueError("algo.advantage=gae whitens the advantages over the whole batch, which the ranks do not "
+                         "share: use algo.advantage=grpo, dr_grpo or rloo on several ranks")
+
+
+def _rows_of_all_ranks(dist: Dist, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[B, T]`` tensors of every rank stacked by rows in rank order (each padded with zeros
+    to the widest rank's ``T``), on this rank's device."""
+    if dist.world == 1:
+        return tensors
+    parts = dist.gather([t.detach().cpu() for t in tensors])
+    width = max(p[0].shape[1] for p in parts)
+    out = []
+    for i, t in enumerate(tensors):
+        rows = [torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts]
+        out.append(torch.cat(rows).to(t.device))
+    return tuple(out)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -1,0 +1,109 @@
+"""`quarl train` under `torchrun` on 2 gloo ranks against one process: the same steps, the same
+metrics and weights; resume across world sizes; a world size that cannot split the prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quarl.trainer import checkpoint as ckpt
+from tests.trainer.test_train_e2e import TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [*TINY, "--trainer.sft_warmup_steps=0", "--trainer.eval_every=2"]
+# wall-clock and per-rank values (each rank's own timings, memory and engine check)
+VOLATILE = ("time/", "rollout/tokens_per_s", "memory/", "perf/learner_tflops", "perf/learner_mfu",
+            "mismatch/engine_check")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(run_dir: Path, ranks: int, *args: str) -> subprocess.CompletedProcess:
+    launch = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+        f"--master_port={_port()}"]
+    cmd = [*launch, "-m", "quarl", "train", "--quiet", *RUN, f"--trainer.run_dir={run_dir}", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir))["learner"]["model"]
+
+
+def _assert_same_steps(a: Path, b: Path, steps: list[int]) -> None:
+    ra, rb = _rows(a), _rows(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == steps
+    for x, y in zip(ra, rb):
+        keys = {k for k in x if not k.startswith(VOLATILE)}
+        assert keys == {k for k in y if not k.startswith(VOLATILE)} and "mismatch/kl_k3" in keys
+        for k in keys:  # float32 sums in another order: the ranks' shares are smaller batches
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-6), (x["step"], k)
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for n in wa:  # Adam may step a weight whose gradient is ~0 the other way: 2 lr apart at most
+        off = (wa[n] - wb[n]).abs()
+        assert (off > 1e-5).float().mean() < 5e-3 and off.max() <= 4e-3, n
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    done = {}
+    for name, ranks, args in (("one", 1, ["--trainer.steps=2"]), ("two", 2, ["--trainer.steps=2"])):
+        res = _train(root / name, ranks, *args)
+        assert res.returncode == 0, res.stderr[-4000:]
+        done[name] = (root / name, res)
+    return root, done
+
+
+def test_two_ranks_train_the_steps_of_one_process(runs):
+    """Each rank samples half of each step's prompts (seeded by the prompt's place in the step),
+    the learner sums over the ranks, metrics cover every rank's rollouts, eval included:
+    metrics.jsonl and the checkpoint equal the one process's; rank 0 alone printed."""
+    root, done = runs
+    _assert_same_steps(done["one"][0], done["two"][0], [1, 2])
+    assert "eval/acc" in _rows(done["two"][0])[-1]
+    out = done["two"][1].stdout
+    assert out.count("finished 2 steps") == 1, out
+
+
+def test_a_two_rank_run_resumes_on_one_rank_and_on_two(runs):
+    """The checkpoint holds no per-rank state: step 3 of the two-rank run resumed on one rank,
+    and on two, are step 3 of the one-process run resumed."""
+    root, done = runs
+    for name, ranks in (("resumed_on_one", 1), ("resumed_on_two", 2)):
+        import shutil
+
+        shutil.copytree(done["two"][0], root / name)
+        res = _train(root / name, ranks, "--resume", "--trainer.steps=3")
+        assert res.returncode == 0, res.stderr[-4000:]
+    shutil.copytree(done["one"][0], root / "one_more")
+    res = _train(root / "one_more", 1, "--resume", "--trainer.steps=3")
+    assert res.returncode == 0, res.stderr[-4000:]
+    for name in ("resumed_on_one", "resumed_on_two"):
+        _assert_same_steps(root / "one_more", root / name, [1, 2, 3])
+
+
+def test_a_world_size_that_cannot_split_the_prompts_is_refused(tmp_path):
+    res = _train(tmp_path / "bad", 2, "--trainer.prompts_per_step=3", "--trainer.steps=1")
+    assert res.returncode != 0
+    assert "3 prompts per step cannot be split evenly over 2 ranks: set trainer.prompts_per_step to a multiple " \
+           "of 2" in res.stderr
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
