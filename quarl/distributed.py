@@ -133,3 +133,9 @@ def from_env(device: str = "auto") -> Dist:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT)
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size())
+
+
+def shutdown() -> None:
+    """Leave the job's process group (at the end of a run; nothing without one)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

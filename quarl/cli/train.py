@@ -39,13 +39,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from quarl.trainer.checkpoint import CheckpointWriteError
-    from quarl.trainer.loop import Trainer, TrainingAborted
+    from quarl.distributed import shutdown
+    from quarl.trainer.loop import Trainer
 
     console = None if args.quiet else Console(stderr=True)
-    trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
-    if not trainer.dist.main:  # under torchrun: rank 0 alone reports and prints
-        return _run_rank(trainer)
+    try:
+        trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
+        # under torchrun: rank 0 alone reports and prints
+        return _run_main(trainer, cfg) if trainer.dist.main else _run_rank(trainer)
+    finally:
+        shutdown()
+
+
+def _run_main(trainer, cfg) -> int:
+    from quarl.trainer.checkpoint import CheckpointWriteError
+    from quarl.trainer.loop import TrainingAborted
+
     resume_hint = f"quarl train --resume --trainer.run_dir={trainer.run_dir}"
     try:
         last = trainer.run()
