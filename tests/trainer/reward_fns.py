@@ -45,3 +45,15 @@ def raises_after_16_calls(completion: str, answer: str, meta: dict) -> float:
 def even_length(completion: str, answer: str, meta: dict) -> float:
     """1.0 for a completion of even length: right about half the time, whatever the model."""
     return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+_CALLS = [0]
+
+
+def rank_one_dies_in_step_two(completion: str, answer: str, meta: dict) -> float:
+    """``digit_one``, except that rank 1 of a 2-rank run (4 prompts x 4 samples a step: 8
+    completions a rank) exits at its first completion of step 2, as a crashed process would."""
+    _CALLS[0] += 1
+    if os.environ.get("RANK") == "1" and _CALLS[0] > 8:
+        os._exit(7)
+    return digit_one(completion, answer, meta)

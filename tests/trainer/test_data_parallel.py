@@ -107,3 +107,20 @@ def test_a_world_size_that_cannot_split_the_prompts_is_refused(tmp_path):
     assert "3 prompts per step cannot be split evenly over 2 ranks: set trainer.prompts_per_step to a multiple " \
            "of 2" in res.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_a_rank_that_dies_stops_the_run_and_leaves_the_last_checkpoint(tmp_path):
+    """Rank 1 exits mid-step 2: the launch ends promptly with an error instead of hanging, the
+    checkpoint of step 1 is intact, and the run resumes from it on one rank."""
+    import time
+
+    run = tmp_path / "crash"
+    start = time.monotonic()
+    dies = "--data.reward=tests.trainer.reward_fns:rank_one_dies_in_step_two"  # (never on a lone rank 0)
+    res = _train(run, 2, "--trainer.steps=3", "--trainer.save_every=1", dies)
+    assert res.returncode != 0 and time.monotonic() - start < 240
+    assert [r["step"] for r in _rows(run)] == [1]
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(run))["step"] == 1
+    res = _train(run, 1, "--resume", "--trainer.steps=2", "--trainer.save_every=1", dies)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert [r["step"] for r in _rows(run)] == [1, 2]
