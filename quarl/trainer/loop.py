@@ -460,7 +460,7 @@ class Trainer:
         values = self.learner.values(batch, self.cfg.trainer.token_budget)
         adv, returns = compute_gae(last_token_rewards(batch.rewards, mask), values, mask,
                                    self.cfg.algo.gamma, self.cfg.algo.lam)
-        batch.advantages = whiten(adv, mask)
+        batch.advantages = whiten(adv, mask) if self.dist.world == 1 else _whiten_over_ranks(self.dist, adv, mask)
         return returns
 
     def _update_settings(self) -> UpdateSettings:
@@ -580,9 +580,20 @@ def _check_ranks(cfg: RunConfig, dist: Dist) -> None:
     if cfg.trainer.dynamic_sampling:
         raise ValueError("trainer.dynamic_sampling refills each rank's groups from fresh prompts, which would take "
                          "the ranks' data positions apart: run it on one rank, or set trainer.dynamic_sampling=false")
-    if cfg.algo.advantage == "gae":
-        raise ValueError("algo.advantage=gae whitens the advantages over the whole batch, which the ranks do not "
-                         "share: use algo.advantage=grpo, dr_grpo or rloo on several ranks")
+
+
+def _whiten_over_ranks(dist: Dist, values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`~quarl.algos.whiten` over the response tokens of every rank: the mean and the
+    unbiased std of the union (float64 sums over the ranks), applied to this rank's rows."""
+    m = mask > 0
+    picked = values[m].double()
+    count, total = dist.sum([picked.numel(), float(picked.sum())])
+    if count == 0:
+        return torch.zeros_like(values)
+    mean = total / count
+    (squares,) = dist.sum([float(((picked - mean) ** 2).sum())])
+    sd = math.sqrt(squares / (count - 1)) if count > 1 else 1.0
+    return torch.where(m, (values - mean) / (sd + eps), torch.zeros_like(values))
 
 
 def _rows_of_all_ranks(dist: Dist, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

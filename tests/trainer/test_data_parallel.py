@@ -124,3 +124,15 @@ def test_a_rank_that_dies_stops_the_run_and_leaves_the_last_checkpoint(tmp_path)
     res = _train(run, 1, "--resume", "--trainer.steps=2", "--trainer.save_every=1", dies)
     assert res.returncode == 0, res.stderr[-4000:]
     assert [r["step"] for r in _rows(run)] == [1, 2]
+
+
+def test_gae_whitens_over_every_rank(tmp_path):
+    """algo.advantage=gae: the critic's gradients are summed like the policy's and the GAE
+    advantages are whitened with the mean and std of every rank's response tokens: two ranks
+    train the steps of one process."""
+    gae = ["--algo.advantage=gae", "--algo.loss=ppo", "--trainer.steps=2"]
+    for name, ranks in (("one", 1), ("two", 2)):
+        res = _train(tmp_path / name, ranks, *gae)
+        assert res.returncode == 0, res.stderr[-4000:]
+    _assert_same_steps(tmp_path / "one", tmp_path / "two", [1, 2])
+    assert "loss/value" in _rows(tmp_path / "two")[-1]
