@@ -22,6 +22,8 @@ import torch
 
 # how long a collective may wait for a rank that stopped answering before the others fail
 TIMEOUT = datetime.timedelta(minutes=10)
+# the most gradient bytes one flat all-reduce buffer holds
+BUCKET_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,13 @@ class Dist:
             torch.distributed.all_reduce(t)
         return t
 
-    def sum_grads_(self, params) -> None:
-        """Every parameter's gradient summed over the ranks, in place: one flat buffer per
-        dtype (one collective each instead of one per tensor). A parameter that has a gradient
-        on some rank but not on this one sends zeros; one without a gradient on every rank keeps
-        none (the optimizer skips it, as it would in one process)."""
+    def sum_grads_(self, params, bucket_bytes: int | None = None) -> None:
+        """Every parameter's gradient summed over the ranks, in place. Small gradients travel
+        together in flat buckets of at most ``bucket_bytes`` (one collective each instead of
+        one per tensor, and never a copy of all of them at once: a 7B model's fp32 gradients
+        take 28 GB); a gradient as large as a bucket is reduced where it lies. A parameter that
+        has a gradient on some rank but not on this one sends zeros; one without a gradient on
+        every rank keeps none (the optimizer skips it, as it would in one process)."""
         if self.world == 1:
             return
         params = list(params)
@@ -79,18 +83,20 @@ class Dist:
             return
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_device())
         torch.distributed.all_reduce(has)
-        params = [p for p, n in zip(params, has.tolist()) if n]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        grads = []
+        for p, n in zip(params, has.tolist()):
+            if n:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        for bucket in buckets(grads, BUCKET_BYTES if bucket_bytes is None else bucket_bytes):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                torch.distributed.all_reduce(bucket[0])
+                continue
+            flat = torch.cat([g.reshape(-1) for g in bucket])
             torch.distributed.all_reduce(flat)
             offset = 0
-            for g in grads:
+            for g in bucket:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
@@ -105,6 +111,25 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
+
+
+def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of one dtype and device whose bytes stay within
+    ``limit``; a tensor of ``limit`` bytes or more is a run of its own."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        last = out[-1] if out else None
+        fits = (last is not None and last[0].dtype == t.dtype and last[0].device == t.device
+                and size + nbytes <= limit and nbytes < limit)
+        if fits:
+            last.append(t)
+            size += nbytes
+        else:
+            out.append([t])
+            size = nbytes
+    return out
 
 
 def _device() -> torch.device:

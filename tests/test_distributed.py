@@ -34,6 +34,17 @@ def test_one_process_collectives_are_the_identity():
     assert d.sum_tensor_(t) is t and torch.equal(t, torch.ones(2))
 
 
+def test_buckets_cut_by_bytes_dtype_and_size_hand_computed():
+    from quarl.distributed import buckets
+
+    f = [torch.zeros(n) for n in (4, 4, 8, 2)]  # 16, 16, 32, 8 bytes
+    h = torch.zeros(4, dtype=torch.float16)  # 8 bytes, another dtype
+    big = torch.zeros(10)  # 40 bytes: a bucket of its own at a 32-byte limit
+    got = buckets([f[0], f[1], h, f[2], big, f[3]], 32)
+    assert [[id(t) for t in b] for b in got] == [[id(f[0]), id(f[1])], [id(h)], [id(f[2])], [id(big)], [id(f[3])]]
+    assert buckets([], 32) == []
+
+
 def _batch():
     from quarl.learner.batch import build_batch
 
@@ -89,7 +100,8 @@ def _free_port() -> int:
 def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode, loss, agg):
     """Each rank holds half of the rows; the learner's totals and gradients summed over the ranks make every rank's weights and
     metrics those of one process on all the rows (float32 tolerance), in fp32, bf16 with
-    fp32 masters and aligned w4a16."""
+    fp32 masters and aligned w4a16 (whose ranks sum their gradients in 8 KB buckets: some
+    reduced where they lie)."""
     out = tmp_path / "ranks"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", str(Path(__file__)), str(out), mode, loss, str(agg)]
@@ -121,9 +133,12 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
 
 
 if __name__ == "__main__":  # one rank of the test above, under torchrun
+    import quarl.distributed
     from quarl.distributed import from_env
 
     out, mode, loss, agg = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    if mode == "aligned-w4a16":  # many small buckets, and gradients reduced where they lie
+        quarl.distributed.BUCKET_BYTES = 8192
     dist = from_env("cpu")
     weights, adam, metrics = _update(mode, dist, dist.share(ROWS, "rows"), loss, None if agg == "None" else agg)
     out.mkdir(parents=True, exist_ok=True)
