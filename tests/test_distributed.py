@@ -98,10 +98,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("tbpo", None), ("sapo", "seq-mean-token-sum-norm")])
 @pytest.mark.parametrize("mode", MODES)
 def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode, loss, agg):
-    """Each rank holds half of the rows; the learner's totals and gradients summed over the ranks make every rank's weights and
-    metrics those of one process on all the rows (float32 tolerance), in fp32, bf16 with
-    fp32 masters and aligned w4a16 (whose ranks sum their gradients in 8 KB buckets: some
-    reduced where they lie)."""
+    """Each rank holds half of the rows; the learner's totals and gradients summed over the
+    ranks make every rank's weights and metrics those of one process on all the rows
+    (float32 tolerance), in fp32, bf16 with fp32 masters and aligned w4a16 (whose ranks sum
+    their gradients in 8 KB buckets: some reduced where they lie)."""
     out = tmp_path / "ranks"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", str(Path(__file__)), str(out), mode, loss, str(agg)]
