@@ -88,7 +88,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
         self.dist = from_env(cfg.trainer.device)
-        _check_ranks(cfg, self.dist)
+        self.dist.share(cfg.trainer.prompts_per_step)  # a step's prompts must split evenly over the ranks
         self.console = console if self.dist.main else None
         self.device, self.dtype = resolve_runtime(cfg)
         found = self._preflight(resume, evaluation_only, allow_config_change)
@@ -280,6 +280,18 @@ class Trainer:
         self._check_finite(update)
         return self._step_metrics(self._all_ranks(rollout), update, quant_metrics, clock)
 
+    def _union(self, rollout: Rollout) -> Rollout:
+        """Every rank's groups of a rollout, in rank order (the step's prompt order); its
+        metrics and token count are left out."""
+        if self.dist.world == 1:
+            return rollout
+        parts = self.dist.gather(Rollout(rollout.prompts, rollout.examples, rollout.completions, rollout.rewards, {},
+                                         0))
+        union = parts[0]
+        for part in parts[1:]:
+            union = union.extend(part)
+        return union
+
     def _all_ranks(self, rollout: Rollout) -> Rollout:
         """The step's rollout over every rank (for its metrics): the ranks' completions and
         rewards in rank order (the step's prompt order), their reward counts and tokens summed."""
@@ -287,7 +299,9 @@ class Trainer:
             return rollout
         parts = self.dist.gather((rollout.completions, rollout.rewards, rollout.reward_metrics,
                                   rollout.generated_tokens))
-        counts = {k: sum(p[2].get(k, 0.0) for p in parts) for k in parts[0][2]}
+        # the verifier's counts are per rank; the rest (DAPO's) were taken over all ranks already
+        counts = {k: sum(p[2].get(k, 0.0) for p in parts) if k.startswith("reward/") else v
+                  for k, v in parts[0][2].items()}
         return Rollout([], [], [c for p in parts for c in p[0]], torch.cat([p[1] for p in parts]), counts,
                        sum(p[3] for p in parts))
 
@@ -427,9 +441,11 @@ class Trainer:
         return torch.tensor(scores, dtype=torch.float32), stats
 
     def _dynamic_sampling(self, first: Rollout) -> Rollout:
-        """DAPO: keep the groups whose rewards differ, refill from fresh prompts (3 rounds at most)."""
-        n, want = self.cfg.rollout.n, len(first.prompts)
-        kept, current, dropped, rounds = None, first, 0, 0
+        """DAPO: keep the groups whose rewards differ, refill from fresh prompts (3 rounds at most).
+        On several ranks the choice is made over every rank's groups (each rank samples its
+        share of a refill too), and the kept groups are then shared out again."""
+        n, want = self.cfg.rollout.n, self.cfg.trainer.prompts_per_step
+        kept, current, dropped, rounds = None, self._union(first), 0, 0
         while True:
             take = []
             for g, informative in enumerate(informative_groups(current.rewards, n).tolist()):
@@ -445,11 +461,18 @@ class Trainer:
                 break
             rounds += 1
             prompts, examples = self._next_prompts(want)
-            completions = self._rollout(prompts, seed_offset=rounds)
+            mine = self.dist.share(want)
+            prompts, examples = prompts[mine.start : mine.stop], examples[mine.start : mine.stop]
+            completions = self._rollout(prompts, seed_offset=rounds, first=mine.start)
             rewards, _ = self._score(completions, examples)
-            current = Rollout(prompts, examples, completions, rewards, {}, 0)
-        if not kept.prompts:  # every group was uniform: train on the last batch as is (zero advantages)
+            current = self._union(Rollout(prompts, examples, completions, rewards, {}, 0))
+        # every group was uniform: train on the last batch as is (zero advantages); so too when
+        # fewer groups than ranks are left (a rank cannot train on none)
+        if len(kept.prompts) < self.dist.world:
             kept = current
+        k, r = self.dist.world, self.dist.rank
+        count = len(kept.prompts)
+        kept = kept.select(list(range(count * r // k, count * (r + 1) // k)), n)
         extra = {"dapo/dropped_groups": float(dropped), "dapo/refill_rounds": float(rounds)}
         return dataclasses.replace(kept, reward_metrics={**first.reward_metrics, **extra},
                                    generated_tokens=first.generated_tokens)
@@ -570,16 +593,6 @@ class Trainer:
             self._warn(f"moved the unreadable checkpoint aside to {aside}")
         self._say(f"resumed from {path} (step {self.step})")
         return self.step
-
-
-def _check_ranks(cfg: RunConfig, dist: Dist) -> None:
-    """What a run on several ranks cannot do (yet), refused before anything is built."""
-    if dist.world == 1:
-        return
-    dist.share(cfg.trainer.prompts_per_step)
-    if cfg.trainer.dynamic_sampling:
-        raise ValueError("trainer.dynamic_sampling refills each rank's groups from fresh prompts, which would take "
-                         "the ranks' data positions apart: run it on one rank, or set trainer.dynamic_sampling=false")
 
 
 def _whiten_over_ranks(dist: Dist, values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -136,3 +136,16 @@ def test_gae_whitens_over_every_rank(tmp_path):
         assert res.returncode == 0, res.stderr[-4000:]
     _assert_same_steps(tmp_path / "one", tmp_path / "two", [1, 2])
     assert "loss/value" in _rows(tmp_path / "two")[-1]
+
+
+def test_dynamic_sampling_chooses_over_every_rank(tmp_path):
+    """trainer.dynamic_sampling (DAPO): the groups whose rewards differ are chosen over every
+    rank's groups, refills are sampled in shares, the kept groups are shared out again: two
+    ranks train the steps of one process, the DAPO counts included."""
+    dapo = ["--trainer.dynamic_sampling=true", "--trainer.steps=2"]
+    for name, ranks in (("one", 1), ("two", 2)):
+        res = _train(tmp_path / name, ranks, *dapo)
+        assert res.returncode == 0, res.stderr[-4000:]
+    _assert_same_steps(tmp_path / "one", tmp_path / "two", [1, 2])
+    rows = _rows(tmp_path / "two")
+    assert sum(r["dapo/dropped_groups"] for r in rows) > 0  # the choice mattered
