@@ -278,32 +278,22 @@ class Trainer:
         if self._dense_base is None:
             self._dense_base = self._dense_base_fits(clock.peak_gb["learner"], kv_counted=not release)
         self._check_finite(update)
-        return self._step_metrics(self._all_ranks(rollout), update, quant_metrics, clock)
+        return self._step_metrics(self._union(rollout), update, quant_metrics, clock)
 
     def _union(self, rollout: Rollout) -> Rollout:
-        """Every rank's groups of a rollout, in rank order (the step's prompt order); its
-        metrics and token count are left out."""
+        """Every rank's groups of ``rollout`` in rank order (the step's prompt order), the
+        verifier's counts and the generated tokens summed over the ranks (DAPO's counts were
+        taken over every rank already)."""
         if self.dist.world == 1:
             return rollout
-        parts = self.dist.gather(Rollout(rollout.prompts, rollout.examples, rollout.completions, rollout.rewards, {},
-                                         0))
+        parts = self.dist.gather(rollout)
         union = parts[0]
         for part in parts[1:]:
             union = union.extend(part)
-        return union
-
-    def _all_ranks(self, rollout: Rollout) -> Rollout:
-        """The step's rollout over every rank (for its metrics): the ranks' completions and
-        rewards in rank order (the step's prompt order), their reward counts and tokens summed."""
-        if self.dist.world == 1:
-            return rollout
-        parts = self.dist.gather((rollout.completions, rollout.rewards, rollout.reward_metrics,
-                                  rollout.generated_tokens))
-        # the verifier's counts are per rank; the rest (DAPO's) were taken over all ranks already
-        counts = {k: sum(p[2].get(k, 0.0) for p in parts) if k.startswith("reward/") else v
-                  for k, v in parts[0][2].items()}
-        return Rollout([], [], [c for p in parts for c in p[0]], torch.cat([p[1] for p in parts]), counts,
-                       sum(p[3] for p in parts))
+        counts = {k: sum(p.reward_metrics.get(k, 0.0) for p in parts) if k.startswith("reward/") else v
+                  for k, v in parts[0].reward_metrics.items()}
+        return dataclasses.replace(union, reward_metrics=counts,
+                                   generated_tokens=sum(p.generated_tokens for p in parts))
 
     def _kv_cache_fits(self, learner_peak_gb: float) -> bool:
         """Whether the KV cache can stay through the learner phase (``kv_cache_in_update=auto``)."""
