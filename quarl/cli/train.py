@@ -86,7 +86,8 @@ def _run_main(trainer, cfg) -> int:
 
 
 def _run_rank(trainer) -> int:
-    """A rank other than 0: the same steps, silently; its exit status says how they ended."""
+    """A rank other than 0: the same steps, silently; its exit status says how they ended
+    (rank 0 reports the error)."""
     from quarl.trainer.checkpoint import CheckpointWriteError
     from quarl.trainer.loop import TrainingAborted
 

@@ -357,8 +357,7 @@ class ModelRunner:
     def _make_decode_buffers(self, max_bs: int) -> None:
         """Static decode inputs: one int64 buffer (ids, positions, slots, context lengths,
         row seeds, split length; the two lengths as int32) filled on the host and sent with
-        one copy, and the
-        block tables, updated row by row only where a sequence changed."""
+        one copy, and the block tables, updated row by row only where a sequence changed."""
         dev = self.device
         pin = self.is_cuda
         self._bs_cap = max_bs
