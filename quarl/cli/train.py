@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -46,9 +47,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
         # under torchrun: rank 0 alone reports and prints
-        return _run_main(trainer, cfg) if trainer.dist.main else _run_rank(trainer)
+        code = _run_main(trainer, cfg) if trainer.dist.main else _run_rank(trainer)
+        if code == 0:
+            trainer.dist.barrier()  # every rank is done with the others before any leaves
     finally:
         shutdown()
+    if trainer.dist.world > 1:
+        # the run directory is complete and closed: leave without the interpreter's teardown,
+        # where torch's gloo threads can abort a finished rank (and fail the torchrun job)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run_main(trainer, cfg) -> int:
