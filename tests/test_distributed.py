@@ -59,7 +59,7 @@ def _batch():
     return build_batch(prompts, responses, lps, [0.0] * ROWS, adv)
 
 
-def _learner(mode: str, dist: Dist):
+def _learner(mode: str, dist: Dist, shard: bool = False):
     from quarl.learner.learner import Learner
     from quarl.model.presets import build_random_model
     from quarl.quant import quantize_model
@@ -68,31 +68,58 @@ def _learner(mode: str, dist: Dist):
     model = build_random_model("tiny", seed=3, dtype=dtype, std=0.1)
     if mode == "aligned-w4a16":
         quantize_model(model, "w4a16")
-    return Learner(model, lr=1e-2, dist=dist)
+    return Learner(model, lr=1e-2, dist=dist, shard=shard)
 
 
-def _update(mode: str, dist: Dist, rows: range, loss: str, agg: str | None):
+def _update(mode: str, dist: Dist, rows: range, loss: str, agg: str | None, shard: bool = False):
     """Two updates on ``rows`` of the batch, one row per micro-batch (a few metrics, such as
     the largest ratio, are means of per-micro-batch values: the same micro-batches on one
     process and on the ranks make them comparable); the final weights and both updates'
     metrics."""
     from quarl.learner.learner import UpdateSettings
 
-    learner = _learner(mode, dist)
+    learner = _learner(mode, dist, shard)
     batch = _batch().select(torch.tensor(list(rows)))
     hp = {} if agg is None else {"agg": agg}
     metrics = [learner.update(batch, UpdateSettings(loss_type=loss, loss_hparams=hp, token_budget=1))]
     batch.old_logp = learner.last_logp.clone()
     metrics.append(learner.update(batch, UpdateSettings(loss_type=loss, loss_hparams=hp, token_budget=1)))
-    weights = {n: p.detach().float().clone() for n, p in learner.model.named_parameters()}
-    moments = {i: st["exp_avg"].float().clone() for i, st in learner.optimizer.state_dict()["state"].items()}
-    return weights, moments, metrics
+    sd = learner.state_dict()  # (whole tensors, also from a sharded learner)
+    weights = {n: t.float().clone() for n, t in sd["model"].items()}
+    moments = {i: st["exp_avg"].float().clone() for i, st in sd["optimizer"]["state"].items()}
+    return weights, moments, metrics, _held(learner)
+
+
+def _held(learner) -> float:
+    """The fraction of the decoder layers' weights and Adam moments (norms aside) this
+    process holds."""
+    from quarl.learner.sharded import is_sharded
+
+    def local(t):
+        return t.to_local().numel() if is_sharded(t) else t.numel()
+
+    names = [n for n, p in learner.model.named_parameters() if p.requires_grad]
+    stepped = dict(zip(names, (p for g in learner.optimizer.param_groups for p in g["params"])))  # (in this order)
+    params = [p for n, p in learner.model.named_parameters() if n.startswith("layers.") and "norm" not in n]
+    moments = [learner.optimizer.state[stepped[n]]["exp_avg"] for n in names if n.startswith("layers.")
+               and "norm" not in n]
+    return sum(local(t) for t in params + moments) / sum(t.numel() for t in params + moments)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_ranks(out: Path, *args: str) -> None:
+    """This file's ``__main__`` as 2 gloo ranks under torchrun, with ``args``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(Path(__file__)), str(out), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("tbpo", None), ("sapo", "seq-mean-token-sum-norm")])
@@ -102,14 +129,26 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
     ranks make every rank's weights and metrics those of one process on all the rows
     (float32 tolerance), in fp32, bf16 with fp32 masters and aligned w4a16 (whose ranks sum
     their gradients in 8 KB buckets: some reduced where they lie)."""
-    out = tmp_path / "ranks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(Path(__file__)), str(out), mode, loss, str(agg)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
-    ref_w, ref_adam, ref_m = _update(mode, Dist(), range(ROWS), loss, agg)
+    _run_ranks(tmp_path / "ranks", mode, loss, str(agg), "replicated")
+    assert _assert_ranks_match_one_process(tmp_path / "ranks", mode, loss, agg) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("sapo", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sharded_learner_updates_as_one_process(tmp_path, mode, loss, agg):
+    """FSDP2 (``shard=True``): each rank holds half of every decoder layer's weights and
+    optimizer states; gathered back (:meth:`Learner.state_dict`), the weights, Adam moments
+    and metrics are those of one unsharded process on all the rows, in fp32, bf16 with
+    float32 masters (the sharded weights stored in float32, gathered in bf16) and aligned
+    w4a16 (quantizing the gathered weights)."""
+    _run_ranks(tmp_path / "ranks", mode, loss, str(agg), "sharded")
+    assert _assert_ranks_match_one_process(tmp_path / "ranks", mode, loss, agg) == [0.5, 0.5]
+
+
+def _assert_ranks_match_one_process(out: Path, mode: str, loss: str, agg: str | None) -> list[float]:
+    """Checks each rank's results against one process; returns the fraction of the layers'
+    weights and moments each rank held (:func:`_held`)."""
+    ref_w, ref_adam, ref_m, _ = _update(mode, Dist(), range(ROWS), loss, agg)
     start = {n: p.detach().float() for n, p in _learner(mode, Dist()).model.named_parameters()}
     bf16 = mode == "bf16-masters"  # micro-batch gradients accumulate in bf16 before the fp32 masters
     rel = 5e-2 if bf16 else 1e-4
@@ -130,19 +169,21 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
             off = (got["weights"][n] - w).abs() > 1e-5 + rel * w.abs()
             assert off.float().mean() < (3e-2 if bf16 else 5e-3) and (got["weights"][n] - w).abs().max() <= 4e-2 + 1e-6, (rank, n)
         assert any(not torch.equal(ref_w[n], start[n]) for n in ref_w)  # the updates did move the weights
+    return [torch.load(out / f"rank{rank}.pt")["held"] for rank in range(2)]
 
 
 if __name__ == "__main__":  # one rank of the test above, under torchrun
     import quarl.distributed
     from quarl.distributed import from_env
 
-    out, mode, loss, agg = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    out, mode, loss, agg, layout = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
     if mode == "aligned-w4a16":  # many small buckets, and gradients reduced where they lie
         quarl.distributed.BUCKET_BYTES = 8192
     dist = from_env("cpu")
-    weights, adam, metrics = _update(mode, dist, dist.share(ROWS, "rows"), loss, None if agg == "None" else agg)
+    weights, adam, metrics, held = _update(mode, dist, dist.share(ROWS, "rows"), loss,
+                                           None if agg == "None" else agg, shard=layout == "sharded")
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"weights": weights, "adam": adam, "metrics": metrics}, out / f"rank{dist.rank}.pt")
+    torch.save({"weights": weights, "adam": adam, "metrics": metrics, "held": held}, out / f"rank{dist.rank}.pt")
     dist.barrier()
     quarl.distributed.shutdown()
     # the results are on disk: leave without the interpreter's teardown, where torch's gloo

@@ -25,6 +25,7 @@ from quarl.distributed import Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
+from quarl.learner.sharded import as_sharded_like, clip_grad_norm_, full, is_sharded, load_full_, shard_model
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
@@ -95,9 +96,21 @@ class Learner:
         activation_checkpointing: bool = False,
         seed: int = 0,
         dist: Dist = Dist(),
+        shard: bool = False,
     ) -> None:
         self.model = model
         self.dist = dist
+        # FSDP2 over the ranks (quarl.learner.sharded); one process has nothing to shard
+        self.sharded = shard and dist.world > 1
+        if self.sharded:
+            if optim_name == "muon":
+                raise ValueError("optim.name=muon orthogonalises whole matrices, which a sharded learner does not "
+                                 "hold: use optim.name=adamw with trainer.shard_learner=true, or "
+                                 "trainer.shard_learner=false")
+            shard_model(model, dist, fp32_master)
+            if ref_model is not None:
+                shard_model(ref_model, dist, fp32_master=False)
+            set_per_use_dequant(model)  # aligned linears: the gradient reaches the gathered weights directly
         # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
         ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
         self.ops = CheckpointedOps(ops) if activation_checkpointing else ops
@@ -108,7 +121,10 @@ class Learner:
         self.critic = critic
         dtype = model.embed_tokens.weight.dtype
         self.master = MasterWeights(model) if dtype in (torch.bfloat16, torch.float16) and fp32_master else None
-        params = self.master.named_masters() if self.master is not None else model
+        params = model
+        if self.master is not None:  # (sharded weights are masters themselves: in the model's order among them)
+            masters = dict(self.master.named_masters())
+            params = [(n, masters.get(n, p)) for n, p in model.named_parameters() if p.requires_grad]
         # bf16 weights stepped directly: updates below one ulp survive only with stochastic rounding
         rounded = self.master is None and dtype == torch.bfloat16
         lean = {"state_dtype": state_dtype, "stochastic_rounding": rounded, "seed": seed}
@@ -224,11 +240,17 @@ class Learner:
         if self.master is not None:
             self.master.grads_to_masters()
         stepped = list(self.master.masters() if self.master is not None else self.model.parameters())
+        if self.sharded:  # its sharded weights are masters themselves
+            stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.dist.world > 1:  # the weighted losses of all ranks add up to the mini-batch's: so do their grads
-            self.dist.sum_grads_(p for p in stepped if p.requires_grad)
+            # (sharded weights' gradients were reduce-scattered, summed, in the backward)
+            self.dist.sum_grads_(p for p in stepped if p.requires_grad and not is_sharded(p))
             if acc is not None:
                 acc = self.dist.sum_tensor_(acc)
-        grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip).double().reshape(1)
+        if self.sharded:
+            grad_norm = clip_grad_norm_(stepped, s.grad_clip, self.dist).double().reshape(1)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip).double().reshape(1)
         values = grad_norm if acc is None else torch.cat([acc, grad_norm])
         metrics = dict(zip(names + ["grad_norm"], values.tolist()))  # the one read of the device here
         self.last_nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
@@ -298,7 +320,21 @@ class Learner:
             sd["critic_optimizer"] = self.critic_optimizer.state_dict()
             if self.critic_master is not None:
                 sd["critic_master"] = self.critic_master.state_dict()
+        if self.sharded:
+            self._gather_sharded(sd)
         return sd
+
+    def _gather_sharded(self, sd: dict) -> None:
+        """A sharded learner's state as an unsharded one holds it (every rank gathers): the
+        model in its dtype, float32 masters of the sharded weights beside the replicated ones,
+        whole optimizer states. Checkpoints then resume on any number of ranks."""
+        dtype = self.model.embed_tokens.weight.dtype
+        sd["model"] = {k: full(v, dtype if is_sharded(v) else None) for k, v in sd["model"].items()}
+        if self.master is not None:
+            sd["master"].update((n, full(p)) for n, p in self.model.named_parameters()
+                                if p.requires_grad and is_sharded(p))
+        opt = sd["optimizer"]
+        opt["state"] = {i: {k: full(v) for k, v in st.items()} for i, st in opt["state"].items()}
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The policy's state: all of it, or for a LoRA policy its adapters alone (the frozen
@@ -308,24 +344,51 @@ class Learner:
         return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def load_state_dict(self, sd: dict) -> None:
-        if has_lora(self.model):
-            want = set(self._model_state())
-            if set(sd["model"]) != want:
-                missing, extra = sorted(want - set(sd["model"])), sorted(set(sd["model"]) - want)
-                raise KeyError(f"the checkpoint's adapters do not match this LoRA model (missing {missing[:3]}, "
-                               f"unexpected {extra[:3]}): it was written with other model.lora_* settings")
+        if self.sharded:
+            self._load_sharded_model(sd)
+        elif has_lora(self.model):
+            self._check_names(sd["model"], "adapters", "LoRA model", ": it was written with other model.lora_* settings")
             self.model.load_state_dict(sd["model"], strict=False)
         else:
             self.model.load_state_dict(sd["model"])
         if self.master is not None:
             self.master.load_state_dict(sd["master"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        self.optimizer.load_state_dict(self._shard_optimizer_state(sd["optimizer"]) if self.sharded
+                                       else sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
             if self.critic_master is not None:
                 self.critic_master.load_state_dict(sd["critic_master"])
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
+
+    def _check_names(self, model_sd: dict, what: str, model: str, why: str = "") -> None:
+        want = set(self._model_state())
+        if set(model_sd) != want:
+            missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
+            raise KeyError(f"the checkpoint's {what} do not match this {model} (missing {missing[:3]}, "
+                           f"unexpected {extra[:3]}){why}")
+
+    @torch.no_grad()
+    def _load_sharded_model(self, sd: dict) -> None:
+        """A sharded learner's model from whole tensors (any run's checkpoint, sharded or not),
+        each rank copying its shards: the float32 master where the sharded weight is one."""
+        self._check_names(sd["model"], "tensors", "model")
+        targets = {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
+        masters = sd.get("master", {}) if self.master is not None else {}
+        for name, value in sd["model"].items():
+            target = targets[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise RuntimeError(f"size mismatch for {name}: the checkpoint has {tuple(value.shape)}, this model "
+                                   f"{tuple(target.shape)}")
+            load_full_(target, masters.get(name, value) if is_sharded(target) else value)
+
+    def _shard_optimizer_state(self, opt: dict) -> dict:
+        """Whole optimizer states placed as their sharded parameters are."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = {i: {k: as_sharded_like(v, params[i]) if is_sharded(params[i]) and v.shape == params[i].shape else v
+                     for k, v in st.items()} for i, st in opt["state"].items()}
+        return {**opt, "state": state}
 
 
 def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:

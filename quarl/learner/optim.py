@@ -155,7 +155,7 @@ class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
         """One AdamW step of ``p``, :data:`STEP_CHUNK` elements at a time (the update is
         elementwise): the float32 working copies of a 16-bit tensor then take a few chunks,
         not a few copies of the tensor (the 7B LM head's alone are 2 GB each)."""
-        tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+        tensors = tuple(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
         if not all(t.is_contiguous() for t in tensors):
             return self._step_slice(*tensors, group, float(state["step"]))
         flat = [t.view(-1) for t in tensors]
@@ -257,9 +257,12 @@ def adamw(params: list[torch.Tensor], lr: float, weight_decay: float = 0.0,
           betas: tuple[float, float] = (0.9, 0.999), state_dtype: torch.dtype = torch.float32,
           stochastic_rounding: bool = False, seed: int = 0) -> torch.optim.Optimizer:
     """torch.optim.AdamW, or :class:`LeanAdamW` where a memory option is on (bf16 moments,
-    or bf16 weights stepped with stochastic rounding)."""
+    or bf16 weights stepped with stochastic rounding). Sharded and whole tensors together
+    (a sharded learner) step one at a time: a multi-tensor kernel takes one kind."""
     if state_dtype == torch.float32 and not stochastic_rounding:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+        mixed = len({_is_dtensor(p) for p in params}) > 1
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas,
+                                 foreach=False if mixed else None)
     return LeanAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, state_dtype=state_dtype,
                      stochastic_rounding=stochastic_rounding, seed=seed)
 
@@ -311,8 +314,9 @@ class MasterWeights:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        # (a sharded learner's sharded weights are float32 masters themselves: quarl.learner.sharded)
         self.pairs = [(n, p, p.detach().float().clone().requires_grad_(True))
-                      for n, p in model.named_parameters() if p.requires_grad]
+                      for n, p in model.named_parameters() if p.requires_grad and not _is_dtensor(p)]
 
     def named_masters(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, m) for n, _, m in self.pairs]
@@ -338,6 +342,17 @@ class MasterWeights:
         for n, _, m in self.pairs:
             m.copy_(sd[n])
         self.masters_to_model()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's own shard (the elementwise step needs no other rank's), else ``t``."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def warmup_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -190,6 +190,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def forward(self, ops: "TorchOps", h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
+        """``ops.block`` of this layer (:meth:`TorchOps.block`). Run through the module call so
+        that hooks on the layer fire (a sharded learner gathers the layer's weights there)."""
+        return ops.block(self, h, residual, cos, sin, attn, next_norm, next_consumer)
+
+
+class DecoderLayers(nn.ModuleList):
+    """The decoder layers, called as one module (:meth:`forward`): the unit a sharded learner
+    wraps around the layers' own (:mod:`quarl.learner.sharded`). Names stay ``layers.N.*``."""
+
+    def forward(self, ops: "TorchOps", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn,
+                final_norm: nn.Module) -> torch.Tensor:
+        """The normed output of the last layer for the embeddings ``x``; each layer's block ends
+        with the next layer's input norm (the last one's with ``final_norm``)."""
+        h, residual = ops.norm(x, self[0].input_layernorm, None, self[0].self_attn)
+        for i, layer in enumerate(self):
+            last = i + 1 == len(self)
+            h, residual = layer(ops, h, residual, cos, sin, attn, final_norm if last else self[i + 1].input_layernorm,
+                                None if last else self[i + 1].self_attn)
+        return h
+
 
 class TorchOps:
     """The steps of :meth:`Transformer.hidden_states` as the model's own modules (the
@@ -268,7 +290,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = DecoderLayers(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
@@ -290,14 +312,7 @@ class Transformer(nn.Module):
         :func:`batch_attention` computes are below T), which spares a host sync."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, max_position)
-        layers = self.layers
-        h, residual = ops.norm(x, layers[0].input_layernorm, None, layers[0].self_attn)
-        for i, layer in enumerate(layers):
-            last = i + 1 == len(layers)
-            h, residual = ops.block(layer, h, residual, cos, sin, attn,
-                                    self.norm if last else layers[i + 1].input_layernorm,
-                                    None if last else layers[i + 1].self_attn)
-        return h.view(*input_ids.shape, -1)
+        return self.layers(ops, x, cos, sin, attn, self.norm).view(*input_ids.shape, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)

@@ -1,0 +1,171 @@
+"""The learner's weights sharded over the ranks with FSDP2 (``trainer.shard_learner``).
+
+Data-parallel ranks each hold the whole policy, its gradients and its optimizer states; a
+sharded learner holds ``1/world`` of every decoder layer instead. :func:`shard_model` wraps
+each decoder layer in ``torch.distributed.fsdp.fully_shard`` (its weights gathered just
+before its forward and backward, dropped after, its gradients reduce-scattered) and the layer
+stack in one more, the root that starts the layers' gathers.
+
+What stays whole on every rank (replicated, its gradient summed over the ranks as data
+parallel sums it): the embeddings, the LM head, and every RMSNorm weight. The norms because a
+layer's block ends with the *next* layer's input norm (fused into the block's last kernel, as
+the engine fuses it), which must be readable while that next layer is still sharded; they are
+a few thousand numbers per layer.
+
+Master weights: with ``optim.fp32_master`` a 16-bit model's sharded weights are stored in
+float32 and gathered in the model's dtype (``MixedPrecisionPolicy``: the gathered values are
+the fp32 masters rounded to nearest, what ``MasterWeights.masters_to_model`` writes into an
+unsharded model) and their gradients are reduced in float32; the optimizer steps the float32
+shards directly. The replicated weights keep their ``MasterWeights``.
+
+Aligned (QAT) linears quantize the gathered weight in each forward (the cached quantized
+weight is dropped before every layer's forward, :func:`_fresh_quantization`) and run the
+straight-through autograd function (per-use dequantization), whose gradient reaches the
+gathered weight and so FSDP's reduce-scatter.
+
+The gradient of a rank's loss is that rank's share of the mini-batch loss (the learner
+normalises by the totals over all ranks), so the reduce-scatter sums (divide factor 1) as
+:meth:`~quarl.distributed.Dist.sum_grads_` does.
+
+Checkpoints hold whole tensors (:func:`full`, gathered on every rank, written by rank 0):
+the same format as an unsharded learner's, so a run resumes on any number of ranks, sharded
+or not (:func:`load_full_`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from quarl.distributed import Dist
+from quarl.model.transformer import RMSNorm, Transformer
+from quarl.quant.linear import QATLinear
+from quarl.quant.qweight import QuantizedWeight, quantize_weights
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)
+
+
+def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> None:
+    """Shard ``model``'s decoder layers over ``dist``'s ranks in place (module docstring);
+    ``fp32_master``: a 16-bit model's sharded weights become its float32 masters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if dist.world == 1:
+        raise ValueError("sharding the learner needs several ranks (launch with torchrun --nproc_per_node=N)")
+    device = model.embed_tokens.weight.device
+    mesh = init_device_mesh(device.type, (dist.world,))
+    dtype = model.embed_tokens.weight.dtype
+    masters = fp32_master and dtype in (torch.bfloat16, torch.float16)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if masters else MixedPrecisionPolicy()
+    norms = {p for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    units: list[nn.Module] = []
+    for layer in model.layers:
+        if masters:
+            for p in layer.parameters():
+                if p.requires_grad and p not in norms:
+                    p.data = p.data.float()
+        layer.register_forward_pre_hook(_fresh_quantization)
+        units.append(fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=norms & set(layer.parameters())))
+    units.append(fully_shard(model.layers, mesh=mesh, mp_policy=mp, ignored_params=norms))
+    for unit in units:  # a sum: each rank's loss is already its share of the mini-batch's
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def _fresh_quantization(layer: nn.Module, args) -> None:
+    """Before a sharded layer's forward: its aligned linears quantize the weight about to be
+    gathered (the cache keyed on a weight's storage cannot see a new gather's values)."""
+    for m in layer.modules():
+        if isinstance(m, QATLinear):
+            m.invalidate()
+
+
+def full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor (gathered from the ranks: every rank must call this), in ``dtype``;
+    a replicated tensor as it is."""
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.full_tensor() if is_sharded(t) else t
+
+
+@torch.no_grad()
+def load_full_(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``target``: into its shard when sharded (every rank
+    holds ``value``: no communication)."""
+    if is_sharded(target):
+        value = distribute_tensor(value.to(device=target.device, dtype=target.dtype), target.device_mesh,
+                                  target.placements, src_data_rank=None)
+        target.to_local().copy_(value.to_local())
+    else:
+        target.copy_(value)
+
+
+def as_sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor ``value`` as a DTensor placed as ``like`` is (optimizer states)."""
+    return distribute_tensor(value.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, dist: Dist) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over sharded and replicated gradients together: the
+    squares of the shards summed over the ranks, those of the replicated gradients (equal on
+    every rank) once. Returns the total norm (float32, 0-d)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g.to_local() for g in grads if is_sharded(g)]
+    replicated = [g for g in grads if not is_sharded(g)]
+    device = (sharded or replicated)[0].device if grads else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float32, device=device)
+    for i, part in enumerate((sharded, replicated)):
+        for g in part:
+            sq[i] += g.float().pow(2).sum()
+    sharded_sq = dist.sum_tensor_(sq[:1].clone())
+    total = (sharded_sq[0] + sq[1]).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in sharded + replicated:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+@torch.no_grad()
+def published_quantized(mods: dict[str, QATLinear], dist: Dist, dtype: torch.dtype) -> dict[str, QuantizedWeight]:
+    """The quantized weights of sharded aligned linears, as the engine loads them: each rank
+    quantizes its own rows of each weight (in ``dtype``, the gathered weights' dtype) and the
+    ranks exchange the packed row blocks, so what travels is the low-bit tensors, not the
+    weights. Every scale is per row or per group of a row, so the result is bit for bit the
+    quantization of the whole weight. A scheme with a per-tensor scale (nvfp4) gathers the
+    weight in ``dtype`` and quantizes it whole."""
+    out: dict[str, QuantizedWeight] = {}
+    by_scheme: dict = {}
+    for name, m in mods.items():
+        by_scheme.setdefault(m.scheme, []).append(name)
+    for scheme, names in by_scheme.items():
+        if scheme.per_tensor_scale:
+            whole = [full(mods[n].weight.detach(), dtype) for n in names]
+            out.update(zip(names, quantize_weights(whole, scheme)))
+            continue
+        shards = [mods[n].weight.detach().to_local().to(dtype) for n in names]
+        # (a rank whose shard of a small weight is empty quantizes a row of zeros and sends none)
+        local = quantize_weights([w if len(w) else w.new_zeros(1, w.shape[1]) for w in shards], scheme)
+        for n, w, qw in zip(names, shards, local):
+            out[n] = _gather_rows(qw, len(w), mods[n].out_features, dist)
+    return out
+
+
+def _gather_rows(qw: QuantizedWeight, mine: int, rows: int, dist: Dist) -> QuantizedWeight:
+    """The whole ``[rows, K]`` quantized weight from every rank's first ``mine`` rows of
+    ``qw`` (FSDP's row shards: ``ceil(rows / world)`` each, the last ones shorter or empty)."""
+    per = math.ceil(rows / dist.world)
+    tensors = {}
+    for field, t in qw.tensors().items():
+        padded = t.new_zeros((per, *t.shape[1:]))
+        padded[:mine] = t[:mine]
+        parts = [torch.empty_like(padded) for _ in range(dist.world)]
+        torch.distributed.all_gather(parts, padded)
+        tensors[field] = torch.cat(parts)[:rows]
+    return QuantizedWeight(qw.scheme, (rows, qw.in_features), **tensors)
