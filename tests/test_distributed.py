@@ -66,9 +66,23 @@ def _learner(mode: str, dist: Dist, shard: bool = False):
 
     dtype = torch.bfloat16 if mode == "bf16-masters" else torch.float32
     model = build_random_model("tiny", seed=3, dtype=dtype, std=0.1)
-    if mode == "aligned-w4a16":
+    if mode.startswith("aligned-w4a16"):
         quantize_model(model, "w4a16")
-    return Learner(model, lr=1e-2, dist=dist, shard=shard)
+    if mode == "lora-w4a16":  # adapters (random, so both A and B get gradients) on a frozen w4a16 base
+        from quarl.model.lora import add_lora, lora_modules
+        from quarl.quant import QuantLinear
+
+        quantize_model(model, "w4a16", QuantLinear)
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.learner_path = True
+        add_lora(model, rank=4, alpha=8)
+        g = torch.Generator().manual_seed(8)
+        with torch.no_grad():
+            for _, _, ad in lora_modules(model):
+                ad.A.copy_(0.2 * torch.randn(ad.A.shape, generator=g))
+                ad.B.copy_(0.2 * torch.randn(ad.B.shape, generator=g))
+    return Learner(model, lr=1e-2, dist=dist, shard=shard, activation_checkpointing=mode.endswith("-ac"))
 
 
 def _update(mode: str, dist: Dist, rows: range, loss: str, agg: str | None, shard: bool = False):
@@ -133,14 +147,16 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
     assert _assert_ranks_match_one_process(tmp_path / "ranks", mode, loss, agg) == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("sapo", "seq-mean-token-sum-norm")])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,loss,agg", [*((m, "ppo", "token-mean") for m in MODES),
+                                           *((m, "sapo", "seq-mean-token-sum-norm") for m in MODES),
+                                           ("aligned-w4a16-ac", "ppo", "token-mean"), ("lora-w4a16", "ppo", "token-mean")])
 def test_a_sharded_learner_updates_as_one_process(tmp_path, mode, loss, agg):
     """FSDP2 (``shard=True``): each rank holds half of every decoder layer's weights and
     optimizer states; gathered back (:meth:`Learner.state_dict`), the weights, Adam moments
     and metrics are those of one unsharded process on all the rows, in fp32, bf16 with
-    float32 masters (the sharded weights stored in float32, gathered in bf16) and aligned
-    w4a16 (quantizing the gathered weights)."""
+    float32 masters (the sharded weights stored in float32, gathered in bf16), aligned w4a16
+    (quantizing the gathered weights), aligned w4a16 with activation checkpointing (the
+    backward's recomputation gathers again) and LoRA adapters on a frozen w4a16 base."""
     _run_ranks(tmp_path / "ranks", mode, loss, str(agg), "sharded")
     assert _assert_ranks_match_one_process(tmp_path / "ranks", mode, loss, agg) == [0.5, 0.5]
 

@@ -234,6 +234,9 @@ class TrainerConfig:
     # the learner's forwards with gradients keep only each decoder layer's inputs and recompute
     # the layer in the backward: activations of L x 2 x [tokens, hidden] instead of every layer's
     activation_checkpointing: bool = False
+    # under torchrun: each rank holds 1/world of every decoder layer's weights, gradients and
+    # optimizer states (FSDP2, quarl.learner.sharded) instead of all of them; one process: no effect
+    shard_learner: bool = False
     on_policy: bool = False
     dynamic_sampling: bool = False
     overlong_filter: bool = False

@@ -41,7 +41,7 @@ from quarl.model.loading import CheckpointError, save_model
 from quarl.model.presets import preset_config
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant import QuantScheme, get_scheme
-from quarl.trainer.checkpoint import list_checkpoints, load_checkpoint
+from quarl.trainer.checkpoint import list_checkpoints, load_checkpoint, policy_weights
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
@@ -105,7 +105,7 @@ def read_policy(ckpt: str | Path) -> PolicyCheckpoint:
     ckpt = Path(ckpt)
     state = load_checkpoint(ckpt, map_location="cpu")
     try:
-        weights = state["learner"]["model"]
+        weights = policy_weights(ckpt, state)
     except (KeyError, TypeError):
         raise CheckpointError(f"{ckpt}: state.pt has no learner.model state_dict") from None
     run_config = state.get("config")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,12 +26,16 @@ from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.distributed import Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
-from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
+from quarl.learner.optim import CombinedOptimizer, MasterWeights, adamw, build_optimizer, warmup_constant
 from quarl.learner.sharded import as_sharded_like, clip_grad_norm_, full, is_sharded, load_full_, shard_model
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
-from quarl.quant.linear import deferred_master_grads, drop_dequantized, set_per_use_dequant
+from quarl.quant.linear import deferred_master_grads, drop_dequantized, invalidate_quantized, set_per_use_dequant
+
+
+# the "format" of the plain part of a sharded learner's state (:meth:`Learner.sharded_state`)
+SHARDED_FORMAT = "torch.distributed.checkpoint"
 
 
 @dataclass
@@ -136,6 +142,11 @@ class Learner:
         critic_params = self.critic_master.masters() if self.critic_master is not None else (
             critic.parameters() if critic is not None else None)
         self.critic_optimizer = adamw(list(critic_params), lr, weight_decay, **lean) if critic is not None else None
+
+    def held_parameters(self) -> tuple[int, int]:
+        """The policy's parameters this rank holds (its shards and the replicated ones), and all of them."""
+        mine = sum(p.to_local().numel() if is_sharded(p) else p.numel() for p in self.model.parameters())
+        return mine, sum(p.numel() for p in self.model.parameters())
 
     @property
     def device(self) -> torch.device:
@@ -315,11 +326,7 @@ class Learner:
         }
         if self.master is not None:
             sd["master"] = self.master.state_dict()
-        if self.critic is not None:
-            sd["critic"] = self.critic.state_dict()
-            sd["critic_optimizer"] = self.critic_optimizer.state_dict()
-            if self.critic_master is not None:
-                sd["critic_master"] = self.critic_master.state_dict()
+        sd.update(self.state_dict_of_critic())
         if self.sharded:
             self._gather_sharded(sd)
         return sd
@@ -356,11 +363,75 @@ class Learner:
         self.optimizer.load_state_dict(self._shard_optimizer_state(sd["optimizer"]) if self.sharded
                                        else sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
+        self._load_critic(sd)
+
+    def state_dict_of_critic(self) -> dict:
+        """The critic's part of the state (empty without one; never sharded)."""
+        if self.critic is None:
+            return {}
+        sd = {"critic": self.critic.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict()}
+        if self.critic_master is not None:
+            sd["critic_master"] = self.critic_master.state_dict()
+        return sd
+
+    def _load_critic(self, sd: dict) -> None:
         if self.critic is not None and "critic" in sd:
             self.critic.load_state_dict(sd["critic"])
             if self.critic_master is not None:
                 self.critic_master.load_state_dict(sd["critic_master"])
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
+
+    # ---- torch.distributed.checkpoint (a sharded learner's checkpoints) ----------------
+    def sharded_state(self, allocate: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+        """The learner's state for ``torch.distributed.checkpoint``: its tensors by name (each
+        rank's shards of the sharded ones, the replicated ones whole: ``model/<name>`` where no
+        master holds the value, ``master/<name>``, ``optim/<name>/<state>``), and the rest as
+        plain values (optimizer settings, scheduler, the critic). The names do not depend on the
+        number of ranks or on sharding, so any learner loads any such checkpoint
+        (:meth:`load_sharded_state`). ``allocate``: create the optimizer states a fresh learner
+        does not have yet (zeros), for a load to fill in place."""
+        if isinstance(self.optimizer, CombinedOptimizer):
+            raise ValueError("checkpoints through torch.distributed.checkpoint take AdamW (optim.name=adamw)")
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        tensors = {f"model/{n}": t for n, t in self._model_state().items()
+                   if self.master is None or n not in names}
+        for n, p in zip(names, stepped):
+            if self.master is not None:
+                tensors[f"master/{n}"] = p
+            state = self.optimizer.state[p]
+            if allocate and not state:
+                moments = getattr(self.optimizer, "state_dtype", p.dtype)
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=moments),
+                             exp_avg_sq=torch.zeros_like(p, dtype=moments))
+            tensors.update((f"optim/{n}/{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor))
+        opt = self.optimizer.state_dict()
+        rest = {"format": SHARDED_FORMAT, "param_groups": opt["param_groups"],
+                "rounding": opt.get("rounding"), "scheduler": self.scheduler.state_dict(),
+                "model_dtype": str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")}
+        if self.critic is not None:  # (whole on every rank)
+            rest.update((k, v) for k, v in self.state_dict_of_critic().items())
+        return tensors, rest
+
+    def load_sharded_state(self, checkpoint: str | Path, rest: dict) -> None:
+        """Load a checkpoint that :meth:`sharded_state` wrote with ``torch.distributed.checkpoint``
+        into this learner, whatever its number of ranks or sharding: each rank reads the parts
+        of the saved tensors that its own tensors cover, in place."""
+        import torch.distributed.checkpoint as dcp
+
+        tensors, _ = self.sharded_state(allocate=True)
+        with warnings.catch_warnings():  # (one process: no process group, and none needed)
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=self.dist.world == 1)
+        if self.master is not None:
+            self.master.masters_to_model()
+        invalidate_quantized(self.model)
+        for group, saved in zip(self.optimizer.param_groups, rest["param_groups"]):
+            group.update((k, v) for k, v in saved.items() if k != "params")
+        if rest.get("rounding") is not None:
+            self.optimizer.rounding.load_state_dict(rest["rounding"])
+        self.scheduler.load_state_dict(rest["scheduler"])
+        self._load_critic(rest)
 
     def _check_names(self, model_sd: dict, what: str, model: str, why: str = "") -> None:
         want = set(self._model_state())

@@ -42,8 +42,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from quarl.distributed import Dist
 from quarl.model.transformer import RMSNorm, Transformer
-from quarl.quant.linear import QATLinear
+from quarl.quant.linear import invalidate_quantized
 from quarl.quant.qweight import QuantizedWeight, quantize_weights
+from quarl.quant.scheme import QuantScheme
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -81,9 +82,7 @@ def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> Non
 def _fresh_quantization(layer: nn.Module, args) -> None:
     """Before a sharded layer's forward: its aligned linears quantize the weight about to be
     gathered (the cache keyed on a weight's storage cannot see a new gather's values)."""
-    for m in layer.modules():
-        if isinstance(m, QATLinear):
-            m.invalidate()
+    invalidate_quantized(layer)
 
 
 def full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -133,27 +132,21 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, dist: Dist) -> 
 
 
 @torch.no_grad()
-def published_quantized(mods: dict[str, QATLinear], dist: Dist, dtype: torch.dtype) -> dict[str, QuantizedWeight]:
-    """The quantized weights of sharded aligned linears, as the engine loads them: each rank
-    quantizes its own rows of each weight (in ``dtype``, the gathered weights' dtype) and the
-    ranks exchange the packed row blocks, so what travels is the low-bit tensors, not the
-    weights. Every scale is per row or per group of a row, so the result is bit for bit the
-    quantization of the whole weight. A scheme with a per-tensor scale (nvfp4) gathers the
-    weight in ``dtype`` and quantizes it whole."""
-    out: dict[str, QuantizedWeight] = {}
-    by_scheme: dict = {}
-    for name, m in mods.items():
-        by_scheme.setdefault(m.scheme, []).append(name)
-    for scheme, names in by_scheme.items():
-        if scheme.per_tensor_scale:
-            whole = [full(mods[n].weight.detach(), dtype) for n in names]
-            out.update(zip(names, quantize_weights(whole, scheme)))
-            continue
-        shards = [mods[n].weight.detach().to_local().to(dtype) for n in names]
-        # (a rank whose shard of a small weight is empty quantizes a row of zeros and sends none)
-        local = quantize_weights([w if len(w) else w.new_zeros(1, w.shape[1]) for w in shards], scheme)
-        for n, w, qw in zip(names, shards, local):
-            out[n] = _gather_rows(qw, len(w), mods[n].out_features, dist)
+def published_quantized(weights: dict[str, torch.Tensor], scheme: QuantScheme, dist: Dist,
+                        dtype: torch.dtype) -> dict[str, QuantizedWeight]:
+    """Sharded weights quantized as the engine loads them: each rank quantizes its own rows of
+    each weight (in ``dtype``, the gathered weights' dtype) and the ranks exchange the packed
+    row blocks, so what travels is the low-bit tensors, not the weights. Every scale is per
+    row or per group of a row, so the result is bit for bit the quantization of the whole
+    weight. A scheme with a per-tensor scale (nvfp4) gathers each weight in ``dtype`` and
+    quantizes it whole (a replicated weight is whole already)."""
+    whole = [n for n in weights if scheme.per_tensor_scale or not is_sharded(weights[n])]
+    out = dict(zip(whole, quantize_weights([full(weights[n], dtype) for n in whole], scheme)))
+    names = [n for n in weights if n not in out]
+    shards = [weights[n].to_local().to(dtype) for n in names]
+    # (a rank whose shard of a small weight is empty quantizes a row of zeros and sends none)
+    local = quantize_weights([w if len(w) else w.new_zeros(1, w.shape[1]) for w in shards], scheme)
+    out.update((n, _gather_rows(qw, len(w), weights[n].shape[0], dist)) for n, w, qw in zip(names, shards, local))
     return out
 
 

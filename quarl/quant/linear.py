@@ -649,6 +649,14 @@ def deferred_master_grads(model: nn.Module) -> Iterator[None]:
             holder._leaf.flush()
 
 
+def invalidate_quantized(model: nn.Module) -> None:
+    """Forget every :class:`QATLinear`'s cached quantized weight (after writes its version
+    counter may not show: loads into shards, ``.data``)."""
+    for m in model.modules():
+        if isinstance(m, QATLinear):
+            m.invalidate()
+
+
 def requantize_stale(mods: list[QATLinear]) -> None:
     """Quantize the master weight of every module in ``mods`` that changed since its last
     quantization (after an optimizer step: all of them) with a few stacked quantizer calls

@@ -1,6 +1,7 @@
 """Checkpoints that a crash or Ctrl-C can never corrupt.
 
-Layout: ``RUN_DIR/checkpoints/step_000012/{state.pt, meta.json}``. A checkpoint is
+Layout: ``RUN_DIR/checkpoints/step_000012/{state.pt, meta.json}``, plus ``learner/`` (the
+files of ``torch.distributed.checkpoint``, one per rank) for a sharded learner. A checkpoint is
 written into ``step_000012.tmp-<pid>`` and renamed into place once complete (rename is
 atomic on POSIX); ``meta.json`` is written last inside the temporary directory, so a
 directory without it is incomplete and ignored. The newest complete checkpoint is
@@ -19,11 +20,14 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from quarl.learner.learner import SHARDED_FORMAT
 
 FORMAT = "quarl-checkpoint-v1"
 REQUIRED_KEYS = ("step", "data_pos", "learner", "rng")
@@ -56,13 +60,46 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
+def temporary_dir(run_dir: str | Path, step: int, pid: int | None = None) -> Path:
+    """Where the checkpoint of ``step`` is written before it is renamed into place (``pid``:
+    the writing process's, by default this one)."""
+    return checkpoint_dir(run_dir) / f"step_{step:06d}.tmp-{os.getpid() if pid is None else pid}"
+
+
+def start_checkpoint(run_dir: str | Path, step: int, pid: int | None = None) -> Path:
+    """An empty temporary directory for a checkpoint that several processes write into
+    (:func:`save_checkpoint` with ``tmp``); raises :class:`CheckpointWriteError` if it cannot be made."""
+    tmp = temporary_dir(run_dir, step, pid)
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise discard_checkpoint(tmp, run_dir, step, e) from e
+    return tmp
+
+
+def discard_checkpoint(tmp: Path, run_dir: str | Path, step: int, e: BaseException) -> CheckpointWriteError:
+    """Remove a checkpoint's temporary directory after a failed write; the error to raise."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    final = checkpoint_dir(run_dir) / f"step_{step:06d}"
+    errno = getattr(e, "errno", None)
+    return CheckpointWriteError(errno, _write_error_message(run_dir, final, e))
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 2,
+                    tmp: Path | None = None) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` and rename it into place. ``tmp``: a
+    directory from :func:`start_checkpoint` that already holds other parts of it (a sharded
+    learner's files); it is completed and renamed, or removed if the write fails."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:06d}"
-    tmp = root / f"step_{step:06d}.tmp-{os.getpid()}"
+    prepared = tmp is not None
+    tmp = tmp if prepared else temporary_dir(run_dir, step)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _write_complete(tmp, step, state)
+        _write_complete(tmp, step, state, fresh=not prepared)
     except BaseException as e:  # a full disk, or a second Ctrl-C mid-write
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written directory helps nobody and holds space
         if isinstance(e, OSError):
@@ -83,21 +120,23 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
     return final
 
 
-def _write_complete(tmp: Path, step: int, state: dict[str, Any]) -> None:
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+def _write_complete(tmp: Path, step: int, state: dict[str, Any], fresh: bool = True) -> None:
+    if fresh:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
     torch.save(state, tmp / "state.pt")
     _fsync(tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step}))
     _fsync(tmp / "meta.json")
 
 
-def _write_error_message(run_dir: str | Path, final: Path, e: OSError) -> str:
+def _write_error_message(run_dir: str | Path, final: Path, e: BaseException) -> str:
     previous = latest_checkpoint(run_dir)
     kept = (f"the checkpoint of step {int(previous.name.split('_')[1])} ({previous}) is intact"
             if previous is not None else "no earlier checkpoint exists, so a resume starts from step 0")
-    reason = e.strerror or str(e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = getattr(e, "strerror", None) or first
     return (f"could not write checkpoint {final} ({reason}); {kept}. "
             f"Free some space (or fix the cause) and continue with: quarl train --resume "
             f"--trainer.run_dir={run_dir}")
@@ -134,6 +173,37 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r} is not {FORMAT!r}")
     return torch.load(path / "state.pt", map_location=map_location, weights_only=False)
+
+
+def policy_weights(path: str | Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The policy's weights in the checkpoint ``path`` (whose ``state.pt`` is ``state``), whole
+    and in the model's dtype: from ``state.pt``, or for a sharded learner from its
+    ``learner/`` files (the float32 masters rounded to the model's dtype, as the learner
+    rounds them)."""
+    learner = state["learner"]
+    if learner.get("format") != SHARDED_FORMAT:
+        return learner["model"]
+    tensors = read_whole(Path(path) / "learner", ("model/", "master/"))
+    dtype = getattr(torch, learner["model_dtype"])
+    out = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    out.update((k.removeprefix("master/"), v.to(dtype)) for k, v in tensors.items() if k.startswith("master/"))
+    return out
+
+
+def read_whole(directory: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of a ``torch.distributed.checkpoint`` directory whose names start with one
+    of ``prefixes``, whole, in this process (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(directory))
+    found = reader.read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in found.items()
+               if k.startswith(prefixes) and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # (that no process group exists is the point here)
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
 
 
 def load_latest_intact(

@@ -113,7 +113,8 @@ class Trainer:
             ref = None  # the reference of a LoRA policy is its base: the adapters switched off
         else:
             ref = copy.deepcopy(base).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
-        self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config(), lora)
+        self.engine, self.publisher = build_engine_and_publisher(base, cfg.quant, self._engine_config(), lora,
+                                                                 self.dist)
         if self.engine.runner.dense_weight_bytes:
             self._say(f"engine keeps its {cfg.quant.scheme.name} weights dense too: "
                       f"{self.engine.runner.dense_weight_bytes / 2**30:.1f} GB (rollout.engine.dense_weights)")
@@ -134,7 +135,12 @@ class Trainer:
             tuple(cfg.optim.betas), cfg.optim.muon_lr, cfg.optim.warmup_steps, ref, critic, cfg.optim.fp32_master,
             cfg.trainer.compile, state_dtype=DTYPES[cfg.optim.state_dtype],
             activation_checkpointing=cfg.trainer.activation_checkpointing, seed=cfg.trainer.seed, dist=self.dist,
+            shard=cfg.trainer.shard_learner,
         )
+        if self.learner.sharded:
+            held, total = self.learner.held_parameters()
+            self._say(f"learner sharded over {self.dist.world} ranks (FSDP2): each holds {held / 1e6:.3g}M of the "
+                      f"model's {total / 1e6:.3g}M parameters (embeddings, LM head and norms whole)")
         self.step = 0
         self.data_pos = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
@@ -538,19 +544,15 @@ class Trainer:
     def save(self) -> Path:
         """Write this step's checkpoint atomically (:class:`ckpt.CheckpointWriteError` if it cannot be).
         On several ranks rank 0 writes it (every rank holds the same weights and optimizer
-        state) while the others wait."""
+        state) while the others wait; a sharded learner's ranks each write their shards
+        (:meth:`_save_sharded`)."""
+        if self.learner.sharded:
+            return self._save_sharded()
         if not self.dist.main:
             self.dist.barrier()
             self._saved_step = self.step
             return self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        state = {
-            "step": self.step,
-            "data_pos": self.data_pos,
-            "bad_steps": self.bad_steps,
-            "learner": self.learner.state_dict(),
-            "rng": ckpt.rng_state(),
-            "config": to_dict(self.cfg),
-        }
+        state = self._state(self.learner.state_dict())
         try:
             path = ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.trainer.keep_last)
         finally:
@@ -558,13 +560,56 @@ class Trainer:
         self._saved_step = self.step
         return path
 
+    def _state(self, learner: dict) -> dict:
+        """A checkpoint's contents besides the learner's tensors."""
+        return {"step": self.step, "data_pos": self.data_pos, "bad_steps": self.bad_steps, "learner": learner,
+                "rng": ckpt.rng_state(), "config": to_dict(self.cfg)}
+
+    def _save_sharded(self) -> Path:
+        """A sharded learner's checkpoint: every rank writes its shards of the learner's tensors
+        with ``torch.distributed.checkpoint`` into ``learner/`` of rank 0's temporary directory,
+        then rank 0 adds the rest and renames it into place. A rank whose write fails fails
+        the checkpoint on every rank (:class:`ckpt.CheckpointWriteError`); the previous one
+        stays intact."""
+        import torch.distributed.checkpoint as dcp
+
+        tensors, rest = self.learner.sharded_state()
+        pid = self.dist.gather(os.getpid())[0]  # rank 0's temporary directory
+        error: BaseException | None = None
+        tmp = ckpt.temporary_dir(self.run_dir, self.step, pid)
+        try:
+            if self.dist.main:
+                ckpt.start_checkpoint(self.run_dir, self.step, pid)
+        except ckpt.CheckpointWriteError as e:
+            error = e
+        if not self.dist.max(int(error is not None)):
+            try:
+                dcp.save(tensors, checkpoint_id=str(tmp / "learner"))
+            except Exception as e:  # (a full disk on any rank fails the collective save on all)
+                error = e
+        failed = self.dist.max(int(error is not None))
+        try:
+            if failed:
+                cause = error or RuntimeError("another rank could not write its part of the checkpoint")
+                raise ckpt.discard_checkpoint(tmp, self.run_dir, self.step, cause) if self.dist.main else \
+                    ckpt.CheckpointWriteError(getattr(cause, "errno", None), str(cause))
+            if self.dist.main:
+                ckpt.save_checkpoint(self.run_dir, self.step, self._state(rest), self.cfg.trainer.keep_last, tmp=tmp)
+        finally:
+            self.dist.barrier()
+        self._saved_step = self.step
+        return self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+
     def _restore(self, found, quarantine: bool) -> int:
         """Load what :meth:`_preflight` found; the step resumed from (0 without a checkpoint)."""
         if found is None:
             return 0
         path, state, bad = found
         try:
-            self.learner.load_state_dict(state["learner"])
+            if state["learner"].get("format") == ckpt.SHARDED_FORMAT:  # a sharded learner's
+                self.learner.load_sharded_state(path / "learner", state["learner"])
+            else:
+                self.learner.load_state_dict(state["learner"])
         except (RuntimeError, KeyError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self.rewards.close()  # the worker processes must not outlive a failed start

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from quarl.config import QuantConfig
+from quarl.distributed import Dist
+from quarl.learner.sharded import full, is_sharded, published_quantized
 from quarl.model.lora import adapter_state_dict, add_lora
 from quarl.model.transformer import Transformer
 from quarl.quant import (
@@ -39,6 +41,7 @@ from quarl.rollout import Engine, EngineConfig
 
 def build_engine_and_publisher(
     learner_model: Transformer, quant: QuantConfig, engine_config: EngineConfig, lora: LoRASettings | None = None,
+    dist: Dist = Dist(),
 ) -> tuple[Engine, "Publisher | LoRAPublisher"]:
     """The one place where the quantization mode shapes the models.
 
@@ -57,7 +60,7 @@ def build_engine_and_publisher(
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
     learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
-    return engine, Publisher(learner_model, engine, quant.mode)
+    return engine, Publisher(learner_model, engine, quant.mode, dist)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,7 @@ class LoRAPublisher:
 
     @torch.no_grad()
     def published(self) -> dict[str, torch.Tensor]:
-        return adapter_state_dict(self.learner_model)
+        return {n: full(t) for n, t in adapter_state_dict(self.learner_model).items()}  # (sharded: gathered)
 
     @torch.no_grad()
     def publish(self) -> dict[str, float]:
@@ -160,7 +163,13 @@ def _metric_layers(num_layers: int) -> set[int]:
 
 
 class Publisher:
-    def __init__(self, learner_model: nn.Module, engine: Engine, mode: QuantMode) -> None:
+    """Keeps the engine's weights equal to the learner's (module docstring). A sharded learner
+    (:mod:`quarl.learner.sharded`) publishes whole weights to every rank's engine: low-bit
+    weights quantized shard by shard and gathered packed, the others gathered in the model's
+    dtype (every rank publishes: the gathers are collectives)."""
+
+    def __init__(self, learner_model: nn.Module, engine: Engine, mode: QuantMode, dist: Dist = Dist()) -> None:
+        self.dist = dist
         self.mode = mode
         self.engine = engine
         self.scheme = engine.scheme if mode.engine_quantized else None
@@ -173,11 +182,29 @@ class Publisher:
 
     @torch.no_grad()
     def published(self) -> dict:
+        if any(is_sharded(p) for p in self.learner_model.parameters()):
+            return self._published_sharded()
         if self.mode.learner_quantized:
             return publish_model(self.learner_model)
         out = {n: p.detach() for n, p in self.learner_model.named_parameters()}
         if self.quantized:
             out.update(zip(self.quantized, quantize_weights([out[n] for n in self.quantized], self.scheme)))
+        return out
+
+    def _published_sharded(self) -> dict:
+        params = dict(self.learner_model.named_parameters())
+        dtype = self.learner_model.embed_tokens.weight.dtype
+        if self.mode.learner_quantized:
+            qat = {f"{n}.weight": m for n, m in self.learner_model.named_modules() if isinstance(m, QATLinear)}
+            quantized = {}
+            for scheme in {m.scheme for m in qat.values()}:
+                quantized.update(published_quantized({n: m.weight.detach() for n, m in qat.items() if m.scheme == scheme},
+                                                     scheme, self.dist, dtype))
+        else:
+            quantized = published_quantized({n: params[n].detach() for n in self.quantized}, self.scheme, self.dist,
+                                            dtype) if self.quantized else {}
+        out = {n: full(p.detach(), dtype if is_sharded(p) else None) for n, p in params.items() if n not in quantized}
+        out.update(quantized)
         return out
 
     @torch.no_grad()
@@ -188,7 +215,8 @@ class Publisher:
             return {}
         params = dict(self.learner_model.named_parameters())
         qws = {n: pub[n] for n in self.tracked}
-        weights = {n: params[n].detach() for n in self.tracked}
+        dtype = self.learner_model.embed_tokens.weight.dtype  # (a sharded learner's weights: gathered in it)
+        weights = {n: full(params[n].detach(), dtype if is_sharded(params[n]) else None) for n in self.tracked}
         metrics = {"quant/rel_quant_err": rel_quant_err(weights, qws)}
         if self._prev_codes is not None:
             metrics["quant/update_visible_frac"] = update_visible_frac(self._prev_codes, qws)

@@ -44,7 +44,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir))["learner"]["model"]
+    path = ckpt.latest_checkpoint(run_dir)
+    return ckpt.policy_weights(path, ckpt.load_checkpoint(path))
 
 
 def _assert_same_steps(a: Path, b: Path, steps: list[int]) -> None:
@@ -94,11 +95,46 @@ def test_a_two_rank_run_resumes_on_one_rank_and_on_two(runs):
         shutil.copytree(done["two"][0], root / name)
         res = _train(root / name, ranks, "--resume", "--trainer.steps=3")
         assert res.returncode == 0, res.stderr[-4000:]
-    shutil.copytree(done["one"][0], root / "one_more")
-    res = _train(root / "one_more", 1, "--resume", "--trainer.steps=3")
-    assert res.returncode == 0, res.stderr[-4000:]
     for name in ("resumed_on_one", "resumed_on_two"):
-        _assert_same_steps(root / "one_more", root / name, [1, 2, 3])
+        _assert_same_steps(_one_more_step(root, done), root / name, [1, 2, 3])
+
+
+def _one_more_step(root: Path, done: dict) -> Path:
+    """The one-process run resumed for a third step (made once)."""
+    import shutil
+
+    more = root / "one_more"
+    if not more.exists():
+        shutil.copytree(done["one"][0], more)
+        res = _train(more, 1, "--resume", "--trainer.steps=3")
+        assert res.returncode == 0, res.stderr[-4000:]
+    return more
+
+
+def test_a_sharded_learner_trains_as_one_process_and_resumes_sharded_or_not(runs):
+    """trainer.shard_learner=true (FSDP2, aligned w4a16 here: the engines get the low-bit
+    weights quantized shard by shard and gathered packed): two ranks train the one process's
+    steps; each rank writes its shards of the checkpoint (torch.distributed.checkpoint), and
+    step 3 resumed from it on one unsharded rank and on two sharded ones is the one process's
+    step 3; so is the one process's checkpoint resumed on two sharded ranks."""
+    import shutil
+
+    root, done = runs
+    res = _train(root / "sharded", 2, "--trainer.steps=2", "--trainer.shard_learner=true")
+    assert res.returncode == 0, res.stderr[-4000:]
+    _assert_same_steps(done["one"][0], root / "sharded", [1, 2])
+    assert len(list((ckpt.latest_checkpoint(root / "sharded") / "learner").glob("*.distcp"))) == 2  # one per rank
+    from quarl.export.hf import read_policy  # (quarl export and eval read it whole)
+
+    policy = read_policy(ckpt.latest_checkpoint(root / "sharded"))
+    assert policy.weights.keys() == _weights(root / "sharded").keys() and policy.step == 2
+    # (and the one process's checkpoint, whole tensors in state.pt, resumed sharded)
+    for name, ranks, run in (("sharded_on_one", 1, "sharded"), ("sharded_on_two", 2, "sharded"),
+                             ("one_sharded", 2, "one")):
+        shutil.copytree(root / run, root / name)
+        res = _train(root / name, ranks, "--resume", "--trainer.steps=3", "--trainer.shard_learner=true")
+        assert res.returncode == 0, res.stderr[-4000:]
+        _assert_same_steps(_one_more_step(root, done), root / name, [1, 2, 3])
 
 
 def test_a_world_size_that_cannot_split_the_prompts_is_refused(tmp_path):
