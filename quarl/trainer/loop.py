@@ -585,8 +585,10 @@ class Trainer:
         if not self.dist.max(int(error is not None)):
             try:
                 dcp.save(tensors, checkpoint_id=str(tmp / "learner"))
-            except Exception as e:  # (a full disk on any rank fails the collective save on all)
-                error = e
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # a full disk on any rank fails the collective save on all (CheckpointException)
+                error = _first_failure(e)
         failed = self.dist.max(int(error is not None))
         try:
             if failed:
@@ -628,6 +630,16 @@ class Trainer:
             self._warn(f"moved the unreadable checkpoint aside to {aside}")
         self._say(f"resumed from {path} (step {self.step})")
         return self.step
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The error behind a failed ``torch.distributed.checkpoint`` call (its CheckpointException
+    carries each failed rank's), else ``e``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (exc, _trace) = min(failures.items(), key=lambda kv: kv[0])
+        return type(exc)(*exc.args) if isinstance(exc, OSError) else RuntimeError(f"rank {rank}: {exc}")
+    return e
 
 
 def _whiten_over_ranks(dist: Dist, values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

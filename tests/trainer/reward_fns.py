@@ -57,3 +57,29 @@ def rank_one_dies_in_step_two(completion: str, answer: str, meta: dict) -> float
     if os.environ.get("RANK") == "1" and _CALLS[0] > 8:
         os._exit(7)
     return digit_one(completion, answer, meta)
+
+
+def rank_one_disk_full_at_second_save(completion: str, answer: str, meta: dict) -> float:
+    """``digit_one``; on rank 1 of a sharded run, the second checkpoint's write of its shards
+    fails as a full disk would (inside ``torch.distributed.checkpoint.save``, after the ranks
+    have agreed on what each writes)."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    if os.environ.get("RANK") == "1" and not getattr(dcp.save, "patched", False):
+        real, saves = dcp.save, [0]
+
+        class FullDisk(dcp.FileSystemWriter):
+            def write_data(self, plan, planner):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        def save(state_dict, *, checkpoint_id=None, **kw):
+            saves[0] += 1
+            if saves[0] == 2:
+                return real(state_dict, storage_writer=FullDisk(checkpoint_id), **kw)
+            return real(state_dict, checkpoint_id=checkpoint_id, **kw)
+
+        save.patched = True
+        dcp.save = save
+    return digit_one(completion, answer, meta)

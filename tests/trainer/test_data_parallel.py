@@ -185,3 +185,21 @@ def test_dynamic_sampling_chooses_over_every_rank(tmp_path):
     _assert_same_steps(tmp_path / "one", tmp_path / "two", [1, 2])
     rows = _rows(tmp_path / "two")
     assert sum(r["dapo/dropped_groups"] for r in rows) > 0  # the choice mattered
+
+
+def test_a_shard_that_cannot_be_written_fails_the_checkpoint_on_every_rank(tmp_path):
+    """A sharded learner's rank 1 hits a full disk writing its shards of step 2's checkpoint:
+    every rank stops with the error, rank 0 names it and the intact checkpoint of step 1, no
+    temporary directory is left behind, and the run resumes from step 1."""
+    run = tmp_path / "full"
+    disk = "--data.reward=tests.trainer.reward_fns:rank_one_disk_full_at_second_save"
+    res = _train(run, 2, "--trainer.steps=2", "--trainer.save_every=1", "--trainer.shard_learner=true", disk)
+    assert res.returncode != 0
+    assert "could not write checkpoint" in res.stderr and "No space left on device" in res.stderr, res.stderr[-3000:]
+    assert "the checkpoint of step 1" in res.stderr and "is intact" in res.stderr
+    assert [p.name for p in ckpt.checkpoint_dir(run).iterdir()] == ["step_000001"]
+    # (the same flags: this process's first save is whole again)
+    res = _train(run, 2, "--resume", "--trainer.steps=2", "--trainer.save_every=1", "--trainer.shard_learner=true",
+                 disk)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(run))["step"] == 2
