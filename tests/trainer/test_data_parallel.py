@@ -127,7 +127,7 @@ def test_a_sharded_learner_trains_as_one_process_and_resumes_sharded_or_not(runs
     from quarl.export.hf import read_policy  # (quarl export and eval read it whole)
 
     policy = read_policy(ckpt.latest_checkpoint(root / "sharded"))
-    assert policy.weights.keys() == _weights(root / "sharded").keys() and policy.step == 2
+    assert policy.state.keys() == _weights(root / "sharded").keys() and policy.step == 2
     # (and the one process's checkpoint, whole tensors in state.pt, resumed sharded)
     for name, ranks, run in (("sharded_on_one", 1, "sharded"), ("sharded_on_two", 2, "sharded"),
                              ("one_sharded", 2, "one")):
