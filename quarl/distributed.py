@@ -164,3 +164,19 @@ def shutdown() -> None:
     """Leave the job's process group (at the end of a run; nothing without one)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def leave(code: int) -> None:
+    """End a rank of a finished job: meet the other ranks, leave the process group, and exit
+    with ``code`` without the interpreter's teardown, where torch's gloo threads can abort a
+    rank that has finished (failing the torchrun job). Files must be written and closed."""
+    import sys
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.barrier()
+        finally:
+            shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

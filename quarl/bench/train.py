@@ -24,6 +24,7 @@ import datetime
 import gc
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -293,11 +294,15 @@ def check_baseline(baseline: Path) -> Path:
 
 def child_command(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, out: Path,
                   profile: str | None = None, model: Path | None = None,
-                  stage: str = "learner") -> tuple[list[str], dict[str, str]]:
+                  stage: str = "learner", gpus: int = 1) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run ``mode`` of ``workload`` with the ``quarl`` package in
     ``root`` in a child process (run from ``root``: ``python -m`` puts the working directory
-    first on the path), its JSON written to ``out``; ``model``: the saved weights to run on."""
-    argv = [sys.executable, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
+    first on the path), its JSON written to ``out``; ``model``: the saved weights to run on;
+    ``gpus`` > 1: that many ranks under ``torchrun`` (rank 0 writes the JSON)."""
+    launch = [sys.executable] if gpus == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}"]
+    argv = [*launch, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
             "--out", str(out.resolve()), *(["--profile", profile, "--profile-stage", stage] if profile else []),
             *(["--model", str(model.resolve())] if model else []), *extra]
     env = dict(os.environ)
@@ -306,13 +311,21 @@ def child_command(workload: str, mode: str, extra: list[str], root: Path, commit
     return argv, env
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, tmp: Path,
-              profile: str | None = None, model: Path | None = None, stage: str = "learner") -> dict[str, Any]:
+              profile: str | None = None, model: Path | None = None, stage: str = "learner",
+              gpus: int = 1) -> dict[str, Any]:
     """One mode of the benchmark run by the ``quarl`` package in ``root`` in a fresh process that
-    has the GPU to itself: its medians, steps, commit (and profile table). A run that fails (a
-    baseline that does not know the mode, say) is an error naming it and its last lines."""
-    out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}.json"
-    argv, env = child_command(workload, mode, extra, root, commit, out, profile, model, stage)
+    has the GPU to itself (``gpus`` > 1: as many ranks, one per GPU): its medians, steps, commit
+    (and profile table). A run that fails (a baseline that does not know the mode, say) is an
+    error naming it and its last lines."""
+    out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}_{gpus}.json"
+    argv, env = child_command(workload, mode, extra, root, commit, out, profile, model, stage, gpus)
     proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -348,12 +361,16 @@ def check_model(model: Path, workload: Workload) -> Path:
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: str | None = None, baseline: Path | None = None,
                   baseline_commit: str | None = None, model: Path | None = None,
-                  profile_stage: str = "learner") -> dict[str, Any]:
+                  profile_stage: str = "learner", gpus: list[int] | None = None) -> dict[str, Any]:
     """Every mode of ``workload``. One mode runs in this process; several run one after
     another, each in a fresh child process with the GPU to itself, so that no mode inherits
     memory, caches or compiled state from the one before.
     With ``baseline`` (a directory holding another version's ``quarl`` package) each mode then
-    runs again under that code, so that old and new are measured in one call."""
+    runs again under that code, so that old and new are measured in one call.
+    With ``gpus`` (e.g. ``[1, 2, 4]``) each mode runs once per count, under ``torchrun`` with
+    that many ranks and the workload's prompts per GPU (weak scaling: ``prompts x count``
+    prompts a step), as ``<mode>@<count>gpu``; :func:`save_result` adds each count's
+    scaling efficiency (the one-GPU step time over its own)."""
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
@@ -375,11 +392,21 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         "bf16_tflops_measured": ceil.bf16_flops / 1e12, "matmul_params": params, "modes": {},
     }
     isolate = len(modes) > 1 or baseline is not None
+    main = os.environ.get("RANK", "0") == "0"  # (under torchrun: rank 0 reports)
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
         # the random weights are made and saved once (seconds of CPU for a 1.5B model) and every
         # mode's process loads them
         model_dir = model or (None if w.random_base else save_random_model(w.shape, Path(tmp) / "model"))
         for mode in modes:
+            if gpus:
+                for k in gpus:
+                    key = f"{mode}@{k}gpu"
+                    result["modes"][key] = run_child(workload, mode, [*extra, f"--trainer.prompts_per_step={w.prompts * k}"],
+                                                     package_root(), git_commit(), Path(tmp), profile, model_dir,
+                                                     profile_stage, gpus=k)
+                    print(key, json.dumps(result["modes"][key]["median"]), flush=True)
+                    save_result(result, out)
+                continue
             if isolate:
                 r = result["modes"][mode] = run_child(workload, mode, extra, package_root(), git_commit(), Path(tmp),
                                                       profile, model_dir, profile_stage)
@@ -391,6 +418,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                                              "overrides": overrides}
                 if table:
                     r["profile"] = table.splitlines()
+            if not main:
+                continue
             if "profile" in r:
                 print("\n".join(r["profile"]), flush=True)
             print(mode, json.dumps(r["median"]), flush=True)
@@ -405,10 +434,14 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
 def save_result(result: dict[str, Any], out: Path | None) -> None:
     """Adds the speedups (over bf16, over the baseline) to ``result`` and writes it to ``out``
     atomically (a temporary file renamed over it)."""
-    base = result["modes"].get("bf16", {}).get("median", {})
-    for r in result["modes"].values():
+    modes = result["modes"]
+    for key, r in modes.items():
+        mode, _, count = key.partition("@")
         m = r["median"]
-        r["speedup_vs_bf16"] = _speedups(base, m)
+        r["speedup_vs_bf16"] = _speedups(modes.get("bf16" + ("@" + count if count else ""), {}).get("median", {}), m)
+        one = modes.get(f"{mode}@1gpu", {}).get("median", {})
+        if count and one.get("step_s") and m.get("step_s"):  # the same work per GPU: ideally the same step time
+            r["scaling_efficiency"] = one["step_s"] / m["step_s"]
         if "baseline" in r:
             r["speedup_vs_baseline"] = _speedups(r["baseline"]["median"], m)
     if out is not None:
@@ -441,6 +474,8 @@ def summary_table(result: dict[str, Any]) -> str:
                 f"{step_speedup} |")
         return line + (f" {vs_base} |" if vs_base is not None else "")
 
+    scaling = [f"{mode}: {r['scaling_efficiency']:.0%}" for mode, r in result["modes"].items()
+               if "scaling_efficiency" in r and not mode.endswith("@1gpu")]
     for mode, r in result["modes"].items():
         vs = r.get("speedup_vs_baseline")
         cell = None if not with_base else "-" if vs is None else " / ".join(
@@ -449,4 +484,6 @@ def summary_table(result: dict[str, Any]) -> str:
         if "baseline" in r:
             lines.append(row(f"{mode} (baseline {str(r['baseline'].get('git_commit'))[:7]})", r["baseline"]["median"],
                              {}, ""))
+    if scaling:  # weak scaling: the one-GPU step time over the step time with the same prompts per GPU
+        lines.append("scaling efficiency vs 1 GPU: " + ", ".join(scaling))
     return "\n".join(lines)

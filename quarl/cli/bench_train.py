@@ -35,6 +35,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR",
                    help="a saved checkpoint of the workload's shape to run on (default: random weights of that shape, "
                    "made once per call and loaded by every mode)")
+    p.add_argument("--gpus", metavar="N,N,...",
+                   help="scaling: run each mode on each of these GPU counts (torchrun, one rank per GPU, data "
+                   "parallel) with the workload's prompts per GPU, e.g. --gpus 1,2,4; reports each count's step "
+                   "breakdown and its efficiency against one GPU. Sharding the learner: add "
+                   "--trainer.shard_learner=true")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p
@@ -42,6 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import os
     from pathlib import Path
 
     import torch
@@ -52,10 +58,29 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("quarl bench train needs a CUDA GPU; run it on a GPU machine")
     extra = list(args.overrides) + ([f"--trainer.steps={args.steps}"] if args.steps else [])
     modes = [m for m in args.modes.split(",") if m]
+    gpus = parse_gpus(args.gpus, torch.cuda.device_count()) if args.gpus else None
+    if gpus and args.baseline:
+        raise ValueError("--gpus and --baseline do not combine: compare versions on one GPU count at a time")
     result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile,
                            Path(args.baseline) if args.baseline else None, args.baseline_commit,
-                           Path(args.model) if args.model else None, args.profile_stage)
-    print(summary_table(result))
-    if not args.out:
-        print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))
+                           Path(args.model) if args.model else None, args.profile_stage, gpus)
+    if os.environ.get("RANK", "0") == "0":  # (a torchrun child's rank 0 reports)
+        print(summary_table(result))
+        if not args.out:
+            print(json.dumps({m: r["median"] for m, r in result["modes"].items()}, indent=2))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from quarl.distributed import leave
+
+        leave(0)
     return 0
+
+
+def parse_gpus(text: str, available: int) -> list[int]:
+    """``--gpus``: distinct counts from 1 to the GPUs this machine has, ascending."""
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--gpus {text}: give GPU counts separated by commas, e.g. --gpus 1,2,4") from None
+    if not counts or counts[0] < 1 or counts[-1] > available:
+        raise ValueError(f"--gpus {text}: each count must be between 1 and the {available} GPU(s) of this machine")
+    return counts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from quarl.distributed import shutdown
+    from quarl.distributed import leave, shutdown
     from quarl.trainer.loop import Trainer
 
     console = None if args.quiet else Console(stderr=True)
@@ -48,16 +47,10 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
         # under torchrun: rank 0 alone reports and prints
         code = _run_main(trainer, cfg) if trainer.dist.main else _run_rank(trainer)
-        if code == 0:
-            trainer.dist.barrier()  # every rank is done with the others before any leaves
+        if trainer.dist.world > 1 and code == 0:
+            leave(0)  # the run directory is complete and closed
     finally:
         shutdown()
-    if trainer.dist.world > 1:
-        # the run directory is complete and closed: leave without the interpreter's teardown,
-        # where torch's gloo threads can abort a finished rank (and fail the torchrun job)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     return code
 
 

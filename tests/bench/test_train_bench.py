@@ -159,3 +159,41 @@ def test_every_workload_and_mode_makes_a_valid_run_config(tmp_path):
             assert cfg.rollout.max_new_tokens == w.gen, (name, mode)
     lean = load_run_config(None, workload_overrides(WORKLOADS["full-7b-lean"], tmp_path))
     assert not lean.optim.fp32_master and lean.optim.state_dtype == "bfloat16" and lean.trainer.activation_checkpointing
+
+
+def test_a_scaling_run_launches_ranks_and_reports_efficiency(tmp_path):
+    """``--gpus``: a count above one runs the mode under torchrun with that many ranks and the
+    workload's prompts per GPU (rank 0 writes the result); ``save_result`` gives each count
+    its step-time efficiency against one GPU, and the table lists them. Bad counts are
+    refused with the fix."""
+    import json
+    import textwrap
+
+    from quarl.bench.train import run_child, save_result, summary_table
+    from quarl.cli.bench_train import parse_gpus
+
+    pkg = tmp_path / "fake" / "quarl"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(textwrap.dedent('''
+        import json, os, sys
+        args = sys.argv[1:]
+        assert os.environ["WORLD_SIZE"] == "2" and args[-1] == "--trainer.prompts_per_step=32"
+        if os.environ["RANK"] == "0":
+            out, mode = args[args.index("--out") + 1], args[args.index("--modes") + 1]
+            json.dump({"modes": {mode: {"median": {"step_s": 8.0}}}}, open(out, "w"))
+    '''))
+    got = run_child("w1", "bf16", ["--trainer.prompts_per_step=32"], tmp_path / "fake", "abc", tmp_path, gpus=2)
+    assert got["median"] == {"step_s": 8.0}
+    result = {"workload": "w1", "device": "cpu", "git_commit": "def5678", "modes": {
+        "bf16@1gpu": {"median": {"step_s": 7.0}}, "bf16@2gpu": got, "aligned-w4a16@1gpu": {"median": {"step_s": 5.0}},
+        "aligned-w4a16@2gpu": {"median": {"step_s": 6.25}}}}
+    save_result(result, None)
+    assert result["modes"]["bf16@2gpu"]["scaling_efficiency"] == 7.0 / 8.0
+    assert result["modes"]["aligned-w4a16@2gpu"]["speedup_vs_bf16"] == {"step_s": 8.0 / 6.25}
+    assert summary_table(result).endswith("scaling efficiency vs 1 GPU: bf16@2gpu: 88%, aligned-w4a16@2gpu: 80%")
+    json.dumps(result)
+    assert parse_gpus("4,1,2,2", 4) == [1, 2, 4]
+    for bad, why in (("1,8", "between 1 and the 4 GPU"), ("0", "between 1"), ("two", "separated by commas")):
+        with pytest.raises(ValueError, match=why):
+            parse_gpus(bad, 4)
