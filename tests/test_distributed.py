@@ -64,8 +64,13 @@ def _learner(mode: str, dist: Dist, shard: bool = False):
     from quarl.model.presets import build_random_model
     from quarl.quant import quantize_model
 
-    dtype = torch.bfloat16 if mode == "bf16-masters" else torch.float32
-    model = build_random_model("tiny", seed=3, dtype=dtype, std=0.1)
+    from dataclasses import replace
+
+    from quarl.model.presets import preset_config
+
+    dtype = torch.bfloat16 if mode.endswith("bf16-masters") else torch.float32
+    cfg = replace(preset_config("tiny"), tie_word_embeddings=mode.startswith("tied-"))  # (tied: one weight, two uses)
+    model = build_random_model(cfg, seed=3, dtype=dtype, std=0.1)
     if mode.startswith("aligned-w4a16"):
         quantize_model(model, "w4a16")
     if mode == "lora-w4a16":  # adapters (random, so both A and B get gradients) on a frozen w4a16 base
@@ -105,8 +110,7 @@ def _update(mode: str, dist: Dist, rows: range, loss: str, agg: str | None, shar
 
 
 def _held(learner) -> float:
-    """The fraction of the decoder layers' weights and Adam moments (norms aside) this
-    process holds."""
+    """The fraction of the weights and Adam moments (norms aside) this process holds."""
     from quarl.learner.sharded import is_sharded
 
     def local(t):
@@ -114,9 +118,9 @@ def _held(learner) -> float:
 
     names = [n for n, p in learner.model.named_parameters() if p.requires_grad]
     stepped = dict(zip(names, (p for g in learner.optimizer.param_groups for p in g["params"])))  # (in this order)
-    params = [p for n, p in learner.model.named_parameters() if n.startswith("layers.") and "norm" not in n]
-    moments = [learner.optimizer.state[stepped[n]]["exp_avg"] for n in names if n.startswith("layers.")
-               and "norm" not in n]
+    learner._resharded()
+    params = [p for n, p in learner.model.named_parameters() if "norm" not in n]
+    moments = [learner.optimizer.state[stepped[n]]["exp_avg"] for n in names if "norm" not in n]
     return sum(local(t) for t in params + moments) / sum(t.numel() for t in params + moments)
 
 
@@ -149,14 +153,17 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
 
 @pytest.mark.parametrize("mode,loss,agg", [*((m, "ppo", "token-mean") for m in MODES),
                                            *((m, "sapo", "seq-mean-token-sum-norm") for m in MODES),
-                                           ("aligned-w4a16-ac", "ppo", "token-mean"), ("lora-w4a16", "ppo", "token-mean")])
+                                           ("aligned-w4a16-ac", "ppo", "token-mean"), ("lora-w4a16", "ppo", "token-mean"),
+                                           ("tied-bf16-masters", "ppo", "token-mean")])
 def test_a_sharded_learner_updates_as_one_process(tmp_path, mode, loss, agg):
     """FSDP2 (``shard=True``): each rank holds half of every decoder layer's weights and
     optimizer states; gathered back (:meth:`Learner.state_dict`), the weights, Adam moments
     and metrics are those of one unsharded process on all the rows, in fp32, bf16 with
     float32 masters (the sharded weights stored in float32, gathered in bf16), aligned w4a16
     (quantizing the gathered weights), aligned w4a16 with activation checkpointing (the
-    backward's recomputation gathers again) and LoRA adapters on a frozen w4a16 base."""
+    backward's recomputation gathers again), LoRA adapters on a frozen w4a16 base, and tied
+    embeddings (the root's one weight used twice). The embeddings and LM head are sharded too:
+    each rank holds half of every weight but the norms."""
     _run_ranks(tmp_path / "ranks", mode, loss, str(agg), "sharded")
     assert _assert_ranks_match_one_process(tmp_path / "ranks", mode, loss, agg) == [0.5, 0.5]
 
@@ -166,7 +173,7 @@ def _assert_ranks_match_one_process(out: Path, mode: str, loss: str, agg: str | 
     weights and moments each rank held (:func:`_held`)."""
     ref_w, ref_adam, ref_m, _ = _update(mode, Dist(), range(ROWS), loss, agg)
     start = {n: p.detach().float() for n, p in _learner(mode, Dist()).model.named_parameters()}
-    bf16 = mode == "bf16-masters"  # micro-batch gradients accumulate in bf16 before the fp32 masters
+    bf16 = mode.endswith("bf16-masters")  # micro-batch gradients accumulate in bf16 before the fp32 masters
     rel = 5e-2 if bf16 else 1e-4
     for rank in range(2):
         got = torch.load(out / f"rank{rank}.pt")

@@ -125,7 +125,7 @@ class Learner:
         self.critic_ops = CheckpointedOps(TORCH_OPS) if activation_checkpointing else TORCH_OPS
         self.ref_model = ref_model
         self.critic = critic
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.compute_dtype
         self.master = MasterWeights(model) if dtype in (torch.bfloat16, torch.float16) and fp32_master else None
         params = model
         if self.master is not None:  # (sharded weights are masters themselves: in the model's order among them)
@@ -145,8 +145,15 @@ class Learner:
 
     def held_parameters(self) -> tuple[int, int]:
         """The policy's parameters this rank holds (its shards and the replicated ones), and all of them."""
+        self._resharded()
         mine = sum(p.to_local().numel() if is_sharded(p) else p.numel() for p in self.model.parameters())
         return mine, sum(p.numel() for p in self.model.parameters())
+
+    def _resharded(self) -> None:
+        """A sharded model's root back in shards (it stays gathered after a forward without
+        gradients); every rank's parameters are then its shards. Nothing for one process."""
+        if self.sharded:
+            self.model.reshard()
 
     @property
     def device(self) -> torch.device:
@@ -319,6 +326,7 @@ class Learner:
 
     # ---- state ----------------------------------------------------------------------
     def state_dict(self) -> dict:
+        self._resharded()
         sd = {
             "model": self._model_state(),
             "optimizer": self.optimizer.state_dict(),
@@ -335,7 +343,7 @@ class Learner:
         """A sharded learner's state as an unsharded one holds it (every rank gathers): the
         model in its dtype, float32 masters of the sharded weights beside the replicated ones,
         whole optimizer states. Checkpoints then resume on any number of ranks."""
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.compute_dtype
         sd["model"] = {k: full(v, dtype if is_sharded(v) else None) for k, v in sd["model"].items()}
         if self.master is not None:
             sd["master"].update((n, full(p)) for n, p in self.model.named_parameters()
@@ -392,6 +400,7 @@ class Learner:
         does not have yet (zeros), for a load to fill in place."""
         if isinstance(self.optimizer, CombinedOptimizer):
             raise ValueError("checkpoints through torch.distributed.checkpoint take AdamW (optim.name=adamw)")
+        self._resharded()
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
         tensors = {f"model/{n}": t for n, t in self._model_state().items()
@@ -408,7 +417,7 @@ class Learner:
         opt = self.optimizer.state_dict()
         rest = {"format": SHARDED_FORMAT, "param_groups": opt["param_groups"],
                 "rounding": opt.get("rounding"), "scheduler": self.scheduler.state_dict(),
-                "model_dtype": str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")}
+                "model_dtype": str(self.model.compute_dtype).removeprefix("torch.")}
         if self.critic is not None:  # (whole on every rank)
             rest.update((k, v) for k, v in self.state_dict_of_critic().items())
         return tensors, rest
@@ -445,6 +454,7 @@ class Learner:
         """A sharded learner's model from whole tensors (any run's checkpoint, sharded or not),
         each rank copying its shards: the float32 master where the sharded weight is one."""
         self._check_names(sd["model"], "tensors", "model")
+        self._resharded()
         targets = {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
         masters = sd.get("master", {}) if self.master is not None else {}
         for name, value in sd["model"].items():

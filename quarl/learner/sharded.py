@@ -1,16 +1,17 @@
 """The learner's weights sharded over the ranks with FSDP2 (``trainer.shard_learner``).
 
 Data-parallel ranks each hold the whole policy, its gradients and its optimizer states; a
-sharded learner holds ``1/world`` of every decoder layer instead. :func:`shard_model` wraps
-each decoder layer in ``torch.distributed.fsdp.fully_shard`` (its weights gathered just
-before its forward and backward, dropped after, its gradients reduce-scattered) and the layer
-stack in one more, the root that starts the layers' gathers.
+sharded learner holds ``1/world`` of them instead. :func:`shard_model` wraps each decoder
+layer in ``torch.distributed.fsdp.fully_shard`` (its weights gathered just before its
+forward and backward, dropped after, its gradients reduce-scattered) and the model in one
+more, the root, which holds the embeddings and the LM head: gathered when
+``Transformer.hidden_states`` starts (an FSDP forward method) and kept until the backward is
+done, since the log-probs use the LM head after the layers.
 
 What stays whole on every rank (replicated, its gradient summed over the ranks as data
-parallel sums it): the embeddings, the LM head, and every RMSNorm weight. The norms because a
-layer's block ends with the *next* layer's input norm (fused into the block's last kernel, as
-the engine fuses it), which must be readable while that next layer is still sharded; they are
-a few thousand numbers per layer.
+parallel sums it): every RMSNorm weight. A layer's block ends with the *next* layer's input
+norm (fused into the block's last kernel, as the engine fuses it), which must be readable
+while that next layer is still sharded; they are a few thousand numbers per layer.
 
 Master weights: with ``optim.fp32_master`` a 16-bit model's sharded weights are stored in
 float32 and gathered in the model's dtype (``MixedPrecisionPolicy``: the gathered values are
@@ -55,25 +56,33 @@ def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> Non
     """Shard ``model``'s decoder layers over ``dist``'s ranks in place (module docstring);
     ``fp32_master``: a 16-bit model's sharded weights become its float32 masters."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if dist.world == 1:
         raise ValueError("sharding the learner needs several ranks (launch with torchrun --nproc_per_node=N)")
     device = model.embed_tokens.weight.device
     mesh = init_device_mesh(device.type, (dist.world,))
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.compute_dtype
     masters = fp32_master and dtype in (torch.bfloat16, torch.float16)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if masters else MixedPrecisionPolicy()
     norms = {p for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-    units: list[nn.Module] = []
-    for layer in model.layers:
-        if masters:
-            for p in layer.parameters():
+
+    def unit(module: nn.Module, params: list[nn.Parameter]) -> nn.Module:
+        if masters:  # (each unit just before it is sharded: one unit's float32 copy is ever whole)
+            for p in params:
                 if p.requires_grad and p not in norms:
                     p.data = p.data.float()
+        return fully_shard(module, mesh=mesh, mp_policy=mp, ignored_params=norms & set(module.parameters()))
+
+    units: list[nn.Module] = []
+    for layer in model.layers:
         layer.register_forward_pre_hook(_fresh_quantization)
-        units.append(fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=norms & set(layer.parameters())))
-    units.append(fully_shard(model.layers, mesh=mesh, mp_policy=mp, ignored_params=norms))
+        units.append(unit(layer, list(layer.parameters())))
+    # the root: the embeddings and the LM head, gathered when hidden_states starts and kept through
+    # the log-probs that follow (the LM head's use, and a tied one's second use of the embeddings)
+    in_layers = set(model.layers.parameters())
+    units.append(unit(model, [p for p in model.parameters() if p not in in_layers]))
+    register_fsdp_forward_method(model, "hidden_states")
     for unit in units:  # a sum: each rank's loss is already its share of the mini-batch's
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)

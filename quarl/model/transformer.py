@@ -198,8 +198,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLayers(nn.ModuleList):
-    """The decoder layers, called as one module (:meth:`forward`): the unit a sharded learner
-    wraps around the layers' own (:mod:`quarl.learner.sharded`). Names stay ``layers.N.*``."""
+    """The decoder layers, run in turn by one call (:meth:`forward`); each through its module
+    call, where a sharded learner gathers its weights (:mod:`quarl.learner.sharded`). Names
+    stay ``layers.N.*``."""
 
     def forward(self, ops: "TorchOps", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn,
                 final_norm: nn.Module) -> torch.Tensor:
@@ -297,6 +298,12 @@ class Transformer(nn.Module):
         # K/V rounding of the batch forwards' attention: None, or "fp8" (quarl.quant.kv), the
         # engine's fp8 KV cache seen by an aligned learner. Not a buffer: not in checkpoints.
         self.kv_quant: str | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: its RMSNorm weights', which keep it also where a
+        sharded learner stores the other weights in float32 (:mod:`quarl.learner.sharded`)."""
+        return self.norm.weight.dtype
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

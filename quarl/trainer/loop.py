@@ -140,7 +140,7 @@ class Trainer:
         if self.learner.sharded:
             held, total = self.learner.held_parameters()
             self._say(f"learner sharded over {self.dist.world} ranks (FSDP2): each holds {held / 1e6:.3g}M of the "
-                      f"model's {total / 1e6:.3g}M parameters (embeddings, LM head and norms whole)")
+                      f"model's {total / 1e6:.3g}M parameters")
         self.step = 0
         self.data_pos = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])

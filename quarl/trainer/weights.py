@@ -193,7 +193,7 @@ class Publisher:
 
     def _published_sharded(self) -> dict:
         params = dict(self.learner_model.named_parameters())
-        dtype = self.learner_model.embed_tokens.weight.dtype
+        dtype = self.learner_model.compute_dtype
         if self.mode.learner_quantized:
             qat = {f"{n}.weight": m for n, m in self.learner_model.named_modules() if isinstance(m, QATLinear)}
             quantized = {}
@@ -215,7 +215,7 @@ class Publisher:
             return {}
         params = dict(self.learner_model.named_parameters())
         qws = {n: pub[n] for n in self.tracked}
-        dtype = self.learner_model.embed_tokens.weight.dtype  # (a sharded learner's weights: gathered in it)
+        dtype = self.learner_model.compute_dtype  # (a sharded learner's weights: gathered in it)
         weights = {n: full(params[n].detach(), dtype if is_sharded(params[n]) else None) for n in self.tracked}
         metrics = {"quant/rel_quant_err": rel_quant_err(weights, qws)}
         if self._prev_codes is not None:
