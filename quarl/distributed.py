@@ -14,8 +14,10 @@ the identity, nothing is imported or initialised.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +113,40 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
+
+
+class DeviceTimer:
+    """Time spent in blocks of queued GPU work (collectives, whose time includes waiting for the
+    slowest rank), without a synchronisation of its own: CUDA events around each block, read
+    by :meth:`take` once the caller has synchronised anyway. On CPU (gloo, synchronous) the
+    host's clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def timed(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """Seconds since the last take (waits for the blocks' GPU work to finish)."""
+        total = self.seconds
+        for start, end in self.events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        self.events, self.seconds = [], 0.0
+        return total
 
 
 def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -177,6 +177,7 @@ def _assert_ranks_match_one_process(out: Path, mode: str, loss: str, agg: str | 
     rel = 5e-2 if bf16 else 1e-4
     for rank in range(2):
         got = torch.load(out / f"rank{rank}.pt")
+        assert all(m["time/grad_sync"] > 0 for m in got["metrics"])  # (the ranks' own: not in one process's)
         for k in ref_m[0]:  # grad_norm among them: the norm of the summed gradients
             for a, b in zip(got["metrics"], ref_m):
                 assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-6), (rank, k)

@@ -23,7 +23,7 @@ from torch import nn
 
 from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
 from quarl.algos.losses import SEQUENCE_LOSSES
-from quarl.distributed import Dist
+from quarl.distributed import DeviceTimer, Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import CombinedOptimizer, MasterWeights, adamw, build_optimizer, warmup_constant
@@ -137,6 +137,7 @@ class Learner:
         self.optimizer = build_optimizer(params, optim_name, lr, weight_decay, tuple(betas), muon_lr, **lean)
         self.scheduler = warmup_constant(self.optimizer, warmup_steps)
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
+        self._grad_sync = DeviceTimer(self.device)  # several ranks: summing the gradients over them
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
         self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
         critic_params = self.critic_master.masters() if self.critic_master is not None else (
@@ -216,6 +217,8 @@ class Learner:
         self.release_caches()  # stale after the optimizer step; not kept through the rollout
         out = {k: sums[k] / counts[k] for k in sums}
         out["train/skipped_updates"] = float(skipped)
+        if self.dist.world > 1:
+            out["time/grad_sync"] = self._grad_sync.take()
         return out
 
     def _mini_batch_step(
@@ -262,9 +265,10 @@ class Learner:
             stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.dist.world > 1:  # the weighted losses of all ranks add up to the mini-batch's: so do their grads
             # (sharded weights' gradients were reduce-scattered, summed, in the backward)
-            self.dist.sum_grads_(p for p in stepped if p.requires_grad and not is_sharded(p))
-            if acc is not None:
-                acc = self.dist.sum_tensor_(acc)
+            with self._grad_sync.timed():
+                self.dist.sum_grads_(p for p in stepped if p.requires_grad and not is_sharded(p))
+                if acc is not None:
+                    acc = self.dist.sum_tensor_(acc)
         if self.sharded:
             grad_norm = clip_grad_norm_(stepped, s.grad_clip, self.dist).double().reshape(1)
         else:
