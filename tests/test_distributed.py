@@ -68,7 +68,7 @@ def _learner(mode: str, dist: Dist, shard: bool = False):
 
     from quarl.model.presets import preset_config
 
-    dtype = torch.bfloat16 if mode.endswith("bf16-masters") else torch.float32
+    dtype = torch.bfloat16 if mode.endswith(("bf16-masters", "bf16-lean")) else torch.float32
     cfg = replace(preset_config("tiny"), tie_word_embeddings=mode.startswith("tied-"))  # (tied: one weight, two uses)
     model = build_random_model(cfg, seed=3, dtype=dtype, std=0.1)
     if mode.startswith("aligned-w4a16"):
@@ -87,7 +87,8 @@ def _learner(mode: str, dist: Dist, shard: bool = False):
             for _, _, ad in lora_modules(model):
                 ad.A.copy_(0.2 * torch.randn(ad.A.shape, generator=g))
                 ad.B.copy_(0.2 * torch.randn(ad.B.shape, generator=g))
-    return Learner(model, lr=1e-2, dist=dist, shard=shard, activation_checkpointing=mode.endswith("-ac"))
+    lean = {"fp32_master": False, "state_dtype": torch.bfloat16} if mode == "bf16-lean" else {}
+    return Learner(model, lr=1e-2, dist=dist, shard=shard, activation_checkpointing=mode.endswith("-ac"), **lean)
 
 
 def _update(mode: str, dist: Dist, rows: range, loss: str, agg: str | None, shard: bool = False):
@@ -154,7 +155,7 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
 @pytest.mark.parametrize("mode,loss,agg", [*((m, "ppo", "token-mean") for m in MODES),
                                            *((m, "sapo", "seq-mean-token-sum-norm") for m in MODES),
                                            ("aligned-w4a16-ac", "ppo", "token-mean"), ("lora-w4a16", "ppo", "token-mean"),
-                                           ("tied-bf16-masters", "ppo", "token-mean")])
+                                           ("tied-bf16-masters", "ppo", "token-mean"), ("bf16-lean", "ppo", "token-mean")])
 def test_a_sharded_learner_updates_as_one_process(tmp_path, mode, loss, agg):
     """FSDP2 (``shard=True``): each rank holds half of every decoder layer's weights and
     optimizer states; gathered back (:meth:`Learner.state_dict`), the weights, Adam moments
@@ -162,7 +163,9 @@ def test_a_sharded_learner_updates_as_one_process(tmp_path, mode, loss, agg):
     float32 masters (the sharded weights stored in float32, gathered in bf16), aligned w4a16
     (quantizing the gathered weights), aligned w4a16 with activation checkpointing (the
     backward's recomputation gathers again), LoRA adapters on a frozen w4a16 base, and tied
-    embeddings (the root's one weight used twice). The embeddings and LM head are sharded too:
+    embeddings (the root's one weight used twice), and bf16 weights and Adam moments stepped
+    directly with stochastic rounding (each rank rounds its own shards: the same distribution,
+    other draws, within bf16 tolerance). The embeddings and LM head are sharded too:
     each rank holds half of every weight but the norms."""
     _run_ranks(tmp_path / "ranks", mode, loss, str(agg), "sharded")
     assert _assert_ranks_match_one_process(tmp_path / "ranks", mode, loss, agg) == [0.5, 0.5]
@@ -173,7 +176,7 @@ def _assert_ranks_match_one_process(out: Path, mode: str, loss: str, agg: str | 
     weights and moments each rank held (:func:`_held`)."""
     ref_w, ref_adam, ref_m, _ = _update(mode, Dist(), range(ROWS), loss, agg)
     start = {n: p.detach().float() for n, p in _learner(mode, Dist()).model.named_parameters()}
-    bf16 = mode.endswith("bf16-masters")  # micro-batch gradients accumulate in bf16 before the fp32 masters
+    bf16 = mode.endswith(("bf16-masters", "bf16-lean"))  # micro-batch gradients accumulate in bf16 before the fp32 masters
     rel = 5e-2 if bf16 else 1e-4
     for rank in range(2):
         got = torch.load(out / f"rank{rank}.pt")

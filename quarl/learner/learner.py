@@ -116,7 +116,6 @@ class Learner:
             shard_model(model, dist, fp32_master)
             if ref_model is not None:
                 shard_model(ref_model, dist, fp32_master=False)
-            set_per_use_dequant(model)  # aligned linears: the gradient reaches the gathered weights directly
         # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
         ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
         self.ops = CheckpointedOps(ops) if activation_checkpointing else ops

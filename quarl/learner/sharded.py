@@ -20,9 +20,10 @@ unsharded model) and their gradients are reduced in float32; the optimizer steps
 shards directly. The replicated weights keep their ``MasterWeights``.
 
 Aligned (QAT) linears quantize the gathered weight in each forward (the cached quantized
-weight is dropped before every layer's forward, :func:`_fresh_quantization`) and run the
-straight-through autograd function (per-use dequantization), whose gradient reaches the
-gathered weight and so FSDP's reduce-scatter.
+weight is dropped before every layer's forward, :func:`_fresh_quantization`) and dequantize
+it per use with a straight-through gradient that autograd itself carries to the gathered
+weight (:func:`~quarl.quant.linear.set_straight_through`: in the compiled regions too), so
+FSDP's reduce-scatter finds it when the backward leaves the layer.
 
 The gradient of a rank's loss is that rank's share of the mini-batch loss (the learner
 normalises by the totals over all ranks), so the reduce-scatter sums (divide factor 1) as
@@ -43,7 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from quarl.distributed import Dist
 from quarl.model.transformer import RMSNorm, Transformer
-from quarl.quant.linear import invalidate_quantized
+from quarl.quant.linear import invalidate_quantized, set_straight_through
 from quarl.quant.qweight import QuantizedWeight, quantize_weights
 from quarl.quant.scheme import QuantScheme
 
@@ -83,6 +84,7 @@ def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> Non
     in_layers = set(model.layers.parameters())
     units.append(unit(model, [p for p in model.parameters() if p not in in_layers]))
     register_fsdp_forward_method(model, "hidden_states")
+    set_straight_through(model)
     for unit in units:  # a sum: each rank's loss is already its share of the mini-batch's
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)

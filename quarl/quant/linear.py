@@ -205,19 +205,22 @@ class _DequantizedLeaf:
     accumulated gradient a hook hands, row block by row block, to the master weights (at once,
     or at the exit of :func:`deferred_master_grads`)."""
 
-    def __init__(self, keep: bool = True) -> None:
+    def __init__(self, keep: bool = True, straight_through: bool = False) -> None:
         self.leaf: torch.Tensor | None = None
         self.of: QuantizedWeight | None = None
         self.masters: list[torch.Tensor] = []
         # False (:func:`set_per_use_dequant`): no leaf; the linear runs _QATMatmul, which
         # dequantizes at each use and keeps nothing (one layer's dense weight at a time)
         self.keep = keep
+        # with keep False, in compiled regions (:func:`set_straight_through`): the weight
+        # dequantized at each use, its gradient passed to the masters through autograd
+        self.straight_through = straight_through
 
     def __deepcopy__(self, memo) -> "_DequantizedLeaf":  # a copy's hook would feed this one's masters
-        return _DequantizedLeaf(self.keep)
+        return _DequantizedLeaf(self.keep, self.straight_through)
 
     def __getstate__(self) -> dict:
-        return {"leaf": None, "of": None, "masters": [], "keep": self.keep}
+        return {"leaf": None, "of": None, "masters": [], "keep": self.keep, "straight_through": self.straight_through}
 
     def get(self, qw: QuantizedWeight, dtype: torch.dtype, repacked: RepackCache,
             masters: list[torch.Tensor]) -> torch.Tensor:
@@ -337,14 +340,27 @@ def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache
     dequantized leaf carries the gradient to the masters either way. None for the rest
     (the reference kernels off the fast path, per-tensor scales)."""
     sc = qw.scheme
-    if not leaf.keep:  # per-use dequantization: the autograd function, outside compiled regions
+    if not leaf.keep and not leaf.straight_through:  # per-use: the autograd function, outside compiled regions
         return None
+    fits = learner_runs_dequantized(x, qw) or (sc.act_format in ("int8", "fp8") and not sc.per_tensor_scale)
+    if not fits:
+        return None
+    w = _straight_through(qw, x.dtype, masters) if not leaf.keep else leaf.get(qw, x.dtype, repacked, masters)
     if learner_runs_dequantized(x, qw):
-        return ("dense", leaf.get(qw, x.dtype, repacked, masters), bias)
-    if sc.act_format in ("int8", "fp8") and not sc.per_tensor_scale:
-        return ("quantized_input", leaf.get(qw, x.dtype, repacked, masters), bias, qw.qdata, qw.scales, qw.zeros,
-                sc.name)
-    return None
+        return ("dense", w, bias)
+    return ("quantized_input", w, bias, qw.qdata, qw.scales, qw.zeros, sc.name)
+
+
+def _straight_through(qw: QuantizedWeight, dtype: torch.dtype, masters: list[torch.Tensor]) -> torch.Tensor:
+    """The dequantized weight ``W_deq`` made now, plus zero times the stacked master weights:
+    the values of ``W_deq`` exactly (``m - m`` is 0), and a gradient that autograd carries to
+    the masters (straight-through), with no hook and no leaf kept between forwards: what a
+    sharded learner needs, whose masters are gathered per forward and reduce their gradients
+    when the backward reaches them (:func:`set_straight_through`)."""
+    with torch.no_grad():
+        deq = ops.dequantize(qw, dtype)
+    stacked = masters[0] if len(masters) == 1 else torch.cat(masters)
+    return deq + (stacked - stacked.detach()).to(dtype)
 
 
 def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
@@ -484,7 +500,8 @@ class QATGroup:
         self.mods = list(mods)
         self.sizes = [m.out_features for m in self.mods]
         self.repacked = RepackCache(keep_dequantized=True)
-        self._leaf = _DequantizedLeaf(keep=all(m._leaf.keep for m in self.mods))
+        self._leaf = _DequantizedLeaf(keep=all(m._leaf.keep for m in self.mods),
+                                      straight_through=all(m._leaf.straight_through for m in self.mods))
         self._qw: QuantizedWeight | None = None
         self._parts: list[QuantizedWeight] = []
 
@@ -631,6 +648,20 @@ def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:
     for holder in _qat_holders(model):
         holder.drop_dequantized()
         holder._leaf.keep = not on
+
+
+def set_straight_through(model: nn.Module) -> None:
+    """``model``'s aligned linears dequantize their weight at each use and, in the learner's
+    compiled regions, take it as ``W_deq + (W - W)`` (:func:`_straight_through`): the same
+    values and gradients as the default path, without the dequantized leaf whose gradient a
+    hook hands to the masters after the backward. For a sharded learner
+    (:mod:`quarl.learner.sharded`), whose gathered weights must have their gradients by the
+    time the backward leaves their layer. Outside the regions the linears run the autograd
+    function (per use, as :func:`set_per_use_dequant`)."""
+    for holder in _qat_holders(model):
+        holder.drop_dequantized()
+        holder._leaf.keep = False
+        holder._leaf.straight_through = True
 
 
 @contextlib.contextmanager

@@ -161,19 +161,24 @@ def test_compiled_ops_run_aligned_projections_grouped_with_the_eager_values(sche
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8-int8", "w8a8-fp8"])
-def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, monkeypatch):
+@pytest.mark.parametrize("scheme,straight_through", [(None, False), ("w4a16", False), ("w8a8-int8", False),
+                                                     ("w8a8-fp8", False), ("w4a16", True), ("w8a8-fp8", True)])
+def test_layers_run_as_compiled_regions_with_the_eager_values(scheme, straight_through, monkeypatch):
     """Every layer of a plain model, and of an aligned one whose engine GEMM is a matmul over
     the dequantized weight (w4a16 at the learner's batch sizes, forced here: on the CPU the
     engine runs the reference kernel) or quantizes activations (W8A8, through the
     ``quarl::quantized_input_gemm`` op), runs as two compiled regions: no layer falls
     back to the step-by-step path, and the hidden states and every weight's gradient equal
-    the eager forward's (which runs the same path outside a compiled region)."""
+    the eager forward's (which runs the same path outside a compiled region). Also with the
+    weights dequantized per use and a straight-through gradient carried by autograd (a sharded
+    learner's, ``set_straight_through``) against the eager per-use autograd function."""
     from quarl.quant import linear, quantize_model
 
     model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=6)
     if scheme is not None:
         quantize_model(model, scheme)
+    if straight_through:
+        linear.set_straight_through(model)
     if scheme == "w4a16":
         monkeypatch.setattr(linear, "learner_runs_dequantized", lambda x, qw: True)
     fallbacks = COMPILED_OPS.fallbacks
