@@ -380,7 +380,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         check_baseline(baseline)
     if model is not None:
         check_model(model, w)
-    device = torch.device("cuda")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # (under torchrun: this rank's GPU)
+    torch.cuda.set_device(device)
     ceil = measure_ceilings(device)
     torch.cuda.empty_cache()  # (a child run sizes its KV cache from the memory free on the device)
     params = preset_config(w.shape).matmul_params
