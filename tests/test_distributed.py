@@ -119,7 +119,7 @@ def _held(learner) -> float:
 
     names = [n for n, p in learner.model.named_parameters() if p.requires_grad]
     stepped = dict(zip(names, (p for g in learner.optimizer.param_groups for p in g["params"])))  # (in this order)
-    learner._resharded()
+    learner.policy.resharded()
     params = [p for n, p in learner.model.named_parameters() if "norm" not in n]
     moments = [learner.optimizer.state[stepped[n]]["exp_avg"] for n in names if "norm" not in n]
     return sum(local(t) for t in params + moments) / sum(t.numel() for t in params + moments)

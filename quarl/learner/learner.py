@@ -26,12 +26,13 @@ from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.distributed import DeviceTimer, Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
-from quarl.learner.optim import CombinedOptimizer, MasterWeights, adamw, build_optimizer, warmup_constant
-from quarl.learner.sharded import as_sharded_like, clip_grad_norm_, full, is_sharded, load_full_, shard_model
+from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
+from quarl.learner.sharded import clip_grad_norm_, is_sharded, shard_model
+from quarl.learner.trained import Trained
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
-from quarl.quant.linear import deferred_master_grads, drop_dequantized, invalidate_quantized, set_per_use_dequant
+from quarl.quant.linear import deferred_master_grads, drop_dequantized, set_per_use_dequant
 
 
 # the "format" of the plain part of a sharded learner's state (:meth:`Learner.sharded_state`)
@@ -116,6 +117,8 @@ class Learner:
             shard_model(model, dist, fp32_master)
             if ref_model is not None:
                 shard_model(ref_model, dist, fp32_master=False)
+            if critic is not None:  # (its trunk; the value head stays whole)
+                shard_model(critic.trunk, dist, fp32_master)
         # compile_ops: the forward's elementwise steps through torch.compile (CUDA only)
         ops = COMPILED_OPS if compile_ops and self.device.type == "cuda" else TORCH_OPS
         self.ops = CheckpointedOps(ops) if activation_checkpointing else ops
@@ -126,10 +129,8 @@ class Learner:
         self.critic = critic
         dtype = model.compute_dtype
         self.master = MasterWeights(model) if dtype in (torch.bfloat16, torch.float16) and fp32_master else None
-        params = model
-        if self.master is not None:  # (sharded weights are masters themselves: in the model's order among them)
-            masters = dict(self.master.named_masters())
-            params = [(n, masters.get(n, p)) for n, p in model.named_parameters() if p.requires_grad]
+        # (sharded weights are masters themselves: in the model's order among the others)
+        params = model if self.master is None else list(zip(_names(model), _stepped(model, self.master)))
         # bf16 weights stepped directly: updates below one ulp survive only with stochastic rounding
         rounded = self.master is None and dtype == torch.bfloat16
         lean = {"state_dtype": state_dtype, "stochastic_rounding": rounded, "seed": seed}
@@ -139,21 +140,15 @@ class Learner:
         self._grad_sync = DeviceTimer(self.device)  # several ranks: summing the gradients over them
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
         self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
-        critic_params = self.critic_master.masters() if self.critic_master is not None else (
-            critic.parameters() if critic is not None else None)
-        self.critic_optimizer = adamw(list(critic_params), lr, weight_decay, **lean) if critic is not None else None
+        self.critic_optimizer = adamw(_stepped(critic, self.critic_master), lr, weight_decay, **lean) \
+            if critic is not None else None
+        self.policy = Trained(model, self.optimizer, self.master, self.sharded, adapters_only=has_lora(model))
+        self.value = None if critic is None else Trained(critic, self.critic_optimizer, self.critic_master,
+                                                          self.sharded)
 
     def held_parameters(self) -> tuple[int, int]:
         """The policy's parameters this rank holds (its shards and the replicated ones), and all of them."""
-        self._resharded()
-        mine = sum(p.to_local().numel() if is_sharded(p) else p.numel() for p in self.model.parameters())
-        return mine, sum(p.numel() for p in self.model.parameters())
-
-    def _resharded(self) -> None:
-        """A sharded model's root back in shards (it stays gathered after a forward without
-        gradients); every rank's parameters are then its shards. Nothing for one process."""
-        if self.sharded:
-            self.model.reshard()
+        return self.policy.held()
 
     @property
     def device(self) -> torch.device:
@@ -259,9 +254,7 @@ class Learner:
         drop_dequantized(self.model, frozen=False)  # stale at the step: not held through it (frozen bases stay)
         if self.master is not None:
             self.master.grads_to_masters()
-        stepped = list(self.master.masters() if self.master is not None else self.model.parameters())
-        if self.sharded:  # its sharded weights are masters themselves
-            stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        stepped = self.policy.stepped()
         if self.dist.world > 1:  # the weighted losses of all ranks add up to the mini-batch's: so do their grads
             # (sharded weights' gradients were reduce-scattered, summed, in the backward)
             with self._grad_sync.timed():
@@ -284,14 +277,10 @@ class Learner:
             if self.critic_optimizer is not None:
                 if self.critic_master is not None:
                     self.critic_master.grads_to_masters()
-                    self.dist.sum_grads_(self.critic_master.masters())
-                    torch.nn.utils.clip_grad_norm_(self.critic_master.masters(), s.grad_clip)
-                    self.critic_optimizer.step()
+                self.value.sum_and_clip(self.dist, s.grad_clip)
+                self.critic_optimizer.step()
+                if self.critic_master is not None:
                     self.critic_master.masters_to_model()
-                else:
-                    self.dist.sum_grads_(self.critic.parameters())
-                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), s.grad_clip)
-                    self.critic_optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
@@ -329,100 +318,33 @@ class Learner:
 
     # ---- state ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        self._resharded()
-        sd = {
-            "model": self._model_state(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-        if self.master is not None:
-            sd["master"] = self.master.state_dict()
-        sd.update(self.state_dict_of_critic())
-        if self.sharded:
-            self._gather_sharded(sd)
+        """Whole tensors (:meth:`Trained.state_dict`; a sharded learner gathers them on every
+        rank): the policy's ``model``, ``optimizer``, ``master``, the ``scheduler``, and the
+        critic's as ``critic``, ``critic_optimizer``, ``critic_master``."""
+        sd = {**self.policy.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.value is not None:
+            sd.update((CRITIC_KEYS[k], v) for k, v in self.value.state_dict().items())
         return sd
-
-    def _gather_sharded(self, sd: dict) -> None:
-        """A sharded learner's state as an unsharded one holds it (every rank gathers): the
-        model in its dtype, float32 masters of the sharded weights beside the replicated ones,
-        whole optimizer states. Checkpoints then resume on any number of ranks."""
-        dtype = self.model.compute_dtype
-        sd["model"] = {k: full(v, dtype if is_sharded(v) else None) for k, v in sd["model"].items()}
-        if self.master is not None:
-            sd["master"].update((n, full(p)) for n, p in self.model.named_parameters()
-                                if p.requires_grad and is_sharded(p))
-        opt = sd["optimizer"]
-        opt["state"] = {i: {k: full(v) for k, v in st.items()} for i, st in opt["state"].items()}
-
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        """The policy's state: all of it, or for a LoRA policy its adapters alone (the frozen
-        base is rebuilt from the run's config and never changes)."""
-        if not has_lora(self.model):
-            return self.model.state_dict()
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def load_state_dict(self, sd: dict) -> None:
-        if self.sharded:
-            self._load_sharded_model(sd)
-        elif has_lora(self.model):
-            self._check_names(sd["model"], "adapters", "LoRA model", ": it was written with other model.lora_* settings")
-            self.model.load_state_dict(sd["model"], strict=False)
-        else:
-            self.model.load_state_dict(sd["model"])
-        if self.master is not None:
-            self.master.load_state_dict(sd["master"])
-        self.optimizer.load_state_dict(self._shard_optimizer_state(sd["optimizer"]) if self.sharded
-                                       else sd["optimizer"])
+        self.policy.load_state_dict(sd)
         self.scheduler.load_state_dict(sd["scheduler"])
-        self._load_critic(sd)
+        if self.value is not None and "critic" in sd:
+            self.value.load_state_dict({k: sd[c] for k, c in CRITIC_KEYS.items() if c in sd})
 
-    def state_dict_of_critic(self) -> dict:
-        """The critic's part of the state (empty without one; never sharded)."""
-        if self.critic is None:
-            return {}
-        sd = {"critic": self.critic.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict()}
-        if self.critic_master is not None:
-            sd["critic_master"] = self.critic_master.state_dict()
-        return sd
-
-    def _load_critic(self, sd: dict) -> None:
-        if self.critic is not None and "critic" in sd:
-            self.critic.load_state_dict(sd["critic"])
-            if self.critic_master is not None:
-                self.critic_master.load_state_dict(sd["critic_master"])
-            self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
-
-    # ---- torch.distributed.checkpoint (a sharded learner's checkpoints) ----------------
     def sharded_state(self, allocate: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
-        """The learner's state for ``torch.distributed.checkpoint``: its tensors by name (each
-        rank's shards of the sharded ones, the replicated ones whole: ``model/<name>`` where no
-        master holds the value, ``master/<name>``, ``optim/<name>/<state>``), and the rest as
-        plain values (optimizer settings, scheduler, the critic). The names do not depend on the
-        number of ranks or on sharding, so any learner loads any such checkpoint
-        (:meth:`load_sharded_state`). ``allocate``: create the optimizer states a fresh learner
-        does not have yet (zeros), for a load to fill in place."""
-        if isinstance(self.optimizer, CombinedOptimizer):
-            raise ValueError("checkpoints through torch.distributed.checkpoint take AdamW (optim.name=adamw)")
-        self._resharded()
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
-        tensors = {f"model/{n}": t for n, t in self._model_state().items()
-                   if self.master is None or n not in names}
-        for n, p in zip(names, stepped):
-            if self.master is not None:
-                tensors[f"master/{n}"] = p
-            state = self.optimizer.state[p]
-            if allocate and not state:
-                moments = getattr(self.optimizer, "state_dtype", p.dtype)
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=moments),
-                             exp_avg_sq=torch.zeros_like(p, dtype=moments))
-            tensors.update((f"optim/{n}/{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor))
-        opt = self.optimizer.state_dict()
-        rest = {"format": SHARDED_FORMAT, "param_groups": opt["param_groups"],
-                "rounding": opt.get("rounding"), "scheduler": self.scheduler.state_dict(),
+        """The learner's state for ``torch.distributed.checkpoint``: its tensors by name, each
+        rank's shards of the sharded ones (:meth:`Trained.dcp_tensors`; the critic's under
+        ``critic/``), and the rest as plain values (optimizer settings, scheduler). The names
+        do not depend on the number of ranks or on sharding, so any learner loads any such
+        checkpoint (:meth:`load_sharded_state`). ``allocate``: create the optimizer states a
+        fresh learner does not have yet, for a load to fill in place."""
+        tensors = self.policy.dcp_tensors("", allocate)
+        rest = {"format": SHARDED_FORMAT, **self.policy.dcp_rest(), "scheduler": self.scheduler.state_dict(),
                 "model_dtype": str(self.model.compute_dtype).removeprefix("torch.")}
-        if self.critic is not None:  # (whole on every rank)
-            rest.update((k, v) for k, v in self.state_dict_of_critic().items())
+        if self.value is not None:
+            tensors.update(self.value.dcp_tensors("critic/", allocate))
+            rest["critic_optimizer"] = self.value.dcp_rest()
         return tensors, rest
 
     def load_sharded_state(self, checkpoint: str | Path, rest: dict) -> None:
@@ -435,44 +357,25 @@ class Learner:
         with warnings.catch_warnings():  # (one process: no process group, and none needed)
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=self.dist.world == 1)
-        if self.master is not None:
-            self.master.masters_to_model()
-        invalidate_quantized(self.model)
-        for group, saved in zip(self.optimizer.param_groups, rest["param_groups"]):
-            group.update((k, v) for k, v in saved.items() if k != "params")
-        if rest.get("rounding") is not None:
-            self.optimizer.rounding.load_state_dict(rest["rounding"])
+        self.policy.after_dcp_load(rest)
         self.scheduler.load_state_dict(rest["scheduler"])
-        self._load_critic(rest)
+        if self.value is not None:
+            self.value.after_dcp_load(rest["critic_optimizer"])
 
-    def _check_names(self, model_sd: dict, what: str, model: str, why: str = "") -> None:
-        want = set(self._model_state())
-        if set(model_sd) != want:
-            missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
-            raise KeyError(f"the checkpoint's {what} do not match this {model} (missing {missing[:3]}, "
-                           f"unexpected {extra[:3]}){why}")
 
-    @torch.no_grad()
-    def _load_sharded_model(self, sd: dict) -> None:
-        """A sharded learner's model from whole tensors (any run's checkpoint, sharded or not),
-        each rank copying its shards: the float32 master where the sharded weight is one."""
-        self._check_names(sd["model"], "tensors", "model")
-        self._resharded()
-        targets = {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
-        masters = sd.get("master", {}) if self.master is not None else {}
-        for name, value in sd["model"].items():
-            target = targets[name]
-            if tuple(value.shape) != tuple(target.shape):
-                raise RuntimeError(f"size mismatch for {name}: the checkpoint has {tuple(value.shape)}, this model "
-                                   f"{tuple(target.shape)}")
-            load_full_(target, masters.get(name, value) if is_sharded(target) else value)
+# the critic's state under the learner's state dict keys
+CRITIC_KEYS = {"model": "critic", "optimizer": "critic_optimizer", "master": "critic_master"}
 
-    def _shard_optimizer_state(self, opt: dict) -> dict:
-        """Whole optimizer states placed as their sharded parameters are."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        state = {i: {k: as_sharded_like(v, params[i]) if is_sharded(params[i]) and v.shape == params[i].shape else v
-                     for k, v in st.items()} for i, st in opt["state"].items()}
-        return {**opt, "state": state}
+
+def _names(module: nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _stepped(module: nn.Module, master: MasterWeights | None) -> list[torch.Tensor]:
+    """What an optimizer steps for ``module``'s trainable parameters, in order: each one's
+    float32 master where ``master`` holds it, else the parameter (a sharded one is its own)."""
+    masters = dict(master.named_masters()) if master is not None else {}
+    return [masters.get(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:

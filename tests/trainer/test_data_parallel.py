@@ -165,13 +165,14 @@ def test_a_rank_that_dies_stops_the_run_and_leaves_the_last_checkpoint(tmp_path)
 def test_gae_whitens_over_every_rank(tmp_path):
     """algo.advantage=gae: the critic's gradients are summed like the policy's and the GAE
     advantages are whitened with the mean and std of every rank's response tokens: two ranks
-    train the steps of one process."""
+    train the steps of one process, also with the learner (critic included) sharded."""
     gae = ["--algo.advantage=gae", "--algo.loss=ppo", "--trainer.steps=2"]
-    for name, ranks in (("one", 1), ("two", 2)):
-        res = _train(tmp_path / name, ranks, *gae)
+    for name, ranks, more in (("one", 1, []), ("two", 2, []), ("sharded", 2, ["--trainer.shard_learner=true"])):
+        res = _train(tmp_path / name, ranks, *gae, *more)
         assert res.returncode == 0, res.stderr[-4000:]
-    _assert_same_steps(tmp_path / "one", tmp_path / "two", [1, 2])
-    assert "loss/value" in _rows(tmp_path / "two")[-1]
+    for name in ("two", "sharded"):  # (sharded: the critic's trunk too)
+        _assert_same_steps(tmp_path / "one", tmp_path / name, [1, 2])
+        assert "loss/value" in _rows(tmp_path / name)[-1]
 
 
 def test_dynamic_sampling_chooses_over_every_rank(tmp_path):
