@@ -8,6 +8,9 @@ backward); the learner does not care which. A step is ``ppo_epochs`` passes over
 the sum equal to the loss over the whole mini-batch. Data-parallel ranks (``dist``) each hold
 their share of the batch: the weights use the totals over all ranks and the gradients are
 summed across them before the clip, so every rank steps as one process on the whole batch.
+With ``shard`` the ranks also split the weights, gradients and optimizer states (FSDP2,
+:mod:`quarl.learner.sharded`); what a learner trains, and its checkpointed state, is
+:class:`~quarl.learner.trained.Trained` (the policy; the critic).
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ class Learner:
     ``activation_checkpointing`` (the forwards with gradients keep only each decoder layer's
     inputs and recompute the layer in the backward, :class:`~quarl.model.transformer.CheckpointedOps`;
     aligned linears then also dequantize per use, :func:`~quarl.quant.linear.set_per_use_dequant`).
-    ``seed`` seeds the optimizer's stochastic rounding."""
+    ``seed`` seeds the optimizer's stochastic rounding. ``shard`` (several ranks in ``dist``):
+    the policy, a reference model and the critic's trunk sharded over the ranks."""
 
     def __init__(
         self,

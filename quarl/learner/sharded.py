@@ -29,9 +29,11 @@ The gradient of a rank's loss is that rank's share of the mini-batch loss (the l
 normalises by the totals over all ranks), so the reduce-scatter sums (divide factor 1) as
 :meth:`~quarl.distributed.Dist.sum_grads_` does.
 
-Checkpoints hold whole tensors (:func:`full`, gathered on every rank, written by rank 0):
-the same format as an unsharded learner's, so a run resumes on any number of ranks, sharded
-or not (:func:`load_full_`).
+Checkpoints: every rank writes its own shards with ``torch.distributed.checkpoint``, under
+names that do not depend on sharding or the number of ranks
+(:meth:`~quarl.learner.trained.Trained.dcp_tensors`); a whole-tensor state is gathered on
+every rank (:func:`full`) and loads back into shards (:func:`load_full_`). Either form
+resumes on any number of ranks, sharded or not.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 
 def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> None:
-    """Shard ``model``'s decoder layers over ``dist``'s ranks in place (module docstring);
-    ``fp32_master``: a 16-bit model's sharded weights become its float32 masters."""
+    """Shard ``model`` over ``dist``'s ranks in place: each decoder layer a unit, the root the
+    embeddings and LM head, the norms whole (module docstring); ``fp32_master``: a 16-bit
+    model's sharded weights become its float32 masters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -85,9 +88,9 @@ def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> Non
     units.append(unit(model, [p for p in model.parameters() if p not in in_layers]))
     register_fsdp_forward_method(model, "hidden_states")
     set_straight_through(model)
-    for unit in units:  # a sum: each rank's loss is already its share of the mini-batch's
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+    for u in units:  # a sum: each rank's loss is already its share of the mini-batch's
+        u.set_gradient_divide_factor(1.0)
+        u.set_force_sum_reduction_for_comms(True)
 
 
 def _fresh_quantization(layer: nn.Module, args) -> None:
