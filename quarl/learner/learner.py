@@ -30,7 +30,7 @@ from quarl.distributed import DeviceTimer, Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
-from quarl.learner.sharded import clip_grad_norm_, is_sharded, shard_model
+from quarl.learner.sharded import clip_grad_norm_, is_sharded, reshard, shard_model
 from quarl.learner.trained import Trained
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
@@ -174,13 +174,18 @@ class Learner:
             return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature, ops=self.ops,
                                      right_padded=True)[0]
 
-        return _per_response_token(batch, token_budget, logp)
+        out = _per_response_token(batch, token_budget, logp)
+        if self.sharded:
+            reshard(model)  # (not held gathered through the rollout)
+        return out
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, token_budget: int) -> torch.Tensor:
         """The critic's values ``[B, T-1]`` of the states that predict response tokens."""
-        return _per_response_token(batch, token_budget,
-                                   lambda mb: self.critic(mb.input_ids, mb.attention_mask, right_padded=True))
+        out = _per_response_token(batch, token_budget,
+                                  lambda mb: self.critic(mb.input_ids, mb.attention_mask, right_padded=True))
+        self.value.resharded()
+        return out
 
     # ---- the update -----------------------------------------------------------------
     def release_caches(self) -> None:

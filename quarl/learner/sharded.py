@@ -93,6 +93,17 @@ def shard_model(model: Transformer, dist: Dist, fp32_master: bool = True) -> Non
         u.set_force_sum_reduction_for_comms(True)
 
 
+def reshard(module: nn.Module) -> None:
+    """Every sharded unit of ``module`` back in shards: a root stays gathered after a forward
+    without gradients (its weights then take memory through the rollout). Nothing for a
+    module that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _fresh_quantization(layer: nn.Module, args) -> None:
     """Before a sharded layer's forward: its aligned linears quantize the weight about to be
     gathered (the cache keyed on a weight's storage cannot see a new gather's values)."""

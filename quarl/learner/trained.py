@@ -21,7 +21,7 @@ from torch import nn
 
 from quarl.distributed import Dist
 from quarl.learner.optim import CombinedOptimizer, MasterWeights
-from quarl.learner.sharded import as_sharded_like, clip_grad_norm_, full, is_sharded, load_full_
+from quarl.learner.sharded import as_sharded_like, clip_grad_norm_, full, is_sharded, load_full_, reshard
 from quarl.model.transformer import Transformer
 
 
@@ -59,9 +59,7 @@ class Trained:
         """Every sharded unit back in shards (a root stays gathered after a forward without
         gradients); the parameters are then each rank's shards."""
         if self.sharded:
-            for m in self.module.modules():
-                if hasattr(m, "reshard") and hasattr(m, "unshard"):  # (an FSDPModule)
-                    m.reshard()
+            reshard(self.module)
 
     def held(self) -> tuple[int, int]:
         """The parameters this rank holds (its shards and the whole ones), and all of them."""
