@@ -141,6 +141,9 @@ class Trainer:
             held, total = self.learner.held_parameters()
             self._say(f"learner sharded over {self.dist.world} ranks (FSDP2): each holds {held / 1e6:.3g}M of the "
                       f"model's {total / 1e6:.3g}M parameters")
+        elif cfg.trainer.shard_learner:
+            self._say("trainer.shard_learner: one process holds the whole learner (launch several ranks with "
+                      "torchrun --nproc_per_node=N to shard it)")
         self.step = 0
         self.data_pos = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
