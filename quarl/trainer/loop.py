@@ -578,30 +578,39 @@ class Trainer:
 
         tensors, rest = self.learner.sharded_state()
         pid = self.dist.gather(os.getpid())[0]  # rank 0's temporary directory
-        error: BaseException | None = None
         tmp = ckpt.temporary_dir(self.run_dir, self.step, pid)
-        try:
-            if self.dist.main:
+        error: BaseException | None = None
+        if self.dist.main:
+            try:
                 ckpt.start_checkpoint(self.run_dir, self.step, pid)
-        except ckpt.CheckpointWriteError as e:
-            error = e
-        if not self.dist.max(int(error is not None)):
+            except ckpt.CheckpointWriteError as e:
+                error = e
+        # the ranks agree after each part (the same collectives on every rank, whichever failed)
+        failed = self.dist.max(int(error is not None))
+        if not failed:
             try:
                 dcp.save(tensors, checkpoint_id=str(tmp / "learner"))
             except KeyboardInterrupt:
                 raise
             except BaseException as e:  # a full disk on any rank fails the collective save on all (CheckpointException)
                 error = _first_failure(e)
-        failed = self.dist.max(int(error is not None))
-        try:
-            if failed:
-                cause = error or RuntimeError("another rank could not write its part of the checkpoint")
-                raise ckpt.discard_checkpoint(tmp, self.run_dir, self.step, cause) if self.dist.main else \
-                    ckpt.CheckpointWriteError(getattr(cause, "errno", None), str(cause))
-            if self.dist.main:
-                ckpt.save_checkpoint(self.run_dir, self.step, self._state(rest), self.cfg.trainer.keep_last, tmp=tmp)
-        finally:
-            self.dist.barrier()
+            failed = self.dist.max(int(error is not None))
+            if not failed:
+                if self.dist.main:
+                    try:  # (removes the temporary directory itself if it fails)
+                        ckpt.save_checkpoint(self.run_dir, self.step, self._state(rest), self.cfg.trainer.keep_last,
+                                             tmp=tmp)
+                    except ckpt.CheckpointWriteError as e:
+                        error = e
+                failed = self.dist.max(int(error is not None))  # (the others wait for rank 0's rename)
+        if failed:
+            if not self.dist.main:  # rank 0 reports the cause
+                raise ckpt.CheckpointWriteError(getattr(error, "errno", None),
+                                                f"the checkpoint of step {self.step} could not be written")
+            if isinstance(error, ckpt.CheckpointWriteError):
+                raise error
+            raise ckpt.discard_checkpoint(tmp, self.run_dir, self.step,
+                                          error or RuntimeError("another rank could not write its part"))
         self._saved_step = self.step
         return self.run_dir / "checkpoints" / f"step_{self.step:06d}"
 

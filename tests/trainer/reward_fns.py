@@ -83,3 +83,24 @@ def rank_one_disk_full_at_second_save(completion: str, answer: str, meta: dict) 
         save.patched = True
         dcp.save = save
     return digit_one(completion, answer, meta)
+
+
+def rank_zero_disk_full_at_second_save(completion: str, answer: str, meta: dict) -> float:
+    """``digit_one``; on rank 0 of a sharded run, the second checkpoint's ``state.pt`` cannot be
+    written (a full disk), after every rank has written its shards."""
+    import errno
+
+    from quarl.trainer import checkpoint
+
+    if os.environ.get("RANK") == "0" and not getattr(checkpoint._write_complete, "patched", False):
+        real, saves = checkpoint._write_complete, [0]
+
+        def write(tmp, step, state, fresh=True):
+            saves[0] += 1
+            if saves[0] == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(tmp, step, state, fresh)
+
+        write.patched = True
+        checkpoint._write_complete = write
+    return digit_one(completion, answer, meta)

@@ -188,12 +188,14 @@ def test_dynamic_sampling_chooses_over_every_rank(tmp_path):
     assert sum(r["dapo/dropped_groups"] for r in rows) > 0  # the choice mattered
 
 
-def test_a_shard_that_cannot_be_written_fails_the_checkpoint_on_every_rank(tmp_path):
-    """A sharded learner's rank 1 hits a full disk writing its shards of step 2's checkpoint:
-    every rank stops with the error, rank 0 names it and the intact checkpoint of step 1, no
-    temporary directory is left behind, and the run resumes from step 1."""
+@pytest.mark.parametrize("where", ["rank_one_disk_full_at_second_save", "rank_zero_disk_full_at_second_save"])
+def test_a_checkpoint_part_that_cannot_be_written_fails_it_on_every_rank(tmp_path, where):
+    """A sharded learner hits a full disk writing step 2's checkpoint, on rank 1 (its shards)
+    or on rank 0 (state.pt, after the shards): every rank stops with the error, rank 0 names
+    it and the intact checkpoint of step 1, no temporary directory is left behind, and the
+    run resumes from step 1."""
     run = tmp_path / "full"
-    disk = "--data.reward=tests.trainer.reward_fns:rank_one_disk_full_at_second_save"
+    disk = f"--data.reward=tests.trainer.reward_fns:{where}"
     res = _train(run, 2, "--trainer.steps=2", "--trainer.save_every=1", "--trainer.shard_learner=true", disk)
     assert res.returncode != 0
     assert "could not write checkpoint" in res.stderr and "No space left on device" in res.stderr, res.stderr[-3000:]
