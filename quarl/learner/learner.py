@@ -30,7 +30,7 @@ from quarl.distributed import DeviceTimer, Dist
 from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
-from quarl.learner.sharded import clip_grad_norm_, is_sharded, reshard, shard_model
+from quarl.learner.sharded import reshard, shard_model
 from quarl.learner.trained import Trained
 from quarl.model.compiled_ops import COMPILED_OPS
 from quarl.model.lora import adapters_disabled, has_lora
@@ -134,7 +134,7 @@ class Learner:
         dtype = model.compute_dtype
         self.master = MasterWeights(model) if dtype in (torch.bfloat16, torch.float16) and fp32_master else None
         # (sharded weights are masters themselves: in the model's order among the others)
-        params = model if self.master is None else list(zip(_names(model), _stepped(model, self.master)))
+        params = model if self.master is None else _stepped(model, self.master)
         # bf16 weights stepped directly: updates below one ulp survive only with stochastic rounding
         rounded = self.master is None and dtype == torch.bfloat16
         lean = {"state_dtype": state_dtype, "stochastic_rounding": rounded, "seed": seed}
@@ -144,8 +144,8 @@ class Learner:
         self._grad_sync = DeviceTimer(self.device)  # several ranks: summing the gradients over them
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
         self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
-        self.critic_optimizer = adamw(_stepped(critic, self.critic_master), lr, weight_decay, **lean) \
-            if critic is not None else None
+        self.critic_optimizer = adamw([t for _, t in _stepped(critic, self.critic_master)], lr, weight_decay,
+                                      **lean) if critic is not None else None
         self.policy = Trained(model, self.optimizer, self.master, self.sharded, adapters_only=has_lora(model))
         self.value = None if critic is None else Trained(critic, self.critic_optimizer, self.critic_master,
                                                           self.sharded)
@@ -263,17 +263,10 @@ class Learner:
         drop_dequantized(self.model, frozen=False)  # stale at the step: not held through it (frozen bases stay)
         if self.master is not None:
             self.master.grads_to_masters()
-        stepped = self.policy.stepped()
-        if self.dist.world > 1:  # the weighted losses of all ranks add up to the mini-batch's: so do their grads
-            # (sharded weights' gradients were reduce-scattered, summed, in the backward)
-            with self._grad_sync.timed():
-                self.dist.sum_grads_(p for p in stepped if p.requires_grad and not is_sharded(p))
-                if acc is not None:
-                    acc = self.dist.sum_tensor_(acc)
-        if self.sharded:
-            grad_norm = clip_grad_norm_(stepped, s.grad_clip, self.dist).double().reshape(1)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(stepped, s.grad_clip).double().reshape(1)
+        # the weighted losses of all ranks add up to the mini-batch's: so do their grads and metrics
+        if acc is not None:
+            acc = self.dist.sum_tensor_(acc)
+        grad_norm = self.policy.sum_and_clip(self.dist, s.grad_clip, self._grad_sync).double().reshape(1)
         values = grad_norm if acc is None else torch.cat([acc, grad_norm])
         metrics = dict(zip(names + ["grad_norm"], values.tolist()))  # the one read of the device here
         self.last_nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
@@ -376,15 +369,11 @@ class Learner:
 CRITIC_KEYS = {"model": "critic", "optimizer": "critic_optimizer", "master": "critic_master"}
 
 
-def _names(module: nn.Module) -> list[str]:
-    return [n for n, p in module.named_parameters() if p.requires_grad]
-
-
-def _stepped(module: nn.Module, master: MasterWeights | None) -> list[torch.Tensor]:
-    """What an optimizer steps for ``module``'s trainable parameters, in order: each one's
-    float32 master where ``master`` holds it, else the parameter (a sharded one is its own)."""
+def _stepped(module: nn.Module, master: MasterWeights | None) -> list[tuple[str, torch.Tensor]]:
+    """What an optimizer steps for ``module``'s trainable parameters, by name and in order: each
+    one's float32 master where ``master`` holds it, else the parameter (a sharded one is its own)."""
     masters = dict(master.named_masters()) if master is not None else {}
-    return [masters.get(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [(n, masters.get(n, p)) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:

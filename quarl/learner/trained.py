@@ -14,12 +14,13 @@ checkpoint of one run resumes in any other:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from quarl.distributed import Dist
+from quarl.distributed import DeviceTimer, Dist
 from quarl.learner.optim import CombinedOptimizer, MasterWeights
 from quarl.learner.sharded import as_sharded_like, clip_grad_norm_, full, is_sharded, load_full_, reshard
 from quarl.model.transformer import Transformer
@@ -46,11 +47,14 @@ class Trained:
     def names(self) -> list[str]:
         return [n for n, p in self.module.named_parameters() if p.requires_grad]
 
-    def sum_and_clip(self, dist: Dist, max_norm: float) -> torch.Tensor:
+    def sum_and_clip(self, dist: Dist, max_norm: float, timer: DeviceTimer | None = None) -> torch.Tensor:
         """The masters' gradients summed over the ranks (a sharded weight's were summed by its
-        reduce-scatter) and clipped to ``max_norm`` together; the norm before the clip."""
+        reduce-scatter; ``timer`` times the sums) and clipped to ``max_norm`` together; the
+        norm before the clip."""
         stepped = self.stepped()
-        dist.sum_grads_(p for p in stepped if p.requires_grad and not is_sharded(p))
+        if dist.world > 1:
+            with timer.timed() if timer is not None else contextlib.nullcontext():
+                dist.sum_grads_(p for p in stepped if p.requires_grad and not is_sharded(p))
         if self.sharded:
             return clip_grad_norm_(stepped, max_norm, dist)
         return torch.nn.utils.clip_grad_norm_(stepped, max_norm)
