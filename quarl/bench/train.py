@@ -81,11 +81,13 @@ WORKLOADS: dict[str, Workload] = {
     "full-7b-lean": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=2048, steps=3,
                              extra=("--trainer.activation_checkpointing=true", "--optim.fp32_master=false",
                                     "--optim.state_dtype=bfloat16", "--rollout.kv_cache_in_update=release")),
-    # [D2]: a full fine-tune too big for one GPU (14B: 20 bytes a parameter with fp32 masters and Adam, 295 GB),
-    # its learner sharded over the ranks; run it with --gpus 4 (prompts per GPU, so 16 a step on 4)
-    "full-14b-sharded": Workload("qwen2.5-14b", prompts=4, n=8, gen=1024, token_budget=4096, steps=3,
+    # [D2]: a full fine-tune too big for one GPU, its learner sharded over the ranks (14B in the lean
+    # settings: bf16 weights and Adam moments, 8 bytes a parameter with the gradients, 118 GB); run it
+    # with --gpus 4 (prompts per GPU: 12 a step on 4 GPUs, which 2, 3 and 6 GPUs divide too)
+    "full-14b-sharded": Workload("qwen2.5-14b", prompts=3, n=8, gen=1024, token_budget=4096, steps=3,
                                  random_base=True,
                                  extra=("--trainer.shard_learner=true", "--trainer.activation_checkpointing=true",
+                                        "--optim.fp32_master=false", "--optim.state_dtype=bfloat16",
                                         "--rollout.kv_cache_in_update=release")),
     # a quick check that everything runs (seconds per mode on a GPU)
     "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
