@@ -340,7 +340,8 @@ def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: st
         raise RuntimeError(f"the run of quarl in {root} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
     done = json.loads(out.read_text())
     got = done["modes"][mode]
-    return {"median": got["median"], "git_commit": done.get("git_commit"),
+    return {"median": got["median"], "git_commit": done.get("git_commit"), "device": done.get("device"),
+            "bf16_tflops_measured": done.get("bf16_tflops_measured"),
             **{k: got[k] for k in ("steps", "overrides", "profile") if k in got}}
 
 
@@ -388,19 +389,22 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         check_baseline(baseline)
     if model is not None:
         check_model(model, w)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # (under torchrun: this rank's GPU)
-    torch.cuda.set_device(device)
-    ceil = measure_ceilings(device)
-    torch.cuda.empty_cache()  # (a child run sizes its KV cache from the memory free on the device)
-    params = preset_config(w.shape).matmul_params
+    isolate = len(modes) > 1 or baseline is not None
+    spawn = isolate or bool(gpus)
     result: dict[str, Any] = {
         "benchmark": "train_step", "workload": workload, "workload_spec": w.__dict__ | {"extra": list(w.extra)},
-        "device": torch.cuda.get_device_name(device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "torch": torch.__version__,
-        "bf16_tflops_measured": ceil.bf16_flops / 1e12, "matmul_params": params, "modes": {},
+        "device": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "torch": torch.__version__, "bf16_tflops_measured": None,
+        "matmul_params": preset_config(w.shape).matmul_params, "modes": {},
     }
-    isolate = len(modes) > 1 or baseline is not None
+    if not spawn:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # (under torchrun: this rank's GPU)
+        torch.cuda.set_device(device)
+        result["device"] = torch.cuda.get_device_name(device)
+        result["bf16_tflops_measured"] = measure_ceilings(device).bf16_flops / 1e12
+        torch.cuda.empty_cache()  # (the engine sizes its KV cache from the memory free on the device)
+    # else this process leaves the GPUs alone (a CUDA context here would take a GB from the runs'
+    # first GPU): the device and its measured bf16 rate come from the first run's own result
     main = os.environ.get("RANK", "0") == "0"  # (under torchrun: rank 0 reports)
     with tempfile.TemporaryDirectory(prefix="quarl_bench_train_") as tmp:
         # the random weights are made and saved once (seconds of CPU for a 1.5B model) and every
@@ -444,6 +448,9 @@ def save_result(result: dict[str, Any], out: Path | None) -> None:
     """Adds the speedups (over bf16, over the baseline) to ``result`` and writes it to ``out``
     atomically (a temporary file renamed over it)."""
     modes = result["modes"]
+    for field in ("device", "bf16_tflops_measured"):  # (a parent of child runs: the first run's)
+        if result.get(field) is None:
+            result[field] = next((r[field] for r in modes.values() if r.get(field) is not None), None)
     for key, r in modes.items():
         mode, _, count = key.partition("@")
         m = r["median"]

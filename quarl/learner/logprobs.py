@@ -82,7 +82,10 @@ class _FusedTokenLogprob(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # several chunks add their products in float32; one chunk's product is the gradient as it
+        # is (the same rounding, without a float32 copy of the head: 2 GB for a 152k vocabulary)
+        several = hidden.shape[0] > ctx.chunk
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w and several else None
         grad_logp = grad_logp.float().contiguous()
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
@@ -90,8 +93,10 @@ class _FusedTokenLogprob(torch.autograd.Function):
                             grad_logp[s : s + ctx.chunk], ctx.inv_t)
             if need_h:
                 grad_h[s : s + ctx.chunk] = d @ weight
-            if need_w:
+            if need_w and several:
                 grad_w += d.t() @ h
+            elif need_w:
+                grad_w = d.t() @ h
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 

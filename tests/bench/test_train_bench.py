@@ -95,11 +95,13 @@ def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_
         out, mode = args[args.index("--out") + 1], args[args.index("--modes") + 1]
         assert args[:4] == ["bench", "train", "--workload", "w1"] and "--trainer.steps=3" in args
         median = {"step_s": 8.0, "rollout_s": 4.0, "learner_s": 4.0}
-        json.dump({"git_commit": os.environ["QUARL_GIT_COMMIT"], "modes": {mode: {"median": median}}}, open(out, "w"))
+        json.dump({"git_commit": os.environ["QUARL_GIT_COMMIT"], "device": "H0", "bf16_tflops_measured": 700.0,
+                   "modes": {mode: {"median": median}}}, open(out, "w"))
     '''))
     base = check_baseline(tmp_path / "base")
     got = run_child("w1", "aligned-w4a16", ["--trainer.steps=3"], base, "abc1234", tmp_path)
-    assert got == {"median": {"step_s": 8.0, "rollout_s": 4.0, "learner_s": 4.0}, "git_commit": "abc1234"}
+    assert got == {"median": {"step_s": 8.0, "rollout_s": 4.0, "learner_s": 4.0}, "git_commit": "abc1234",
+                   "device": "H0", "bf16_tflops_measured": 700.0}
     with pytest.raises(RuntimeError, match="(?s)failed on mode 'bf16'.*AssertionError"):
         run_child("w1", "bf16", [], base, None, tmp_path)  # (no --trainer.steps: the fake asserts)
     new = {"step_s": 6.4, "rollout_s": 4.0, "learner_s": 2.0}
@@ -113,18 +115,24 @@ def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_
 
 def test_a_result_is_saved_with_its_speedups_and_no_temporary_left(tmp_path):
     """``save_result`` (called after every mode) adds step / rollout / learner speedups over
-    bf16 and over the baseline, and replaces the file whole."""
+    bf16 and over the baseline, the device and its bf16 rate from the child runs where the
+    parent (which leaves the GPUs to them) has none, and replaces the file whole."""
     import json
 
     from quarl.bench.train import save_result
 
     out = tmp_path / "r" / "train.json"
-    result = {"modes": {"bf16": {"median": {"step_s": 6.0, "rollout_s": 3.0, "learner_s": 3.0}}}}
+    result = {"device": None, "bf16_tflops_measured": None,
+              "modes": {"bf16": {"median": {"step_s": 6.0, "rollout_s": 3.0, "learner_s": 3.0}}}}
     save_result(result, out)
+    assert result["device"] is None  # (a mode run in this process: the caller measured it)
     result["modes"]["aligned-w4a16"] = {"median": {"step_s": 5.0, "rollout_s": 2.0, "learner_s": 3.0},
                                         "baseline": {"median": {"step_s": 7.5, "rollout_s": 4.0, "learner_s": 3.5}}}
+    result["modes"]["aligned-w4a16"] |= {"device": "H0", "bf16_tflops_measured": 700.0}
     save_result(result, out)
-    got = json.loads(out.read_text())["modes"]["aligned-w4a16"]
+    saved = json.loads(out.read_text())
+    assert (saved["device"], saved["bf16_tflops_measured"]) == ("H0", 700.0)  # a parent of child runs: theirs
+    got = saved["modes"]["aligned-w4a16"]
     assert got["speedup_vs_bf16"] == {"step_s": 1.2, "rollout_s": 1.5, "learner_s": 1.0}
     assert got["speedup_vs_baseline"] == {"step_s": 1.5, "rollout_s": 2.0, "learner_s": 3.5 / 3.0}
     assert [f.name for f in out.parent.iterdir()] == ["train.json"]

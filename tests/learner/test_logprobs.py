@@ -129,21 +129,21 @@ def test_fused_logit_grad_is_the_softmax_gradient_rounded_once():
 
 def test_fused_logprob_gradients_chain_through_the_lm_head():
     """The backward is the kernel's gradient times the LM head, chunk by chunk (bf16 GEMMs,
-    float32 sum over chunks): equal to those steps done by hand, and within bf16 accuracy
-    of the float64 gradient."""
+    float32 sum over chunks; one chunk: its bf16 product as it is): equal to those steps done
+    by hand, and within bf16 accuracy of the float64 gradient."""
     from quarl.learner.kernels import logit_grad_, logit_stats
 
-    for v, temp in ((5000, 1.0), (29, 0.6)):
+    for v, temp, chunk in ((5000, 1.0, 16), (29, 0.6, 16), (5000, 1.0, 64), (29, 0.6, 37)):
         h, w, tgt, g = _fused_case(37, v, seed=1)
-        lp, _ = token_logprobs(h, w, tgt, temperature=temp, chunk_size=16, fused=True)
+        lp, _ = token_logprobs(h, w, tgt, temperature=temp, chunk_size=chunk, fused=True)
         gh, gw = torch.autograd.grad((lp * g).sum(), (h, w))
         assert gh.dtype == gw.dtype == torch.bfloat16
         hand_h, hand_w = [], torch.zeros(v, 24)
         with torch.no_grad():
-            for s in range(0, 37, 16):
-                hc, tc = h[s:s + 16], tgt[s:s + 16]
+            for s in range(0, 37, chunk):
+                hc, tc = h[s:s + chunk], tgt[s:s + chunk]
                 _, lse, _ = logit_stats(hc @ w.t(), tc, 1 / temp, False)
-                d = logit_grad_(hc @ w.t(), tc, lse, g[s:s + 16], 1 / temp)
+                d = logit_grad_(hc @ w.t(), tc, lse, g[s:s + chunk], 1 / temp)
                 hand_h.append(d @ w)
                 hand_w += d.t() @ hc
         torch.testing.assert_close(gh, torch.cat(hand_h), rtol=0, atol=0)
