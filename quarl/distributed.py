@@ -184,16 +184,30 @@ def from_env(device: str = "auto") -> Dist:
     if world == 1:
         return Dist()
     rank = int(os.environ["RANK"])
+    threads = cpu_threads(os.environ, len(os.sched_getaffinity(0)))
+    if threads is not None:
+        torch.set_num_threads(threads)
     gpu = device != "cpu" and torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", rank))
     if gpu:
-        local = int(os.environ.get("LOCAL_RANK", rank))
         if local >= torch.cuda.device_count():
             raise RuntimeError(f"rank {rank} wants GPU {local} but this node has {torch.cuda.device_count()}: launch "
                                f"at most {torch.cuda.device_count()} processes per node (torchrun --nproc_per_node)")
         torch.cuda.set_device(local)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT)
+        bound = {"device_id": torch.device("cuda", local)} if gpu else {}  # (NCCL: this rank's GPU, no guessing)
+        torch.distributed.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT, **bound)
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size())
+
+
+def cpu_threads(env: dict[str, str] | os._Environ, cores: int) -> int | None:
+    """The intra-op CPU threads for a rank: its share of the node's ``cores``
+    (``cores // LOCAL_WORLD_SIZE``) where ``OMP_NUM_THREADS`` is unset or 1, which is what
+    torchrun sets when it is unset (one thread makes CPU work such as a random model's
+    initialisation many times slower); None (keep it) where it is set to anything else."""
+    if env.get("OMP_NUM_THREADS", "1") != "1":
+        return None
+    return max(1, cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def shutdown() -> None:

@@ -27,6 +27,17 @@ def test_share_splits_evenly_or_names_the_setting():
         Dist(1, 4).share(10)
 
 
+def test_a_rank_takes_its_share_of_the_cpu_cores_unless_told_otherwise():
+    """torchrun sets OMP_NUM_THREADS=1 when it is unset: each rank then gets cores // local
+    ranks threads; any other value the user set stays."""
+    from quarl.distributed import cpu_threads
+
+    assert cpu_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "4"}, 64) == 16
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "3"}, 64) == 21
+    assert cpu_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}, 4) == 1
+    assert cpu_threads({"OMP_NUM_THREADS": "6", "LOCAL_WORLD_SIZE": "4"}, 64) is None
+
+
 def test_one_process_collectives_are_the_identity():
     d = Dist()
     assert d.main and d.sum([1.5, 2.0]) == [1.5, 2.0] and d.max(3) == 3 and d.gather({"a": 1}) == [{"a": 1}]
