@@ -370,7 +370,8 @@ def check_model(model: Path, workload: Workload) -> Path:
 def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path | None,
                   profile: str | None = None, baseline: Path | None = None,
                   baseline_commit: str | None = None, model: Path | None = None,
-                  profile_stage: str = "learner", gpus: list[int] | None = None) -> dict[str, Any]:
+                  profile_stage: str = "learner", gpus: list[int] | None = None,
+                  resume: bool = False) -> dict[str, Any]:
     """Every mode of ``workload``. One mode runs in this process; several run one after
     another, each in a fresh child process with the GPU to itself, so that no mode inherits
     memory, caches or compiled state from the one before.
@@ -379,7 +380,10 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     With ``gpus`` (e.g. ``[1, 2, 4]``) each mode runs once per count, under ``torchrun`` with
     that many ranks and the workload's prompts per GPU (weak scaling: ``prompts x count``
     prompts a step), as ``<mode>@<count>gpu``; :func:`save_result` adds each count's
-    scaling efficiency (the one-GPU step time over its own)."""
+    scaling efficiency (the one-GPU step time over its own).
+    With ``resume`` the runs already in ``out`` (a call cut short: the result is saved after
+    each run) are kept and only the missing ones run; :func:`resumed` checks that the file
+    is of the same workload, commit and flags."""
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
     from quarl.bench.timing import measure_ceilings
@@ -395,8 +399,10 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         "benchmark": "train_step", "workload": workload, "workload_spec": w.__dict__ | {"extra": list(w.extra)},
         "device": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(), "torch": torch.__version__, "bf16_tflops_measured": None,
-        "matmul_params": preset_config(w.shape).matmul_params, "modes": {},
+        "matmul_params": preset_config(w.shape).matmul_params, "extra": list(extra), "modes": {},
     }
+    if resume:
+        result = resumed(result, out)
     if not spawn:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # (under torchrun: this rank's GPU)
         torch.cuda.set_device(device)
@@ -414,13 +420,17 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
             if gpus:
                 for k in gpus:
                     key = f"{mode}@{k}gpu"
+                    if key in result["modes"]:
+                        continue
                     result["modes"][key] = run_child(workload, mode, [*extra, f"--trainer.prompts_per_step={w.prompts * k}"],
                                                      package_root(), git_commit(), Path(tmp), profile, model_dir,
                                                      profile_stage, gpus=k)
                     print(key, json.dumps(result["modes"][key]["median"]), flush=True)
                     save_result(result, out)
                 continue
-            if isolate:
+            if mode in result["modes"]:  # (resumed)
+                r = result["modes"][mode]
+            elif isolate:
                 r = result["modes"][mode] = run_child(workload, mode, extra, package_root(), git_commit(), Path(tmp),
                                                       profile, model_dir, profile_stage)
             else:
@@ -437,11 +447,28 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                 print("\n".join(r["profile"]), flush=True)
             print(mode, json.dumps(r["median"]), flush=True)
             save_result(result, out)  # after every mode: a call cut short keeps the modes it finished
-            if baseline is not None:
+            if baseline is not None and "baseline" not in r:
                 r["baseline"] = run_child(workload, mode, extra, baseline, baseline_commit, Path(tmp))
                 print(mode, "baseline", json.dumps(r["baseline"]["median"]), flush=True)
                 save_result(result, out)
     return result
+
+
+def resumed(fresh: dict[str, Any], out: Path | None) -> dict[str, Any]:
+    """The result saved at ``out`` to continue (``fresh`` when there is none yet), provided it
+    is of the same workload, commit and extra flags as ``fresh``; a ValueError naming what
+    differs otherwise (its runs would not compare with the new ones)."""
+    if out is None:
+        raise ValueError("--resume continues the result file named by --out; pass --out")
+    if not out.is_file():
+        return fresh
+    saved = json.loads(out.read_text())
+    differ = [k for k in ("workload", "git_commit", "extra") if saved.get(k) != fresh[k]]
+    if differ:
+        got = "; ".join(f"{k}: {saved.get(k)!r} there, {fresh[k]!r} now" for k in differ)
+        raise ValueError(f"--resume: {out} is another benchmark's result ({got}); "
+                         "write to another --out or rerun with the same code and flags")
+    return saved
 
 
 def save_result(result: dict[str, Any], out: Path | None) -> None:

@@ -40,7 +40,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "parallel) with the workload's prompts per GPU, e.g. --gpus 1,2,4; reports each count's step "
                    "breakdown and its efficiency against one GPU. Sharding the learner: add "
                    "--trainer.shard_learner=true")
-    p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json)")
+    p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json); it is "
+                   "saved after every run")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the result at --out (a call cut short): keep the runs it has, run the missing "
+                   "ones (same workload, commit and flags, else an error)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--gpus and --baseline do not combine: compare versions on one GPU count at a time")
     result = run_benchmark(args.workload, modes, extra, Path(args.out) if args.out else None, args.profile,
                            Path(args.baseline) if args.baseline else None, args.baseline_commit,
-                           Path(args.model) if args.model else None, args.profile_stage, gpus)
+                           Path(args.model) if args.model else None, args.profile_stage, gpus, args.resume)
     if os.environ.get("RANK", "0") == "0":  # (a torchrun child's rank 0 reports)
         print(summary_table(result))
         if not args.out:

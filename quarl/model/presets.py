@@ -62,10 +62,20 @@ def build_random_model(
     device: str | torch.device = "cpu",
     std: float = 0.02,
 ) -> Transformer:
-    """A randomly initialised model (normal(0, std) weights, unit norms, zero biases)."""
+    """A randomly initialised model (normal(0, std) weights, unit norms, zero biases).
+
+    The numbers come from one CPU generator in parameter order, so a seed gives the same
+    weights on any device (a LoRA run's export rebuilds its random base on the CPU). The
+    parameters are made in ``dtype`` from the start: a 14B model in bf16 never exists in
+    float32 on the device (the values are those of float32 weights rounded once)."""
     cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
-    with torch.device(device):
-        model = Transformer(cfg)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else before)
+    try:
+        with torch.device(device):
+            model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(before)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -74,5 +84,5 @@ def build_random_model(
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(std))
     return model.to(dtype=dtype)

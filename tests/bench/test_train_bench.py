@@ -205,3 +205,41 @@ def test_a_scaling_run_launches_ranks_and_reports_efficiency(tmp_path):
     for bad, why in (("1,8", "between 1 and the 4 GPU"), ("0", "between 1"), ("two", "separated by commas")):
         with pytest.raises(ValueError, match=why):
             parse_gpus(bad, 4)
+
+
+def test_a_benchmark_cut_short_resumes_with_the_runs_it_has(tmp_path, monkeypatch):
+    """``--resume``: the runs saved at ``--out`` stay and only the missing ones run; a file
+    of another workload, commit or flags is refused with the fix, and --out is required."""
+    import json
+
+    import quarl.bench.train as bt
+
+    monkeypatch.setenv("QUARL_GIT_COMMIT", "abc1234")
+    monkeypatch.setattr(bt, "save_random_model", lambda shape, out: out)
+    ran = []
+
+    def fake_child(workload, mode, extra, root, commit, tmp, profile=None, model=None, stage="learner", gpus=1):
+        ran.append(gpus)
+        return {"median": {"step_s": 4.0 + gpus}, "git_commit": commit, "device": "H0", "bf16_tflops_measured": 700.0}
+
+    monkeypatch.setattr(bt, "run_child", fake_child)
+    out = tmp_path / "scaling.json"
+    first = bt.run_benchmark("smoke", ["bf16"], ["--trainer.steps=2"], out, gpus=[1, 2])
+    assert ran == [1, 2] and first["extra"] == ["--trainer.steps=2"]
+    saved = json.loads(out.read_text())
+    del saved["modes"]["bf16@2gpu"]  # as if the call had been cut during the 2-GPU run
+    out.write_text(json.dumps(saved))
+    ran.clear()
+    again = bt.run_benchmark("smoke", ["bf16"], ["--trainer.steps=2"], out, gpus=[1, 2, 4], resume=True)
+    assert ran == [2, 4] and sorted(again["modes"]) == ["bf16@1gpu", "bf16@2gpu", "bf16@4gpu"]
+    assert json.loads(out.read_text())["modes"]["bf16@4gpu"]["scaling_efficiency"] == 5.0 / 8.0
+    with pytest.raises(ValueError, match=r"another benchmark's result \(extra: \['--trainer.steps=2'\] there"):
+        bt.run_benchmark("smoke", ["bf16"], ["--trainer.steps=3"], out, gpus=[1], resume=True)
+    monkeypatch.setenv("QUARL_GIT_COMMIT", "def5678")
+    with pytest.raises(ValueError, match="git_commit: 'abc1234' there, 'def5678' now"):
+        bt.run_benchmark("smoke", ["bf16"], ["--trainer.steps=2"], out, gpus=[1], resume=True)
+    with pytest.raises(ValueError, match="pass --out"):
+        bt.run_benchmark("smoke", ["bf16"], [], None, gpus=[1], resume=True)
+    ran.clear()
+    fresh = bt.run_benchmark("smoke", ["bf16"], [], tmp_path / "new.json", gpus=[1], resume=True)  # nothing yet
+    assert ran == [1] and fresh["device"] == "H0"
