@@ -137,6 +137,22 @@ def test_a_sharded_learner_trains_as_one_process_and_resumes_sharded_or_not(runs
         _assert_same_steps(_one_more_step(root, done), root / name, [1, 2, 3])
 
 
+def test_a_sharded_checkpoint_resumes_on_three_ranks_with_uneven_shards(tmp_path):
+    """Two sharded ranks' checkpoint resumed on three (rows no longer split evenly: FSDP pads
+    the last shard) gives the step 3 and the weights of the same checkpoint resumed in one
+    process."""
+    import shutil
+
+    six = ["--trainer.prompts_per_step=6", "--quant.mode=aligned", "--quant.scheme=w4a16"]
+    res = _train(tmp_path / "two", 2, *six, "--trainer.steps=2", "--trainer.shard_learner=true")
+    assert res.returncode == 0, res.stderr[-4000:]
+    for name, ranks in (("on_three", 3), ("on_one", 1)):
+        shutil.copytree(tmp_path / "two", tmp_path / name)
+        res = _train(tmp_path / name, ranks, *six, "--resume", "--trainer.steps=3")
+        assert res.returncode == 0, res.stderr[-4000:]
+    _assert_same_steps(tmp_path / "on_one", tmp_path / "on_three", [1, 2, 3])
+
+
 def test_a_world_size_that_cannot_split_the_prompts_is_refused(tmp_path):
     res = _train(tmp_path / "bad", 2, "--trainer.prompts_per_step=3", "--trainer.steps=1")
     assert res.returncode != 0
