@@ -153,6 +153,27 @@ def test_a_sharded_checkpoint_resumes_on_three_ranks_with_uneven_shards(tmp_path
     _assert_same_steps(tmp_path / "on_one", tmp_path / "on_three", [1, 2, 3])
 
 
+def test_two_nodes_of_one_rank_train_as_two_ranks_of_one_node(runs, tmp_path):
+    """Several nodes: one torchrun per node (``--nnodes=2 --node_rank=i``, one rank each, so
+    both ranks are LOCAL_RANK 0 of their node) train the steps of two ranks on one node and
+    write one checkpoint, sharded learner included (the run directory is shared, as it must
+    be across nodes)."""
+    root, done = runs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    for name, more in (("nodes", []), ("nodes_sharded", ["--trainer.shard_learner=true"])):
+        port = _port()
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={i}", "--nproc_per_node=1",
+             "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "quarl", "train", "--quiet", *RUN,
+             f"--trainer.run_dir={tmp_path / name}", "--trainer.steps=2", *more],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+        outs = [p.communicate(timeout=600) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+        assert outs[0][0].count("finished 2 steps") == 1 and "finished" not in outs[1][0]  # (global rank 0 alone)
+        _assert_same_steps(done["two"][0], tmp_path / name, [1, 2])
+
+
 def test_a_world_size_that_cannot_split_the_prompts_is_refused(tmp_path):
     res = _train(tmp_path / "bad", 2, "--trainer.prompts_per_step=3", "--trainer.steps=1")
     assert res.returncode != 0
