@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Subcommands live in their own modules, each with add_parser(subparsers) and run(args).
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
             if package is None:
                 raise  # not a missing optional dependency: a bug, keep its traceback
             message = f'this needs the Python package {package}, which is not installed: pip install -e ".[train]"'
-        print(f"quarl {args.command}: error: {message}", file=sys.stderr)
+        rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+        if rank == "0":
+            print(f"quarl {args.command}: error: {message}", file=sys.stderr)
+        elif local == "0":  # (every rank meets the same setting's error: one line per node, not per rank)
+            print(f"quarl {args.command} (rank {rank}, first of its node): error: {message}", file=sys.stderr)
         return 2
 
 

@@ -163,3 +163,19 @@ def test_generate_with_fp8_kv_cache_is_the_fp8_engine():
     assert "fp8 KV cache" in r.stdout
     r = _quarl("generate", "--prompt", "x", "--kv-cache-dtype", "fp16", check=False)
     assert r.returncode == 2 and "invalid choice: 'fp16'" in r.stderr
+
+
+def test_under_torchrun_a_user_error_is_printed_once_per_node(monkeypatch, capsys):
+    """Every rank meets the same bad setting: rank 0 prints it, the first rank of each other
+    node prints it with its rank, the rest exit 2 silently."""
+    from quarl.cli.main import main
+
+    bad = ["generate", "--prompt", "x", "--scheme", "w5a5"]
+    for rank, local, want in (("0", "0", "quarl generate: error: unknown quantization scheme 'w5a5'"),
+                              ("3", "1", ""),
+                              ("4", "0", "quarl generate (rank 4, first of its node): error: unknown quantization")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(want) if want else err == ""
