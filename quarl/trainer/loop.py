@@ -100,11 +100,14 @@ class Trainer:
         self.task, self.rewards = build_task_and_rewards(cfg.data)
         self.train_examples = self.task.train_examples()
         self.eval_examples = self.task.eval_examples()
-        if not self.dist.main:
-            self.dist.barrier()  # rank 0 warm-starts (and caches) the base first; the others load it
+        # where the base is cached on disk (a warm-start, a packed low-bit base) rank 0 makes it
+        # first and the others load it; otherwise every rank makes its own at once
+        serial = cfg.trainer.sft_warmup_steps > 0 or cfg.model.packed_cache is not None
+        if serial and not self.dist.main:
+            self.dist.barrier()
         base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say,
                                 self.console)
-        if self.dist.main:
+        if serial and self.dist.main:
             self.dist.barrier()
 
         m = cfg.model

@@ -174,6 +174,17 @@ def test_two_nodes_of_one_rank_train_as_two_ranks_of_one_node(runs, tmp_path):
         _assert_same_steps(done["two"][0], tmp_path / name, [1, 2])
 
 
+def test_rank_zero_warm_starts_the_base_and_the_others_load_it(tmp_path):
+    """With a supervised warm-start rank 0 trains and caches the base before the other ranks
+    build theirs (they load the cache): the two ranks' step is the one process's."""
+    warm = ["--trainer.sft_warmup_steps=5", "--trainer.steps=1"]
+    for name, ranks in (("one", 1), ("two", 2)):
+        res = _train(tmp_path / name, ranks, *warm)
+        assert res.returncode == 0, res.stderr[-4000:]
+    assert any((tmp_path / "two" / "warmstart").iterdir())
+    _assert_same_steps(tmp_path / "one", tmp_path / "two", [1])
+
+
 def test_a_world_size_that_cannot_split_the_prompts_is_refused(tmp_path):
     res = _train(tmp_path / "bad", 2, "--trainer.prompts_per_step=3", "--trainer.steps=1")
     assert res.returncode != 0
