@@ -42,7 +42,7 @@ KEYS = {
     "time/kv_cache": "kv_s", "time/grad_sync": "grad_sync_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
     "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
     "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
-    "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens",
+    "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",
     "perf/learner_tflops": "learner_tflops", "perf/learner_mfu": "learner_mfu",
 }
 
@@ -77,10 +77,13 @@ WORKLOADS: dict[str, Workload] = {
     # [L]: a full fine-tune of the 7B shape in the lean settings (activation checkpointing, bf16 weights and
     # Adam moments with stochastic rounding: 8 bytes a parameter); run it with --modes aligned-w4a16
     # (the KV cache released through each update, micro-batches of 2048 tokens: 80 GB holds the 8 bytes a
-    # parameter, the engine's w4a16 copy and little else)
+    # parameter, the engine's w4a16 copy and little else; the engine's share of the GPU raised from the
+    # trainer's 0.35 so that its KV cache holds the 64 rollouts of 1024 tokens at once, which the
+    # released cache leaves the learner free to do)
     "full-7b-lean": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=2048, steps=3,
                              extra=("--trainer.activation_checkpointing=true", "--optim.fp32_master=false",
-                                    "--optim.state_dtype=bfloat16", "--rollout.kv_cache_in_update=release")),
+                                    "--optim.state_dtype=bfloat16", "--rollout.kv_cache_in_update=release",
+                                    "--rollout.engine.gpu_memory_utilization=0.4")),
     # [D2]: a full fine-tune too big for one GPU, its learner sharded over the ranks (14B in the lean
     # settings: bf16 weights and Adam moments, 8 bytes a parameter with the gradients, 118 GB); run it
     # with --gpus 4 (prompts per GPU: 12 a step on 4 GPUs, which 2, 3 and 6 GPUs divide too)

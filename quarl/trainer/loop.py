@@ -151,6 +151,8 @@ class Trainer:
         self.data_pos = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
+        self._preempted = 0  # this step's engine preemptions (a KV cache too small for its rollouts)
+        self._warned_preemption = False
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
@@ -176,6 +178,13 @@ class Trainer:
             self.console.print(f"[yellow]{msg}[/yellow]")
         else:
             print(msg, file=sys.stderr)
+
+    def _larger_cache(self) -> str:
+        """How to give the engine's KV cache more room."""
+        e = self.cfg.rollout.engine
+        if self.device.type != "cuda" or e.num_kv_blocks:
+            return f"Raise rollout.engine.num_kv_blocks (now {self.engine.runner.num_blocks})"
+        return f"Give the cache more memory: raise rollout.engine.gpu_memory_utilization (now {e.gpu_memory_utilization:g})"
 
     def _preflight(self, resume: bool, evaluation_only: bool, allow_config_change: bool):
         """Reads only. Refuses a new run into an existing one; loads and checks the checkpoint to resume."""
@@ -271,6 +280,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One step: rollout -> advantages -> update -> publish; returns its metrics."""
         clock = StageClock(self.device)
+        self._preempted = 0
         with clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
             batch = self.score(rollout).to(self.device)                                    # 4
@@ -386,6 +396,13 @@ class Trainer:
         perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate
+        (preempted,) = self.dist.sum([self._preempted])
+        if preempted and not self._warned_preemption:
+            self._warned_preemption = True
+            runner = self.engine.runner
+            self._warn(f"step {self.step + 1}: the KV cache ({runner.num_blocks * runner.block_size:,} tokens a rank) "
+                       f"could not hold the step's rollouts at once: {int(preempted)} preemptions made sequences "
+                       "recompute their prefixes, which slows the rollout (rollout/preemptions). " + self._larger_cache())
         return {
             **perf,
             **rollout.reward_metrics,
@@ -400,6 +417,7 @@ class Trainer:
             "train/lr": self.learner.scheduler.get_last_lr()[0],
             "train/bad_steps": float(self.bad_steps),
             "rollout/tokens_per_s": rollout.generated_tokens / max(timing["time/rollout"], 1e-9),
+            "rollout/preemptions": float(preempted),
         }
 
     def _next_prompts(self, count: int):
@@ -432,7 +450,9 @@ class Trainer:
         """``first``: the step's index of ``prompts[0]`` (a rank's share starts there)."""
         base = (self.cfg.trainer.seed * 1_000_003 + self.step) * 1009 + seed_offset
         params = [self._sampling_params(base * 4099 + first + i) for i in range(len(prompts))]
-        return self.engine.generate(prompts, params)
+        completions = self.engine.generate(prompts, params)
+        self._preempted += self.engine.stats.preemptions
+        return completions
 
     def _score(self, completions, examples) -> tuple[torch.Tensor, dict[str, float]]:
         n = self.cfg.rollout.n

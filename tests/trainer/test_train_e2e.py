@@ -288,3 +288,19 @@ def test_dense_engine_weights_are_announced_and_train(tmp_path):
     trainer.train_step()
     assert trainer._check_engine_sync() < 1e-3
     trainer.rewards.close()
+
+
+def test_a_kv_cache_too_small_for_the_steps_rollouts_is_counted_and_named(tmp_path, capsys):
+    """rollout/preemptions counts the engine's preemptions of each step (0 with room to spare);
+    the first step that has any warns once, with the setting that gives the cache more room."""
+    _, roomy = _train(tmp_path / "roomy", "--trainer.sft_warmup_steps=0", steps=1)
+    assert roomy[0]["rollout/preemptions"] == 0.0
+    capsys.readouterr()
+    # 16 rollouts of up to ~20 tokens in blocks of 16: 17 blocks hold one max-length sequence, not 16 at once
+    trainer, tight = _train(tmp_path / "tight", "--trainer.sft_warmup_steps=0", "--rollout.engine.num_kv_blocks=17",
+                            steps=2)
+    assert trainer.engine.runner.num_blocks == 17
+    assert all(r["rollout/preemptions"] > 0 for r in tight)
+    err = capsys.readouterr().err
+    assert err.count("could not hold the step's rollouts at once") == 1, err
+    assert "Raise rollout.engine.num_kv_blocks (now 17)" in err
