@@ -79,7 +79,11 @@ class Engine:
         dtype: torch.dtype | None = None,
         include: list[str] | None = None,
         exclude: list[str] | tuple[str, ...] = (),
+        kv_cache: bool = True,
     ) -> None:
+        """``kv_cache=False``: the KV cache is sized and made at the first
+        :meth:`reallocate_kv_cache`, from the memory free then (for a caller that frees memory
+        after building the engine: a learner about to be sharded over the ranks)."""
         if not isinstance(model, Transformer):
             from quarl.model.quantized_loading import load_quantized_model
 
@@ -102,7 +106,17 @@ class Engine:
         self.eos_ids = frozenset(
             [] if mc.eos_token_id is None else [mc.eos_token_id] if isinstance(mc.eos_token_id, int) else mc.eos_token_id
         )
-        self.runner = ModelRunner(self.model, self.config, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.config, self.max_model_len, allocate=kv_cache)
+        self.block_manager: BlockManager | None = None
+        self.scheduler: Scheduler | None = None
+        if kv_cache:
+            self._schedule_over_cache()
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random(0x5EED)
+        self.stats = GenerateStats()
+
+    def _schedule_over_cache(self) -> None:
+        """The block manager and scheduler over the runner's sized cache."""
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
         if self.block_manager.blocks_for(self.max_model_len) > self.runner.num_blocks:
             raise ValueError(
@@ -110,9 +124,6 @@ class Engine:
                 f"{self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
-        self._seq_ids = itertools.count()
-        self._seed_rng = random.Random(0x5EED)
-        self.stats = GenerateStats()
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -234,7 +245,7 @@ class Engine:
     # ------------------------------------------------------------------ memory
     def release_kv_cache(self) -> None:
         """Free the KV cache and decode graphs so the learner can use the memory."""
-        if not self.scheduler.is_finished():
+        if self.scheduler is not None and not self.scheduler.is_finished():
             raise RuntimeError("cannot release the KV cache while requests are running")
         self.runner.release()
 
@@ -246,8 +257,11 @@ class Engine:
                                                       self.config.kv_cache_dtype)
 
     def reallocate_kv_cache(self) -> None:
-        """Re-create the KV cache (same number of blocks) and recapture the graphs."""
+        """Re-create the KV cache (same number of blocks) and recapture the graphs; an engine
+        made with ``kv_cache=False`` sizes its cache now."""
         self.runner.allocate()
+        if self.scheduler is None:
+            self._schedule_over_cache()
 
     sleep = release_kv_cache
     wake_up = reallocate_kv_cache

@@ -84,7 +84,7 @@ class ModelRunner:
     one replay, the sampling kernel and one device-to-host copy of the sampled tokens.
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int, allocate: bool = True) -> None:
         self.model = model
         self.config = config
         self.max_model_len = max_model_len
@@ -114,11 +114,11 @@ class ModelRunner:
                 fuse_projections(model)
         self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates)
         self.dense_weight_bytes = self._plan_dense_weights()
-        self.num_blocks = self._num_kv_blocks()  # (its warm-up prefill makes the dense copies)
+        self.num_blocks: int | None = None  # (sized by the first allocate())
         self.kv: KVCache | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
-        self._make_decode_buffers(min(config.max_num_seqs, 256))
-        self.allocate()
+        if allocate:
+            self.allocate()
 
     # ---------------------------------------------------------------- memory
     def _plan_dense_weights(self) -> int:
@@ -195,9 +195,13 @@ class ModelRunner:
         gc.collect()
 
     def allocate(self) -> None:
-        """(Re)create the KV cache and, on GPU, capture the decode graphs."""
+        """(Re)create the KV cache and, on GPU, capture the decode graphs; the first call sizes
+        the cache from the memory free then (:meth:`_num_kv_blocks`)."""
         if self.kv is not None:
             return
+        if self.num_blocks is None:
+            self.num_blocks = self._num_kv_blocks()  # (its warm-up prefill makes the dense copies)
+            self._make_decode_buffers(min(self.config.max_num_seqs, 256))
         self.kv = self._new_cache(self.num_blocks)
         if self.is_cuda and self.backend == "triton" and self.config.tune_decode and self.decode_tuning_ms == 0.0:
             self.tune_decode()

@@ -41,7 +41,7 @@ from quarl.rollout import Engine, EngineConfig
 
 def build_engine_and_publisher(
     learner_model: Transformer, quant: QuantConfig, engine_config: EngineConfig, lora: LoRASettings | None = None,
-    dist: Dist = Dist(),
+    dist: Dist = Dist(), kv_cache: bool = True,
 ) -> tuple[Engine, "Publisher | LoRAPublisher"]:
     """The one place where the quantization mode shapes the models.
 
@@ -52,11 +52,13 @@ def build_engine_and_publisher(
     In ``bf16`` / ``rollout`` mode the learner stays full precision: the fp8 cache is then
     part of the rollout-only mismatch. The publisher keeps the engine equal to the learner.
     With ``lora`` the base is frozen and shared instead (:func:`build_lora_engine`).
+    ``kv_cache=False``: the engine's KV cache is sized and made later
+    (``engine.reallocate_kv_cache()``, once the learner has freed what it will free).
     """
     if lora is not None:
-        return build_lora_engine(learner_model, quant, engine_config, lora)
+        return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache)
     engine = Engine(copy.deepcopy(learner_model), scheme=quant.scheme, config=engine_config,
-                    include=quant.include, exclude=quant.exclude)
+                    include=quant.include, exclude=quant.exclude, kv_cache=kv_cache)
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
     learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
@@ -71,7 +73,7 @@ class LoRASettings:
 
 
 def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: EngineConfig,
-                      lora: LoRASettings) -> tuple[Engine, "LoRAPublisher"]:
+                      lora: LoRASettings, kv_cache: bool = True) -> tuple[Engine, "LoRAPublisher"]:
     """A LoRA run (README, "LoRA on a low-bit base"): ``model``'s selected linears become
     frozen :class:`QuantLinear` in ``quant.scheme`` (left plain in ``bf16`` mode, or kept if
     they already are: a base loaded quantized), every parameter is frozen, and the target
@@ -93,7 +95,7 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
             fuse_projections(engine_model)
             share_frozen(model, engine_model)
     engine = Engine(engine_model, scheme=quant.scheme, config=engine_config, include=quant.include,
-                    exclude=quant.exclude)
+                    exclude=quant.exclude, kv_cache=kv_cache)
     share_frozen(model, engine.model)
     for m in model.modules():
         if isinstance(m, QuantLinear):

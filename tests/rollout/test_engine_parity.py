@@ -142,3 +142,26 @@ def test_decode_lengths_reach_the_kernels_as_int32(hf_checkpoint):
     assert ctx.context_lens.dtype == ctx.split_len.dtype == torch.int32
     assert ctx.context_lens.tolist() == [5, 17, 2**31 - 1] and ctx.split_len.tolist() == [192]
     assert runner._d_ids[:3].tolist() == [11, 12, 13] and runner._d_seed[:3].tolist() == [2**40 + 1, -3, 7]
+
+
+def test_an_engine_made_without_its_kv_cache_sizes_it_when_first_made(hf_checkpoint):
+    """``kv_cache=False`` (a sharded learner frees memory after the engine is built): no cache
+    and no scheduler until ``reallocate_kv_cache()``, which sizes the cache then; generating
+    before it is a clear error, after it the engine gives HF's greedy tokens; a release and
+    re-creation keeps the size."""
+    family, path, hf = hf_checkpoint
+    engine = Engine(quarl.load_model(path, dtype=torch.float32), kv_cache=False,
+                    config=EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=40))
+    assert engine.runner.kv is None and engine.runner.num_blocks is None and engine.scheduler is None
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="call engine.reallocate_kv_cache"):
+        engine.generate(PROMPTS[:2], params)
+    engine.release_kv_cache()  # (nothing to release: no error)
+    engine.reallocate_kv_cache()
+    assert engine.runner.num_blocks == 40 and engine.kv_cache_bytes > 0
+    for _ in range(2):
+        outs = engine.generate(PROMPTS[:2], params)
+        assert [c.token_ids for c in outs] == [_hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS[:2]], family
+        engine.release_kv_cache()
+        engine.reallocate_kv_cache()
+        assert engine.runner.num_blocks == 40
