@@ -39,7 +39,7 @@ import torch
 # metric -> short name in the summary
 KEYS = {
     "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
-    "time/kv_cache": "kv_s", "time/grad_sync": "grad_sync_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
+    "time/kv_cache": "kv_s", "time/grad_sync": "grad_sync_s", "time/rank_wait": "rank_wait_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
     "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
     "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",

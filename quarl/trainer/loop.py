@@ -287,6 +287,9 @@ class Trainer:
         self._preempted = 0
         with clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
+            if self.dist.world > 1:
+                with clock.stage("rank_wait"):  # for the slowest rank's rollout (else inside the learner's time)
+                    self.dist.barrier()
             batch = self.score(rollout).to(self.device)                                    # 4
             release = not self._keep_kv
             with clock.stage("kv_cache"):

@@ -82,6 +82,8 @@ def test_two_ranks_train_the_steps_of_one_process(runs):
     root, done = runs
     _assert_same_steps(done["one"][0], done["two"][0], [1, 2])
     assert "eval/acc" in _rows(done["two"][0])[-1]
+    # the wait for the slowest rank's rollout is its own stage (one process has none)
+    assert _rows(done["two"][0])[-1]["time/rank_wait"] >= 0 and "time/rank_wait" not in _rows(done["one"][0])[-1]
     out = done["two"][1].stdout
     assert out.count("finished 2 steps") == 1, out
 
