@@ -143,8 +143,8 @@ class Trainer:
             activation_checkpointing=cfg.trainer.activation_checkpointing, seed=cfg.trainer.seed, dist=self.dist,
             shard=cfg.trainer.shard_learner,
         )
+        self.engine.reallocate_kv_cache()  # (a sharded run's engine sizes its cache now; else nothing to do)
         if self.learner.sharded:
-            self.engine.reallocate_kv_cache()
             held, total = self.learner.held_parameters()
             self._say(f"learner sharded over {self.dist.world} ranks (FSDP2): each holds {held / 1e6:.3g}M of the "
                       f"model's {total / 1e6:.3g}M parameters")
