@@ -26,6 +26,7 @@ and writes checkpoints (which hold no per-rank state, so a run resumes on any nu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -155,7 +156,7 @@ class Trainer:
         self.data_pos = 0
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
-        self._preempted = 0  # this step's engine preemptions (a KV cache too small for its rollouts)
+        self._preempted = 0  # this rank's engine preemptions in this step (a KV cache too small for its rollouts)
         self._warned_preemption = False
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
@@ -287,9 +288,10 @@ class Trainer:
         self._preempted = 0
         with clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
-            if self.dist.world > 1:
-                with clock.stage("rank_wait"):  # for the slowest rank's rollout (else inside the learner's time)
-                    self.dist.barrier()
+            # every rank's preemptions: the sum is where a rank waits for the slowest rank's
+            # rollout (timed on its own; else it falls into the learner's first collective)
+            with clock.stage("rank_wait") if self.dist.world > 1 else contextlib.nullcontext():
+                (preempted,) = self.dist.sum([self._preempted])
             batch = self.score(rollout).to(self.device)                                    # 4
             release = not self._keep_kv
             with clock.stage("kv_cache"):
@@ -307,7 +309,7 @@ class Trainer:
         if self._dense_base is None:
             self._dense_base = self._dense_base_fits(clock.peak_gb["learner"], kv_counted=not release)
         self._check_finite(update)
-        return self._step_metrics(self._union(rollout), update, quant_metrics, clock)
+        return self._step_metrics(self._union(rollout), update, quant_metrics, clock, int(preempted))
 
     def _union(self, rollout: Rollout) -> Rollout:
         """Every rank's groups of ``rollout`` in rank order (the step's prompt order), the
@@ -394,7 +396,8 @@ class Trainer:
         return UpdateResult(metrics, mismatch_metrics(*rows), tokens=int(tokens), extra_forwards=int(extra))
 
     def _step_metrics(self, rollout: Rollout, update: UpdateResult, quant_metrics: dict[str, float],
-                      clock: StageClock) -> dict[str, float]:
+                      clock: StageClock, preempted: int) -> dict[str, float]:
+        """``preempted``: the engines' preemptions of this step, summed over the ranks."""
         m = update.metrics
         timing = clock.metrics()
         # per GPU: the ranks' tokens over their GPUs
@@ -403,12 +406,11 @@ class Trainer:
         perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate
-        (preempted,) = self.dist.sum([self._preempted])
         if preempted and not self._warned_preemption:
             self._warned_preemption = True
             runner = self.engine.runner
             self._warn(f"step {self.step + 1}: the KV cache ({runner.num_blocks * runner.block_size:,} tokens a rank) "
-                       f"could not hold the step's rollouts at once: {int(preempted)} preemptions made sequences "
+                       f"could not hold the step's rollouts at once: {preempted} preemptions made sequences "
                        "recompute their prefixes, which slows the rollout (rollout/preemptions). " + self._larger_cache())
         return {
             **perf,
