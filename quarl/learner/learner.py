@@ -347,6 +347,10 @@ class Learner:
         if self.value is not None:
             tensors.update(self.value.dcp_tensors("critic/", allocate))
             rest["critic_optimizer"] = self.value.dcp_rest()
+        if not allocate:  # each rank's rounding bits, in rank order (a collective: every rank saves)
+            rest["rounding"] = self.dist.gather(rest["rounding"])
+            if self.value is not None:
+                rest["critic_optimizer"]["rounding"] = self.dist.gather(rest["critic_optimizer"]["rounding"])
         return tensors, rest
 
     def load_sharded_state(self, checkpoint: str | Path, rest: dict) -> None:
@@ -359,10 +363,22 @@ class Learner:
         with warnings.catch_warnings():  # (one process: no process group, and none needed)
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=self.dist.world == 1)
-        self.policy.after_dcp_load(rest)
+        self.policy.after_dcp_load(self._own_rounding(rest))
         self.scheduler.load_state_dict(rest["scheduler"])
         if self.value is not None:
-            self.value.after_dcp_load(rest["critic_optimizer"])
+            self.value.after_dcp_load(self._own_rounding(rest["critic_optimizer"]))
+
+    def _own_rounding(self, rest: dict) -> dict:
+        """``rest`` with this rank's saved rounding state of :meth:`sharded_state`'s list. A rank
+        the saving run did not have takes rank 0's shared generator (whole tensors must stay
+        equal on every rank) and a fresh one for its shards (on other ranks' shards than the
+        saving run's, those bits could not repeat its own anyway)."""
+        by_rank = rest.get("rounding")
+        if not isinstance(by_rank, list):
+            return rest
+        if self.dist.rank < len(by_rank) or by_rank[0] is None:  # (None: no rounding)
+            return {**rest, "rounding": by_rank[min(self.dist.rank, len(by_rank) - 1)]}
+        return {**rest, "rounding": {k: v for k, v in by_rank[0].items() if not k.endswith("/shard")}}
 
 
 # the critic's state under the learner's state dict keys

@@ -42,28 +42,41 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> tor
 
 class StochasticRounding:
     """The random bits of an optimizer's stochastic rounding: one ``torch.Generator`` per
-    device, seeded with ``seed`` when first used. Its state travels in the optimizer's
-    ``state_dict``, so a resumed run draws the bits an uninterrupted one would."""
+    kind of device (a process computes on one accelerator), seeded with ``seed`` when first
+    used. Its state travels in the optimizer's ``state_dict``, so a resumed run draws the bits
+    an uninterrupted one would, on whichever device index the resumed process has.
+
+    Whole tensors, which every rank of a job steps alike, draw from the shared generator:
+    the ranks' copies must stay equal. A rank's shards of a sharded tensor (``shard=True``)
+    draw from a second generator seeded by the rank as well, so no two ranks' shards take
+    the same bits."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
+    def generator(self, device: torch.device, shard: bool = False) -> torch.Generator:
+        key = device.type + ("/shard" if shard else "")
         if key not in self.generators:
-            self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+            seed = self.seed * 1_000_003 + 1 + torch.distributed.get_rank() if shard else self.seed
+            self.generators[key] = torch.Generator(device=device).manual_seed(seed)
         return self.generators[key]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return stochastic_round_to_bf16(x, self.generator(x.device))
+    def __call__(self, x: torch.Tensor, shard: bool = False) -> torch.Tensor:
+        return stochastic_round_to_bf16(x, self.generator(x.device, shard))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {device: g.get_state() for device, g in self.generators.items()}
+        return {key: g.get_state() for key, g in self.generators.items()}
 
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
-        for device, state in states.items():
-            self.generator(torch.device(device)).set_state(state)
+        """Generator states by device kind ("cuda"; older checkpoints: "cuda:0"). A state is
+        a CPU byte tensor whatever the generator's device; one for a kind of device this
+        machine lacks (a GPU run resumed on a CPU) has nothing to continue and is left out."""
+        for key, state in states.items():
+            device = torch.device(key.split("/")[0])
+            if device.type == "cuda" and not torch.cuda.is_available():
+                continue
+            self.generator(device, shard=key.endswith("/shard")).set_state(state.to("cpu"))
 
 
 def _check_bf16_params(params: Iterable[torch.Tensor], what: str) -> None:
@@ -155,15 +168,16 @@ class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
         """One AdamW step of ``p``, :data:`STEP_CHUNK` elements at a time (the update is
         elementwise): the float32 working copies of a 16-bit tensor then take a few chunks,
         not a few copies of the tensor (the 7B LM head's alone are 2 GB each)."""
+        shard = _is_dtensor(p)  # (this rank's part only: its own rounding bits)
         tensors = tuple(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
         if not all(t.is_contiguous() for t in tensors):
-            return self._step_slice(*tensors, group, float(state["step"]))
+            return self._step_slice(*tensors, group, float(state["step"]), shard)
         flat = [t.view(-1) for t in tensors]
-        for lo in range(0, p.numel(), STEP_CHUNK):
-            self._step_slice(*(t[lo : lo + STEP_CHUNK] for t in flat), group, float(state["step"]))
+        for lo in range(0, flat[0].numel(), STEP_CHUNK):
+            self._step_slice(*(t[lo : lo + STEP_CHUNK] for t in flat), group, float(state["step"]), shard)
 
     def _step_slice(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    group: dict, step: float) -> None:
+                    group: dict, step: float, shard: bool = False) -> None:
         """The AdamW step of matching slices in float32 (in place where the tensors are float32)."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         grad = grad.float()
@@ -173,15 +187,15 @@ class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
         weight.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-        self._write(exp_avg, m, stochastic=True)
-        self._write(exp_avg_sq, v, stochastic=True)
-        self._write(p, weight, stochastic=self.stochastic_rounding)
+        self._write(exp_avg, m, True, shard)
+        self._write(exp_avg_sq, v, True, shard)
+        self._write(p, weight, self.stochastic_rounding, shard)
 
-    def _write(self, target: torch.Tensor, value: torch.Tensor, stochastic: bool) -> None:
+    def _write(self, target: torch.Tensor, value: torch.Tensor, stochastic: bool, shard: bool) -> None:
         """Store the float32 ``value`` into ``target`` (the same tensor when it is float32)."""
         if value is target:
             return
-        target.copy_(self.rounding(value) if stochastic and target.dtype == torch.bfloat16 else value)
+        target.copy_(self.rounding(value, shard) if stochastic and target.dtype == torch.bfloat16 else value)
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         super().load_state_dict(state_dict)

@@ -7,6 +7,8 @@ they never download anything.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from quarl.model.config import TransformerConfig
@@ -64,7 +66,7 @@ def build_random_model(
 ) -> Transformer:
     """A randomly initialised model (normal(0, std) weights, unit norms, zero biases).
 
-    The numbers come from one CPU generator in parameter order, so a seed gives the same
+    The numbers come from CPU generators, one per parameter, so a seed gives the same
     weights on any device (a LoRA run's export rebuilds its random base on the CPU). The
     parameters are made in ``dtype`` from the start: a 14B model in bf16 never exists in
     float32 on the device (the values are those of float32 weights rounded once)."""
@@ -76,13 +78,26 @@ def build_random_model(
             model = Transformer(cfg)
     finally:
         torch.set_default_dtype(before)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = list(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen).mul_(std))
+        drawn = [(i, p) for i, (name, p) in enumerate(params) if not name.endswith(("norm.weight", "bias"))]
+        # one CPU generator per tensor (seeded by the seed and the tensor's place), drawn by a
+        # few threads at once: one generator is serial, ~100 s for a 14B model's numbers
+        workers = max(1, min(torch.get_num_threads(), 16))
+        with ThreadPoolExecutor(workers) as pool:
+            for lo in range(0, len(drawn), workers):  # (a window at a time: float32 copies of a few)
+                window = drawn[lo : lo + workers]
+                for (_, p), values in zip(window, pool.map(lambda ip: _normal(ip[1].shape, seed, ip[0], std), window)):
+                    p.copy_(values)
     return model.to(dtype=dtype)
+
+
+def _normal(shape: torch.Size, seed: int, index: int, std: float) -> torch.Tensor:
+    """normal(0, std) float32 values of the ``index``-th parameter of a seed's random model."""
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + index)
+    return torch.randn(shape, generator=gen).mul_(std)

@@ -202,7 +202,9 @@ class Trainer:
                     "or --trainer.run_dir=NEW_DIR to start another (or delete the directory)"
                 )
             return None
-        found = ckpt.load_latest_intact(self.run_dir, map_location=self.device)
+        # to the CPU: the learner copies each tensor into its own (the whole state on the GPU next to the
+        # model would double the learner's memory), and random generator states must stay CPU tensors
+        found = ckpt.load_latest_intact(self.run_dir, map_location="cpu")
         if found is None:
             what = f"it holds {existing}" if existing else "it holds no run yet"
             self._warn(f"--resume: no checkpoint in {self.run_dir} ({what}): starting from step 0")

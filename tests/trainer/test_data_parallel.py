@@ -156,6 +156,27 @@ def test_a_sharded_checkpoint_resumes_on_three_ranks_with_uneven_shards(tmp_path
     _assert_same_steps(tmp_path / "on_one", tmp_path / "on_three", [1, 2, 3])
 
 
+def test_a_sharded_lean_run_resumes_exactly_with_each_ranks_rounding_bits(tmp_path):
+    """bf16 weights and moments stepped by stochastic rounding on 2 sharded ranks: each rank
+    rounds its own shards with its own generator and the whole tensors (the norms) with one
+    they share, and the checkpoint keeps every rank's states, so 1 step + --resume for 1 more
+    equals 2 steps straight, bit for bit."""
+    lean = ["--model.dtype=bfloat16", "--optim.fp32_master=false", "--optim.state_dtype=bfloat16",
+            "--trainer.shard_learner=true", "--optim.lr=1e-4", "--trainer.eval_every=0"]
+    for name, steps, more in (("straight", 2, []), ("resumed", 1, []), ("resumed", 2, ["--resume"])):
+        res = _train(tmp_path / name, 2, *lean, f"--trainer.steps={steps}", *more)
+        assert res.returncode == 0, res.stderr[-4000:]
+    a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in a] == \
+        [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in b]
+    wa, wb = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+    rest = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "resumed"))["learner"]
+    one, two = rest["rounding"]  # every rank's generators: the shared one alike, the shards' not
+    assert torch.equal(one["cpu"], two["cpu"]) and not torch.equal(one["cpu/shard"], two["cpu/shard"])
+
+
 def test_two_nodes_of_one_rank_train_as_two_ranks_of_one_node(runs, tmp_path):
     """Several nodes: one torchrun per node (``--nnodes=2 --node_rank=i``, one rank each, so
     both ranks are LOCAL_RANK 0 of their node) train the steps of two ranks on one node and
