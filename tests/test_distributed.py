@@ -202,10 +202,13 @@ def _assert_ranks_match_one_process(out: Path, mode: str, loss: str, agg: str | 
                                        msg=lambda e: f"rank {rank} moment {i}: {e}")
         # the weights: equal but where a gradient near zero changed sign with the float32 sum
         # order (Adam then steps that element by -lr instead of +lr, 2e-2 apart)
+        # (bf16-lean: the ranks' shards also round with other random bits than the one process:
+        # an element whose exact value lies between two bf16 numbers may land on the other one)
         assert got["weights"].keys() == ref_w.keys()
+        share = 6e-2 if mode == "bf16-lean" else 3e-2 if bf16 else 5e-3
         for n, w in ref_w.items():
             off = (got["weights"][n] - w).abs() > 1e-5 + rel * w.abs()
-            assert off.float().mean() < (3e-2 if bf16 else 5e-3) and (got["weights"][n] - w).abs().max() <= 4e-2 + 1e-6, (rank, n)
+            assert off.float().mean() < share and (got["weights"][n] - w).abs().max() <= 4e-2 + 1e-6, (rank, n)
         assert any(not torch.equal(ref_w[n], start[n]) for n in ref_w)  # the updates did move the weights
     return [torch.load(out / f"rank{rank}.pt")["held"] for rank in range(2)]
 

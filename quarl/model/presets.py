@@ -88,11 +88,15 @@ def build_random_model(
         drawn = [(i, p) for i, (name, p) in enumerate(params) if not name.endswith(("norm.weight", "bias"))]
         # one CPU generator per tensor (seeded by the seed and the tensor's place), drawn by a
         # few threads at once: one generator is serial, ~100 s for a 14B model's numbers
+        # (each rounded to its parameter's dtype by its worker: half the bytes to a GPU for bf16)
+        def draw(item: tuple[int, torch.Tensor]) -> torch.Tensor:
+            return _normal(item[1].shape, seed, item[0], std).to(item[1].dtype)
+
         workers = max(1, min(torch.get_num_threads(), 16))
         with ThreadPoolExecutor(workers) as pool:
             for lo in range(0, len(drawn), workers):  # (a window at a time: float32 copies of a few)
                 window = drawn[lo : lo + workers]
-                for (_, p), values in zip(window, pool.map(lambda ip: _normal(ip[1].shape, seed, ip[0], std), window)):
+                for (_, p), values in zip(window, pool.map(draw, window)):
                     p.copy_(values)
     return model.to(dtype=dtype)
 
