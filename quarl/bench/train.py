@@ -91,7 +91,8 @@ WORKLOADS: dict[str, Workload] = {
                                  random_base=True,
                                  extra=("--trainer.shard_learner=true", "--trainer.activation_checkpointing=true",
                                         "--optim.fp32_master=false", "--optim.state_dtype=bfloat16",
-                                        "--rollout.kv_cache_in_update=release")),
+                                        "--rollout.kv_cache_in_update=release",
+                                        "--rollout.engine.gpu_memory_utilization=0.45")),
     # a quick check that everything runs (seconds per mode on a GPU)
     "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
 }
