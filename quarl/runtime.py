@@ -108,3 +108,11 @@ def saves_nothing_past_the_layer() -> bool:
     """Whether nothing the current forward saves for a backward outlives its layer: no
     gradient is being recorded, or the layer is recomputed (:func:`recomputed_layer`)."""
     return not torch.is_grad_enabled() or _RECOMPUTED_DEPTH > 0
+
+
+def compiled_frames() -> int:
+    """Frames ``torch.compile`` has compiled in this process so far, recompilations included
+    (a step that compiles after the first ones recompiles: ``perf/compiles``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])

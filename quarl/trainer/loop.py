@@ -63,7 +63,7 @@ from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
-from quarl.runtime import DTYPES, matmul_rate
+from quarl.runtime import DTYPES, compiled_frames, matmul_rate
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
 from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
@@ -157,6 +157,7 @@ class Trainer:
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
         self._preempted = 0  # this rank's engine preemptions in this step (a KV cache too small for its rollouts)
+        self._compiles_before = compiled_frames()  # (perf/compiles: frames compiled during a step)
         self._warned_preemption = False
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
@@ -288,6 +289,7 @@ class Trainer:
         """One step: rollout -> advantages -> update -> publish; returns its metrics."""
         clock = StageClock(self.device)
         self._preempted = 0
+        self._compiles_before = compiled_frames()
         with clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
             # every rank's preemptions: the sum is where a rank waits for the slowest rank's
@@ -405,7 +407,8 @@ class Trainer:
         # per GPU: the ranks' tokens over their GPUs
         flops = update.model_flops(self._matmul_params, self._lora_params) / max(timing["time/learner"], 1e-9) \
             / self.dist.world
-        perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12}
+        perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12,
+                "perf/compiles": float(compiled_frames() - self._compiles_before)}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate
         if preempted and not self._warned_preemption:
