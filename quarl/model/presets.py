@@ -71,14 +71,7 @@ def build_random_model(
     weights on any device (a LoRA run's export rebuilds its random base on the CPU). The
     parameters are made in ``dtype`` from the start: a 14B model in bf16 never exists in
     float32 on the device (the values are those of float32 weights rounded once)."""
-    cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype if dtype.is_floating_point else before)
-    try:
-        with torch.device(device):
-            model = Transformer(cfg)
-    finally:
-        torch.set_default_dtype(before)
+    model = blank_model(name_or_cfg, dtype, device)
     params = list(model.named_parameters())
     with torch.no_grad():
         for name, p in params:
@@ -101,6 +94,20 @@ def build_random_model(
                 for (_, p), values in zip(window, pool.map(draw, window)):
                     p.copy_(values)
     return model.to(dtype=dtype)
+
+
+def blank_model(name_or_cfg: str | TransformerConfig, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Transformer:
+    """A model of the preset's (or config's) shape made in ``dtype`` on ``device`` with torch's
+    default initialisation: for weights about to be overwritten (a checkpoint's)."""
+    cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else before)
+    try:
+        with torch.device(device):
+            return Transformer(cfg)
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _normal(shape: torch.Size, seed: int, index: int, std: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from quarl.runtime import resolve_device, resolve_dtype
 from quarl.config import DataConfig, RunConfig
 from quarl.model.config import TransformerConfig
-from quarl.model.presets import DEMO_PRESETS, build_random_model, preset_config
+from quarl.model.presets import DEMO_PRESETS, blank_model, build_random_model, preset_config
 from quarl.model.transformer import Transformer
 from quarl.quant.mode import QuantMode
 
@@ -38,10 +38,14 @@ def build_base_model(
     run_dir: Path,
     say: Callable[[str], None],
     console=None,
+    resumed_weights: bool = False,
 ) -> Transformer:
     """The policy at step 0: a local checkpoint, or the built-in model after its warm-start.
 
     console: where the warm-start's progress goes (a rich Console; None: nowhere).
+    resumed_weights: a checkpoint about to be loaded holds every weight of the policy, and
+    nothing else needs the base (no KL reference, no LoRA): a built-in model is then only
+    shaped, not drawn (a 14B model's random numbers took a minute of each resume).
     """
     import quarl
     from quarl.trainer.progress import StepProgress, describe_loss
@@ -75,6 +79,8 @@ def build_base_model(
     def build(build_dtype: torch.dtype) -> Transformer:
         if m.path:
             return quarl.load_model(m.path, dtype=build_dtype, device=device)
+        if resumed_weights:
+            return blank_model(arch, dtype=build_dtype, device=device)
         return build_random_model(arch, seed=t.seed, dtype=build_dtype, device=device)
 
     if t.sft_warmup_steps > 0:

@@ -91,6 +91,31 @@ def test_resume_is_exact(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_resume_shapes_the_random_base_without_drawing_it(tmp_path, monkeypatch):
+    """A full fine-tune's checkpoint holds every weight: its resume makes the built-in model's
+    shape and does not draw the random numbers it overwrites, and continues exactly; with a KL
+    reference (which is the base) it draws them."""
+    from quarl.trainer import setup
+
+    drawn = []
+    real = setup.build_random_model
+    monkeypatch.setattr(setup, "build_random_model", lambda *a, **k: drawn.append(1) or real(*a, **k))
+    sft0, volatile = ["--trainer.sft_warmup_steps=0", "--trainer.save_every=1"], ("time/", "perf/", "memory/",
+                                                                                  "rollout/tokens_per_s")
+    _, straight = _train(tmp_path / "a", *sft0, steps=2)
+    _train(tmp_path / "b", *sft0, steps=1)
+    assert len(drawn) == 2
+    _, rows = _train(tmp_path / "b", *sft0, steps=2, resume=True)
+    assert len(drawn) == 2  # (the resume drew nothing)
+    assert [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows] == \
+        [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in straight]
+    wa, wb = _checkpoint_weights(tmp_path / "a"), _checkpoint_weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    _train(tmp_path / "c", *sft0, "--algo.kl_coef=0.1", steps=1)
+    _train(tmp_path / "c", *sft0, "--algo.kl_coef=0.1", steps=2, resume=True)
+    assert len(drawn) == 4
+
+
 # the memory-lean learner: bf16 weights stepped directly (stochastic rounding), bf16 Adam moments,
 # activation checkpointing
 LEAN = ["--optim.fp32_master=false", "--optim.state_dtype=bfloat16", "--trainer.activation_checkpointing=true"]

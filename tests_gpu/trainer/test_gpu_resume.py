@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from quarl.config import load_run_config
 from quarl.trainer import checkpoint as ckpt
@@ -39,5 +38,6 @@ def test_resume_on_the_gpu_continues_the_run(tmp_path, lean):
             assert y[k] == pytest.approx(x[k], rel=1e-3, abs=1e-5), (x["step"], k)
     wa = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "a"))["learner"]["model"]
     wb = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "b"))["learner"]["model"]
-    moved = [n for n in wa if not torch.equal(wa[n], wb[n])]
-    assert len(moved) <= len(wa) // 10, moved  # the same steps: at most a stray GPU reduction order apart
+    for n in wa:  # the same steps: apart only where a GPU reduction's order flipped an Adam step (2 lr)
+        off = (wa[n].float() - wb[n].float()).abs()
+        assert (off > 1e-3).float().mean() < 1e-2 and off.max() < 5e-2, n
