@@ -14,3 +14,87 @@ def git_commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
         return "unknown"
+
+
+# nvidia-smi's fields for a watch over a run: clocks, temperature, power, and the active
+# clock-event ("throttle") reasons, a bitmask (0x1 is the idle reason; 0x4 software power cap,
+# 0x20/0x40 software/hardware thermal slowdown, 0x8 hardware slowdown)
+CLOCK_FIELDS = ("index", "clocks.sm", "clocks.max.sm", "temperature.gpu", "power.draw", "clocks_event_reasons.active")
+IDLE_REASON = 0x1
+
+
+class ClockWatch:
+    """The GPUs' SM clocks, temperatures and clock-event reasons sampled by ``nvidia-smi``
+    every ``interval`` seconds while a run lasts (``with ClockWatch() as w: ...``, then
+    :meth:`summary`), so that a run slowed by a GPU clocking down says so. No
+    ``nvidia-smi`` (a CPU machine): nothing is sampled and the summary is None."""
+
+    def __init__(self, interval: float = 2.0, command: str = "nvidia-smi") -> None:
+        import shutil
+        import threading
+
+        self.interval, self.command = interval, shutil.which(command)
+        self.fields = CLOCK_FIELDS
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "ClockWatch":
+        if self.command is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.extend(self.sample())
+            if self._stop.wait(self.interval):
+                return
+
+    def sample(self) -> list[dict[str, float]]:
+        """One reading per GPU (none where nvidia-smi fails)."""
+        import subprocess
+
+        try:
+            done = subprocess.run([self.command, f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return []
+        if done.returncode != 0 and self.fields == CLOCK_FIELDS:  # a driver before the field's new name
+            self.fields = CLOCK_FIELDS[:-1] + ("clocks_throttle_reasons.active",)
+            return self.sample()
+        rows = []
+        for line in done.stdout.strip().splitlines():
+            cells = [c.strip() for c in line.split(",")]
+            if len(cells) != len(CLOCK_FIELDS):
+                continue
+            try:
+                rows.append({"gpu": int(cells[0]), "sm_mhz": float(cells[1]), "max_sm_mhz": float(cells[2]),
+                             "temp_c": float(cells[3]), "power_w": float(cells[4]), "reasons": int(cells[5], 16)})
+            except ValueError:  # ("[N/A]" where a field is not supported)
+                continue
+        return rows
+
+    def summary(self) -> dict[str, dict[str, float | str]] | None:
+        """Per GPU: the median and lowest SM clock among the samples taken while it was busy
+        (power above its idle readings' 20% mark), its maximum, the hottest reading, and the
+        clock-event reasons other than idle seen at any sample (hex)."""
+        if not self.samples:
+            return None
+        out: dict[str, dict[str, float | str]] = {}
+        for gpu in sorted({s["gpu"] for s in self.samples}):
+            mine = [s for s in self.samples if s["gpu"] == gpu]
+            top = max(s["power_w"] for s in mine)
+            busy = [s for s in mine if s["power_w"] > 0.2 * top] or mine
+            clocks = sorted(s["sm_mhz"] for s in busy)
+            reasons = 0
+            for s in mine:
+                reasons |= s["reasons"] & ~IDLE_REASON
+            out[str(gpu)] = {"sm_mhz_median": clocks[len(clocks) // 2], "sm_mhz_min": clocks[0],
+                             "sm_mhz_max": max(s["max_sm_mhz"] for s in mine), "temp_c_max": max(s["temp_c"] for s in mine),
+                             "reasons": hex(reasons), "samples": len(mine)}
+        return out

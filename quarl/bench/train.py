@@ -36,6 +36,8 @@ from typing import Any, Iterator
 
 import torch
 
+from quarl.bench.common import ClockWatch
+
 # metric -> short name in the summary
 KEYS = {
     "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
@@ -338,7 +340,8 @@ def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: st
     error naming it and its last lines."""
     out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}_{gpus}.json"
     argv, env = child_command(workload, mode, extra, root, commit, out, profile, model, stage, gpus)
-    proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
+    with ClockWatch() as clocks:  # (a run slowed by a GPU clocking down shows in its "gpu_clocks")
+        proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"the run of quarl in {root} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
@@ -346,7 +349,18 @@ def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: st
     got = done["modes"][mode]
     return {"median": got["median"], "git_commit": done.get("git_commit"), "device": done.get("device"),
             "bf16_tflops_measured": done.get("bf16_tflops_measured"),
-            **{k: got[k] for k in ("steps", "overrides", "profile") if k in got}}
+            **{k: got[k] for k in ("steps", "overrides", "profile") if k in got},
+            **({"gpu_clocks": clocks.summary()} if clocks.summary() else {})}
+
+
+def clock_line(name: str, run: dict[str, Any]) -> str:
+    """The GPU clocks during a run (:class:`ClockWatch`), one phrase per GPU; "" without them."""
+    clocks = run.get("gpu_clocks")
+    if not clocks:
+        return ""
+    return f"{name} GPU clocks while busy: " + "; ".join(
+        f"GPU {g} median {c['sm_mhz_median']:.0f} MHz of {c['sm_mhz_max']:.0f} (lowest {c['sm_mhz_min']:.0f}), "
+        f"hottest {c['temp_c_max']:.0f} C, clock-event reasons {c['reasons']}" for g, c in clocks.items())
 
 
 def package_root() -> Path:
@@ -430,6 +444,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                                                      package_root(), git_commit(), Path(tmp), profile, model_dir,
                                                      profile_stage, gpus=k)
                     print(key, json.dumps(result["modes"][key]["median"]), flush=True)
+                    if "gpu_clocks" in result["modes"][key]:
+                        print(clock_line(key, result["modes"][key]), flush=True)
                     save_result(result, out)
                 continue
             if mode in result["modes"]:  # (resumed)
@@ -450,6 +466,8 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
             if "profile" in r:
                 print("\n".join(r["profile"]), flush=True)
             print(mode, json.dumps(r["median"]), flush=True)
+            if "gpu_clocks" in r:
+                print(clock_line(mode, r), flush=True)
             save_result(result, out)  # after every mode: a call cut short keeps the modes it finished
             if baseline is not None and "baseline" not in r:
                 r["baseline"] = run_child(workload, mode, extra, baseline, baseline_commit, Path(tmp))
