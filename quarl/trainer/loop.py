@@ -160,7 +160,6 @@ class Trainer:
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self.bad_steps = 0
         self._preempted = 0  # this rank's engine preemptions in this step (a KV cache too small for its rollouts)
-        self._compiles_before = compiled_frames()  # (perf/compiles: frames compiled during a step)
         self._warned_preemption = False
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
