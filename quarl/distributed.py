@@ -184,7 +184,7 @@ def from_env(device: str = "auto") -> Dist:
     if world == 1:
         return Dist()
     rank = int(os.environ["RANK"])
-    threads = cpu_threads(os.environ, len(os.sched_getaffinity(0)))
+    threads = cpu_threads(os.environ)
     if threads is not None:
         torch.set_num_threads(threads)
     gpu = device != "cpu" and torch.cuda.is_available()
@@ -200,14 +200,21 @@ def from_env(device: str = "auto") -> Dist:
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size())
 
 
-def cpu_threads(env: dict[str, str] | os._Environ, cores: int) -> int | None:
-    """The intra-op CPU threads for a rank: its share of the node's ``cores``
-    (``cores // LOCAL_WORLD_SIZE``) where ``OMP_NUM_THREADS`` is unset or 1, which is what
-    torchrun sets when it is unset (one thread makes CPU work such as a random model's
-    initialisation many times slower); None (keep it) where it is set to anything else."""
+def rank_cores(env: dict[str, str] | os._Environ | None = None, cores: int | None = None) -> int:
+    """This rank's share of the node's CPU ``cores`` (those this process may run on by
+    default): ``cores // LOCAL_WORLD_SIZE``, at least 1 (all of them outside torchrun)."""
+    env = os.environ if env is None else env
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return max(1, cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def cpu_threads(env: dict[str, str] | os._Environ, cores: int | None = None) -> int | None:
+    """The intra-op CPU threads for a rank: :func:`rank_cores` where ``OMP_NUM_THREADS`` is
+    unset or 1, which is what torchrun sets when it is unset (one thread makes the ranks'
+    CPU work many times slower); None (keep it) where it is set to anything else."""
     if env.get("OMP_NUM_THREADS", "1") != "1":
         return None
-    return max(1, cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1"))))
+    return rank_cores(env, cores)
 
 
 def shutdown() -> None:

@@ -350,7 +350,7 @@ def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: st
     return {"median": got["median"], "git_commit": done.get("git_commit"), "device": done.get("device"),
             "bf16_tflops_measured": done.get("bf16_tflops_measured"),
             **{k: got[k] for k in ("steps", "overrides", "profile") if k in got},
-            **({"gpu_clocks": clocks.summary()} if clocks.summary() else {})}
+            **({"gpu_clocks": seen} if (seen := clocks.summary()) else {})}
 
 
 def clock_line(name: str, run: dict[str, Any]) -> str:
@@ -361,6 +361,11 @@ def clock_line(name: str, run: dict[str, Any]) -> str:
     return f"{name} GPU clocks while busy: " + "; ".join(
         f"GPU {g} median {c['sm_mhz_median']:.0f} MHz of {c['sm_mhz_max']:.0f} (lowest {c['sm_mhz_min']:.0f}), "
         f"hottest {c['temp_c_max']:.0f} C, clock-event reasons {c['reasons']}" for g, c in clocks.items())
+
+
+def print_clocks(name: str, run: dict[str, Any]) -> None:
+    if line := clock_line(name, run):
+        print(line, flush=True)
 
 
 def package_root() -> Path:
@@ -444,8 +449,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
                                                      package_root(), git_commit(), Path(tmp), profile, model_dir,
                                                      profile_stage, gpus=k)
                     print(key, json.dumps(result["modes"][key]["median"]), flush=True)
-                    if "gpu_clocks" in result["modes"][key]:
-                        print(clock_line(key, result["modes"][key]), flush=True)
+                    print_clocks(key, result["modes"][key])
                     save_result(result, out)
                 continue
             if mode in result["modes"]:  # (resumed)
@@ -466,8 +470,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
             if "profile" in r:
                 print("\n".join(r["profile"]), flush=True)
             print(mode, json.dumps(r["median"]), flush=True)
-            if "gpu_clocks" in r:
-                print(clock_line(mode, r), flush=True)
+            print_clocks(mode, r)
             save_result(result, out)  # after every mode: a call cut short keeps the modes it finished
             if baseline is not None and "baseline" not in r:
                 r["baseline"] = run_child(workload, mode, extra, baseline, baseline_commit, Path(tmp))

@@ -7,11 +7,11 @@ they never download anything.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from quarl.distributed import rank_cores
 from quarl.model.config import TransformerConfig
 from quarl.model.transformer import Transformer
 
@@ -87,7 +87,7 @@ def build_random_model(
             return _normal(item[1].shape, seed, item[0], std).to(item[1].dtype)
 
         # (threads of their own, whatever OMP_NUM_THREADS says: the rank's share of the node's cores)
-        workers = max(1, min(16, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+        workers = min(16, rank_cores())
         with ThreadPoolExecutor(workers) as pool:
             for lo in range(0, len(drawn), workers):  # (a window at a time: float32 copies of a few)
                 window = drawn[lo : lo + workers]

@@ -106,11 +106,8 @@ class Trainer:
         serial = cfg.trainer.sft_warmup_steps > 0 or cfg.model.packed_cache is not None
         if serial and not self.dist.main:
             self.dist.barrier()
-        # a resumed checkpoint that holds every weight of a full fine-tune: nothing reads the base's own values
-        resumed_weights = (found is not None and not cfg.model.lora_rank and cfg.algo.kl_coef == 0
-                           and cfg.trainer.sft_warmup_steps == 0 and cfg.quant.uaq_scale == 1.0)
         base = build_base_model(cfg, self.tokenizer, self.task, self.device, self.dtype, self.run_dir, self._say,
-                                self.console, resumed_weights=resumed_weights)
+                                self.console, resuming=found is not None)
         if serial and self.dist.main:
             self.dist.barrier()
 

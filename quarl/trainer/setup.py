@@ -38,14 +38,15 @@ def build_base_model(
     run_dir: Path,
     say: Callable[[str], None],
     console=None,
-    resumed_weights: bool = False,
+    resuming: bool = False,
 ) -> Transformer:
     """The policy at step 0: a local checkpoint, or the built-in model after its warm-start.
 
     console: where the warm-start's progress goes (a rich Console; None: nowhere).
-    resumed_weights: a checkpoint about to be loaded holds every weight of the policy, and
-    nothing else needs the base (no KL reference, no LoRA): a built-in model is then only
-    shaped, not drawn (a 14B model's random numbers took a minute of each resume).
+    resuming: a checkpoint is about to be loaded. Where it holds every weight of the policy
+    (a full fine-tune) and nothing else reads the base (no KL reference, warm-start or UAQ),
+    a built-in model is only shaped, not drawn (a 14B model's random numbers took a minute
+    of each resume).
     """
     import quarl
     from quarl.trainer.progress import StepProgress, describe_loss
@@ -79,7 +80,8 @@ def build_base_model(
     def build(build_dtype: torch.dtype) -> Transformer:
         if m.path:
             return quarl.load_model(m.path, dtype=build_dtype, device=device)
-        if resumed_weights:
+        if resuming and not m.lora_rank and cfg.algo.kl_coef == 0 and cfg.quant.uaq_scale == 1.0 \
+                and t.sft_warmup_steps == 0:  # (a warm-start trains, and caches, what this builds)
             return blank_model(arch, dtype=build_dtype, device=device)
         return build_random_model(arch, seed=t.seed, dtype=build_dtype, device=device)
 
