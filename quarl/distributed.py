@@ -24,6 +24,12 @@ import torch
 
 # how long a collective may wait for a rank that stopped answering before the others fail
 TIMEOUT = datetime.timedelta(minutes=10)
+# a GPU job's process group: GPU tensors on NCCL; CPU tensors, and so every object collective
+# (pickled values: the checkpoint's planning, the ranks' rollouts), on gloo. Object collectives
+# over NCCL stage through GPU memory, and the gathers and scatters of torch.distributed.checkpoint
+# open NCCL point-to-point channels whose buffers NCCL allocates outside torch's cache: on a
+# GPU that the learner and the KV cache fill, that allocation can hang the save.
+BACKEND_GPU = "cuda:nccl,cpu:gloo"
 # the most gradient bytes one flat all-reduce buffer holds
 BUCKET_BYTES = 64 * 2**20
 
@@ -169,17 +175,17 @@ def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
 
 
 def _device() -> torch.device:
-    """Where this rank's collectives run: its GPU with NCCL, the CPU with gloo."""
-    if torch.distributed.get_backend() == "nccl":
+    """Where this rank's tensor collectives run: its GPU with NCCL, the CPU with gloo alone."""
+    if "nccl" in torch.distributed.get_backend():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def from_env(device: str = "auto") -> Dist:
     """The job this process belongs to, from ``torchrun``'s environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``): initialises the process group once (NCCL when the run
-    uses GPUs, gloo on CPU) and binds the rank to GPU ``LOCAL_RANK``. Without those
-    variables: one process, ``Dist()``."""
+    ``WORLD_SIZE``, ``LOCAL_RANK``): initialises the process group once (on GPUs NCCL for
+    tensors and gloo for objects, :data:`BACKEND_GPU`; gloo on CPU) and binds the rank to GPU
+    ``LOCAL_RANK``. Without those variables: one process, ``Dist()``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist()
@@ -196,7 +202,7 @@ def from_env(device: str = "auto") -> Dist:
         torch.cuda.set_device(local)
     if not torch.distributed.is_initialized():
         bound = {"device_id": torch.device("cuda", local)} if gpu else {}  # (NCCL: this rank's GPU, no guessing)
-        torch.distributed.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT, **bound)
+        torch.distributed.init_process_group(BACKEND_GPU if gpu else "gloo", timeout=TIMEOUT, **bound)
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size())
 
 

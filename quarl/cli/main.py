@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
+import signal
 import sys
 
 # Subcommands live in their own modules, each with add_parser(subparsers) and run(args).
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "accepts_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack on stderr (a hung rank says where)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

@@ -179,3 +179,27 @@ def test_under_torchrun_a_user_error_is_printed_once_per_node(monkeypatch, capsy
         assert main(bad) == 2
         err = capsys.readouterr().err
         assert err.startswith(want) if want else err == ""
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on(monkeypatch, capfd):
+    """A rank that hangs says where on ``kill -USR1``: Python's stacks on stderr, and the run
+    is not stopped by it."""
+    import argparse
+    import faulthandler
+    import signal
+
+    from quarl.cli import main as cli
+
+    def hang_here(args):  # (the command "hangs" here: it signals itself, then finishes)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return 7
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(command="train", run=hang_here)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    try:
+        assert cli.main([]) == 7
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+    err = capfd.readouterr().err
+    assert "hang_here" in err and "most recent call first" in err, err
