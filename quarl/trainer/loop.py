@@ -302,11 +302,11 @@ class Trainer:
                     self.engine.release_kv_cache()
             with clock.stage("learner", memory=True):
                 update = self.update_policy(batch)                                         # 5-6
+            with clock.stage("publish"):  # (before the KV cache returns: a sharded publish gathers whole tensors)
+                quant_metrics = self.publisher.publish()                                   # 7
             with clock.stage("kv_cache"):
                 if release:
                     self.engine.reallocate_kv_cache()
-            with clock.stage("publish"):
-                quant_metrics = self.publisher.publish()                                   # 7
         if self._keep_kv is None:
             self._keep_kv = self._kv_cache_fits(clock.peak_gb["learner"])
         if self._dense_base is None:
