@@ -265,10 +265,18 @@ def test_kv_cache_through_the_learner_phase(tmp_path, choice, kept):
                                         f"--rollout.kv_cache_in_update={choice}"])
     trainer = Trainer(cfg)
     kv = trainer.engine.runner.kv
+    publish, cache_at_publish = trainer.publisher.publish, []
+
+    def publish_and_look():  # released: the cache comes back only after the publish (a sharded one gathers)
+        cache_at_publish.append(trainer.engine.runner.kv is not None)
+        return publish()
+
+    trainer.publisher.publish = publish_and_look
     trainer.train_step()
     trainer.step += 1
     assert (trainer.engine.runner.kv is kv) == kept  # kept: the same cache at the same addresses
     assert trainer.engine.runner.kv is not None
+    assert cache_at_publish == [kept]
     trainer.rewards.close()
 
 
