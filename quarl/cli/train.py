@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_main(trainer, cfg) -> int:
     from quarl.trainer.checkpoint import CheckpointWriteError
     from quarl.trainer.loop import TrainingAborted
+    from quarl.trainer.oom import OutOfGPUMemory
 
     resume_hint = f"quarl train --resume --trainer.run_dir={trainer.run_dir}"
     try:
@@ -71,6 +72,11 @@ def _run_main(trainer, cfg) -> int:
     except CheckpointWriteError as e:
         write_report(trainer.run_dir)
         print(f"quarl train: error: {e.strerror}", file=sys.stderr)
+        return 1
+    except OutOfGPUMemory as e:
+        write_report(trainer.run_dir)
+        print(f"quarl train: error: {e}\n{_kept(trainer)}, then continue with: {resume_hint} --<setting>=<value>",
+              file=sys.stderr)
         return 1
     report = write_report(trainer.run_dir)
     if trainer.interrupted:
@@ -93,6 +99,7 @@ def _run_rank(trainer) -> int:
     (rank 0 reports the error)."""
     from quarl.trainer.checkpoint import CheckpointWriteError
     from quarl.trainer.loop import TrainingAborted
+    from quarl.trainer.oom import OutOfGPUMemory
 
     try:
         trainer.run()
@@ -100,6 +107,9 @@ def _run_rank(trainer) -> int:
         return 130
     except (TrainingAborted, CheckpointWriteError):
         return 3
+    except OutOfGPUMemory as e:  # (a rank may run out alone: it says so itself)
+        print(f"quarl train (rank {trainer.dist.rank}): error: {e}\n{_kept(trainer)}", file=sys.stderr)
+        return 1
     return 130 if trainer.interrupted else 0
 
 
@@ -133,3 +143,13 @@ def write_report(run_dir: Path) -> Path | None:
         print(f"quarl train: warning: could not write {run_dir / 'report.html'}: {first} "
               f"(the run itself is fine; retry with: quarl report {run_dir})", file=sys.stderr)
         return None
+
+
+def _kept(trainer) -> str:
+    """What of the run is safe after a failed step: its newest checkpoint."""
+    from quarl.trainer.checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(trainer.run_dir)
+    if newest is None:
+        return "no checkpoint was written yet: change the setting"
+    return f"its newest checkpoint, {newest.name}, is intact: change the setting"

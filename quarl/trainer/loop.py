@@ -59,6 +59,7 @@ from quarl.quant.linear import dense_bytes, frozen_bases, keep_frozen_bases_dens
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
+from quarl.trainer import oom
 from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
@@ -289,7 +290,7 @@ class Trainer:
         clock = StageClock(self.device)
         self._preempted = 0
         self._compiles_before = compiled_frames()
-        with clock.stage("step"):
+        with self._naming_out_of_memory(clock), clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
             # every rank's preemptions: the sum is where a rank waits for the slowest rank's
             # rollout (timed on its own; else it falls into the learner's first collective)
@@ -313,6 +314,16 @@ class Trainer:
             self._dense_base = self._dense_base_fits(clock.peak_gb["learner"], kv_counted=not release)
         self._check_finite(update)
         return self._step_metrics(self._union(rollout), update, quant_metrics, clock, int(preempted))
+
+    @contextlib.contextmanager
+    def _naming_out_of_memory(self, clock: StageClock):
+        """torch's out-of-memory error as :class:`~quarl.trainer.oom.OutOfGPUMemory`, which names
+        the stage that ran out and the settings that lower its memory."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            state = oom.MemoryState(kv_kept=self._keep_kv is True, world=self.dist.world, sharded=self.learner.sharded)
+            raise oom.OutOfGPUMemory(oom.advice(clock.out_of_memory or "step", self.step + 1, e, self.cfg, state)) from e
 
     def _union(self, rollout: Rollout) -> Rollout:
         """Every rank's groups of ``rollout`` in rank order (the step's prompt order), the

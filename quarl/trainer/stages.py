@@ -82,6 +82,7 @@ class StageClock:
         self.seconds: dict[str, float] = defaultdict(float)
         self.peak_gb: dict[str, float] = {}
         self.retries: dict[str, float] = {}
+        self.out_of_memory: str | None = None  # the innermost stage that ran out of GPU memory
 
     @contextmanager
     def stage(self, name: str, memory: bool = False) -> Iterator[None]:
@@ -91,6 +92,9 @@ class StageClock:
         t0 = time.perf_counter()
         try:
             yield
+        except torch.OutOfMemoryError:
+            self.out_of_memory = self.out_of_memory or name
+            raise
         finally:
             if self.cuda:  # the stage's queued kernels count as its own, not the next stage's
                 torch.cuda.synchronize(self.device)
