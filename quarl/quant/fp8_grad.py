@@ -18,7 +18,9 @@ mantissa bits, per-row scales: the fine-grained recipe of FP8 training, not per-
 forward, and so the mismatch with the engine, is unchanged. Each GEMM is a row-wise scaled
 ``torch._scaled_mm`` (cuBLASLt on Hopper, the same op on CPU): its second operand must be
 column-major, so the codes are transposed once per call (one byte an element), and the
-reduction dimension is zero-padded to a multiple of 16 (cuBLASLt's fp8 rule; zeros add nothing).
+tokens, the reduction dimension of ``grad_W``, are zero-padded to a multiple of 16 (cuBLASLt's
+fp8 rule; zeros add nothing). Both are written as torch ops around the GEMM, so that in a
+compiled region they fuse into the gradient's quantizer and the codes' one copy.
 """
 
 from __future__ import annotations
@@ -67,11 +69,17 @@ def grad_input(gy: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, 
     """``gy [M, N] @ (w_codes * w_scales[:, None])`` with ``gy * w_scales`` rounded to e4m3 per
     row: ``grad_x [M, K]`` (``w_codes [N, K]`` e4m3, ``w_scales [N]``)."""
     gq, sg = ref.quantize_activations(gy.float() * w_scales.float()[None, :], "fp8")
-    return scaled_rows_gemm(gq, sg, w_codes.t(), out_dtype)
+    wt = w_codes.view(torch.uint8).t().contiguous().view(w_codes.dtype)  # (the GEMM reads it column-major)
+    return scaled_rows_gemm(gq, sg, wt, out_dtype)
 
 
 def grad_weight(gy: torch.Tensor, x_codes: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``gy.T [N, M] @ (x_codes * x_scales[:, None])`` with ``gy * x_scales`` rounded to e4m3 per
     column of ``gy``: ``grad_W [N, K]`` (``x_codes [M, K]`` e4m3, ``x_scales [M]``)."""
-    gq, sg = ref.quantize_activations((gy.float() * x_scales.float()[:, None]).t(), "fp8")
-    return scaled_rows_gemm(gq, sg, x_codes.t(), out_dtype)
+    m = gy.shape[0]
+    pad = (m + _ALIGN - 1) // _ALIGN * _ALIGN - m  # (tokens padded with zero rows here, where the compiler
+    # fuses the padding and the transposes into the quantizer's and the copy's writes)
+    g = F.pad(gy.float() * x_scales.float()[:, None], (0, 0, 0, pad))
+    gq, sg = ref.quantize_activations(g.t(), "fp8")
+    xt = F.pad(x_codes.view(torch.uint8).t(), (0, pad)).contiguous().view(x_codes.dtype)
+    return scaled_rows_gemm(gq.contiguous(), sg, xt, out_dtype)
