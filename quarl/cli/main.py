@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import importlib
+import io
 import os
 import signal
 import sys
@@ -30,6 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's Python stack on stderr (a hung rank says
+    where); not where stderr has no file descriptor to write to (an embedding host's)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -39,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "accepts_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack on stderr (a hung rank says where)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    _stacks_on_sigusr1()
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
