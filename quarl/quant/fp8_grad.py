@@ -36,7 +36,9 @@ _ALIGN = 16
 
 def _scaled_rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     r, k = a.shape[1], b.shape[0]
-    if k % _ALIGN:  # (cuBLASLt cannot write it; the same values through a float32 matmul)
+    # the same values through a float32 matmul where cuBLASLt cannot write them: a width it
+    # does not take, or an output other than bf16 (its row-scaled fp8 GEMM writes bf16 only)
+    if k % _ALIGN or (a.is_cuda and out_dtype != torch.bfloat16):
         return ((a.float() * sa[:, None]) @ b.float().T).to(out_dtype)
     pad = -r % _ALIGN
     if pad:
