@@ -110,6 +110,16 @@ def saves_nothing_past_the_layer() -> bool:
     return not torch.is_grad_enabled() or _RECOMPUTED_DEPTH > 0
 
 
+def compile_seconds() -> float:
+    """Seconds ``torch.compile`` has spent compiling in this process so far: frames (their
+    forward graphs) and the backward graphs compiled at their first backward; a step's share
+    is ``perf/compile_s`` (0 where nothing compiled; a compile that finds its kernels in
+    inductor's disk cache takes less)."""
+    from torch._dynamo.utils import cumulative_time_spent_ns as spent
+
+    return (spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0)) / 1e9
+
+
 def compiled_frames() -> int:
     """Frames ``torch.compile`` has compiled in this process so far, recompilations included
     (a step that compiles after the first ones recompiles: ``perf/compiles``)."""
