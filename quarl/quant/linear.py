@@ -188,25 +188,25 @@ class _QATMatmul(torch.autograd.Function):
     def backward(ctx, grad_y):  # type: ignore[override]
         qw: QuantizedWeight = ctx.qw
         gy = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = grad_b = None
-        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.sizes)
+        grad_x = grad_b = grad_w = None
+        need_w = any(ctx.needs_input_grad[5:])
         if ctx.fp8_backward:
             xq, sx = ctx.saved_tensors
             if ctx.needs_input_grad[0]:
                 grad_x = fp8_grad.grad_input(gy, qw.qdata, qw.scales, ctx.x_dtype).view(*grad_y.shape[:-1], -1)
-            if any(ctx.needs_input_grad[5:]):
+            if need_w:
                 grad_w = fp8_grad.grad_weight(gy, xq, sx, gy.dtype)
-                grad_ws = [g.to(dt) if need else None for g, dt, need in
-                           zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes, ctx.needs_input_grad[5:])]
-        elif ctx.needs_input_grad[0]:
-            w = ops.dequantize(qw, grad_y.dtype) if ctx.repacked is None else \
-                ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
-            grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
-        if not ctx.fp8_backward and any(ctx.needs_input_grad[5:]):
-            (x_seen,) = ctx.saved_tensors  # (for W8A8 / W4A8 the dequantized codes)
-            grad_w = gy.T @ x_seen.reshape(-1, x_seen.shape[-1]).to(gy.dtype)
-            grad_ws = [g.to(dt) if need else None for g, dt, need in
-                       zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes, ctx.needs_input_grad[5:])]
+        else:
+            if ctx.needs_input_grad[0]:
+                w = ops.dequantize(qw, grad_y.dtype) if ctx.repacked is None else \
+                    ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
+                grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
+            if need_w:
+                (x_seen,) = ctx.saved_tensors  # (for W8A8 / W4A8 the dequantized codes)
+                grad_w = gy.T @ x_seen.reshape(-1, x_seen.shape[-1]).to(gy.dtype)
+        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.sizes) if grad_w is None else [
+            g.to(dt) if need else None for g, dt, need in zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes,
+                                                               ctx.needs_input_grad[5:])]
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_b = gy.sum(0)
         return (grad_x, grad_b, None, None, None, *grad_ws)
