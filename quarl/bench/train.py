@@ -114,7 +114,6 @@ MODES: dict[str, list[str]] = {
 MODE_OPTIONS: dict[str, list[str]] = {
     "kvfp8": ["--rollout.engine.kv_cache_dtype=fp8"],
     "dense": ["--rollout.engine.dense_weights=on"],
-    "bwdfp8": ["--quant.backward=fp8"],
 }
 
 

@@ -156,9 +156,6 @@ class QuantConfig:
     uaq_scale: float = 1.0  # QuRL's invariant scaling s (1.0 = off; the paper uses 1.5)
     include: list[str] = field(default_factory=lambda: ["layers.*"])
     exclude: list[str] = field(default_factory=list)
-    # the aligned learner's backward GEMMs: bf16 (grad_x = gy @ W_deq, grad_W = gy^T @ x_seen), or
-    # fp8 on the forward's own e4m3 codes with the gradient rounded to e4m3 per row (w8a8-fp8 only)
-    backward: Literal["bf16", "fp8"] = "bf16"
 
     def validate(self) -> None:
         if self.mode is QuantMode.BF16:
@@ -166,10 +163,6 @@ class QuantConfig:
         elif self.scheme is SCHEMES["bf16"]:
             raise ConfigError(f"quant.mode={self.mode} with quant.scheme=bf16 quantizes nothing: use "
                               "quant.mode=bf16, or pick a low-bit scheme")
-        if self.backward == "fp8" and (self.mode is not QuantMode.ALIGNED or self.scheme.act_format != "fp8"):
-            raise ConfigError(f"quant.backward=fp8 runs the aligned learner's backward on the fp8 codes of its "
-                              f"forward, which quant.mode={self.mode} with quant.scheme={self.scheme.name} does not "
-                              f"have: use quant.mode=aligned with quant.scheme=w8a8-fp8, or quant.backward=bf16")
 
 
 @dataclass

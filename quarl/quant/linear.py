@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.model.lora import LoRALinear, add_adapter, apply_adapter
-from quarl.quant import fp8_grad, ops
+from quarl.quant import ops
 from quarl.quant import reference as ref
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight, quantize_weights
@@ -156,16 +156,11 @@ class _QATMatmul(torch.autograd.Function):
 
     ``repacked`` None (:func:`set_per_use_dequant`): the weight is dequantized at each use
     and kept by nothing, a weight-only forward on the learner's fast path is ``F.linear`` over
-    it (as :func:`_qat_linear`'s leaf path computes), the kernel's layouts are made per call.
-
-    ``fp8_backward`` (``quant.backward=fp8``, fp8 activation codes only): both backward GEMMs
-    in fp8 on the forward's own codes (:mod:`quarl.quant.fp8_grad`)."""
+    it (as :func:`_qat_linear`'s leaf path computes), the kernel's layouts are made per call."""
 
     @staticmethod
-    def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache | None, fp8_backward: bool,  # type: ignore[override]
-                *weights):
+    def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache | None, *weights):  # type: ignore[override]
         ctx.qw, ctx.repacked, ctx.has_bias = qw, repacked, bias is not None
-        ctx.fp8_backward = fp8_backward
         ctx.sizes, ctx.w_dtypes, ctx.x_dtype = [w.shape[0] for w in weights], [w.dtype for w in weights], x.dtype
         fmt = qw.scheme.act_format
         if fmt == "none":
@@ -173,10 +168,7 @@ class _QATMatmul(torch.autograd.Function):
             if repacked is None and learner_runs_dequantized(x, qw):
                 return F.linear(x, ops.dequantize(qw, x.dtype), bias)
             return ops.quant_linear(x, qw, bias, repacked if repacked is not None else RepackCache())
-        if fp8_backward:  # grad_W from the codes themselves
-            xq, sx = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt)
-            ctx.save_for_backward(xq, sx)
-        elif any(ctx.needs_input_grad[5:]):  # grad_W needs x as the GEMM saw it: written by the quantizer's pass
+        if any(ctx.needs_input_grad[4:]):  # grad_W needs x as the GEMM saw it: written by the quantizer's pass
             xq, sx, x_seen = ops.quantize_input(x.reshape(-1, x.shape[-1]), fmt, x.dtype)
             ctx.save_for_backward(x_seen)
         else:
@@ -188,28 +180,20 @@ class _QATMatmul(torch.autograd.Function):
     def backward(ctx, grad_y):  # type: ignore[override]
         qw: QuantizedWeight = ctx.qw
         gy = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = grad_b = grad_w = None
-        need_w = any(ctx.needs_input_grad[5:])
-        if ctx.fp8_backward:
-            xq, sx = ctx.saved_tensors
-            if ctx.needs_input_grad[0]:
-                grad_x = fp8_grad.grad_input(gy, qw.qdata, qw.scales, ctx.x_dtype).view(*grad_y.shape[:-1], -1)
-            if need_w:
-                grad_w = fp8_grad.grad_weight(gy, xq, sx, gy.dtype)
-        else:
-            if ctx.needs_input_grad[0]:
-                w = ops.dequantize(qw, grad_y.dtype) if ctx.repacked is None else \
-                    ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
-                grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
-            if need_w:
-                (x_seen,) = ctx.saved_tensors  # (for W8A8 / W4A8 the dequantized codes)
-                grad_w = gy.T @ x_seen.reshape(-1, x_seen.shape[-1]).to(gy.dtype)
-        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.sizes) if grad_w is None else [
-            g.to(dt) if need else None for g, dt, need in zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes,
-                                                               ctx.needs_input_grad[5:])]
+        grad_x = grad_b = None
+        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.sizes)
+        if ctx.needs_input_grad[0]:
+            w = ops.dequantize(qw, grad_y.dtype) if ctx.repacked is None else \
+                ctx.repacked.dequantized(qw, grad_y.dtype, ops.dequantize)
+            grad_x = (gy @ w).view(*grad_y.shape[:-1], -1).to(ctx.x_dtype)
+        if any(ctx.needs_input_grad[4:]):
+            (x_seen,) = ctx.saved_tensors  # (for W8A8 / W4A8 the dequantized codes)
+            grad_w = gy.T @ x_seen.reshape(-1, x_seen.shape[-1]).to(gy.dtype)
+            grad_ws = [g.to(dt) if need else None for g, dt, need in
+                       zip(grad_w.split(ctx.sizes, 0), ctx.w_dtypes, ctx.needs_input_grad[4:])]
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_b = gy.sum(0)
-        return (grad_x, grad_b, None, None, None, *grad_ws)
+        return (grad_x, grad_b, None, None, *grad_ws)
 
 
 _DEFERRED = 0  # > 0 inside deferred_master_grads(): leaves keep their gradient until its exit
@@ -289,13 +273,13 @@ def learner_runs_dequantized(x: torch.Tensor, qw: QuantizedWeight) -> bool:
 
 
 def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, repacked: RepackCache,
-                leaf: _DequantizedLeaf, masters: list[torch.Tensor], fp8_backward: bool = False) -> torch.Tensor:
+                leaf: _DequantizedLeaf, masters: list[torch.Tensor]) -> torch.Tensor:
     """The QAT forward of master weights ``masters`` stacked as ``qw``: ``F.linear`` on the
     dequantized leaf for weight-only schemes (:func:`learner_runs_dequantized`), else the
     autograd function."""
     if learner_runs_dequantized(x, qw) and leaf.keep:
         return F.linear(x, leaf.get(qw, x.dtype, repacked, masters), bias)
-    return _QATMatmul.apply(x, bias, qw, repacked if leaf.keep else None, fp8_backward, *masters)
+    return _QATMatmul.apply(x, bias, qw, repacked if leaf.keep else None, *masters)
 
 
 # Defined through torch.library.Library rather than ``torch.library.custom_op``: the latter
@@ -332,35 +316,27 @@ class _QuantizedInputSTE(torch.autograd.Function):
     """The aligned W8A8 / W4A8 linear on ``x [M, K]``: the engine's GEMM on ``x``'s codes
     (:data:`_quantized_input_gemm`), with the straight-through gradient ``grad_x = grad_y @
     W_deq``, ``grad_W = grad_y^T @ x_seen`` (``weight``: the dequantized weight; ``seen``:
-    ``x`` as the GEMM sees it). ``fp8_backward``: both gradients by fp8 GEMMs on the
-    forward's codes (:mod:`quarl.quant.fp8_grad`; ``seen`` is then unused and not kept)."""
+    ``x`` as the GEMM sees it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme, fp8_backward):
-        ctx.fp8_backward = fp8_backward
-        ctx.save_for_backward(*((xq, sx, qdata, scales) if fp8_backward else (weight, seen)))
+    def forward(ctx, x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme):
+        ctx.save_for_backward(weight, seen)
         ctx.has_bias = bias is not None
         return _quantized_input_gemm(xq, sx, bias, qdata, scales, zeros, scheme, weight.shape[0], x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
+        weight, seen = ctx.saved_tensors
         grad_b = grad_y.sum(0) if ctx.has_bias else None
-        if ctx.fp8_backward:
-            xq, sx, qdata, scales = ctx.saved_tensors
-            grad_x = fp8_grad.grad_input(grad_y, qdata, scales, grad_y.dtype)
-            grad_w = fp8_grad.grad_weight(grad_y, xq, sx, grad_y.dtype)
-        else:
-            weight, seen = ctx.saved_tensors
-            grad_x, grad_w = grad_y @ weight, grad_y.t() @ seen
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_y @ weight, grad_y.t() @ seen, grad_b, None, None, None, None, None, None, None
 
 
 def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache, leaf: _DequantizedLeaf,
-               masters: list[torch.Tensor], fp8_backward: bool = False) -> tuple | None:
+               masters: list[torch.Tensor]) -> tuple | None:
     """The QAT forward of ``masters`` (stacked as ``qw``) on inputs like ``x`` as plain data a
     compiled region runs with :func:`traced_linear` (no Python autograd function inside):
     ``("dense", W_deq, bias)`` where the engine's GEMM is a matmul over the dequantized weight,
-    ``("quantized_input", W_deq, bias, qdata, scales, zeros, scheme, fp8_backward)`` for W8A8 / W4A8; the
+    ``("quantized_input", W_deq, bias, qdata, scales, zeros, scheme)`` for W8A8 / W4A8; the
     dequantized leaf carries the gradient to the masters either way. None for the rest
     (the reference kernels off the fast path, per-tensor scales)."""
     sc = qw.scheme
@@ -372,7 +348,7 @@ def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache
     w = _straight_through(qw, x.dtype, masters) if not leaf.keep else leaf.get(qw, x.dtype, repacked, masters)
     if learner_runs_dequantized(x, qw):
         return ("dense", w, bias)
-    return ("quantized_input", w, bias, qw.qdata, qw.scales, qw.zeros, sc.name, fp8_backward)
+    return ("quantized_input", w, bias, qw.qdata, qw.scales, qw.zeros, sc.name)
 
 
 def _straight_through(qw: QuantizedWeight, dtype: torch.dtype, masters: list[torch.Tensor]) -> torch.Tensor:
@@ -399,8 +375,8 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
     # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
     rows = x.reshape(-1, x.shape[-1])
-    xq, sx = ref.quantize_activations(rows.detach(), get_scheme(lin[6]).act_format)
-    seen = None if lin[7] else ref.dequantize_activations(xq, sx, x.dtype)  # (fp8_backward: the codes serve)
+    xq, sx = ref.quantize_activations(rows.detach(), get_scheme(lin[-1]).act_format)
+    seen = ref.dequantize_activations(xq, sx, x.dtype)
     y = _QuantizedInputSTE.apply(rows, lin[1], bias, xq, sx, seen, *lin[3:])
     return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -412,8 +388,7 @@ def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:
     if type(mod) is nn.Linear:
         return ("dense", mod.weight, mod.bias)
     if isinstance(mod, QATLinear):
-        return traced_qat(x, mod.quantized_weight(), mod.bias, mod.repacked, mod._leaf, [mod.weight],
-                          mod.fp8_backward)
+        return traced_qat(x, mod.quantized_weight(), mod.bias, mod.repacked, mod._leaf, [mod.weight])
     if isinstance(mod, (LoRALinear, QuantLinear)):
         return _traced_lora(mod, x)
     return None
@@ -442,10 +417,7 @@ def _traced_lora(mod: "LoRALinear | QuantLinear", x: torch.Tensor) -> tuple | No
 
 
 class QATLinear(nn.Module):
-    """Training linear with master weights and the engine's quantized forward.
-    ``fp8_backward`` (:func:`set_fp8_backward`): its backward GEMMs run in fp8."""
-
-    fp8_backward = False
+    """Training linear with master weights and the engine's quantized forward."""
 
     def __init__(
         self,
@@ -509,8 +481,7 @@ class QATLinear(nn.Module):
         return self.quantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _qat_linear(x, self.quantized_weight(), self.bias, self.repacked, self._leaf, [self.weight],
-                           self.fp8_backward)
+        return _qat_linear(x, self.quantized_weight(), self.bias, self.repacked, self._leaf, [self.weight])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
@@ -547,8 +518,7 @@ class QATGroup:
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         """The members' outputs side by side ``[..., sum N_i]`` (one tensor, one gradient)."""
         bias = None if self.mods[0].bias is None else torch.cat([m.bias for m in self.mods])
-        return _qat_linear(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods],
-                           self.mods[0].fp8_backward)
+        return _qat_linear(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self.stacked(x).split(self.sizes, -1))
@@ -556,8 +526,7 @@ class QATGroup:
     def traced(self, x: torch.Tensor) -> tuple | None:
         """:func:`traced_qat` of the stacked weight (the biases as a tuple)."""
         bias = None if self.mods[0].bias is None else tuple(m.bias for m in self.mods)
-        return traced_qat(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods],
-                          self.mods[0].fp8_backward)
+        return traced_qat(x, self.quantized_weight(), bias, self.repacked, self._leaf, [m.weight for m in self.mods])
 
 
 def stackable(mods: list[nn.Module], layer: type, adapters: bool = False) -> bool:
@@ -568,8 +537,7 @@ def stackable(mods: list[nn.Module], layer: type, adapters: bool = False) -> boo
     first = mods[0]
     return (all(type(m) is layer and (adapters or getattr(m, "lora", None) is None) for m in mods)
             and all(m.scheme == first.scheme and m.in_features == first.in_features for m in mods)
-            and len({m.bias is None for m in mods}) == 1 and not first.scheme.per_tensor_scale
-            and len({getattr(m, "fp8_backward", False) for m in mods}) == 1)
+            and len({m.bias is None for m in mods}) == 1 and not first.scheme.per_tensor_scale)
 
 
 _GROUPS: "weakref.WeakKeyDictionary[nn.Module, dict[str, QATGroup]]" = weakref.WeakKeyDictionary()
@@ -694,19 +662,6 @@ def set_straight_through(model: nn.Module) -> None:
         holder.drop_dequantized()
         holder._leaf.keep = False
         holder._leaf.straight_through = True
-
-
-def set_fp8_backward(model: nn.Module, on: bool = True) -> None:
-    """Whether ``model``'s aligned linears run their straight-through backward GEMMs in fp8
-    (``quant.backward=fp8``, :mod:`quarl.quant.fp8_grad`): only for a scheme whose forward
-    quantizes activations to fp8 (``w8a8-fp8``), whose codes the backward reuses. The
-    forward is unchanged; the gradients take one more rounding (the gradient's, to e4m3)."""
-    for mod in model.modules():
-        if isinstance(mod, QATLinear):
-            if on and mod.scheme.act_format != "fp8":
-                raise ValueError(f"an fp8 backward needs fp8 activation codes; {mod.scheme.name} has "
-                                 f"act_format {mod.scheme.act_format!r}: use quant.scheme=w8a8-fp8, or quant.backward=bf16")
-            mod.fp8_backward = on
 
 
 @contextlib.contextmanager

@@ -34,7 +34,6 @@ from quarl.quant import (
     quantize_weights,
     rel_quant_err,
     rel_update,
-    set_fp8_backward,
     update_visible_frac,
 )
 from quarl.rollout import Engine, EngineConfig
@@ -62,7 +61,6 @@ def build_engine_and_publisher(
                     include=quant.include, exclude=quant.exclude, kv_cache=kv_cache)
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
-        set_fp8_backward(learner_model, quant.backward == "fp8")
     learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
     return engine, Publisher(learner_model, engine, quant.mode, dist)
 

@@ -64,7 +64,6 @@ def test_mode_names_take_per_mode_options():
     from quarl.bench.train import check_workload, mode_overrides
 
     assert mode_overrides("aligned-w4a16+kvfp8") == MODES["aligned-w4a16"] + ["--rollout.engine.kv_cache_dtype=fp8"]
-    assert mode_overrides("aligned-w8a8-fp8+bwdfp8") == MODES["aligned-w8a8-fp8"] + ["--quant.backward=fp8"]
     assert mode_overrides("bf16") == MODES["bf16"]
     assert mode_overrides("aligned-w4a16+dense+kvfp8") == MODES["aligned-w4a16"] + [
         "--rollout.engine.dense_weights=on", "--rollout.engine.kv_cache_dtype=fp8"]

@@ -339,20 +339,3 @@ def test_a_kv_cache_too_small_for_the_steps_rollouts_is_counted_and_named(tmp_pa
     err = capsys.readouterr().err
     assert err.count("could not hold the step's rollouts at once") == 1, err
     assert "Raise rollout.engine.num_kv_blocks (now 17)" in err
-
-
-def test_fp8_backward_trains_with_the_same_forward(tmp_path):
-    """quant.backward=fp8: every aligned linear runs its backward in fp8 and the run trains;
-    the first step's rollout and mismatch (forwards only) equal those of the bf16 backward."""
-    from quarl.quant import QATLinear
-
-    rows = {}
-    for backward in ("bf16", "fp8"):
-        trainer, rows[backward] = _train(tmp_path / backward, "--quant.mode=aligned", "--quant.scheme=w8a8-fp8",
-                                         "--algo.loss=ppo", f"--quant.backward={backward}", steps=1)
-        flags = {m.fp8_backward for m in trainer.learner.model.modules() if isinstance(m, QATLinear)}
-        assert flags == {backward == "fp8"}
-        trainer.rewards.close()
-    a, b = rows["bf16"][0], rows["fp8"][0]
-    assert a["mismatch/kl_k3"] == b["mismatch/kl_k3"] and a["reward/mean"] == b["reward/mean"]
-    assert b["grad_norm"] > 0 and abs(b["grad_norm"] - a["grad_norm"]) < 0.1 * a["grad_norm"]
