@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quarl.model.swiglu import swiglu_stacked
 from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
 from quarl.quant.kv import kv_seen
 from quarl.quant.linear import qat_group, traceable, traced_linear
@@ -62,11 +63,9 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a grouped ``[gate; up]`` output, as rows: the halves are split inside the
-    compiled region, so its backward writes the stacked gradient in one kernel (no
-    concatenation)."""
-    gate, up = gate_up.reshape(-1, gate_up.shape[-1]).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """SwiGLU of a grouped ``[gate; up]`` output, as rows; its backward writes the stacked
+    gradient in one pass (:mod:`quarl.model.swiglu`)."""
+    return swiglu_stacked(gate_up.reshape(-1, gate_up.shape[-1]))
 
 
 def _projected(x: torch.Tensor, lins: tuple[tuple, ...], sizes: list[int]) -> list[torch.Tensor]:
@@ -103,15 +102,17 @@ def _qkv_region(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: tupl
 
 
 def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: tuple, post_norm: tuple,
-                            gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple, intermediate: int):
+                            gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple):
     """A layer's work after attention: the output projection, residual add + norm, the MLP,
     and the add into the stream normed for the next layer (``*_norm``: weight, eps): the
     normed stream and the stream, ``[B * T, hidden]`` each."""
     width = residual.shape[-1]
     a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
     h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)
-    gate, up = _projected(h, gate_up, [intermediate, intermediate])
-    m = traced_linear(F.silu(gate) * up, down)
+    if len(gate_up) == 1:  # one stacked GEMM
+        m = traced_linear(swiglu_stacked(traced_linear(h, gate_up[0])), down)
+    else:
+        m = traced_linear(F.silu(traced_linear(h, gate_up[0])) * traced_linear(h, gate_up[1]), down)
     return _add_rms_norm(m, residual, *next_norm)
 
 
@@ -155,8 +156,7 @@ class CompiledOps(TorchOps):
         out = sdpa(a.layer_idx, q.view(b, t, a.n_heads, -1), k.view(b, t, a.n_kv, -1), v.view(b, t, a.n_kv, -1))
         post = layer.post_attention_layernorm
         h, residual = compiled(_after_attention_region)(out, residual, o_proj, (post.weight, post.eps), gate_up,
-                                                         down, (next_norm.weight, next_norm.eps),
-                                                         mlp.down_proj.in_features)
+                                                         down, (next_norm.weight, next_norm.eps))
         return h.view(b, t, width), residual.view(b, t, width)
 
     def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):

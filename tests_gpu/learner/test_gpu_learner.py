@@ -177,14 +177,16 @@ def test_checkpointed_compiled_regions_give_the_same_values_and_less_memory(sche
     lp0, g0, peak0 = run(COMPILED_OPS)
     plain = [g0] + [run(COMPILED_OPS)[1] for _ in range(2)]
     lp2, g2, peak2 = run(CheckpointedOps(COMPILED_OPS))
-    # the backward's atomics make plain runs differ by 3e-4 to 6e-3 (relative): the floor is the
-    # largest difference among three plain runs, one pair alone can come out nearly equal
-    floor = max(float((a - b).norm() / g0.norm()) for i, a in enumerate(plain) for b in plain[i + 1 :])
+    # the backward's atomics make runs differ by up to ~6e-3 (relative), but not every run: three
+    # plain runs can agree to 1e-7 while the next one differs by 4e-3 (s23, s32), so the floor is
+    # the largest difference among the plain runs, and never below what the atomics can give;
+    # a checkpointed backward that rebuilt a wrong tensor would be off by far more
+    floor = max([1e-2 / 2] + [float((a - b).norm() / g0.norm()) for i, a in enumerate(plain) for b in plain[i + 1 :]])
     rel = float((g2 - g0).norm() / g0.norm())
     print(f"scheme {scheme}: peak {peak0 / 2**20:.0f} MiB plain, {peak2 / 2**20:.0f} MiB checkpointed; "
           f"grads differ by {rel:.3g} (plain runs: {floor:.3g})")
     assert torch.equal(lp0, lp2)
-    assert rel <= 2 * floor + 1e-6, (rel, floor)
+    assert rel <= 2 * floor, (rel, floor)
     assert peak2 < 0.7 * peak0
 
 
@@ -211,3 +213,22 @@ def test_lean_learner_steps_on_the_gpu():
     assert (w != before).any()
     state = learner.optimizer.state[w]
     assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
+
+
+def test_stacked_swiglu_backward_kernel_rounds_as_eager_autograd_on_bf16():
+    """The Triton backward of the stacked SwiGLU against eager autograd of ``silu(gate) * up``
+    on bf16 (the rounding the CPU interpreter cannot show), at the 1.5B shape's width and a
+    ragged one."""
+    from quarl.model.swiglu import backward_reference, backward_triton
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for m, inter in [(6144, 8960), (37, 1100)]:
+        gu = torch.randn(m, 2 * inter, device=DEV, generator=gen, dtype=torch.bfloat16) * 3
+        g = torch.randn(m, inter, device=DEV, generator=gen, dtype=torch.bfloat16)
+        x = gu.clone().requires_grad_(True)
+        gate, up = x.chunk(2, dim=-1)
+        (torch.nn.functional.silu(gate) * up).backward(g)
+        got = backward_triton(gu, g)
+        for want in (x.grad, backward_reference(gu, g)):
+            rel = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
+            assert float(rel.max()) <= 2**-7 and float((got == want).float().mean()) > 0.99
