@@ -4,8 +4,9 @@ gradient in one pass.
 An aligned learner runs gate and up as one GEMM (:func:`quarl.quant.linear.qat_group`), so
 the gradient of the SwiGLU is wanted as one ``[M, 2 I]`` tensor. Differentiated by the
 compiler, the split of the GEMM's output becomes a concatenation, and the fused kernel that
-writes it runs far below its memory bandwidth (bench/NOTES.md, session 32). :class:`StackedSwiGLU` keeps the forward as torch ops (so the compiler still
-fuses what follows, such as the next linear's quantizer) and runs its backward as the op
+writes it runs far below its memory bandwidth (bench/NOTES.md, session 32).
+:class:`StackedSwiGLU` keeps the forward as torch ops (so the compiler still fuses what
+follows, such as the next linear's quantizer) and runs its backward as the op
 ``quarl::swiglu_stacked_backward``: on CUDA a Triton kernel that reads ``gate``, ``up`` and
 the output gradient once and writes both halves of the stacked gradient; elsewhere the
 same formula in torch ops.
