@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -86,6 +88,34 @@ def compiled(fn):
         return traced(*args)
 
     return call
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector has run in this process, and its full
+    (oldest-generation) collections, from :data:`gc.callbacks`: a training step's share is
+    ``perf/gc_s`` / ``perf/gc_full``. A full collection walks every tracked object (the
+    model's modules, compiled graphs, autograd nodes) and holds the host that long, while the
+    GPU drains its queue."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._start: float | None = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2  # the oldest generation
+            self._start = None
+
+
+@functools.cache
+def gc_clock() -> GcClock:
+    """The process's :class:`GcClock` (installed at the first call)."""
+    return GcClock()
 
 
 _RECOMPUTED_DEPTH = 0

@@ -1,10 +1,13 @@
-"""quarl.runtime: the count of frames torch.compile compiled (perf/compiles) and the time it took (perf/compile_s)."""
+"""quarl.runtime: the count of frames torch.compile compiled (perf/compiles), the time it took
+(perf/compile_s), and the garbage collector's time (perf/gc_s, perf/gc_full)."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
-from quarl.runtime import compile_seconds, compiled_frames
+from quarl.runtime import compile_seconds, compiled_frames, gc_clock
 
 
 def test_compiled_frames_counts_compilations_and_recompilations():
@@ -36,3 +39,22 @@ def test_compile_seconds_counts_the_forward_and_the_backward_compilation():
     backward = compile_seconds()
     f(x).backward()
     assert forward > start and backward > forward and compile_seconds() == backward
+
+
+def test_gc_clock_counts_collections_and_their_time():
+    """A full collection over many cyclic objects adds its time and one full collection; a
+    young-generation one adds time but no full collection."""
+    clock = gc_clock()
+    assert gc_clock() is clock
+    cycles = []
+    for _ in range(50_000):
+        a: list = []
+        a.append(a)
+        cycles.append(a)
+    del cycles
+    s0, f0 = clock.seconds, clock.full
+    freed = gc.collect(2)
+    s1, f1 = clock.seconds, clock.full
+    gc.collect(0)
+    assert freed >= 50_000 and s1 > s0 and f1 == f0 + 1
+    assert clock.seconds > s1 and clock.full == f1

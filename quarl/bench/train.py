@@ -46,7 +46,7 @@ KEYS = {
     "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",
     "perf/learner_tflops": "learner_tflops", "perf/learner_mfu": "learner_mfu", "perf/compiles": "compiles",
-    "perf/compile_s": "compile_s",
+    "perf/compile_s": "compile_s", "perf/gc_s": "gc_s", "perf/gc_full": "gc_full",
 }
 
 

@@ -64,7 +64,7 @@ from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
-from quarl.runtime import DTYPES, compile_seconds, compiled_frames, matmul_rate
+from quarl.runtime import DTYPES, compile_seconds, compiled_frames, gc_clock, matmul_rate
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
 from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
@@ -290,6 +290,7 @@ class Trainer:
         clock = StageClock(self.device)
         self._preempted = 0
         self._compiles_before, self._compile_s_before = compiled_frames(), compile_seconds()
+        self._gc_before = (gc_clock().seconds, gc_clock().full)
         with self._naming_out_of_memory(clock), clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
             # every rank's preemptions: the sum is where a rank waits for the slowest rank's
@@ -419,7 +420,9 @@ class Trainer:
             / self.dist.world
         perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12,
                 "perf/compiles": float(compiled_frames() - self._compiles_before),
-                "perf/compile_s": compile_seconds() - self._compile_s_before}
+                "perf/compile_s": compile_seconds() - self._compile_s_before,
+                "perf/gc_s": gc_clock().seconds - self._gc_before[0],
+                "perf/gc_full": float(gc_clock().full - self._gc_before[1])}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate
         if preempted and not self._warned_preemption:
