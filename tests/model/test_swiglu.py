@@ -62,3 +62,44 @@ def test_triton_kernel_equals_the_reference(dtype):
         if dtype != torch.float32:  # float32 outputs carry the math's own last bits
             assert float((got == want).double().mean()) > 0.99
     assert backward_triton(torch.empty(0, 8, dtype=dtype), torch.empty(0, 4, dtype=dtype)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_codes_op_is_well_formed_and_quantizes_the_swiglu(fmt):
+    """``quarl::swiglu_codes`` passes torch.library's checks and, off CUDA, gives the per-token
+    quantizer's codes of ``silu(gate) * up`` (a zero row gets scale 1, code 0)."""
+    from quarl.model.swiglu import codes_reference, swiglu_codes
+    from quarl.quant import reference as ref
+
+    torch.manual_seed(3)
+    gu = torch.randn(9, 2 * 40) * torch.logspace(-3, 2, 9)[:, None]
+    gu[4] = 0
+    checks = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(swiglu_codes, (gu, fmt), test_utils=checks if fmt == "fp8" else checks + ("test_schema",))
+    q, s = swiglu_codes(gu, fmt)
+    gate, up = gu[:, :40], gu[:, 40:]
+    q0, s0 = ref.quantize_activations(gate * torch.sigmoid(gate) * up, fmt)
+    assert q.dtype == q0.dtype and q.shape == (9, 40) and s.shape == (9,)
+    torch.testing.assert_close(s, s0, rtol=1e-6, atol=0)
+    assert float(s[4]) == 1.0 and not q[4].float().any()
+    assert (q.float() == q0.float()).float().mean() > 0.98 and (q.float() - q0.float()).abs().max() <= 32
+    qr, sr = codes_reference(gu, fmt)
+    assert torch.equal(qr.view(torch.uint8) if fmt == "fp8" else qr, q.view(torch.uint8) if fmt == "fp8" else q)
+    assert torch.equal(sr, s)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_engine_quantizer_on_the_stacked_halves_gives_the_reference_codes(fmt):
+    """What the op runs on CUDA, the engine's SiLU-and-mul quantizer on the two column halves
+    of stacked rows (strided views), under the interpreter in float32: the reference's scales
+    and, but for values whose float32 SiLU differs in the last bit, its codes."""
+    from quarl.model.swiglu import codes_reference
+    from quarl.rollout.fused import silu_mul
+
+    torch.manual_seed(4)
+    gu = torch.randn(6, 2 * 72) * 4
+    q, s = silu_mul(gu[:, :72], gu[:, 72:], quant=fmt, persistent=False)
+    q0, s0 = codes_reference(gu, fmt)
+    torch.testing.assert_close(s, s0, rtol=1e-6, atol=0)
+    same = (q.view(torch.uint8) == q0.view(torch.uint8)) if fmt == "fp8" else (q == q0)
+    assert float(same.float().mean()) > 0.99
