@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.swiglu import swiglu_codes, swiglu_stacked
+from quarl.model.swiglu import swiglu_stacked
 from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
 from quarl.quant.kv import kv_seen
 from quarl.quant.linear import qat_group, traceable, traced_linear
-from quarl.quant.scheme import get_scheme
 from quarl.runtime import compiled
 
 
@@ -111,19 +110,10 @@ def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: t
     a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
     h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)
     if len(gate_up) == 1:  # one stacked GEMM
-        gu = traced_linear(h, gate_up[0])
-        m = traced_linear(swiglu_stacked(gu), down, codes=_down_codes(gu, down))
+        m = traced_linear(swiglu_stacked(traced_linear(h, gate_up[0])), down)
     else:
         m = traced_linear(F.silu(traced_linear(h, gate_up[0])) * traced_linear(h, gate_up[1]), down)
     return _add_rms_norm(m, residual, *next_norm)
-
-
-def _down_codes(gate_up: torch.Tensor, down: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A quantized-input down projection's codes and scales, straight from the stacked
-    gate/up rows (:data:`~quarl.model.swiglu.swiglu_codes`); None for other down projections."""
-    if down[0] != "quantized_input":
-        return None
-    return swiglu_codes(gate_up.detach(), get_scheme(down[-1]).act_format)
 
 
 def _traced_group(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[tuple, ...] | None:

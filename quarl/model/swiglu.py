@@ -14,11 +14,6 @@ same formula in torch ops.
 Rounding follows eager autograd on 16-bit tensors: ``silu(gate)`` and ``grad * up`` are
 rounded to the input dtype before they are used, as the eager ``silu`` and ``mul``
 backward steps round them.
-
-Where the next linear quantizes its input per token (W8A8), ``quarl::swiglu_codes`` makes
-those codes straight from the stacked ``[gate; up]`` rows: on CUDA the engine's own
-SiLU-and-mul quantizer (:func:`quarl.rollout.fused.silu_mul`), which reads the rows once,
-instead of the compiler's row maximum and code passes over a recomputed SwiGLU.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ import torch.nn.functional as F
 
 _LIB = torch.library.Library("quarl", "FRAGMENT")
 _LIB.define("swiglu_stacked_backward(Tensor gate_up, Tensor grad) -> Tensor")
-_LIB.define("swiglu_codes(Tensor gate_up, str act_format) -> (Tensor, Tensor)")
 
 
 def backward_reference(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -125,36 +119,6 @@ class StackedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         (gate_up,) = ctx.saved_tensors
         return swiglu_stacked_backward(gate_up, grad)
-
-
-def codes_reference(gate_up: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token codes and scales (``act_format`` int8 / fp8) of ``silu(gate) * up`` for
-    rows ``gate_up [M, 2 I]``, in torch ops (:func:`quarl.quant.reference.quantize_activations`)."""
-    from quarl.quant import reference as ref
-
-    gate, up = gate_up.chunk(2, dim=-1)
-    return ref.quantize_activations(F.silu(gate) * up, act_format)
-
-
-def _codes_impl(gate_up: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if gate_up.device.type != "cuda":
-        return codes_reference(gate_up, act_format)
-    from quarl.rollout.fused import silu_mul
-
-    inter = gate_up.shape[-1] // 2
-    return silu_mul(gate_up[:, :inter], gate_up[:, inter:], quant=act_format)
-
-
-def _codes_fake(gate_up: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.float8_e4m3fn if act_format == "fp8" else torch.int8
-    rows = gate_up.shape[0]
-    return (gate_up.new_empty((rows, gate_up.shape[1] // 2), dtype=dtype),
-            gate_up.new_empty((rows,), dtype=torch.float32))
-
-
-_LIB.impl("swiglu_codes", _codes_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quarl::swiglu_codes", _codes_fake, lib=_LIB)
-swiglu_codes = torch.ops.quarl.swiglu_codes.default
 
 
 def swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
