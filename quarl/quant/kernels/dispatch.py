@@ -73,6 +73,11 @@ class Row(NamedTuple):
     gens: tuple[str, ...] = GENS
 
 
+def short_hidden(m: int, n: int, k: int) -> bool:
+    """A hidden size of at most 2048 (1.5B: K = 1536)."""
+    return k <= 2048
+
+
 def long_k(m: int, n: int, k: int) -> bool:
     return k > 8192
 
@@ -198,6 +203,7 @@ GATED_FP8: tuple[Row, ...] = (
     Row(None, 16),
     Row(None, None, long_k),
     Row(Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3)), 64),
+    Row(Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3)), 128, short_hidden),
     Row(None),
 )
 GATED_INT8: tuple[Row, ...] = (
