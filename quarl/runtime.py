@@ -156,3 +156,11 @@ def compiled_frames() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["frames"]["total"])
+
+
+def process_totals() -> dict[str, float]:
+    """This process's running totals behind the per-step metrics ``perf/compiles``,
+    ``perf/compile_s``, ``perf/gc_s`` and ``perf/gc_full`` (a step reports its difference)."""
+    clock = gc_clock()
+    return {"perf/compiles": float(compiled_frames()), "perf/compile_s": compile_seconds(),
+            "perf/gc_s": clock.seconds, "perf/gc_full": float(clock.full)}

@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from quarl.runtime import compile_seconds, compiled_frames, gc_clock
+from quarl.runtime import compile_seconds, compiled_frames, gc_clock, process_totals
 
 
 def test_compiled_frames_counts_compilations_and_recompilations():
@@ -46,15 +46,22 @@ def test_gc_clock_counts_collections_and_their_time():
     young-generation one adds time but no full collection."""
     clock = gc_clock()
     assert gc_clock() is clock
-    cycles = []
-    for _ in range(50_000):
-        a: list = []
-        a.append(a)
-        cycles.append(a)
-    del cycles
-    s0, f0 = clock.seconds, clock.full
-    freed = gc.collect(2)
-    s1, f1 = clock.seconds, clock.full
-    gc.collect(0)
-    assert freed >= 50_000 and s1 > s0 and f1 == f0 + 1
-    assert clock.seconds > s1 and clock.full == f1
+    gc.disable()  # (no automatic collection while the cycles are made, nor between the reads below)
+    try:
+        cycles = []
+        for _ in range(50_000):
+            a: list = []
+            a.append(a)
+            cycles.append(a)
+        del cycles, a
+        s0, f0 = clock.seconds, clock.full
+        freed = gc.collect(2)
+        s1, f1 = clock.seconds, clock.full
+        gc.collect(0)
+        assert freed >= 50_000 and s1 > s0 and f1 == f0 + 1
+        assert clock.seconds > s1 and clock.full == f1
+        totals = process_totals()
+        assert (totals["perf/gc_s"], totals["perf/gc_full"]) == (clock.seconds, clock.full)
+        assert (totals["perf/compiles"], totals["perf/compile_s"]) == (compiled_frames(), compile_seconds())
+    finally:
+        gc.enable()

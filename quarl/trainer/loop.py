@@ -64,7 +64,7 @@ from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
-from quarl.runtime import DTYPES, compile_seconds, compiled_frames, gc_clock, matmul_rate
+from quarl.runtime import DTYPES, matmul_rate, process_totals
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
 from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
@@ -289,8 +289,7 @@ class Trainer:
         """One step: rollout -> advantages -> update -> publish; returns its metrics."""
         clock = StageClock(self.device)
         self._preempted = 0
-        self._compiles_before, self._compile_s_before = compiled_frames(), compile_seconds()
-        self._gc_before = (gc_clock().seconds, gc_clock().full)
+        self._totals_before = process_totals()
         with self._naming_out_of_memory(clock), clock.stage("step"):
             rollout = self.collect_rollout(clock)                                          # 1-3
             # every rank's preemptions: the sum is where a rank waits for the slowest rank's
@@ -419,10 +418,7 @@ class Trainer:
         flops = update.model_flops(self._matmul_params, self._lora_params) / max(timing["time/learner"], 1e-9) \
             / self.dist.world
         perf = {"perf/learner_tokens": float(update.tokens), "perf/learner_tflops": flops / 1e12,
-                "perf/compiles": float(compiled_frames() - self._compiles_before),
-                "perf/compile_s": compile_seconds() - self._compile_s_before,
-                "perf/gc_s": gc_clock().seconds - self._gc_before[0],
-                "perf/gc_full": float(gc_clock().full - self._gc_before[1])}
+                **{k: v - self._totals_before[k] for k, v in process_totals().items()}}
         if self._matmul_rate:
             perf["perf/learner_mfu"] = flops / self._matmul_rate
         if preempted and not self._warned_preemption:

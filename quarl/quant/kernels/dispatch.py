@@ -199,11 +199,12 @@ W4A8: tuple[Row, ...] = (
 # The gated [gate; up] GEMM (SiLU-and-mul in its epilogue, n = 2 I rows); None: the engine
 # runs the plain GEMM and a separate SiLU-and-mul (at M <= 16 the plain GEMM splits K,
 # which a non-linear epilogue cannot).
+_GATED_64 = Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3))
 GATED_FP8: tuple[Row, ...] = (
     Row(None, 16),
     Row(None, None, long_k),
-    Row(Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3)), 64),
-    Row(Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3)), 128, short_hidden),
+    Row(_GATED_64, 64),
+    Row(_GATED_64, 128, short_hidden),
     Row(None),
 )
 GATED_INT8: tuple[Row, ...] = (
