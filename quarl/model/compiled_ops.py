@@ -9,7 +9,9 @@ rotary) and after it (output projection, residual adds and norms, the MLP). The 
 steps fuse into a few kernels, the backward is derived by AOTAutograd, and the linears enter
 as data (:func:`quarl.quant.linear.traceable`): plain weights, or for aligned (QAT) linears
 the engine's own computation (a matmul over the dequantized weight, or the W8A8 op
-``quarl::quantized_input_gemm``) with a straight-through gradient. Aligned q/k/v and
+``quarl::quantized_input_gemm``) with a straight-through gradient; on a GPU the W8A8 down
+projection's input codes come from one kernel over the stacked gate/up rows, whose launch the
+compiler traces into the region (:func:`quarl.model.swiglu.swiglu_codes`). Aligned q/k/v and
 gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them.
 A layer with a linear that has no traced form (a reference kernel off the fast path, per-tensor
 scales) runs the steps one by one, each still compiled; attention stays outside (the caller's
@@ -28,10 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.swiglu import swiglu_stacked
+from quarl.model.swiglu import swiglu_codes, swiglu_stacked
 from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
+from quarl.quant.kernels.device import num_sms
 from quarl.quant.kv import kv_seen
 from quarl.quant.linear import qat_group, traceable, traced_linear
+from quarl.quant.scheme import get_scheme
 from quarl.runtime import compiled
 
 
@@ -102,18 +106,29 @@ def _qkv_region(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: tupl
 
 
 def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: tuple, post_norm: tuple,
-                            gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple):
+                            gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple, sms: int | None = None):
     """A layer's work after attention: the output projection, residual add + norm, the MLP,
     and the add into the stream normed for the next layer (``*_norm``: weight, eps): the
-    normed stream and the stream, ``[B * T, hidden]`` each."""
+    normed stream and the stream, ``[B * T, hidden]`` each. ``sms`` (a GPU's SM count): a
+    quantized-input down projection takes its codes from :func:`~quarl.model.swiglu.swiglu_codes`'s
+    kernel, traced into the region (None: from the compiler's own quantizer)."""
     width = residual.shape[-1]
     a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
     h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)
     if len(gate_up) == 1:  # one stacked GEMM
-        m = traced_linear(swiglu_stacked(traced_linear(h, gate_up[0])), down)
+        gu = traced_linear(h, gate_up[0])
+        codes = None
+        if down[0] == "quantized_input" and sms is not None:
+            codes = swiglu_codes(gu.detach(), get_scheme(down[-1]).act_format, sms)
+        m = traced_linear(swiglu_stacked(gu), down, codes=codes)
     else:
         m = traced_linear(F.silu(traced_linear(h, gate_up[0])) * traced_linear(h, gate_up[1]), down)
     return _add_rms_norm(m, residual, *next_norm)
+
+
+def _gpu_sms(device: torch.device) -> int | None:
+    """The SM count of a CUDA ``device`` (None elsewhere)."""
+    return num_sms(device) if device.type == "cuda" else None
 
 
 def _traced_group(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[tuple, ...] | None:
@@ -155,8 +170,9 @@ class CompiledOps(TorchOps):
         sdpa = attn.unrounded if kv_fp8 else attn
         out = sdpa(a.layer_idx, q.view(b, t, a.n_heads, -1), k.view(b, t, a.n_kv, -1), v.view(b, t, a.n_kv, -1))
         post = layer.post_attention_layernorm
+        sms = _gpu_sms(h.device) if down[0] == "quantized_input" else None
         h, residual = compiled(_after_attention_region)(out, residual, o_proj, (post.weight, post.eps), gate_up,
-                                                         down, (next_norm.weight, next_norm.eps))
+                                                         down, (next_norm.weight, next_norm.eps), sms)
         return h.view(b, t, width), residual.view(b, t, width)
 
     def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):

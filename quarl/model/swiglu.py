@@ -14,6 +14,10 @@ same formula in torch ops.
 Rounding follows eager autograd on 16-bit tensors: ``silu(gate)`` and ``grad * up`` are
 rounded to the input dtype before they are used, as the eager ``silu`` and ``mul``
 backward steps round them.
+
+Where the next linear quantizes its input per token (W8A8), :func:`swiglu_codes` makes those
+codes from the stacked ``[gate; up]`` rows in one pass on the GPU, instead of the compiler's
+row-maximum and code passes over a recomputed SwiGLU.
 """
 
 from __future__ import annotations
@@ -119,6 +123,27 @@ class StackedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         (gate_up,) = ctx.saved_tensors
         return swiglu_stacked_backward(gate_up, grad)
+
+
+def codes_reference(gate_up: torch.Tensor, act_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token codes and scales (``act_format`` int8 / fp8) of ``silu(gate) * up`` for
+    rows ``gate_up [M, 2 I]``, in torch ops (:func:`quarl.quant.reference.quantize_activations`)."""
+    from quarl.quant import reference as ref
+
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ref.quantize_activations(F.silu(gate) * up, act_format)
+
+
+def swiglu_codes(gate_up: torch.Tensor, act_format: str, sms: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`codes_reference`'s values for the next linear's per-token quantizer (W8A8), made
+    on a GPU by the engine's persistent SiLU-and-mul quantizer in one pass over the stacked
+    rows (:func:`quarl.rollout.fused.silu_mul_quant_rows`, ``sms`` its GPU's SM count); a
+    compiled region traces that launch into its own code. ``sms`` None: the torch ops."""
+    if sms is None:
+        return codes_reference(gate_up, act_format)
+    from quarl.rollout.fused import silu_mul_quant_rows
+
+    return silu_mul_quant_rows(gate_up, act_format, sms)
 
 
 def swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:

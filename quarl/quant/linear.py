@@ -363,11 +363,12 @@ def _straight_through(qw: QuantizedWeight, dtype: torch.dtype, masters: list[tor
     return deq + (stacked - stacked.detach()).to(dtype)
 
 
-def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+def traced_linear(x: torch.Tensor, lin: tuple, codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Run a linear described by :func:`traced_qat` or :func:`traceable` (inside or outside a
     compiled region). A tuple of biases (a group's) is concatenated. ``("dense", W, bias,
     (A, B, scaling))``: a frozen base plus a LoRA adapter, summed as the adapter's ``add_to``
-    sums them (one ``addmm``)."""
+    sums them (one ``addmm``). ``codes``: a quantized-input linear's per-token codes and
+    scales of ``x``'s rows, made by the caller (the values the quantizer below gives)."""
     bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
     if lin[0] == "dense":
         y = F.linear(x, lin[1], bias)
@@ -375,7 +376,7 @@ def traced_linear(x: torch.Tensor, lin: tuple) -> torch.Tensor:
     # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
     # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
     rows = x.reshape(-1, x.shape[-1])
-    xq, sx = ref.quantize_activations(rows.detach(), get_scheme(lin[-1]).act_format)
+    xq, sx = codes if codes is not None else ref.quantize_activations(rows.detach(), get_scheme(lin[-1]).act_format)
     seen = ref.dequantize_activations(xq, sx, x.dtype)
     y = _QuantizedInputSTE.apply(rows, lin[1], bias, xq, sx, seen, *lin[3:])
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -308,10 +308,13 @@ SILU_QUANT_ROWS_MIN = 512
 SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=4096, num_warps=16)
 
 
-def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int):
+def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm: int, block: int, num_warps: int,
+                         sms: int | None = None):
+    """The persistent kernel's launch. ``sms``: the GPU's SM count, given by a caller that
+    runs this inside a ``torch.compile`` region (the compiler traces the launch itself)."""
     rows, n = g2.shape
     q, q_arg, s = act_quant_buffers(rows, n, quant, g2.device)
-    progs = min(rows, per_sm * launch.num_sms(g2.device))
+    progs = min(rows, per_sm * (launch.num_sms(g2.device) if sms is None else sms))
     scratch = torch.empty(progs, n, dtype=g2.dtype, device=g2.device)
     _silu_mul_quant_rows_kernel[(progs,)](g2, u2, scratch, q_arg, s, rows, n, g2.stride(0), u2.stride(0), q.stride(0),
                                           IS_FP8=quant == "fp8", BLOCK=block, num_warps=num_warps, **NO_FMA)
@@ -343,6 +346,15 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None, persist
     if quant is not None:
         return act_quant_from_partials(out, amax, quant)
     return out.view(g.shape)
+
+
+def silu_mul_quant_rows(gate_up: torch.Tensor, quant: str, sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token codes and scales of ``silu(gate) * up`` for stacked rows ``gate_up [M, 2 I]``
+    in one launch of the persistent kernel, written so that a ``torch.compile`` region traces
+    the launch into its own code (the learner's W8A8 down projection,
+    :func:`quarl.model.swiglu.swiglu_codes`): no custom-op dispatch on the host."""
+    inter = gate_up.shape[-1] // 2
+    return _silu_mul_quant_rows(gate_up[:, :inter], gate_up[:, inter:], quant, **SILU_QUANT_ROWS_CONFIG, sms=sms)
 
 
 def silu_mul_for(fused_gu: "FusedLinear", h, quant: str | None):

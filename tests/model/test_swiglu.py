@@ -62,3 +62,30 @@ def test_triton_kernel_equals_the_reference(dtype):
         if dtype != torch.float32:  # float32 outputs carry the math's own last bits
             assert float((got == want).double().mean()) > 0.99
     assert backward_triton(torch.empty(0, 8, dtype=dtype), torch.empty(0, 4, dtype=dtype)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_codes_of_stacked_rows_are_the_reference_quantizers(fmt):
+    """:func:`swiglu_codes` (the learner's W8A8 down-projection input): the persistent kernel
+    on the stacked ``[gate; up]`` rows (its ``up`` half a strided view, programs that take
+    several rows) gives the codes and scales of the torch-op reference bit for bit; without an
+    SM count it is that reference."""
+    from quarl.model.swiglu import codes_reference, swiglu_codes
+    from quarl.quant import reference as ref
+
+    torch.manual_seed(3)
+    gu = torch.randn(13, 2 * 150) * 3
+    gu[4] = 0  # a zero row: scale 1, codes 0
+    q_ref, s_ref = codes_reference(gu, fmt)
+    gate, up = gu[:, :150], gu[:, 150:]
+    y = gate.double() * torch.sigmoid(gate.double()) * up.double()
+    qmax = 448.0 if fmt == "fp8" else 127.0
+    torch.testing.assert_close(s_ref.double()[s_ref != 1], y.abs().amax(-1)[s_ref != 1] / qmax, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ref.dequantize_activations(q_ref, s_ref, torch.float64), y,
+                               rtol=0.07 if fmt == "fp8" else 0, atol=0.6 * float(s_ref.max()))
+    for sms in (1, 2):  # 4 and 8 programs for 13 rows
+        q, s = swiglu_codes(gu, fmt, sms)
+        assert q.shape == (13, 150) and q.dtype == q_ref.dtype and s[4] == 1.0
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    q, s = swiglu_codes(gu, fmt, None)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
