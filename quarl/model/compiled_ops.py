@@ -159,11 +159,11 @@ class CompiledOps(TorchOps):
         qkv = _traced_group(a, ("q_proj", "k_proj", "v_proj"), h)
         o_proj, down = traceable(a.o_proj, h), traceable(mlp.down_proj, h)
         gate_up = _traced_group(mlp, ("gate_proj", "up_proj"), h)
-        if qkv is None or gate_up is None or o_proj is None or down is None:
+        b, t, width = h.shape
+        if qkv is None or gate_up is None or o_proj is None or down is None or b * t == 1:
             self.fallbacks += 1
             return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
         qk_norm = None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
-        b, t, width = h.shape
         # K/V rounding for an fp8 engine cache fuses into the rotary kernel here, not in the attention callable
         kv_fp8 = getattr(attn, "kv_quant", None) == "fp8"
         q, k, v = compiled(_qkv_region)(h, cos, sin, qkv, qk_norm, (a.n_heads, a.n_kv, a.head_dim), kv_fp8)

@@ -312,6 +312,23 @@ torch.library.register_fake("quarl::quantized_input_gemm", _quantized_input_gemm
 _quantized_input_gemm = torch.ops.quarl.quantized_input_gemm.default
 
 
+def _region_gemm(xq: torch.Tensor, sx: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
+                 scales: torch.Tensor | None, zeros: torch.Tensor | None, scheme: str, n: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """:data:`_quantized_input_gemm`; in a compiled region on a GPU, an fp8 scheme's GEMM is
+    called by the region's own code instead: cuBLASLt's row-scaled ``_scaled_mm``, which the
+    engine runs from 257 rows on (``dispatch.FP8``; the learner's micro-batches), with no
+    custom-op dispatch on the host. Its shape check needs the row count known not to be 1
+    (:class:`~quarl.model.compiled_ops.CompiledOps` runs one-row batches step by step)."""
+    if torch.compiler.is_compiling() and get_scheme(scheme).act_format == "fp8":
+        from quarl.quant.kernels.w8a8 import cublas_fits, scaled_rows_mm
+
+        if cublas_fits(xq, n, xq.shape[-1]):
+            torch._check(xq.shape[0] != 1)
+            return scaled_rows_mm(xq, sx, qdata, scales, bias, dtype)
+    return _quantized_input_gemm(xq, sx, bias, qdata, scales, zeros, scheme, n, dtype)
+
+
 class _QuantizedInputSTE(torch.autograd.Function):
     """The aligned W8A8 / W4A8 linear on ``x [M, K]``: the engine's GEMM on ``x``'s codes
     (:data:`_quantized_input_gemm`), with the straight-through gradient ``grad_x = grad_y @
@@ -322,7 +339,7 @@ class _QuantizedInputSTE(torch.autograd.Function):
     def forward(ctx, x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme):
         ctx.save_for_backward(weight, seen)
         ctx.has_bias = bias is not None
-        return _quantized_input_gemm(xq, sx, bias, qdata, scales, zeros, scheme, weight.shape[0], x.dtype)
+        return _region_gemm(xq, sx, bias, qdata, scales, zeros, scheme, weight.shape[0], x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y):

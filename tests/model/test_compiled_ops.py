@@ -358,3 +358,36 @@ def test_lora_base_dequantized_per_use_runs_the_regions_where_nothing_outlives_t
         assert g1.keys() == g0.keys() and len(g0) == 2 * 7 * 2
         for n in g0:
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_fp8_regions_call_the_scaled_gemm_themselves_and_one_token_runs_step_by_step(monkeypatch):
+    """On a GPU an aligned w8a8-fp8 region calls cuBLASLt's row-scaled ``torch._scaled_mm``
+    itself instead of the ``quarl::quantized_input_gemm`` op (emulated here: the CPU's
+    ``_scaled_mm`` admitted): the region traces with its unbacked row count, gives the eager
+    forward's values and gradients, and a one-token batch (a row count the GEMM's shape check
+    cannot take) runs the layer step by step."""
+    from torch._inductor.utils import run_and_get_code
+
+    from quarl.quant import QATLinear, quantize_model
+    from quarl.quant.kernels import w8a8
+
+    monkeypatch.setattr(w8a8, "cublas_fits", lambda xq, n, k: n % 16 == 0 and k % 16 == 0)
+    model = _qwen2_model(hidden=64, intermediate=96, head_dim=16, seed=8)
+    quantize_model(model, "w8a8-fp8", QATLinear)
+    ids = torch.randint(0, 50, (3, 9))
+    pos, attn = batch_attention(ids, torch.ones(3, 9, dtype=torch.long))
+    w = torch.randn(3, 9, 64)
+    torch._dynamo.reset()
+    fallbacks = COMPILED_OPS.fallbacks
+    ((h0, g0), (h1, g1)), codes = run_and_get_code(lambda: _eager_then_compiled(model, ids, pos, attn, w))
+    code = "\n".join(codes)
+    assert "_scaled_mm" in code and "quantized_input_gemm" not in code
+    assert COMPILED_OPS.fallbacks == fallbacks
+    torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and "layers.1.mlp.down_proj.weight" in g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+    one = torch.randint(0, 50, (1, 1))
+    pos1, attn1 = batch_attention(one, torch.ones(1, 1, dtype=torch.long))
+    model.hidden_states(one, pos1, attn1, COMPILED_OPS).sum().backward()
+    assert COMPILED_OPS.fallbacks == fallbacks + model.config.num_hidden_layers

@@ -150,7 +150,8 @@ def test_the_regions_down_projection_codes_from_the_kernel_equal_the_compilers(s
     """The W8A8 down projection's input codes made in the region by the engine's persistent
     SiLU-and-mul quantizer (its launch traced into the region) give the log-probs of the
     region that quantizes with the compiler's own kernels bit for bit, and its gradients, and
-    the traced launch is in the region's code."""
+    the traced launch is in the region's code (and for fp8 the GEMM: ``torch._scaled_mm``, not
+    the ``quarl::quantized_input_gemm`` op)."""
     from torch._inductor.utils import run_and_get_code
 
     from quarl.model import compiled_ops
@@ -173,6 +174,8 @@ def test_the_regions_down_projection_codes_from_the_kernel_equal_the_compilers(s
     torch._dynamo.reset()
     (lp1, g1), codes = run_and_get_code(run)
     assert any("_silu_mul_quant_rows_kernel" in c for c in codes)
+    # fp8: the regions call cuBLASLt's row-scaled GEMM themselves, int8 through the op
+    assert any("quantized_input_gemm" in c for c in codes) == (scheme == "w8a8-int8")
     monkeypatch.setattr(compiled_ops, "_gpu_sms", lambda device: None)
     torch._dynamo.reset()
     (lp0, g0), codes = run_and_get_code(run)

@@ -111,11 +111,23 @@ def cublas_gemm(xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: t
     """e4m3 ``(xq @ W.T) * sx * sw + bias`` by row-wise scaled ``torch._scaled_mm`` (a
     dequantized matmul where cuBLASLt cannot run it)."""
     n, k = qw.shape
-    if xq.device.type != "cuda" or n % 16 or k % 16:  # cuBLASLt fp8 needs N, K % 16 == 0
+    if not cublas_fits(xq, n, k):
         y = (xq.float() * sx[:, None]) @ qw.dequantize(torch.float32).T
         return (y + bias.float() if bias is not None else y).to(out_dtype)
+    return scaled_rows_mm(xq, sx, qw.qdata, qw.scales, bias, out_dtype)
+
+
+def cublas_fits(xq: torch.Tensor, n: int, k: int) -> bool:
+    """cuBLASLt runs the e4m3 GEMM: on a GPU, N and K multiples of 16."""
+    return xq.device.type == "cuda" and n % 16 == 0 and k % 16 == 0
+
+
+def scaled_rows_mm(xq: torch.Tensor, sx: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(xq @ qdata.T) * sx[:, None] * scales[None, :] + bias``: e4m3 codes with per-token and
+    per-channel scales, one row-scaled ``torch._scaled_mm``."""
     return torch._scaled_mm(
-        xq, qw.qdata.t(), scale_a=sx[:, None], scale_b=qw.scales[None, :], out_dtype=out_dtype,
+        xq, qdata.t(), scale_a=sx[:, None], scale_b=scales[None, :], out_dtype=out_dtype,
         bias=bias.to(out_dtype) if bias is not None else None,
     )
 
