@@ -145,13 +145,32 @@ def test_the_compiled_regions_quantizer_gives_the_engine_kernels_codes_bit_for_b
     assert torch.equal(seen, seen0)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-fp8", "w8a8-int8"])
-def test_the_regions_down_projection_codes_from_the_kernel_equal_the_compilers(scheme, monkeypatch):
-    """The W8A8 down projection's input codes made in the region by the engine's persistent
-    SiLU-and-mul quantizer (its launch traced into the region) give the log-probs of the
-    region that quantizes with the compiler's own kernels bit for bit, and its gradients, and
-    the traced launch is in the region's code (and for fp8 the GEMM: ``torch._scaled_mm``, not
-    the ``quarl::quantized_input_gemm`` op)."""
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_the_down_projections_codes_traced_into_a_region_equal_the_compilers_bit_for_bit(fmt):
+    """:func:`~quarl.model.swiglu.swiglu_codes` compiled (the persistent kernel's launch traced
+    into the region, as the learner runs it) gives the codes and scales of the compiler's own
+    quantizer over the SwiGLU bit for bit, on stacked bf16 rows of widely spread magnitudes."""
+    from quarl.model.compiled_ops import _gpu_sms
+    from quarl.model.swiglu import codes_reference, swiglu_codes
+    from quarl.runtime import compiled
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    mag = torch.logspace(-4, 3, 700, device=DEV)[:, None]
+    gu = (torch.randn(3, 700, 2 * 2240, device=DEV, generator=g) * mag).bfloat16()
+    gu[1, 5] = 0
+    rows = gu.reshape(-1, gu.shape[-1])
+    q, s = compiled(lambda x: swiglu_codes(x.reshape(-1, x.shape[-1]), fmt, _gpu_sms(x.device)))(gu)
+    q0, s0 = compiled(lambda x: codes_reference(x.reshape(-1, x.shape[-1]), fmt))(gu)
+    q1, s1 = codes_reference(rows, fmt)
+    assert torch.equal(s, s0) and torch.equal(s, s1) and s[705] == 1.0
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(q.view(torch.uint8), q1.view(torch.uint8))
+
+
+def test_the_fp8_regions_kernel_codes_and_scaled_gemm_give_the_compilers_log_probs(monkeypatch):
+    """An aligned w8a8-fp8 model's regions with the down projection's codes from the traced
+    kernel and the GEMM called as ``torch._scaled_mm`` by the region (not the
+    ``quarl::quantized_input_gemm`` op) give the log-probs of the regions that quantize with
+    the compiler's kernels bit for bit, and their gradients."""
     from torch._inductor.utils import run_and_get_code
 
     from quarl.model import compiled_ops
@@ -159,7 +178,7 @@ def test_the_regions_down_projection_codes_from_the_kernel_equal_the_compilers(s
 
     torch.manual_seed(1)
     model = build_random_model("100m", dtype=torch.bfloat16).to(DEV)
-    quantize_model(model, scheme)
+    quantize_model(model, "w8a8-fp8")
     ids = torch.randint(0, model.config.vocab_size, (3, 700), device=DEV)
     mask = torch.ones_like(ids)
     mask[2, 500:] = 0
@@ -174,8 +193,7 @@ def test_the_regions_down_projection_codes_from_the_kernel_equal_the_compilers(s
     torch._dynamo.reset()
     (lp1, g1), codes = run_and_get_code(run)
     assert any("_silu_mul_quant_rows_kernel" in c for c in codes)
-    # fp8: the regions call cuBLASLt's row-scaled GEMM themselves, int8 through the op
-    assert any("quantized_input_gemm" in c for c in codes) == (scheme == "w8a8-int8")
+    assert not any("quantized_input_gemm" in c for c in codes)
     monkeypatch.setattr(compiled_ops, "_gpu_sms", lambda device: None)
     torch._dynamo.reset()
     (lp0, g0), codes = run_and_get_code(run)
