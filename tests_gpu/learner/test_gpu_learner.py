@@ -159,7 +159,8 @@ def test_the_down_projections_codes_traced_into_a_region_equal_the_compilers_bit
     gu = (torch.randn(3, 700, 2 * 2240, device=DEV, generator=g) * mag).bfloat16()
     gu[1, 5] = 0
     rows = gu.reshape(-1, gu.shape[-1])
-    q, s = compiled(lambda x: swiglu_codes(x.reshape(-1, x.shape[-1]), fmt, _gpu_sms(x.device)))(gu)
+    sms = _gpu_sms(gu.device)
+    q, s = compiled(lambda x: swiglu_codes(x.reshape(-1, x.shape[-1]), fmt, sms))(gu)
     q0, s0 = compiled(lambda x: codes_reference(x.reshape(-1, x.shape[-1]), fmt))(gu)
     q1, s1 = codes_reference(rows, fmt)
     assert torch.equal(s, s0) and torch.equal(s, s1) and s[705] == 1.0
