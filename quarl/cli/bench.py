@@ -1,10 +1,10 @@
-"""``quarl bench gemm|sweep|rollout|train|mismatch``: the benchmark suites (GPU; JSON under bench/results/)."""
+"""``quarl bench gemm|sweep|rollout|train|learner|mismatch``: the benchmark suites (GPU; JSON under bench/results/)."""
 
 from __future__ import annotations
 
 import importlib
 
-SUITES = ("gemm", "sweep", "rollout", "train", "mismatch")
+SUITES = ("gemm", "sweep", "rollout", "train", "learner", "mismatch")
 
 
 def add_parser(sub) -> None:
