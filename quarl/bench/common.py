@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 
 def git_commit() -> str:
@@ -14,6 +15,23 @@ def git_commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
         return "unknown"
+
+
+def child_env(root: Path, commit: str | None) -> dict[str, str]:
+    """The environment of a benchmark's child process that runs the ``quarl`` package in
+    ``root`` (first on its path), recording ``commit`` as its code's."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    env["QUARL_GIT_COMMIT"] = commit or f"baseline:{root}"
+    return env
+
+
+def child_failed(proc: subprocess.CompletedProcess, out: Path, root: Path, mode: str) -> RuntimeError | None:
+    """The error naming a child run that exited non-zero or wrote no result, with its last lines."""
+    if proc.returncode == 0 and out.is_file():
+        return None
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    return RuntimeError(f"the run of quarl in {root} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
 
 
 # nvidia-smi's fields for a watch over a run: clocks, temperature, power, and the active

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from quarl.bench.common import child_env, child_failed
 
 # mode -> the aligned (QAT) scheme of its linears (None: bf16)
 MODES: dict[str, str | None] = {"bf16": None, "aligned-w4a16": "w4a16", "aligned-w8a8-fp8": "w8a8-fp8",
@@ -211,13 +212,9 @@ def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path) 
             "--micro-batches", str(spec.micro_batches), "--reps", str(spec.reps), "--warmup", str(spec.warmup),
             *(["--layers", str(spec.layers)] if spec.layers is not None else []),
             *([] if spec.compiled else ["--eager"])]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
-    env["QUARL_GIT_COMMIT"] = commit or f"baseline:{root}"
-    proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"the run of quarl in {root} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
+    proc = subprocess.run(argv, env=child_env(root, commit), cwd=root, capture_output=True, text=True)
+    if (err := child_failed(proc, out, root, mode)) is not None:
+        raise err
     done = json.loads(out.read_text())
     return {**done["modes"][mode], "git_commit": done.get("git_commit")}
 

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from quarl.bench.common import ClockWatch
+from quarl.bench.common import ClockWatch, child_env, child_failed
 
 # metric -> short name in the summary
 KEYS = {
@@ -320,10 +320,7 @@ def child_command(workload: str, mode: str, extra: list[str], root: Path, commit
     argv = [*launch, "-m", "quarl", "bench", "train", "--workload", workload, "--modes", mode,
             "--out", str(out.resolve()), *(["--profile", profile, "--profile-stage", stage] if profile else []),
             *(["--model", str(model.resolve())] if model else []), *extra]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root.resolve()), *filter(None, [env.get("PYTHONPATH")])])
-    env["QUARL_GIT_COMMIT"] = commit or f"baseline:{root}"
-    return argv, env
+    return argv, child_env(root, commit)
 
 
 def _free_port() -> int:
@@ -343,9 +340,8 @@ def run_child(workload: str, mode: str, extra: list[str], root: Path, commit: st
     argv, env = child_command(workload, mode, extra, root, commit, out, profile, model, stage, gpus)
     with ClockWatch() as clocks:  # (a run slowed by a GPU clocking down shows in its "gpu_clocks")
         proc = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"the run of quarl in {root} failed on mode {mode!r} (exit {proc.returncode}):\n{tail}")
+    if (err := child_failed(proc, out, root, mode)) is not None:
+        raise err
     done = json.loads(out.read_text())
     got = done["modes"][mode]
     return {"median": got["median"], "git_commit": done.get("git_commit"), "device": done.get("device"),
