@@ -94,9 +94,11 @@ def run_micro_batch(model, ids: torch.Tensor, mask: torch.Tensor, weights: torch
     (lp * weights).sum().backward()
 
 
-def measure(cfg, scheme: str | None, spec: Spec, device: torch.device) -> dict[str, Any]:
+def measure(cfg, scheme: str | None, spec: Spec, device: torch.device, profile: str | None = None) -> dict[str, Any]:
     """Per micro-batch, ms: host (median, min), wall (median, min, max and every repeat's),
-    kernels and launches (CUDA), the host's time over the kernels', and the peak memory."""
+    kernels and launches (CUDA), the host's time over the kernels', and the peak memory.
+    ``profile`` (``kernels`` | ``host``): also that table of one more repeat
+    (:func:`quarl.bench.train.profile_call`), as ``profile`` lines."""
     from quarl.model.compiled_ops import COMPILED_OPS
     from quarl.model.transformer import TORCH_OPS
 
@@ -140,6 +142,11 @@ def measure(cfg, scheme: str | None, spec: Spec, device: torch.device) -> dict[s
         kernels_ms, launches = _kernel_time(repeat, device)
         out.update(kernels_ms=kernels_ms / spec.micro_batches, launches=launches / spec.micro_batches)
         out["host_over_kernels"] = out["host_ms"] / out["kernels_ms"]
+    if profile is not None:
+        from quarl.bench.train import profile_call
+
+        _, table = profile_call(repeat, f"{spec.micro_batches} micro-batches", what=profile)
+        out["profile"] = table.splitlines()
     return out
 
 
@@ -163,10 +170,11 @@ def model_config(spec: Spec):
 
 
 def run_benchmark(modes: list[str], spec: Spec, out: Path | None = None, baseline: Path | None = None,
-                  baseline_commit: str | None = None) -> dict[str, Any]:
+                  baseline_commit: str | None = None, profile: str | None = None) -> dict[str, Any]:
     """Every mode (each in a process of its own when there are several or a baseline; with
     ``baseline``, a directory holding another version's ``quarl`` package, each mode then also
-    under that code). The result is written to ``out`` after every run."""
+    under that code; ``profile``: each run's table, see :func:`measure`). The result is
+    written to ``out`` after every run."""
     from quarl.bench.common import git_commit
     from quarl.bench.train import check_baseline
 
@@ -185,15 +193,16 @@ def run_benchmark(modes: list[str], spec: Spec, out: Path | None = None, baselin
     with tempfile.TemporaryDirectory(prefix="quarl_bench_learner_") as tmp:
         for mode in modes:
             if isolate:
-                r = result["modes"][mode] = run_child(mode, spec, _package_root(), git_commit(), Path(tmp))
+                r = result["modes"][mode] = run_child(mode, spec, _package_root(), git_commit(), Path(tmp), profile)
             else:
-                r = result["modes"][mode] = measure(cfg, MODES[mode], spec, device)
+                r = result["modes"][mode] = measure(cfg, MODES[mode], spec, device, profile)
                 r["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             result["device"] = result["device"] or r.get("device")
-            print(mode, json.dumps({k: v for k, v in r.items() if k != "walls_ms"}), flush=True)
+            print("\n".join(r.get("profile", [])), flush=True)
+            print(mode, json.dumps({k: v for k, v in r.items() if k not in ("walls_ms", "profile")}), flush=True)
             _save(result, out)
             if baseline is not None:
-                r["baseline"] = run_child(mode, spec, baseline, baseline_commit, Path(tmp))
+                r["baseline"] = run_child(mode, spec, baseline, baseline_commit, Path(tmp), profile)
                 r["vs_baseline"] = {k: r["baseline"][k] / r[k] for k in ("host_ms", "wall_ms") if r[k]}
                 _save(result, out)
     return result
@@ -203,7 +212,8 @@ def _package_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path) -> dict[str, Any]:
+def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path,
+              profile: str | None = None) -> dict[str, Any]:
     """``mode`` measured by the ``quarl`` package in ``root`` in a fresh process (an error naming
     the run and its last lines when it fails)."""
     out = tmp / f"child_{abs(hash(str(root.resolve())))}_{mode}.json"
@@ -211,7 +221,7 @@ def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path) 
             "--shape", spec.shape, "--tokens", str(spec.tokens), "--seq-len", str(spec.seq_len),
             "--micro-batches", str(spec.micro_batches), "--reps", str(spec.reps), "--warmup", str(spec.warmup),
             *(["--layers", str(spec.layers)] if spec.layers is not None else []),
-            *([] if spec.compiled else ["--eager"])]
+            *([] if spec.compiled else ["--eager"]), *(["--profile", profile] if profile else [])]
     proc = subprocess.run(argv, env=child_env(root, commit), cwd=root, capture_output=True, text=True)
     if (err := child_failed(proc, out, root, mode)) is not None:
         raise err

@@ -26,6 +26,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=d.reps, help="timed repeats")
     p.add_argument("--warmup", type=int, default=d.warmup, help="repeats before timing (compilation)")
     p.add_argument("--eager", action="store_true", help="the learner's eager ops instead of its compiled regions")
+    p.add_argument("--profile", nargs="?", const="kernels", choices=("kernels", "host"),
+                   help="also profile one more repeat: 'kernels' (the default) the GPU kernels by total time, the "
+                   "busy share and the device syncs; 'host' where the host's time goes (cProfile, functions by "
+                   "cumulative time)")
     p.add_argument("--baseline", metavar="DIR",
                    help="a directory holding another version's quarl/ package (`git archive REV quarl | tar -x -C "
                    "DIR`): each mode also runs under that code right after")
@@ -47,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
     spec = Spec(args.shape, args.layers, args.tokens, args.seq_len, args.micro_batches, args.reps, args.warmup,
                 not args.eager)
     result = run_benchmark([m for m in args.modes.split(",") if m], spec, Path(args.out) if args.out else None,
-                           Path(args.baseline) if args.baseline else None, args.baseline_commit)
+                           Path(args.baseline) if args.baseline else None, args.baseline_commit, args.profile)
     print(summary_table(result))
     return 0
