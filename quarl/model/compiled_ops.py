@@ -8,10 +8,11 @@ autograd node. :class:`CompiledOps` runs a decoder layer as two regions through
 rotary) and after it (output projection, residual adds and norms, the MLP). The elementwise
 steps fuse into a few kernels, the backward is derived by AOTAutograd, and the linears enter
 as data (:func:`quarl.quant.linear.traceable`): plain weights, or for aligned (QAT) linears
-the engine's own computation (a matmul over the dequantized weight, or the W8A8 op
-``quarl::quantized_input_gemm``) with a straight-through gradient; on a GPU the W8A8 down
-projection's input codes come from one kernel over the stacked gate/up rows, whose launch the
-compiler traces into the region (:func:`quarl.model.swiglu.swiglu_codes`). Aligned q/k/v and
+the engine's own computation (a matmul over the dequantized weight, or the GEMM on W8A8 codes:
+fp8 ``torch._scaled_mm`` on a GPU, else the op ``quarl::quantized_input_gemm``) with a
+straight-through gradient; on a GPU the W8A8 down projection's input codes come from one kernel
+over the stacked gate/up rows, whose launch the compiler traces into the region
+(:func:`quarl.model.swiglu.swiglu_codes`). Aligned q/k/v and
 gate/up run as one GEMM each (:func:`quarl.quant.linear.qat_group`), as the engine runs them.
 A layer with a linear that has no traced form (a reference kernel off the fast path, per-tensor
 scales) runs the steps one by one, each still compiled; attention stays outside (the caller's

@@ -135,10 +135,12 @@ def codes_reference(gate_up: torch.Tensor, act_format: str) -> tuple[torch.Tenso
 
 
 def swiglu_codes(gate_up: torch.Tensor, act_format: str, sms: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`codes_reference`'s values for the next linear's per-token quantizer (W8A8), made
-    on a GPU by the engine's persistent SiLU-and-mul quantizer in one pass over the stacked
-    rows (:func:`quarl.rollout.fused.silu_mul_quant_rows`, ``sms`` its GPU's SM count); a
-    compiled region traces that launch into its own code. ``sms`` None: the torch ops."""
+    """The next linear's per-token codes and scales (W8A8) of ``silu(gate) * up``, made on a
+    GPU by the engine's persistent SiLU-and-mul quantizer in one pass over the stacked rows
+    (:func:`quarl.rollout.fused.silu_mul_quant_rows`, ``sms`` its GPU's SM count), so the
+    learner quantizes as the engine does; a compiled region traces that launch into its own
+    code. ``sms`` None: :func:`codes_reference` (eager CUDA torch gives the kernel's scales, and
+    its codes but for an int8 code off by one where the SiLU's last fp32 bit differs)."""
     if sms is None:
         return codes_reference(gate_up, act_format)
     from quarl.rollout.fused import silu_mul_quant_rows
