@@ -65,17 +65,23 @@ def check_mode(mode: str) -> str | None:
 
 
 def build(cfg, scheme: str | None, spec: Spec, device: torch.device, seed: int = 0):
-    """The model (random N(0, 0.02) weights in bf16, aligned linears for ``scheme``) and one
-    micro-batch's inputs: ids, mask and the log-probs' weights."""
-    from quarl.model import Transformer
+    """The model (made in bf16 on ``device``: N(0, 0.02) weights drawn there, unit norms, zero
+    biases, as :func:`~quarl.model.presets.build_random_model` but without its device-independent
+    draws; aligned linears for ``scheme``) and one micro-batch's inputs: ids, mask and the
+    log-probs' weights."""
+    from quarl.model.presets import blank_model
     from quarl.quant import QATLinear, quantize_model
 
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Transformer(cfg).to(torch.bfloat16)
+    model = blank_model(cfg, torch.bfloat16, device)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 0.02)
     if scheme is not None:
         quantize_model(model, scheme, QATLinear)
     rows = spec.tokens // spec.seq_len
