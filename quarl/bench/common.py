@@ -17,6 +17,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_json(result: dict, out: Path | None) -> None:
+    """``result`` as JSON at ``out`` (nothing for None), atomically: a temporary file renamed over it."""
+    if out is None:
+        return
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+
+
 def child_env(root: Path, commit: str | None) -> dict[str, str]:
     """The environment of a benchmark's child process that runs the ``quarl`` package in
     ``root`` (first on its path), recording ``commit`` as its code's."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from quarl.bench.common import child_env, child_failed
+from quarl.bench.common import child_env, child_failed, write_json
 
 # mode -> the aligned (QAT) scheme of its linears (None: bf16)
 MODES: dict[str, str | None] = {"bf16": None, "aligned-w4a16": "w4a16", "aligned-w8a8-fp8": "w8a8-fp8",
@@ -65,23 +65,13 @@ def check_mode(mode: str) -> str | None:
 
 
 def build(cfg, scheme: str | None, spec: Spec, device: torch.device, seed: int = 0):
-    """The model (made in bf16 on ``device``: N(0, 0.02) weights drawn there, unit norms, zero
-    biases, as :func:`~quarl.model.presets.build_random_model` but without its device-independent
-    draws; aligned linears for ``scheme``) and one micro-batch's inputs: ids, mask and the
-    log-probs' weights."""
-    from quarl.model.presets import blank_model
+    """The model (:func:`~quarl.model.presets.build_random_model`'s weights, in bf16 on
+    ``device``; aligned linears for ``scheme``) and one micro-batch's inputs: ids, mask and
+    the log-probs' weights."""
+    from quarl.model.presets import build_random_model
     from quarl.quant import QATLinear, quantize_model
 
-    torch.manual_seed(seed)
-    model = blank_model(cfg, torch.bfloat16, device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0, 0.02)
+    model = build_random_model(cfg, seed, torch.bfloat16, device)
     if scheme is not None:
         quantize_model(model, scheme, QATLinear)
     rows = spec.tokens // spec.seq_len
@@ -160,11 +150,13 @@ def _kernel_time(fn, device: torch.device) -> tuple[float, int]:
     """The GPU's kernel time (ms) and kernel count of one call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
 
+    from quarl.bench.train import gpu_kernels
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time_total for e in kernels) / 1e3, len(kernels)
+    kernels = gpu_kernels(prof).values()
+    return sum(t for t, _ in kernels) / 1e3, int(sum(n for _, n in kernels))
 
 
 def model_config(spec: Spec):
@@ -206,11 +198,11 @@ def run_benchmark(modes: list[str], spec: Spec, out: Path | None = None, baselin
             result["device"] = result["device"] or r.get("device")
             print("\n".join(r.get("profile", [])), flush=True)
             print(mode, json.dumps({k: v for k, v in r.items() if k not in ("walls_ms", "profile")}), flush=True)
-            _save(result, out)
+            write_json(result, out)
             if baseline is not None:
                 r["baseline"] = run_child(mode, spec, baseline, baseline_commit, Path(tmp), profile)
                 r["vs_baseline"] = {k: r["baseline"][k] / r[k] for k in ("host_ms", "wall_ms") if r[k]}
-                _save(result, out)
+                write_json(result, out)
     return result
 
 
@@ -233,14 +225,6 @@ def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path,
         raise err
     done = json.loads(out.read_text())
     return {**done["modes"][mode], "git_commit": done.get("git_commit")}
-
-
-def _save(result: dict[str, Any], out: Path | None) -> None:
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out)
 
 
 def summary_table(result: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from quarl.bench.common import ClockWatch, child_env, child_failed
+from quarl.bench.common import ClockWatch, child_env, child_failed, write_json
 
 # metric -> short name in the summary
 KEYS = {
@@ -231,11 +231,7 @@ def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
         wall = time.perf_counter() - t0
     kernels: dict[str, list[float]] = {}
     if cuda:
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                k = kernels.setdefault(e.name[:100], [0.0, 0])
-                k[0] += e.device_time
-                k[1] += 1
+        kernels = gpu_kernels(prof)
     else:
         for e in prof.key_averages():
             kernels[e.key[:100]] = [e.self_cpu_time_total, e.count]
@@ -249,6 +245,17 @@ def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
     for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / max(busy, 1e-12):5.1f}% {n:6d}x  {kname}")
     return result, "\n".join(lines)
+
+
+def gpu_kernels(prof) -> dict[str, list[float]]:
+    """The GPU kernels a torch.profiler run saw: ``name -> [total us, launches]``."""
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.name[:100], [0.0, 0])
+            k[0] += e.device_time
+            k[1] += 1
+    return kernels
 
 
 @contextlib.contextmanager
@@ -509,11 +516,7 @@ def save_result(result: dict[str, Any], out: Path | None) -> None:
             r["scaling_efficiency"] = one["step_s"] / m["step_s"]
         if "baseline" in r:
             r["speedup_vs_baseline"] = _speedups(r["baseline"]["median"], m)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+    write_json(result, out)
 
 
 def _speedups(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

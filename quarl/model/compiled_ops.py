@@ -110,17 +110,15 @@ def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: t
                             gate_up: tuple[tuple, ...], down: tuple, next_norm: tuple, sms: int | None = None):
     """A layer's work after attention: the output projection, residual add + norm, the MLP,
     and the add into the stream normed for the next layer (``*_norm``: weight, eps): the
-    normed stream and the stream, ``[B * T, hidden]`` each. ``sms`` (a GPU's SM count): a
-    quantized-input down projection takes its codes from :func:`~quarl.model.swiglu.swiglu_codes`'s
+    normed stream and the stream, ``[B * T, hidden]`` each. ``sms`` (a GPU's SM count, given
+    only for a quantized-input down projection): that projection takes its codes from :func:`~quarl.model.swiglu.swiglu_codes`'s
     kernel, traced into the region (None: from the compiler's own quantizer)."""
     width = residual.shape[-1]
     a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
     h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)
     if len(gate_up) == 1:  # one stacked GEMM
         gu = traced_linear(h, gate_up[0])
-        codes = None
-        if down[0] == "quantized_input" and sms is not None:
-            codes = swiglu_codes(gu.detach(), get_scheme(down[-1]).act_format, sms)
+        codes = None if sms is None else swiglu_codes(gu.detach(), get_scheme(down[-1]).act_format, sms)
         m = traced_linear(swiglu_stacked(gu), down, codes=codes)
     else:
         m = traced_linear(F.silu(traced_linear(h, gate_up[0])) * traced_linear(h, gate_up[1]), down)
