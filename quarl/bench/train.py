@@ -68,8 +68,9 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     # the W1: ~131k generated tokens per step
     "w1": Workload("qwen2.5-1.5b", prompts=16, n=8, gen=1024, token_budget=6144),
-    # W1-long: ~256k generated tokens per step, half the step in the learner
-    "w1-long": Workload("qwen2.5-1.5b", prompts=8, n=8, gen=4096, token_budget=8192, steps=4),
+    # W1-long: ~256k generated tokens per step; a budget that holds two rows of prompt + 4096 tokens
+    # (8192 held one: two are ~8300)
+    "w1-long": Workload("qwen2.5-1.5b", prompts=8, n=8, gen=4096, token_budget=8448, steps=4),
     # [L]: LoRA rank 64 on a Qwen2.5-7B-shape base, 64 rollouts x 1024 tokens (compare bf16 and aligned-w4a16)
     "lora-7b": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=4096, steps=5, warmup=2,
                         extra=("--model.lora_rank=64",)),

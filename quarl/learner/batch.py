@@ -44,6 +44,13 @@ class RolloutBatch:
         """Rows ``mb.lo:mb.hi`` trimmed to ``mb.width`` tokens: views, no device sync."""
         return self._take(slice(mb.lo, mb.hi), mb.width)
 
+    def longest_first(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` reordered by decreasing sequence length (ties keep their order), on the
+        device: cut into consecutive micro-batches, rows of like length then share one, so a
+        micro-batch pads little (the largest first, so the learner's peak memory shows at once)."""
+        lengths = self.attention_mask[rows].sum(-1)
+        return rows[torch.argsort(lengths, descending=True, stable=True)]
+
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         """Rows ``idx``, trimmed to their longest sequence."""
         idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
@@ -99,19 +106,57 @@ def build_batch(
 
 class MicroBatch(NamedTuple):
     """Rows ``lo:hi`` of a batch, ``width`` its longest row (prompt + response tokens),
-    ``response_tokens`` its response-token count and ``longest_response`` its longest
-    response: known on the host, so slicing it (:meth:`RolloutBatch.rows`) and weighting
-    its loss need no device sync."""
+    ``response_tokens`` its response-token count, ``longest_response`` its longest
+    response and ``tokens`` its real (unpadded) tokens: known on the host, so slicing it
+    (:meth:`RolloutBatch.rows`) and weighting its loss need no device sync."""
 
     lo: int
     hi: int
     width: int
     response_tokens: int
     longest_response: int
+    tokens: int = 0
 
     @property
     def size(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def padded(self) -> int:
+        """Tokens the forward computes: rows x width."""
+        return self.size * self.width
+
+
+class Packing(NamedTuple):
+    """How a batch's micro-batches use the token budget: ``fill`` their padded tokens over
+    the budget (mean), ``padding`` the share of padded tokens that are padding, ``longest``
+    the longest row (tokens)."""
+
+    micro_batches: int
+    fill: float
+    padding: float
+    longest: int
+
+    @classmethod
+    def of(cls, parts: list[MicroBatch], token_budget: int) -> "Packing":
+        padded = sum(p.padded for p in parts)
+        return cls(len(parts), padded / max(len(parts) * token_budget, 1),
+                   1.0 - sum(p.tokens for p in parts) / max(padded, 1), max((p.width for p in parts), default=0))
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/micro_batches": float(self.micro_batches), "perf/micro_batch_fill": self.fill,
+                "perf/padding_frac": self.padding}
+
+    def advice(self, token_budget: int) -> str | None:
+        """What to change when micro-batches hold one row each and use under 60% of the budget:
+        the budget that holds two of the longest rows (None when the budget is used)."""
+        if self.micro_batches == 0 or self.fill >= 0.6 or 2 * self.longest <= token_budget:
+            return None
+        return (f"trainer.token_budget={token_budget} holds one row of up to {self.longest} tokens per micro-batch "
+                f"({self.fill:.0%} of the budget on average), and the learner pays its host work (Python, kernel "
+                f"launches) per micro-batch: --trainer.token_budget={-(-2 * self.longest // 256) * 256} would hold two "
+                "where memory "
+                "allows (memory/learner_peak_gb shows the headroom)")
 
 
 def budget_ranges(lengths: list[int], token_budget: int) -> list[tuple[int, int]]:
@@ -136,7 +181,8 @@ def micro_batches(batch: RolloutBatch, token_budget: int) -> list[MicroBatch]:
     counts = torch.stack([batch.attention_mask.sum(-1), batch.response_mask.sum(-1).to(batch.attention_mask.dtype)])
     lengths, responses = counts.tolist()
     lengths, responses = [int(n) for n in lengths], [int(n) for n in responses]
-    return [MicroBatch(lo, hi, max(max(lengths[lo:hi]), 1), sum(responses[lo:hi]), max(responses[lo:hi]))
+    return [MicroBatch(lo, hi, max(max(lengths[lo:hi]), 1), sum(responses[lo:hi]), max(responses[lo:hi]),
+                       sum(lengths[lo:hi]))
             for lo, hi in budget_ranges(lengths, token_budget)]
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from quarl.algos import compute_policy_loss, kl_penalty, masked_mean
 from quarl.algos.losses import SEQUENCE_LOSSES
 from quarl.distributed import DeviceTimer, Dist
-from quarl.learner.batch import MicroBatch, RolloutBatch, micro_batches
+from quarl.learner.batch import MicroBatch, Packing, RolloutBatch, micro_batches
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
 from quarl.learner.sharded import reshard, shard_model
@@ -143,6 +143,7 @@ class Learner:
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
         self._grad_sync = DeviceTimer(self.device)  # several ranks: summing the gradients over them
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
+        self.last_packing: Packing | None = None  # how the last mini-batch's micro-batches used the budget
         self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
         self.critic_optimizer = adamw([t for _, t in _stepped(critic, self.critic_master)], lr, weight_decay,
                                       **lean) if critic is not None else None
@@ -231,11 +232,13 @@ class Learner:
         optimizer step. The micro-batches' sizes and weights are known on the host and their
         metrics stay on the device until all of them are queued: the host reads the device
         once per mini-batch (the step's finiteness check), not several times per micro-batch."""
+        rows = batch.longest_first(rows)  # like lengths share a micro-batch: little padding
         mini = batch.select(rows)
         ret = returns[rows] if returns is not None else None
         seq_loss = s.loss_type in SEQUENCE_LOSSES
         token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
         parts = micro_batches(mini, s.token_budget)
+        self.last_packing = Packing.of(parts, s.token_budget)
         # the mini-batch is the union of every rank's rows: its totals are summed over the ranks
         tokens, total_rows = self.dist.sum([sum(mb.response_tokens for mb in parts), mini.size])
         total_tokens = max(tokens, 1)
@@ -286,7 +289,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
-        return metrics, ok
+        return {**metrics, **self.last_packing.metrics()}, ok
 
     def _micro_batch_backward(self, mini: RolloutBatch, part: MicroBatch, rows: torch.Tensor, s: UpdateSettings, hparams: dict,
                               returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:
@@ -393,10 +396,13 @@ def _stepped(module: nn.Module, master: MasterWeights | None) -> list[tuple[str,
 
 
 def _per_response_token(batch: RolloutBatch, token_budget: int, fn) -> torch.Tensor:
-    """``fn`` over micro-batches, gathered into ``[B, T-1]`` (0 off the response tokens)."""
+    """``fn`` over micro-batches (rows longest first: :meth:`RolloutBatch.longest_first`),
+    gathered into ``[B, T-1]`` (0 off the response tokens)."""
     out = torch.zeros_like(batch.sampler_logp)
-    for part in micro_batches(batch, token_budget):
-        mb = batch.rows(part)
+    order = batch.longest_first(torch.arange(batch.size, device=batch.input_ids.device))
+    ordered = batch.select(order)
+    for part in micro_batches(ordered, token_budget):
+        mb = ordered.rows(part)
         v = fn(mb)
-        out[part.lo : part.hi, : v.shape[1]] = v.float() * mb.response_mask
+        out[order[part.lo : part.hi], : v.shape[1]] = v.float() * mb.response_mask
     return out

@@ -159,6 +159,7 @@ class Trainer:
         self.bad_steps = 0
         self._preempted = 0  # this rank's engine preemptions in this step (a KV cache too small for its rollouts)
         self._warned_preemption = False
+        self._warned_packing = False
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
@@ -427,6 +428,11 @@ class Trainer:
             self._warn(f"step {self.step + 1}: the KV cache ({runner.num_blocks * runner.block_size:,} tokens a rank) "
                        f"could not hold the step's rollouts at once: {preempted} preemptions made sequences "
                        "recompute their prefixes, which slows the rollout (rollout/preemptions). " + self._larger_cache())
+        packing = self.learner.last_packing
+        advice = packing.advice(self.cfg.trainer.token_budget) if packing is not None else None
+        if advice and self.device.type == "cuda" and not self._warned_packing:
+            self._warned_packing = True
+            self._warn(f"step {self.step + 1}: " + advice)
         return {
             **perf,
             **rollout.reward_metrics,

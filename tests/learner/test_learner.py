@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from quarl.learner.batch import budget_ranges, build_batch, micro_batches, split_by_token_budget
+from quarl.learner.batch import Packing, budget_ranges, build_batch, micro_batches, split_by_token_budget
 from quarl.learner.learner import Learner, UpdateSettings
 from quarl.model.presets import build_random_model
 
@@ -63,6 +63,56 @@ def test_micro_batches_are_the_split_as_host_known_slices():
         assert p.width == want.input_ids.shape[1] and p.response_tokens == want.num_response_tokens
         for name in ("input_ids", "attention_mask", "response_mask", "sampler_logp", "advantages"):
             assert torch.equal(getattr(got, name), getattr(want, name))
+
+
+def _lengths_batch(lengths: list[int]):
+    """Rows of ``lengths`` tokens (prompt of 1, the rest response)."""
+    prompts = [[5] for _ in lengths]
+    responses = [[7] * (n - 1) for n in lengths]
+    lps = [[-0.5] * (n - 1) for n in lengths]
+    return build_batch(prompts, responses, lps, [0.0] * len(lengths), torch.zeros(len(lengths)))
+
+
+def test_longest_first_orders_rows_by_length_keeping_ties_in_order():
+    b = _lengths_batch([3, 9, 3, 9, 5, 2])
+    assert b.longest_first(torch.arange(6)).tolist() == [1, 3, 4, 0, 2, 5]
+    assert b.longest_first(torch.tensor([5, 2, 0])).tolist() == [2, 0, 5]
+
+
+def test_packing_hand_computed_and_longest_first_pads_less():
+    # budget 20: in row order [2, 10] [2, 10] (two micro-batches of 2 x 10 = 20 padded, 12 real each);
+    # longest first [10, 10] (20 padded, 20 real) and [2, 2] (4 padded, 4 real)
+    b = _lengths_batch([2, 10, 2, 10])
+    as_is = Packing.of(micro_batches(b, 20), 20)
+    assert as_is == Packing(2, 40 / 40, 1 - 24 / 40, 10)
+    ordered = b.select(b.longest_first(torch.arange(4)))
+    packed = Packing.of(micro_batches(ordered, 20), 20)
+    assert packed == Packing(2, 24 / 40, 0.0, 10)
+    assert packed.metrics() == {"perf/micro_batches": 2.0, "perf/micro_batch_fill": 0.6, "perf/padding_frac": 0.0}
+
+
+def test_packing_advice_only_when_one_row_fills_little_of_the_budget():
+    # rows of 4150 tokens under a budget of 8192: one per micro-batch, 51% full
+    one_each = Packing(4, 4150 / 8192, 0.0, 4150)
+    msg = one_each.advice(8192)
+    assert "one row of up to 4150 tokens" in msg and "51%" in msg and "--trainer.token_budget=8448" in msg
+    assert Packing(4, 4150 / 8192, 0.0, 4150).advice(8448) is None  # two fit: no advice
+    assert Packing(2, 0.9, 0.0, 5000).advice(8192) is None  # well filled
+    assert Packing(0, 0.0, 0.0, 0).advice(8192) is None
+
+
+def test_update_reports_packing_and_orders_rows_longest_first():
+    """The update's micro-batches hold rows longest first: its metrics say so, and its
+    log-probs still land on each row's own place."""
+    model = build_random_model("tiny", seed=3, dtype=torch.float64, std=0.1)
+    b = _lengths_batch([2, 10, 2, 10])
+    b.advantages = torch.tensor([0.5, -0.5, 1.0, 0.2], dtype=torch.float64).float()
+    learner = Learner(copy.deepcopy(model), lr=0.0)
+    out = learner.update(b, UpdateSettings(loss_type="ppo", token_budget=20))
+    assert out["perf/micro_batches"] == 2.0 and out["perf/padding_frac"] == 0.0
+    assert out["perf/micro_batch_fill"] == pytest.approx(0.6)
+    want = Learner(copy.deepcopy(model)).logprobs(b, 1 << 20)
+    torch.testing.assert_close(learner.last_logp, want, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("loss_type,agg", [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"), ("tbpo", None),
