@@ -128,35 +128,51 @@ class MicroBatch(NamedTuple):
 
 
 class Packing(NamedTuple):
-    """How a batch's micro-batches use the token budget: ``fill`` their padded tokens over
-    the budget (mean), ``padding`` the share of padded tokens that are padding, ``longest``
-    the longest row (tokens)."""
+    """How an update's micro-batches used the token budget (one rank's): ``micro_batches`` over
+    ``steps`` optimizer steps, ``padded`` the tokens their forwards computed (rows x width),
+    ``tokens`` the real ones among them, ``longest`` the longest row."""
 
     micro_batches: int
-    fill: float
-    padding: float
+    padded: int
+    tokens: int
     longest: int
+    budget: int
+    steps: int = 1
 
     @classmethod
     def of(cls, parts: list[MicroBatch], token_budget: int) -> "Packing":
-        padded = sum(p.padded for p in parts)
-        return cls(len(parts), padded / max(len(parts) * token_budget, 1),
-                   1.0 - sum(p.tokens for p in parts) / max(padded, 1), max((p.width for p in parts), default=0))
+        """One mini-batch's micro-batches (one optimizer step)."""
+        return cls(len(parts), sum(p.padded for p in parts), sum(p.tokens for p in parts),
+                   max((p.width for p in parts), default=0), token_budget)
+
+    def merged(self, other: "Packing") -> "Packing":
+        return Packing(self.micro_batches + other.micro_batches, self.padded + other.padded,
+                       self.tokens + other.tokens, max(self.longest, other.longest), self.budget,
+                       self.steps + other.steps)
+
+    @property
+    def fill(self) -> float:
+        """Padded tokens over the budget, on average over the micro-batches."""
+        return self.padded / max(self.micro_batches * self.budget, 1)
+
+    @property
+    def padding(self) -> float:
+        """The share of the padded tokens that are padding."""
+        return 1.0 - self.tokens / max(self.padded, 1)
 
     def metrics(self) -> dict[str, float]:
-        return {"perf/micro_batches": float(self.micro_batches), "perf/micro_batch_fill": self.fill,
+        return {"perf/micro_batches": self.micro_batches / max(self.steps, 1), "perf/micro_batch_fill": self.fill,
                 "perf/padding_frac": self.padding}
 
-    def advice(self, token_budget: int) -> str | None:
+    def advice(self) -> str | None:
         """What to change when micro-batches hold one row each and use under 60% of the budget:
         the budget that holds two of the longest rows (None when the budget is used)."""
-        if self.micro_batches == 0 or self.fill >= 0.6 or 2 * self.longest <= token_budget:
+        if self.micro_batches == 0 or self.fill >= 0.6 or 2 * self.longest <= self.budget:
             return None
-        return (f"trainer.token_budget={token_budget} holds one row of up to {self.longest} tokens per micro-batch "
+        return (f"trainer.token_budget={self.budget} holds one row of up to {self.longest} tokens per micro-batch "
                 f"({self.fill:.0%} of the budget on average), and the learner pays its host work (Python, kernel "
-                f"launches) per micro-batch: --trainer.token_budget={-(-2 * self.longest // 256) * 256} would hold two "
-                "where memory "
-                "allows (memory/learner_peak_gb shows the headroom)")
+                f"launches) per micro-batch: --trainer.token_budget={-(-2 * self.longest // 256) * 256} would hold "
+                "two where memory allows (memory/learner_peak_gb shows the headroom)")
 
 
 def budget_ranges(lengths: list[int], token_budget: int) -> list[tuple[int, int]]:

@@ -143,7 +143,7 @@ class Learner:
         self.last_nonfinite: list[str] = []  # metric names of the last skipped update
         self._grad_sync = DeviceTimer(self.device)  # several ranks: summing the gradients over them
         self.last_logp: torch.Tensor | None = None  # log-probs the last update's forward computed
-        self.last_packing: Packing | None = None  # how the last mini-batch's micro-batches used the budget
+        self.last_packing: Packing | None = None  # how the last update's micro-batches used the budget (this rank's)
         self.critic_master = MasterWeights(critic) if critic is not None and self.master is not None else None
         self.critic_optimizer = adamw([t for _, t in _stepped(critic, self.critic_master)], lr, weight_decay,
                                       **lean) if critic is not None else None
@@ -204,6 +204,7 @@ class Learner:
         if batch.old_logp is None and (s.ppo_epochs, s.mini_batches) != (1, 1):
             raise ValueError("old_logp is required when one batch makes several optimizer steps")
         self.last_logp = torch.zeros_like(batch.sampler_logp)
+        self.last_packing = None
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         skipped = 0
@@ -238,7 +239,8 @@ class Learner:
         seq_loss = s.loss_type in SEQUENCE_LOSSES
         token_mean = not seq_loss and s.loss_hparams.get("agg", "token-mean") == "token-mean"
         parts = micro_batches(mini, s.token_budget)
-        self.last_packing = Packing.of(parts, s.token_budget)
+        packing = Packing.of(parts, s.token_budget)
+        self.last_packing = packing if self.last_packing is None else self.last_packing.merged(packing)
         # the mini-batch is the union of every rank's rows: its totals are summed over the ranks
         tokens, total_rows = self.dist.sum([sum(mb.response_tokens for mb in parts), mini.size])
         total_tokens = max(tokens, 1)
@@ -289,7 +291,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
-        return {**metrics, **self.last_packing.metrics()}, ok
+        return metrics, ok
 
     def _micro_batch_backward(self, mini: RolloutBatch, part: MicroBatch, rows: torch.Tensor, s: UpdateSettings, hparams: dict,
                               returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:

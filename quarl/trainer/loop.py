@@ -428,11 +428,13 @@ class Trainer:
             self._warn(f"step {self.step + 1}: the KV cache ({runner.num_blocks * runner.block_size:,} tokens a rank) "
                        f"could not hold the step's rollouts at once: {preempted} preemptions made sequences "
                        "recompute their prefixes, which slows the rollout (rollout/preemptions). " + self._larger_cache())
-        packing = self.learner.last_packing
-        advice = packing.advice(self.cfg.trainer.token_budget) if packing is not None else None
-        if advice and self.device.type == "cuda" and not self._warned_packing:
-            self._warned_packing = True
-            self._warn(f"step {self.step + 1}: " + advice)
+        packing = self.learner.last_packing  # (this rank's rows)
+        if packing is not None:
+            perf.update(packing.metrics())
+            advice = packing.advice()
+            if advice and self.device.type == "cuda" and not self._warned_packing:
+                self._warned_packing = True
+                self._warn(f"step {self.step + 1}: " + advice)
         return {
             **perf,
             **rollout.reward_metrics,

@@ -84,35 +84,42 @@ def test_packing_hand_computed_and_longest_first_pads_less():
     # longest first [10, 10] (20 padded, 20 real) and [2, 2] (4 padded, 4 real)
     b = _lengths_batch([2, 10, 2, 10])
     as_is = Packing.of(micro_batches(b, 20), 20)
-    assert as_is == Packing(2, 40 / 40, 1 - 24 / 40, 10)
+    assert as_is == Packing(2, 40, 24, 10, 20) and as_is.fill == 1.0 and as_is.padding == pytest.approx(0.4)
     ordered = b.select(b.longest_first(torch.arange(4)))
     packed = Packing.of(micro_batches(ordered, 20), 20)
-    assert packed == Packing(2, 24 / 40, 0.0, 10)
+    assert packed == Packing(2, 24, 24, 10, 20)
     assert packed.metrics() == {"perf/micro_batches": 2.0, "perf/micro_batch_fill": 0.6, "perf/padding_frac": 0.0}
+    # two optimizer steps: micro-batches per step, fill and padding over all of them
+    both = as_is.merged(packed)
+    assert both == Packing(4, 64, 48, 10, 20, 2)
+    assert both.metrics() == {"perf/micro_batches": 2.0, "perf/micro_batch_fill": 0.8, "perf/padding_frac": 0.25}
 
 
 def test_packing_advice_only_when_one_row_fills_little_of_the_budget():
     # rows of 4150 tokens under a budget of 8192: one per micro-batch, 51% full
-    one_each = Packing(4, 4150 / 8192, 0.0, 4150)
-    msg = one_each.advice(8192)
+    msg = Packing(4, 4 * 4150, 4 * 4150, 4150, 8192).advice()
     assert "one row of up to 4150 tokens" in msg and "51%" in msg and "--trainer.token_budget=8448" in msg
-    assert Packing(4, 4150 / 8192, 0.0, 4150).advice(8448) is None  # two fit: no advice
-    assert Packing(2, 0.9, 0.0, 5000).advice(8192) is None  # well filled
-    assert Packing(0, 0.0, 0.0, 0).advice(8192) is None
+    assert Packing(2, 2 * 8300, 2 * 8300, 4150, 8448).advice() is None  # two fit: no advice
+    assert Packing(2, 2 * 7400, 2 * 7400, 5000, 8192).advice() is None  # well filled
+    assert Packing(0, 0, 0, 0, 8192).advice() is None
 
 
-def test_update_reports_packing_and_orders_rows_longest_first():
-    """The update's micro-batches hold rows longest first: its metrics say so, and its
+def test_update_packs_rows_longest_first():
+    """The update's micro-batches hold rows longest first (its packing says so), and its
     log-probs still land on each row's own place."""
     model = build_random_model("tiny", seed=3, dtype=torch.float64, std=0.1)
     b = _lengths_batch([2, 10, 2, 10])
-    b.advantages = torch.tensor([0.5, -0.5, 1.0, 0.2], dtype=torch.float64).float()
+    b.advantages = torch.tensor([0.5, -0.5, 1.0, 0.2])
     learner = Learner(copy.deepcopy(model), lr=0.0)
-    out = learner.update(b, UpdateSettings(loss_type="ppo", token_budget=20))
-    assert out["perf/micro_batches"] == 2.0 and out["perf/padding_frac"] == 0.0
-    assert out["perf/micro_batch_fill"] == pytest.approx(0.6)
+    learner.update(b, UpdateSettings(loss_type="ppo", token_budget=20))
+    assert learner.last_packing == Packing(2, 24, 24, 10, 20)
     want = Learner(copy.deepcopy(model)).logprobs(b, 1 << 20)
     torch.testing.assert_close(learner.last_logp, want, rtol=1e-9, atol=1e-12)
+    # two mini-batches (rows 0-1, then 2-3): one micro-batch of [10, 2] each, 20 padded, 12 real
+    b.old_logp = want
+    learner.update(b, UpdateSettings(loss_type="ppo", token_budget=20, mini_batches=2))
+    assert learner.last_packing == Packing(2, 40, 24, 10, 20, 2)
+    assert learner.last_packing.metrics()["perf/micro_batches"] == 1.0
 
 
 @pytest.mark.parametrize("loss_type,agg", [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"), ("tbpo", None),

@@ -61,8 +61,11 @@ def test_every_mode_trains_and_changes_weights(mode_runs):
         assert len(rows) == 2
         for key in ("reward/mean", "mismatch/kl_k3", "loss/policy", "entropy", "grad_norm", "time/rollout",
                     "time/learner", "time/publish", "time/step", "rollout/tokens_per_s", "response/len_mean",
-                    "response/repeat_frac", "tbpo/drop_frac_pos", "acc/mean"):
+                    "response/repeat_frac", "tbpo/drop_frac_pos", "acc/mean", "perf/micro_batches"):
             assert key in rows[-1], (mode, key)
+        last = rows[-1]
+        assert last["perf/micro_batches"] >= 1 and 0 < last["perf/micro_batch_fill"] <= 1
+        assert 0 <= last["perf/padding_frac"] < 1
         start = load_model(run_dir / "warmstart")  # the step-0 policy
         changed = [k for k, v in start.state_dict().items() if not torch.equal(v, weights[k])]
         assert changed, mode
