@@ -115,7 +115,7 @@ class MicroBatch(NamedTuple):
     width: int
     response_tokens: int
     longest_response: int
-    tokens: int = 0
+    tokens: int
 
     @property
     def size(self) -> int:
