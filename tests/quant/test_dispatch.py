@@ -3,8 +3,9 @@
 ``data/dispatch_c62667c.json`` holds, for a grid of (M, N, K) and each GPU generation, the
 kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). Rows were
 added on purpose (w4a16 on sm90 at M = 65-128: 128-token wgmma tiles instead of dequantize +
-cuBLAS; fp8 at M = 65-128 with K > 8192 over N <= 2048: the TMA kernel with K split in 4;
-the gated fp8 GEMM at M = 65-128 for hidden sizes up to 2048); every other case must match.
+cuBLAS; fp8 at M = 17-128 with K > 8192 over N <= 2048: the TMA kernel with K split; fp8 at
+M = 17-128 with N, K <= 2048: the pointer kernel on 64 x 32 tiles; the gated fp8 GEMM at
+M = 17-128 for hidden sizes up to 2048); every other case must match.
 """
 
 import json
@@ -60,13 +61,17 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
-        if fam == "fp8" and 64 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split in 4
+        if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
-            assert got.kernel == "tma" and got.config.split_k == 4 and got.config.bm == 64, (m, n, k)
+            assert got.kernel == "tma" and got.config.split_k == (4 if m <= 64 else 2) and got.config.bm == 64, (m, n, k)
             continue
-        if fam == "gated_fp8" and 64 < m <= 128 and k <= 2048:  # added: the gated GEMM for the 1.5B's gate/up
+        if fam == "fp8" and 16 < m <= 128 and n <= 2048 and k <= 2048:  # added: 1.5B q/k/v and o
+            got = dispatch.lookup("fp8", "none", m, n, k)
+            assert got == Plan("pointer", dispatch.TileConfig(64, 32, 256, split_k=1, num_stages=4)), (m, n, k)
+            continue
+        if fam == "gated_fp8" and 16 < m <= 128 and k <= 2048:  # added: the gated GEMM for the 1.5B's gate/up
             got = dispatch.lookup("gated_fp8", "none", m, 2 * n, k)
-            assert got.kernel == "gated" and got.config.bm == got.config.bn == 64, (m, n, k)
+            assert got.kernel == "gated" and got.config.bm == 64 and got.config.bn == (32 if m <= 64 else 64), (m, n, k)
             continue
         if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.wide_hidden_m64(m, n, k):  # added: 14B / 32B shapes at M 33-64
             got = dispatch.lookup("w4a16", gen, m, n, k)
@@ -153,15 +158,25 @@ def test_wgmma_config_check_names_what_it_cannot_run():
             row.plan.config.check(row.m_max)
 
 
-def test_fp8_down_of_a_1p5b_model_splits_k_in_four_from_65_rows():
-    """The added fp8 row: the 1.5B down projection (N = 1536, K = 8960) at decode batch 128
-    runs the TMA kernel with K split in 4; at 64 rows (conflicting measurements) and for the
-    7B down (N = 3584) the old rows stay."""
+def test_fp8_decode_gemms_of_a_1p5b_model_take_the_swept_plans():
+    """The 1.5B's fp8 decode GEMMs at 17-128 rows (session 36's sweep, bench/NOTES.md): down
+    (N = 1536, K = 8960) on the TMA kernel with 256-column K steps, split in 4 on 64 x 32
+    tiles up to 64 rows and in 2 on 64 x 64 tiles to 128; q/k/v and o (N, K <= 2048) on the
+    pointer kernel's 64 x 32 x 256 tiles, unsplit. The 7B's (N = 3584) and larger M keep the
+    old rows."""
+    plan = dispatch.lookup("fp8", "none", 64, 1536, 8960)
+    assert (plan.kernel, plan.config.bn, plan.config.bk, plan.config.split_k) == ("tma", 32, 256, 4)
     plan = dispatch.lookup("fp8", "none", 128, 1536, 8960)
-    assert (plan.kernel, plan.config.bm, plan.config.bn, plan.config.split_k) == ("tma", 64, 64, 4)
-    assert dispatch.lookup("fp8", "none", 64, 1536, 8960).kernel == "pointer"
+    assert (plan.kernel, plan.config.bn, plan.config.bk, plan.config.split_k) == ("tma", 64, 256, 2)
+    for n in (2048, 1536):
+        for m in (17, 64, 128):
+            plan = dispatch.lookup("fp8", "none", m, n, 1536)
+            assert (plan.kernel, plan.config.bn, plan.config.bk, plan.config.split_k) == ("pointer", 32, 256, 1)
+    assert dispatch.lookup("fp8", "none", 16, 2048, 1536).config.bm == 16
+    assert dispatch.lookup("fp8", "none", 64, 4608, 3584).config.bn == 64
     assert dispatch.lookup("fp8", "none", 128, 3584, 18944).config.split_k == 2
-    assert dispatch.lookup("fp8", "none", 129, 1536, 8960).config.split_k == 2
+    assert dispatch.lookup("fp8", "none", 129, 1536, 8960).config.bk == 128
+    assert dispatch.lookup("int8", "none", 64, 1536, 8960).kernel == "pointer"  # int8 not swept
 
 
 def test_a_kept_dense_copy_takes_small_weights_at_65_to_128_rows_on_hopper():
@@ -183,7 +198,9 @@ def test_the_gated_fp8_gemm_runs_the_small_hidden_gate_up_to_128_tokens():
     """1.5B gate/up (K = 1536) at M = 65-128: the gated GEMM (SiLU-and-mul in its epilogue),
     measured ~2.5 us a layer faster than cuBLASLt + SiLU-and-mul; the 7B's (K = 3584), where the
     two measured alike, keeps the plain GEMM (bench/NOTES.md, sessions 32-33)."""
-    assert dispatch.lookup("gated_fp8", "none", 128, 17920, 1536).kernel == "gated"
+    assert dispatch.lookup("gated_fp8", "none", 128, 17920, 1536).config.bn == 64
+    assert dispatch.lookup("gated_fp8", "none", 64, 17920, 1536).config.bn == 32
+    assert dispatch.lookup("gated_fp8", "none", 64, 37888, 3584).config.bn == 64
     assert dispatch.lookup("gated_fp8", "none", 100, 17920, 1536).kernel == "gated"
     assert dispatch.lookup("gated_fp8", "none", 128, 37888, 3584) is None
     assert dispatch.lookup("gated_fp8", "none", 129, 17920, 1536) is None

@@ -122,9 +122,15 @@ def few_64_tiles(m: int, n: int, k: int) -> bool:
     return cdiv(m, 64) * cdiv(n, 64) <= 264
 
 
-def narrow_long_k_m65(m: int, n: int, k: int) -> bool:
-    """M > 64 and K > 8192 over at most 2048 output columns (1.5B down): few tiles, so a deep K split."""
-    return m > 64 and k > 8192 and n <= 2048
+def narrow_long_k(m: int, n: int, k: int) -> bool:
+    """K > 8192 over at most 2048 output columns (1.5B down): few tiles, so K is split."""
+    return k > 8192 and n <= 2048
+
+
+def small_square(m: int, n: int, k: int) -> bool:
+    """Both sides at most 2048 (1.5B q/k/v and o): latency-bound at decode sizes, so narrow
+    tiles put more SMs on the weight."""
+    return n <= 2048 and k <= 2048
 
 
 def m2048_long_k(m: int, n: int, k: int) -> bool:
@@ -179,7 +185,9 @@ _W8A8_SMALL_M: tuple[Row, ...] = (
     Row(_TMA_SPLIT, 256, long_k),
 )
 FP8: tuple[Row, ...] = _W8A8_SMALL_M[:1] + (
-    Row(Plan("tma", TileConfig(64, 64, 128, split_k=4, num_stages=5, waves=3)), 128, narrow_long_k_m65),
+    Row(Plan("tma", TileConfig(64, 32, 256, split_k=4, num_stages=4, waves=2)), 64, narrow_long_k),
+    Row(Plan("tma", TileConfig(64, 64, 256, split_k=2, num_stages=5, waves=2)), 128, narrow_long_k),
+    Row(Plan("pointer", TileConfig(64, 32, 256, split_k=1, num_stages=4)), 128, small_square),
 ) + _W8A8_SMALL_M[1:] + (
     Row(_TMA_64, 256, few_64_tiles),
     Row(Plan("cublas")),
@@ -203,6 +211,7 @@ _GATED_64 = Plan("gated", TileConfig(64, 64, 128, num_stages=3, waves=3))
 GATED_FP8: tuple[Row, ...] = (
     Row(None, 16),
     Row(None, None, long_k),
+    Row(Plan("gated", TileConfig(64, 32, 128, num_stages=4, waves=3)), 64, short_hidden),
     Row(_GATED_64, 64),
     Row(_GATED_64, 128, short_hidden),
     Row(None),
