@@ -17,11 +17,11 @@ from quarl.quant import QuantLinear, get_scheme, load_published, quantize_model
 from quarl.rollout.block_manager import BlockManager
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.kv_cache import KVCache
-from quarl.rollout.model_runner import ModelRunner
+from quarl.rollout.model_runner import DecodeHandle, ModelRunner
 from quarl.rollout.sampler import completion_key
 from quarl.rollout.sampling_params import SamplingParams
-from quarl.rollout.scheduler import Scheduler
-from quarl.rollout.sequence import Sequence
+from quarl.rollout.scheduler import ScheduledBatch, Scheduler
+from quarl.rollout.sequence import Sequence, SequenceStatus
 
 
 class LogprobMismatchError(RuntimeError):
@@ -148,34 +148,40 @@ class Engine:
                 self.scheduler.add(unit)
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_token_ids))
         preempt0 = self.scheduler.num_preemptions
-        planned = None  # the decode step planned while the previous one ran (Scheduler.lookahead)
-        while not self.scheduler.is_finished():
+        # a launched decode step whose tokens are not collected yet: (batch, handle)
+        pending: tuple[ScheduledBatch, DecodeHandle] | None = None
+        while pending is not None or not self.scheduler.is_finished():
             t0 = time.perf_counter()
-            batch = planned or self.scheduler.schedule()
-            stats.planned_steps += planned is not None
-            following = None
-            if batch.is_prefill:
-                token_ids, logprobs = self.runner.step(True, batch.groups, batch.block_copies)
-            else:
-                if planned is None:
-                    self.runner.prepare_decode(batch.seqs, batch.block_copies)
-                self.runner.launch_decode()
-                # while the GPU runs this step, plan the next one (its blocks and inputs)
-                following = self.scheduler.lookahead(batch) if self.config.lookahead else None
-                if following is not None:
-                    self.runner.prepare_decode(following.seqs, following.block_copies, ahead=1)
-                token_ids, logprobs = self.runner.collect_decode()
-            finished = self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
-            planned = following if not finished else None  # a stop token voids the plan
+            if pending is None:
+                batch = self.scheduler.schedule()
+                if batch.is_prefill:
+                    token_ids, logprobs = self.runner.step(True, batch.groups, batch.block_copies)
+                    self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
+                    stats.prefill_steps += 1
+                    stats.prefill_s += time.perf_counter() - t0
+                    continue
+                self.runner.prepare_decode(batch.seqs, batch.block_copies)
+                pending = (batch, self.runner.launch_decode())
+            batch, handle = pending
+            # while the GPU runs this step, plan the next one and queue it behind it, so
+            # the GPU does not wait for the host between steps
+            following = self.scheduler.lookahead(batch) if self.config.lookahead else None
+            pending = None
+            if following is not None:
+                self.runner.prepare_decode(following.seqs, following.block_copies, ahead=1)
+                pending = (following, self.runner.launch_decode())
+                stats.planned_steps += 1
+            token_ids, logprobs = self.runner.collect_decode(handle)
+            # a step queued before the one ahead of it was collected also ran the sequences
+            # that stopped there: their rows are dropped
+            live = [i for i, s in enumerate(batch.seqs) if s.status != SequenceStatus.FINISHED]
+            self.scheduler.postprocess([batch.seqs[i] for i in live], [token_ids[i] for i in live],
+                                       [logprobs[i] for i in live])
             dt = time.perf_counter() - t0
-            if batch.is_prefill:
-                stats.prefill_steps += 1
-                stats.prefill_s += dt
-            else:
-                stats.decode_steps += 1
-                stats.decode_s += dt
-                stats.decode_batch_sizes.append(len(batch.seqs))
-                stats.decode_step_s.append(dt)
+            stats.decode_steps += 1
+            stats.decode_s += dt
+            stats.decode_batch_sizes.append(len(batch.seqs))
+            stats.decode_step_s.append(dt)
         stats.preemptions = self.scheduler.num_preemptions - preempt0
         stats.generated_tokens = sum(s.num_generated for s in seqs)
         self.stats = stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -73,6 +74,13 @@ def decode_splits(programs: int, sms: int, per_sm: int, max_model_len: int) -> i
     SM (rounding up instead left a second, partial wave: 640 programs where 528 fit, at batch
     64 on an H100), and at least one split; at most 16, and none shorter than 128 tokens."""
     return int(max(1, min(per_sm * sms // programs, 16, -(-max_model_len // 128))))
+
+
+class DecodeHandle(NamedTuple):
+    """A launched decode step: its row count and the host slot its outputs land in."""
+
+    rows: int
+    slot: int
 
 
 class ModelRunner:
@@ -382,12 +390,16 @@ class ModelRunner:
         self._d_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)
         self._row_owner: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, table epoch) per row
         self._row_len = [0] * max_bs
-        self._host_out = torch.zeros(2, max_bs, dtype=torch.float64, pin_memory=pin)
+        # two host slots for the sampled tokens and log-probs: a step queued behind the one
+        # being collected writes the other (steps alternate)
+        self._host_out = torch.zeros(2, 2, max_bs, dtype=torch.float64, pin_memory=pin)
+        self._out_slot = 0
         self._dev_tokens = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self._dev_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)
-        # recorded each decode step: its inputs left the host buffers / its outputs reached them
+        # recorded each decode step: its inputs left the host buffers / its outputs reached
+        # their host slot
         self._inputs_sent = torch.cuda.Event() if self.is_cuda else None
-        self._outputs_ready = torch.cuda.Event() if self.is_cuda else None
+        self._outputs_ready = [torch.cuda.Event(), torch.cuda.Event()] if self.is_cuda else None
 
     def _decode_context(self, n: int, splits: int, host_lens: list[int] | None = None) -> StepContext:
         return StepContext(
@@ -456,10 +468,12 @@ class ModelRunner:
         self._plan = (n, padded, use_graph, splits, rows, bool(ahead))
 
     @torch.inference_mode()
-    def launch_decode(self) -> None:
+    def launch_decode(self) -> DecodeHandle:
         """Send the planned step's inputs (planned ahead: the last step's sampled tokens,
         still on the device, are its input ids), run it and sample, without waiting; the
-        tokens and log-probs come back with :meth:`collect_decode`."""
+        tokens and log-probs come back with :meth:`collect_decode` of the returned handle.
+        A step may be launched while the one before is not collected yet (it queues behind
+        it on the stream); at most two are outstanding."""
         n, padded, use_graph, splits, rows, ahead = self._plan
         self._dev_ints.copy_(self._host_ints, non_blocking=True)
         self._d_tables[:padded].copy_(self._host_tables[:padded], non_blocking=True)
@@ -478,18 +492,20 @@ class ModelRunner:
         tokens, logprobs = self.sampler(
             logits, SamplingBatch(rows, self._d_seed[:n]), out=(self._dev_tokens[:n], self._dev_logprobs[:n])
         )
-        host = self._host_out[:, :n]
+        slot = self._out_slot
+        self._out_slot ^= 1
+        host = self._host_out[slot, :, :n]
         host[0].copy_(tokens, non_blocking=True)
         host[1].copy_(logprobs, non_blocking=True)
         if self.is_cuda:
-            self._outputs_ready.record()
+            self._outputs_ready[slot].record()
+        return DecodeHandle(n, slot)
 
-    def collect_decode(self) -> tuple[list[int], list[float]]:
-        """Wait for the launched step; its sampled tokens and log-probs."""
-        n = self._plan[0]
+    def collect_decode(self, handle: DecodeHandle) -> tuple[list[int], list[float]]:
+        """Wait for a launched step; its sampled tokens and log-probs."""
         if self.is_cuda:
-            self._outputs_ready.synchronize()
-        host = self._host_out[:, :n]
+            self._outputs_ready[handle.slot].synchronize()
+        host = self._host_out[handle.slot, :, : handle.rows]
         return host[0].long().tolist(), host[1].tolist()
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -528,8 +544,7 @@ class ModelRunner:
         assert self.kv is not None, "KV cache released; call reallocate_kv_cache() first"
         if not is_prefill:
             self.prepare_decode([g[0] for g in groups], block_copies)
-            self.launch_decode()
-            return self.collect_decode()
+            return self.collect_decode(self.launch_decode())
         self.kv.copy_blocks(block_copies)
         members = [s for g in groups for s in g]
         rows = None

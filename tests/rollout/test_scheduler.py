@@ -72,9 +72,11 @@ def engines(hf_checkpoint):
 
 
 def test_lookahead_gives_the_same_completions(engines):
-    """With and without lookahead: the same tokens, log-probs and finish reasons, through
-    stop tokens at different steps (plans dropped), length limits, prompt sharing with
-    copy-on-write and preemption (the small cache)."""
+    """With and without lookahead: the same tokens and finish reasons and the same log-probs
+    to float32 rounding, through stop tokens at different steps, length limits, prompt
+    sharing with copy-on-write and preemption (the small cache). (With lookahead the step
+    queued behind a stop still runs the stopped sequence's row, so that one step's batch
+    differs and its GEMMs may round differently.)"""
     family, eng = engines
     probe = eng[False][0].generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=7, ignore_eos=True))
     counts = torch.bincount(torch.tensor(sum((c.token_ids for c in probe), [])))
@@ -85,7 +87,8 @@ def test_lookahead_gives_the_same_completions(engines):
         on, off = eng[True][which], eng[False][which]
         a, b = on.generate(PROMPTS, params), off.generate(PROMPTS, params)
         assert [(c.token_ids, c.finish_reason) for c in a] == [(c.token_ids, c.finish_reason) for c in b], family
-        assert [c.logprobs for c in a] == [c.logprobs for c in b], family
+        for ca, cb in zip(a, b):
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), rtol=1e-5, atol=1e-5)
         assert {c.finish_reason for c in a} == {"stop", "length"}
         assert on.stats.planned_steps > 0 and off.stats.planned_steps == 0
         assert on.stats.planned_steps < on.stats.decode_steps  # plans dropped / declined somewhere
