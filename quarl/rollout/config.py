@@ -34,7 +34,9 @@ class EngineConfig:
     fused_kernels: bool = True  # Triton backend: fused norm/rotary/SiLU kernels (quarl.rollout.fused)
     tune_decode: bool = True  # on GPU, time a few decode-attention tilings at start-up and keep the best
     share_prompt: bool = True  # the n samples of a prompt share its prefill and KV blocks
-    lookahead: bool = True  # plan decode step t + 1 on the host while the GPU runs step t
+    # plan decode step t + 1 on the host while the GPU runs step t and queue it behind t before
+    # t's tokens are read (the GPU does not wait for the host between steps)
+    lookahead: bool = True
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # K/V storage: "auto" (the model dtype) or "fp8" (e4m3 + scales)
     # weight-only schemes: also keep each weight dense (bf16) at a fixed address, so that the
     # batch sizes where a plain GEMM beats the low-bit kernel (prefill; decode above 128 rows;
