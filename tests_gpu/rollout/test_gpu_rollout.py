@@ -128,6 +128,36 @@ def test_cuda_graph_decode_equals_eager(dtype):
     torch.testing.assert_close(lp_a, lp_b, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("num_kv_blocks", [200, 12])
+def test_queued_decode_steps_give_the_completions_of_unqueued_ones(num_kv_blocks):
+    """The engine queues decode step t + 1 behind t before reading t's tokens (two steps in
+    flight, two host output slots, CUDA graphs): against the engine that plans nothing ahead,
+    the same tokens and finish reasons and log-probs to float32 rounding, through stop tokens
+    at various steps (rows dropped from the queued step), length limits and, with the small
+    cache, preemption."""
+    model = _small_model(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 40, 17, 9, 3, 24)]
+    make = lambda la: Engine(model, config=EngineConfig(max_model_len=96, block_size=8, max_num_seqs=16,  # noqa: E731
+                                                        num_kv_blocks=num_kv_blocks, lookahead=la))
+    on, off = make(True), make(False)
+    off.runner.decode_tiling = on.runner.decode_tiling
+    probe = off.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True))
+    counts = torch.bincount(torch.tensor(sum((c.token_ids for c in probe), [])))
+    stops = counts.argsort(descending=True)[:4].tolist()
+    params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=10 + 3 * i, seed=5 + i, stop_token_ids=stops)
+              for i in range(len(prompts))]
+    a, b = on.generate(prompts, params), off.generate(prompts, params)
+    assert [(c.token_ids, c.finish_reason) for c in a] == [(c.token_ids, c.finish_reason) for c in b]
+    assert {c.finish_reason for c in a} == {"stop", "length"}
+    for ca, cb in zip(a, b):
+        torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), rtol=1e-4, atol=1e-4)
+    assert on.stats.planned_steps > 0 and off.stats.planned_steps == 0
+    if num_kv_blocks == 12:
+        assert on.stats.preemptions > 0
+    assert on.block_manager.num_free_blocks == on.runner.num_blocks
+
+
 def test_engine_matches_hf_on_gpu(tmp_path):
     import transformers as tf
 
