@@ -21,7 +21,7 @@ from quarl.rollout.model_runner import DecodeHandle, ModelRunner
 from quarl.rollout.sampler import completion_key
 from quarl.rollout.sampling_params import SamplingParams
 from quarl.rollout.scheduler import ScheduledBatch, Scheduler
-from quarl.rollout.sequence import Sequence, SequenceStatus
+from quarl.rollout.sequence import Sequence
 
 
 class LogprobMismatchError(RuntimeError):
@@ -171,12 +171,8 @@ class Engine:
                 self.runner.prepare_decode(following.seqs, following.block_copies, ahead=1)
                 pending = (following, self.runner.launch_decode())
                 stats.planned_steps += 1
-            token_ids, logprobs = self.runner.collect_decode(handle)
-            # a step queued before the one ahead of it was collected also ran the sequences
-            # that stopped there: their rows are dropped
-            live = [i for i, s in enumerate(batch.seqs) if s.status != SequenceStatus.FINISHED]
-            self.scheduler.postprocess([batch.seqs[i] for i in live], [token_ids[i] for i in live],
-                                       [logprobs[i] for i in live])
+            # (rows of sequences that stopped at the step ahead are dropped by postprocess)
+            self.scheduler.postprocess(batch.seqs, *self.runner.collect_decode(handle))
             dt = time.perf_counter() - t0
             stats.decode_steps += 1
             stats.decode_s += dt

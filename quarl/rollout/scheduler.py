@@ -138,9 +138,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float]) -> list[Sequence]:
-        """Append the sampled tokens; returns the sequences that finished (blocks freed)."""
+        """Append the sampled tokens; returns the sequences that finished (blocks freed). A
+        sequence that finished before takes no token: the engine queues a decode step before
+        it reads the one ahead, so a sequence that stops there has a row in the next one."""
         finished = []
         for seq, token, logprob in zip(seqs, token_ids, logprobs):
+            if seq.status == SequenceStatus.FINISHED:
+                continue
             seq.append(token, logprob)
             if token in seq.stop_ids:
                 seq.finish_reason = "stop"

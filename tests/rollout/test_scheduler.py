@@ -63,6 +63,20 @@ def test_lookahead_declines_what_it_cannot_predict():
     assert sched.lookahead(sched._schedule_decode()) is None  # a group waits for a prefill
 
 
+def test_postprocess_gives_a_finished_sequence_no_token():
+    """The row a queued step ran for a sequence that stopped at the step ahead: no token is
+    appended, the sequence is not reported finished twice and its freed blocks stay free."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=16), bm, 64)
+    a, b = _running(bm, sched, [3, 6])
+    a.stop_ids = frozenset({5})
+    assert sched.postprocess([a, b], [5, 9], [-0.5, -0.25]) == [a]
+    free, tokens = bm.num_free_blocks, list(a.token_ids)
+    assert sched.postprocess([a, b], [8, 8], [-0.1, -0.2]) == []
+    assert a.token_ids == tokens and a.finish_reason == "stop" and bm.num_free_blocks == free
+    assert b.token_ids[-3:] == [7, 9, 8] and b.logprobs[-2:] == [-0.25, -0.2]
+
+
 @pytest.fixture(scope="module")
 def engines(hf_checkpoint):
     family, path, _ = hf_checkpoint
