@@ -154,6 +154,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
     steps = sorted(st.decode_step_s)
     row = {
         "shape": shape, "format": fmt, "kv_cache_dtype": config.kv_cache_dtype, "lora_rank": lora_rank, "batch": batch,
+        "dependent_launches": config.dependent_launches,
         "prompt_len": prompt_len, "gen_len": gen_len, "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
         "prefill_s": st.prefill_s, "prefill_steps": st.prefill_steps, "decode_s": st.decode_s,
         "decode_steps": st.decode_steps, "planned_steps": st.planned_steps, "preemptions": st.preemptions,
@@ -270,7 +271,8 @@ def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("
 
 
 def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int = 10, top: int = 14,
-                    device: torch.device | None = None, kv_cache_dtype: str = "auto", lora_rank: int = 0) -> str:
+                    device: torch.device | None = None, kv_cache_dtype: str = "auto", lora_rank: int = 0,
+                    engine_kw: dict | None = None) -> str:
     """Per-kernel GPU time of one decode step: the engine on random weights generates a few
     tokens, then its largest captured decode graph is replayed under torch.profiler. A table
     of the kernels by total time per step (ms, launches per step, name)."""
@@ -280,7 +282,7 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
     cfg = shape_config(shape, prompt_len + 64)
     model = bench_model(shape, fmt, device, prompt_len + 64)
     engine = make_engine(model, fmt, EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64,
-                                                  kv_cache_dtype=kv_cache_dtype), lora_rank)
+                                                  kv_cache_dtype=kv_cache_dtype, **(engine_kw or {})), lora_rank)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()
     engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     graph = engine.runner.graphs[max(engine.runner.graphs)][0]
@@ -300,7 +302,8 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
     total_us = sum(t for t, _ in kernels.values()) / reps
     spans = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     idle_us, before = idle_gaps(spans, max_gap_us=0.5 * replay_ms * 1e3)
-    lines = [f"{shape} {fmt} kv={kv_cache_dtype} lora={lora_rank} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
+    extra = "".join(f" {k}={v}" for k, v in (engine_kw or {}).items())
+    lines = [f"{shape} {fmt} kv={kv_cache_dtype} lora={lora_rank}{extra} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
              f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "
              f"{torch.cuda.get_device_name(device)}, commit {git_commit()[:10]})"]
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:

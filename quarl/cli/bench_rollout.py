@@ -29,6 +29,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=0,
                    help="run the engine a LoRA run builds: the base in each format plus rank-r adapters on every "
                         "default target (0: no adapters)")
+    p.add_argument("--dependent-launches", choices=("off", "on"), default="on",
+                   help="the engine's decode kernels as programmatic dependent launches (Hopper+; "
+                        "EngineConfig.dependent_launches)")
     p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
     p.add_argument("--out", default=None, help="write the JSON result here (--profile-kernels: the table, as text)")
     p.add_argument("--profile-kernels", action="store_true",
@@ -46,9 +49,10 @@ def run(args: argparse.Namespace) -> int:
     kv_dtypes = tuple(check_kv_cache_dtype(k) for k in args.kv_cache_dtype.split(",") if k)
     if not torch.cuda.is_available():
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
+    engine_kw = {"dependent_launches": args.dependent_launches == "on"}
     if args.profile_kernels:
         text = "\n".join(profile_kernels(args.shape, f, args.batch, args.prompt_len, kv_cache_dtype=kv,
-                                         lora_rank=args.lora_rank)
+                                         lora_rank=args.lora_rank, engine_kw=engine_kw)
                          for f in args.formats.split(",") if f for kv in kv_dtypes)
         print(text)
         if args.out:
@@ -58,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_benchmark(
         args.shape, args.batch, args.prompt_len, args.gen_len, [f for f in args.formats.split(",") if f],
         hf_gen_len=args.hf_gen_len, out=args.out, kv_cache_dtypes=kv_dtypes, lora_rank=args.lora_rank,
+        engine_kw=engine_kw,
     )
     print(summary_table(result))
     if not args.out:

@@ -37,6 +37,11 @@ class EngineConfig:
     # plan decode step t + 1 on the host while the GPU runs step t and queue it behind t before
     # t's tokens are read (the GPU does not wait for the host between steps)
     lookahead: bool = True
+    # decode kernels launched as programmatic dependent launches (Hopper+): each may be
+    # scheduled while the one ahead runs and waits for it in its first instruction, hiding
+    # the launch latency between the ~10 kernels of a layer; same results. Off elsewhere
+    # (before Hopper, on the CPU) whatever this says
+    dependent_launches: bool = True
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # K/V storage: "auto" (the model dtype) or "fp8" (e4m3 + scales)
     # weight-only schemes: also keep each weight dense (bf16) at a fixed address, so that the
     # batch sizes where a plain GEMM beats the low-bit kernel (prefill; decode above 128 rows;

@@ -27,7 +27,8 @@ from quarl.quant.qweight import concat_quantized
 from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
-from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, e4m3_code, silu_mul_value, store_act_codes
+from quarl.quant.kernels.device import pdl
+from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, e4m3_code, silu_mul_value, store_act_codes, wait_ahead
 
 
 # Launch option of every kernel here: no contraction of a rounded product and an add into
@@ -39,7 +40,9 @@ NO_FMA = {"enable_fp_fusion": False}
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, IS_FP8: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, IS_FP8: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_ahead(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -83,7 +86,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     r2 = residual.view(-1, n) if residual is not None else x2
     _rmsnorm_kernel[(rows,)](x2, r2, weight, out_arg, r2, s, n, eps, x2.stride(0), r2.stride(0), out.stride(0),
                              HAS_RES=residual is not None, BLOCK=block, QUANT=quant is not None, IS_FP8=quant == "fp8",
-                             num_warps=min(8, max(1, block // 256)), **NO_FMA)
+                             num_warps=min(8, max(1, block // 256)), **NO_FMA, **pdl(x.device))
     return out.view(shape) if quant is None else (out, s)
 
 
@@ -178,11 +181,12 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr,
                           n_q, n_kv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
                           stride_ot, stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                           BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          KV_FP8: tl.constexpr):
+                          KV_FP8: tl.constexpr, PDL: tl.constexpr = False):
     """One token: rotated q into ``qo``; rotated k and v into the paged caches' slot of the
     token (``[slots, n_kv, D]`` contiguous), in the cache dtype; the rotation rounds as
     ``_rope_kernel`` with q's dtype. KV_FP8: the caches are e4m3 bytes and the token's
     per-head scales go to ``ks`` / ``vs`` (``[slots, n_kv]``), as quarl.quant.kv.quantize_kv."""
+    wait_ahead(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dt = qo_ptr.dtype.element_ty
@@ -243,16 +247,17 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             out.stride(0), out.stride(1),
             D=d, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
             BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_DV=triton.next_power_of_2(d), KV_FP8=fp8, num_warps=4,
-            **NO_FMA,
+            **NO_FMA, **pdl(q.device),
         )
     return out
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u, stride_o,
-                     BLOCK: tl.constexpr, WITH_AMAX: tl.constexpr):
+                     BLOCK: tl.constexpr, WITH_AMAX: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(rows, column blocks)``; WITH_AMAX: also the block's ``max |y|`` per row, to
     ``amax [rows, column blocks]`` (the partials ``act_quant_from_partials`` reduces)."""
+    wait_ahead(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -267,13 +272,14 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u
 
 @triton.jit
 def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols, stride_g, stride_u, stride_q,
-                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr):
+                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Persistent SiLU-and-mul + per-token quantizer for many rows: program ``p`` takes rows
     ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
     ``y`` to the program's own scratch row ``y_ptr[p]`` (marked evict-last) and keeps the
     running ``max |y|``; pass 2 reads ``y`` back from that scratch row, just written and
     reused for every row, and writes the codes. One launch and one grid instead of two (the
     scratch rows need not stay in L2 for this to pay; bench/NOTES.md)."""
+    wait_ahead(PDL)
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     scratch = y_ptr + pid.to(tl.int64) * n_cols
@@ -317,7 +323,8 @@ def _silu_mul_quant_rows(g2: torch.Tensor, u2: torch.Tensor, quant: str, per_sm:
     progs = min(rows, per_sm * (launch.num_sms(g2.device) if sms is None else sms))
     scratch = torch.empty(progs, n, dtype=g2.dtype, device=g2.device)
     _silu_mul_quant_rows_kernel[(progs,)](g2, u2, scratch, q_arg, s, rows, n, g2.stride(0), u2.stride(0), q.stride(0),
-                                          IS_FP8=quant == "fp8", BLOCK=block, num_warps=num_warps, **NO_FMA)
+                                          IS_FP8=quant == "fp8", BLOCK=block, num_warps=num_warps, **NO_FMA,
+                                          **pdl(g2.device))
     return q, s
 
 
@@ -342,7 +349,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, quant: str | None = None, persist
     amax = torch.empty(grid, dtype=torch.float32, device=g.device) if quant is not None else out
     if rows:
         _silu_mul_kernel[grid](g2, u2, out, amax, n, g2.stride(0), u2.stride(0), out.stride(0),
-                               BLOCK=block, WITH_AMAX=quant is not None, num_warps=4, **NO_FMA)
+                               BLOCK=block, WITH_AMAX=quant is not None, num_warps=4, **NO_FMA, **pdl(g2.device))
     if quant is not None:
         return act_quant_from_partials(out, amax, quant)
     return out.view(g.shape)

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.quant.kernels.triton_kernels import HW_E4M3, e4m3_value
+from quarl.quant.kernels.device import pdl
+from quarl.quant.kernels.triton_kernels import HW_E4M3, e4m3_value, wait_ahead
 from quarl.rollout import fp8_decode
 
 LOG2E = 1.4426950408889634
@@ -130,7 +131,9 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, BF16X2: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_ahead(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,7 +192,9 @@ def _paged_decode_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_ahead(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     hq = tl.num_programs(1)
@@ -343,7 +348,7 @@ def paged_decode_attention(
         _decode_reduce_kernel[(b, hq)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
+            num_warps=4, **pdl(q.device),
         )
     return out
 
@@ -361,7 +366,7 @@ def _paged_decode_split(q, k_cache, v_cache, kv_scales, block_tables, context_le
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8, BF16X2=_has_bf16x2_mul(q.device),
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=2, **pdl(q.device),
     )
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from quarl.model.transformer import Transformer
+from quarl.quant.kernels.device import dependent_launches
 from quarl.rollout.attention import PagedAttention, StepContext
 from quarl.rollout.config import EngineConfig
 from quarl.rollout.kv_cache import KVCache
@@ -510,7 +511,8 @@ class ModelRunner:
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         attn = PagedAttention(self.kv, ctx, self.backend)
-        hidden = self._hidden_states(ids[:, None], pos[:, None], attn)
+        with dependent_launches(self.config.dependent_launches):
+            hidden = self._hidden_states(ids[:, None], pos[:, None], attn)
         return self.model.logits(hidden[:, 0])
 
     def capture_graphs(self) -> None:

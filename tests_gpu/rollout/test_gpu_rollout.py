@@ -158,6 +158,33 @@ def test_queued_decode_steps_give_the_completions_of_unqueued_ones(num_kv_blocks
     assert on.block_manager.num_free_blocks == on.runner.num_blocks
 
 
+@pytest.mark.parametrize("scheme,kv", [("bf16", "auto"), ("w8a8-fp8", "auto"), ("w8a8-fp8", "fp8"), ("w8a8-int8", "auto")])
+def test_dependent_launches_change_no_token_and_no_log_prob(scheme, kv):
+    """The decode kernels as programmatic dependent launches (each waits for the kernel ahead
+    in its first instruction) compute exactly what plain launches do: same tokens and
+    log-probs bit for bit, at 40 sequences (the fp8 GEMMs' 64-row plans) through CUDA graphs."""
+    import copy
+
+    from quarl.quant.kernels.device import dependent_launches, pdl
+
+    with dependent_launches():  # an H100 / H200 launches them
+        assert pdl(DEV) == {"PDL": True, "launch_pdl": True}
+    model = _small_model(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in range(3, 43)]
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=24, seed=9, ignore_eos=True)
+    out = {}
+    for on in (False, True):
+        cfg = EngineConfig(max_model_len=128, max_num_seqs=64, num_kv_blocks=400, tune_decode=False,
+                           kv_cache_dtype=kv, dependent_launches=on)
+        engine = Engine(copy.deepcopy(model), scheme=scheme, config=cfg)  # a scheme quantizes the model in place
+        assert engine.runner.graphs
+        out[on] = engine.generate(prompts, params)
+        del engine
+    assert [c.token_ids for c in out[True]] == [c.token_ids for c in out[False]]
+    assert [c.logprobs for c in out[True]] == [c.logprobs for c in out[False]]
+
+
 def test_engine_matches_hf_on_gpu(tmp_path):
     import transformers as tf
 

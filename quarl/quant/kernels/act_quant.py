@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from quarl.quant.kernels import triton_kernels as tk
+from quarl.quant.kernels.device import pdl
 from quarl.quant.kernels.splitk import cdiv
 
 
@@ -54,6 +55,7 @@ def act_quant(x: torch.Tensor, act_format: str, cfg: tuple[int, int] | None = No
             x, q_arg, s, q if dq is None else dq, k, x.stride(0), q.stride(0), 0 if dq is None else dq.stride(0),
             IS_FP8=act_format == "fp8", BLOCK=block, ONE_PASS=block >= k, WRITE_DQ=dq is not None, num_warps=warps,
             enable_fp_fusion=False,  # int8: x * r must round before the rounding add (no FMA), as in torch
+            **pdl(x.device),
         )
     return (q, s) if dq is None else (q, s, dq.to(dequantized))
 
@@ -85,6 +87,6 @@ def act_quant_from_partials(y: torch.Tensor, amax: torch.Tensor, act_format: str
     p = amax.shape[1]
     tk.act_quant_partials_kernel[(m, cdiv(k, block))](
         y, amax, q_arg, s, k, p, y.stride(0), q.stride(0), IS_FP8=act_format == "fp8", BLOCK=block,
-        PBLOCK=min(next_pow2(p), 512), num_warps=4, enable_fp_fusion=False,
+        PBLOCK=min(next_pow2(p), 512), num_warps=4, enable_fp_fusion=False, **pdl(y.device),
     )
     return q, s

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 
@@ -44,3 +46,34 @@ def gpu_gen(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     if device.type != "cuda" or dtype != torch.bfloat16:
         return "none"
     return _cuda_gen(device)
+
+
+# ---------------------------------------------------------------- dependent launches
+# a plain global, not a ContextVar: kernels launched inside torch.compile regions (the
+# learner's) read it while being traced, and a module global traces as a constant
+_DEPENDENT = False
+
+
+@contextlib.contextmanager
+def dependent_launches(on: bool = True) -> Iterator[None]:
+    """Inside the block, quarl's Triton kernels are launched as programmatic dependent
+    launches (Hopper and later): a kernel may be scheduled while the one ahead of it on the
+    stream still runs, and waits in its first instruction until that one has finished and
+    its writes are visible (``griddepcontrol.wait``), so results are unchanged and only the
+    launch latency between two kernels is hidden. The engine turns it on around its decode
+    forward (``EngineConfig.dependent_launches``); a CUDA graph captured inside keeps it."""
+    global _DEPENDENT
+    before, _DEPENDENT = _DEPENDENT, on
+    try:
+        yield
+    finally:
+        _DEPENDENT = before
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options of a quarl Triton kernel on ``device``: ``PDL`` (the kernel's constexpr
+    that waits on the kernel ahead) and Triton's ``launch_pdl``, both on only inside
+    :func:`dependent_launches` on a GPU that has them."""
+    if not _DEPENDENT or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}

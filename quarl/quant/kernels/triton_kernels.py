@@ -44,10 +44,26 @@ import os
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: kernels are never launched with PDL
+    gdc_launch_dependents = gdc_wait = None
+
 FMT_INT_SYM = 0
 FMT_INT_ASYM = 1
 FMT_NVFP4 = 2
 FMT_MXFP4 = 3
+
+
+@triton.jit
+def wait_ahead(PDL: tl.constexpr):
+    """First step of a kernel that may be a programmatic dependent launch
+    (:func:`quarl.quant.kernels.device.dependent_launches`): wait until the kernel ahead on
+    the stream has finished and its writes are visible, then let the next kernel be
+    scheduled (it waits in turn). Nothing without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -163,9 +179,11 @@ def store_act_codes(q_ptr, v, inv_s, msk, IS_FP8: tl.constexpr):
 def act_quant_kernel(
     x_ptr, q_ptr, s_ptr, dq_ptr, K, stride_xm, stride_qm, stride_dm,
     IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, WRITE_DQ: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One row per program. ONE_PASS (BLOCK >= K): the row stays in registers, x is read once.
     WRITE_DQ: also ``codes * scale`` rounded to dq's dtype (what ``act_dequant_kernel`` gives)."""
+    wait_ahead(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
@@ -372,10 +390,12 @@ def int8_gemm_kernel(
     stride_am, stride_bn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias): int8 x int8
     with int32 accumulation, or e4m3 x e4m3 with fp32 accumulation (the dot's result type
     follows the operands)."""
+    wait_ahead(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -472,6 +492,7 @@ def w8a8_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr, IS_SPLIT: tl.constexpr,
     WS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """The math of ``int8_gemm_kernel`` for large M: operand tiles come through
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
@@ -492,6 +513,7 @@ def w8a8_tma_kernel(
     :func:`_gated_store` (``out [M, N]``, row maxima to ``amax_ptr``): the MLP's SiLU-and-mul
     costs no launch and ``g``, ``u`` never reach memory. WS: Triton's warp specialization of
     the item loop (loads in a producer warp)."""
+    wait_ahead(PDL)
     kblocks = tl.cdiv(K, BK)
     n_tiles = tl.cdiv(N, BN)
     tiles = tl.cdiv(M, BM) * n_tiles
@@ -539,11 +561,13 @@ def w8a8_tma_kernel(
 def act_quant_partials_kernel(
     y_ptr, amax_ptr, q_ptr, s_ptr, K, P, stride_y, stride_q,
     IS_FP8: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Per-token codes of ``y [M, K]`` whose row maxima come as partials ``amax [M, P]``
     (written by the kernel that made ``y``: the gated GEMM or the SiLU-and-mul). Grid
     ``(M, cdiv(K, BLOCK))``: every program reduces its row's partials (max is exact, so all
     agree), column block 0 stores the scale. Same codes as ``act_quant_kernel``."""
+    wait_ahead(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_p = tl.arange(0, PBLOCK)
     a = tl.zeros([PBLOCK], dtype=tl.float32)

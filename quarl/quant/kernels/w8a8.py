@@ -16,7 +16,7 @@ import torch
 from quarl.quant.kernels import splitk
 from quarl.quant.kernels import triton_kernels as tk
 from quarl.quant.kernels.config import TileConfig
-from quarl.quant.kernels.device import num_sms
+from quarl.quant.kernels.device import num_sms, pdl
 from quarl.quant.kernels.splitk import cdiv
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
@@ -35,7 +35,7 @@ def pointer_gemm(xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: 
         xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, part, cnt,
         m, n, k, plan.per, plan.split, xq.stride(0), qw.qdata.stride(0), out.stride(0),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, IS_SPLIT=plan.split > 1, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
-        ACC_INT=xq.dtype == torch.int8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_INT=xq.dtype == torch.int8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(xq.device),
     )
     return out
 
@@ -80,7 +80,7 @@ def _tma_launch(xq, sx, qw, bias, out_dtype, cfg: TileConfig, gated: bool):
         ACC_INT=xq.dtype == torch.int8, GATED=gated, IS_SPLIT=plan.split > 1, WS=False, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # gated: silu(g) * u must round as the engine's SiLU-and-mul kernel does (no FMA contraction)
-        **({"enable_fp_fusion": False} if gated else {}),
+        **({"enable_fp_fusion": False} if gated else {}), **pdl(xq.device),
     )
     return (out, amax) if gated else out
 
