@@ -98,15 +98,20 @@ class QuantLinear(nn.Module):
         block of the fused weight, whose owner (``_fused_owner = (owner, row)``, the owner
         having ``weight`` and ``repacked``) keeps those layouts: they are refreshed for
         these rows."""
-        owner = getattr(self, "_fused_owner", None)
-        if owner is None:
-            target, cache, rows = self.qweight, self.repacked, None
-        else:
-            group, row = owner
-            target, cache, rows = group.weight, group.repacked, (row, row + self.out_features)
+        target, cache, rows = self.layouts()
         was_fresh = cache.is_fresh(target)
         self.qweight.copy_(qw)
         cache.refresh(target, rows if was_fresh else None)
+
+    def layouts(self) -> tuple[QuantizedWeight, RepackCache, tuple[int, int] | None]:
+        """``(weight, cache, rows)``: the weight whose kernel layouts hold this module's rows
+        (its own, or its fused group's), the cache of those layouts, and this module's rows
+        in that weight (None: all of it)."""
+        owner = getattr(self, "_fused_owner", None)
+        if owner is None:
+            return self.qweight, self.repacked, None
+        group, row = owner
+        return group.weight, group.repacked, (row, row + self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The engine's GEMM on the packed weight, plus the module's LoRA adapter if it has one
@@ -748,11 +753,17 @@ def load_published(model: nn.Module, published: dict[str, QuantizedWeight | torc
     Keys are parameter names (HF's ``model.`` prefix optional; ``lm_head.weight`` of a tied
     model goes to ``embed_tokens.weight``). A tensor goes into the parameter of that name;
     a :class:`QuantizedWeight`, or a tensor for a :class:`QuantLinear`'s weight (quantized
-    with the module's scheme first), goes to that module's ``load_quantized``.
+    with the module's scheme first), goes to that module's storage, whose kernel layouts
+    are then rebuilt (as ``load_quantized`` does).
+
+    Everything is checked before anything is written; the copies then run as one batched
+    call and each layout cache (a fused group's: once for all its members) is rebuilt once.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     tied = getattr(model, "lm_head", "absent") is None
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stale: dict[int, tuple[RepackCache, QuantizedWeight]] = {}
     for name, value in published.items():
         key = name.removeprefix("model.")
         if key == "lm_head.weight" and tied:
@@ -761,7 +772,7 @@ def load_published(model: nn.Module, published: dict[str, QuantizedWeight | torc
             target = params[key]
             if tuple(target.shape) != tuple(value.shape):
                 raise ValueError(f"{name}: published shape {tuple(value.shape)} vs model {tuple(target.shape)}")
-            target.copy_(value)
+            copies.append((target, value))
             continue
         module = modules.get(key.removesuffix(".weight"))
         if not isinstance(module, QuantLinear):
@@ -769,4 +780,11 @@ def load_published(model: nn.Module, published: dict[str, QuantizedWeight | torc
             raise KeyError(f"{name}: {what} of that name in the model")
         if isinstance(value, torch.Tensor):
             value = quantize_weight(value.to(next(module.buffers()).device), module.scheme)
-        module.load_quantized(value)
+        copies += module.qweight.copy_pairs(value)
+        target, cache, _ = module.layouts()
+        stale[id(cache)] = (cache, target)
+    if copies:
+        dst, src = zip(*copies)
+        torch._foreach_copy_(list(dst), list(src))
+    for cache, target in stale.values():
+        cache.refresh(target)

@@ -41,24 +41,33 @@ def update_visible_frac(old_qw: QWOrDict, new_qw: QWOrDict) -> float:
     return int(changed) / max(total, 1)
 
 
+def _sum_sq(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_i ||t_i||^2`` as a float64 device scalar: each norm accumulated in float32 by one
+    batched call (a few launches for a whole model, not several per weight)."""
+    norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+    return torch.stack([n.to(norms[0].device) for n in norms]).double().pow(2).sum()
+
+
 @torch.no_grad()
 def rel_update(new_w: TensorOrDict, old_w: TensorOrDict) -> float:
-    """QuRL eq. 13: ``sum ||new - old||^2 / sum ||old||^2``."""
-    num = den = 0.0  # device tensors until the end (one host sync)
-    for new, old in _pairs(new_w, old_w):
-        num = num + (new.double() - old.double()).pow(2).sum()
-        den = den + old.double().pow(2).sum()
-    num, den = float(num), float(den)
+    """QuRL eq. 13: ``sum ||new - old||^2 / sum ||old||^2`` (norms accumulated in float32)."""
+    pairs = _pairs(new_w, old_w)
+    if not pairs:
+        return 0.0
+    new, old = [p[0].float() for p in pairs], [p[1].float() for p in pairs]
+    num, den = float(_sum_sq(torch._foreach_sub(new, old))), float(_sum_sq(old))  # one host sync
     return num / den if den > 0 else 0.0
 
 
 @torch.no_grad()
 def rel_quant_err(w: TensorOrDict, qw: QWOrDict) -> float:
-    """QuRL eq. 14: ``sum ||Q(w) - w||^2 / sum ||w||^2`` with ``Q(w) = qw.dequantize()``."""
-    num = den = 0.0  # device tensors until the end (one host sync)
-    for wt, q in _pairs(w, qw):
-        wd = wt.double()
-        num = num + (q.dequantize(torch.float64).to(wd.device) - wd).pow(2).sum()
-        den = den + wd.pow(2).sum()
-    num, den = float(num), float(den)
+    """QuRL eq. 14: ``sum ||Q(w) - w||^2 / sum ||w||^2`` with ``Q(w) = qw.dequantize()`` (in
+    float32, where every format's dequantization is exact up to one rounding; norms
+    accumulated in float32)."""
+    pairs = _pairs(w, qw)
+    if not pairs:
+        return 0.0
+    ws = [p[0].float() for p in pairs]
+    deq = [q.dequantize(torch.float32).to(wt.device) for wt, (_, q) in zip(ws, pairs)]
+    num, den = float(_sum_sq(torch._foreach_sub(deq, ws))), float(_sum_sq(ws))  # one host sync
     return num / den if den > 0 else 0.0

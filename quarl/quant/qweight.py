@@ -84,6 +84,13 @@ class QuantizedWeight:
         """Copy ``other``'s tensors into this one's storage (keeps CUDA-graph addresses valid).
         Copies that kernels derived from these tensors are the owner's to refresh
         (``QuantLinear.load_quantized``)."""
+        for t, src in self.copy_pairs(other):
+            t.copy_(src)
+        return self
+
+    def copy_pairs(self, other: "QuantizedWeight") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(this tensor, other's)`` for each stored tensor, after checking that ``other`` fits
+        (what :meth:`copy_` copies; a caller may batch many weights' copies in one call)."""
         if other.scheme != self.scheme or tuple(other.shape) != tuple(self.shape):
             raise ValueError(f"cannot load {other.scheme.name} {other.shape} into {self.scheme.name} {self.shape}")
         mine, theirs = self.tensors(), other.tensors()
@@ -92,8 +99,7 @@ class QuantizedWeight:
         for f, t in mine.items():
             if t.shape != theirs[f].shape:
                 raise ValueError(f"{f}: shape {tuple(theirs[f].shape)} != {tuple(t.shape)}")
-            t.copy_(theirs[f])
-        return self
+        return [(t, theirs[f]) for f, t in mine.items()]
 
 
 def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:

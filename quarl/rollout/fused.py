@@ -41,7 +41,7 @@ NO_FMA = {"enable_fp_fusion": False}
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, n_cols, eps, stride_x, stride_r, stride_o,
                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, IS_FP8: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr):
     wait_ahead(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -181,7 +181,7 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr,
                           n_q, n_kv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
                           stride_ot, stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                           BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          KV_FP8: tl.constexpr, PDL: tl.constexpr = False):
+                          KV_FP8: tl.constexpr, PDL: tl.constexpr):
     """One token: rotated q into ``qo``; rotated k and v into the paged caches' slot of the
     token (``[slots, n_kv, D]`` contiguous), in the cache dtype; the rotation rounds as
     ``_rope_kernel`` with q's dtype. KV_FP8: the caches are e4m3 bytes and the token's
@@ -254,7 +254,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u, stride_o,
-                     BLOCK: tl.constexpr, WITH_AMAX: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK: tl.constexpr, WITH_AMAX: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(rows, column blocks)``; WITH_AMAX: also the block's ``max |y|`` per row, to
     ``amax [rows, column blocks]`` (the partials ``act_quant_from_partials`` reduces)."""
     wait_ahead(PDL)
@@ -272,7 +272,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, amax_ptr, n_cols, stride_g, stride_u
 
 @triton.jit
 def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols, stride_g, stride_u, stride_q,
-                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                                IS_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Persistent SiLU-and-mul + per-token quantizer for many rows: program ``p`` takes rows
     ``p, p + P, ...``. Pass 1 streams the row's g and u once (marked evict-first), writes
     ``y`` to the program's own scratch row ``y_ptr[p]`` (marked evict-last) and keeps the

@@ -7,24 +7,25 @@ from quarl.quant.kernels import device
 from quarl.quant.kernels.device import dependent_launches, pdl
 
 ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": False}  # passed explicitly (see device.pdl)
 
 
 def test_dependent_launches_only_inside_the_block_and_only_on_hopper_or_later(monkeypatch):
     gpu = torch.device("cuda", 0)
     caps = {"cap": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: caps["cap"])
-    assert pdl(gpu) == {}
+    assert pdl(gpu) == OFF
     with dependent_launches():
         assert pdl(gpu) == ON
-        assert pdl(torch.device("cpu")) == {}  # the interpreter has no grid dependency control
+        assert pdl(torch.device("cpu")) == OFF  # the interpreter has no grid dependency control
         with dependent_launches(False):
-            assert pdl(gpu) == {}
+            assert pdl(gpu) == OFF
         assert pdl(gpu) == ON  # the outer setting comes back
         caps["cap"] = (8, 9)
-        assert pdl(gpu) == {}
+        assert pdl(gpu) == OFF
         caps["cap"] = (10, 0)
         assert pdl(gpu) == ON
-    assert pdl(gpu) == {}
+    assert pdl(gpu) == OFF
 
 
 def test_dependent_launches_are_off_again_after_an_exception():

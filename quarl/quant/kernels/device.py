@@ -75,5 +75,6 @@ def pdl(device: torch.device) -> dict:
     that waits on the kernel ahead) and Triton's ``launch_pdl``, both on only inside
     :func:`dependent_launches` on a GPU that has them."""
     if not _DEPENDENT or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return {}
+        return {"PDL": False}  # (passed, not left to the kernel's default: inductor's launcher for a
+        # user kernel in a compiled region miscounts its arguments when a constexpr is left out)
     return {"PDL": True, "launch_pdl": True}

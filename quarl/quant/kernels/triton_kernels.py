@@ -179,7 +179,7 @@ def store_act_codes(q_ptr, v, inv_s, msk, IS_FP8: tl.constexpr):
 def act_quant_kernel(
     x_ptr, q_ptr, s_ptr, dq_ptr, K, stride_xm, stride_qm, stride_dm,
     IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, WRITE_DQ: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     """One row per program. ONE_PASS (BLOCK >= K): the row stays in registers, x is read once.
     WRITE_DQ: also ``codes * scale`` rounded to dq's dtype (what ``act_dequant_kernel`` gives)."""
@@ -390,7 +390,7 @@ def int8_gemm_kernel(
     stride_am, stride_bn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IS_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :]`` (+ bias): int8 x int8
     with int32 accumulation, or e4m3 x e4m3 with fp32 accumulation (the dot's result type
@@ -491,8 +491,8 @@ def w8a8_tma_kernel(
     M, N, K, stride_om, NUM_PROGS, KBLOCKS_PER_SPLIT, N_SPLIT, T_WHOLE,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, GATED: tl.constexpr, IS_SPLIT: tl.constexpr,
-    WS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    WS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The math of ``int8_gemm_kernel`` for large M: operand tiles come through
     TMA descriptors (``a [M, K]`` block ``[BM, BK]``, ``b [N, K]`` block ``[BN, BK]``; the
@@ -561,7 +561,7 @@ def w8a8_tma_kernel(
 def act_quant_partials_kernel(
     y_ptr, amax_ptr, q_ptr, s_ptr, K, P, stride_y, stride_q,
     IS_FP8: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     """Per-token codes of ``y [M, K]`` whose row maxima come as partials ``amax [M, P]``
     (written by the kernel that made ``y``: the gated GEMM or the SiLU-and-mul). Grid
