@@ -28,6 +28,16 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// Programmatic dependent launch (sm_90+; launched by quarl.quant.kernels.device.launch_cuda):
+// wait until the kernel ahead on the stream has finished and its writes are visible, then let
+// the kernel behind be scheduled (it waits the same way). Without the launch attribute both are
+// no-ops, so every launch may run this first.
+__device__ __forceinline__ void wait_ahead() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 constexpr int D = 128;
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -113,6 +123,7 @@ __global__ void __launch_bounds__(NW * 32) decode_fp8(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, hkv = gridDim.y;
+  wait_ahead();
   const float qk_scale = (float)qk_scale_d;
   const int ctx = context_lens[b];
   const int split_len = *split_len_p;

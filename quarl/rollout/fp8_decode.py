@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from quarl.quant.kernels.cuda_launch import launch
 from quarl.quant.kernels.device import nvrtc_available
 
 HEAD_DIM = 128
@@ -87,7 +88,7 @@ def fp8_decode_attention(q, k_cache, v_cache, kv_scales, block_tables, context_l
     if num_splits == 1:
         part_out = part_lse = out
     kern = _kernel(cfg, page, hq // hkv > 8)
-    kern(grid=(b, hkv, num_splits), block=(32 * cfg.warps, 1, 1), shared_mem=cfg.smem_bytes(), args=[
+    launch(kern, (b, hkv, num_splits), (32 * cfg.warps, 1, 1), shared_mem=cfg.smem_bytes(), args=[
         q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, block_tables, context_lens,
         split_len, out, part_out, part_lse, float(qk_scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -640,3 +640,37 @@ def test_engine_lora_shapes_of_7b_take_the_fused_epilogue():
         want = term.add_to(plain).double()  # (rounded twice: the base, then the sum)
         err = (got.double() - want).abs()
         assert (err <= 2 ** -7 * (want.abs() + plain.double().abs()) + 1e-3).all(), (members, float(err.max()))
+
+
+@pytest.mark.parametrize("m", [8, 40, 64, 100])
+def test_w4_cuda_kernels_as_dependent_launches_give_the_same_bits(m):
+    """The fragment, tile and wgmma kernels (global and cluster K splits) launched through
+    ``cuLaunchKernelEx`` as programmatic dependent launches, back to back eagerly and inside
+    a CUDA graph: the same output bits as plain launches."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import FragConfig, TileKConfig, WgConfig
+    from quarl.quant.kernels.device import dependent, dependent_launches
+    from quarl.quant.kernels.w4_layout import RepackCache
+
+    qw, x, bias, expect = _w4_case(1536, 8960, m, "w4a16")
+    rc = RepackCache()  # the layouts made by the plain runs, before the capture
+    runs = [lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 1, True, cluster=False), rc),
+            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 3, 2, True, 2, True, cluster=True), rc)]
+    if m <= 16:
+        runs.append(lambda: cuda_w4.frag_gemm(x, qw, bias, FragConfig(nw=4, blocks_per_sm=4, stages=8), rc))
+    if m <= 64:
+        runs.append(lambda: cuda_w4.tile_gemm(x, qw, bias, TileKConfig(), rc))
+    plain = [r() for r in runs]
+    for p in plain:
+        _check(p, expect, 5e-3)
+    with dependent_launches():
+        assert dependent(x.device)
+        chained = [r() for r in runs]  # each waits for the one ahead
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured = [r() for r in runs]
+    g.replay()
+    torch.cuda.synchronize()
+    for p, c, cap in zip(plain, chained, captured):
+        assert torch.equal(p, c) and torch.equal(p, cap)

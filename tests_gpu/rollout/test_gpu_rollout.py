@@ -158,7 +158,8 @@ def test_queued_decode_steps_give_the_completions_of_unqueued_ones(num_kv_blocks
     assert on.block_manager.num_free_blocks == on.runner.num_blocks
 
 
-@pytest.mark.parametrize("scheme,kv", [("bf16", "auto"), ("w8a8-fp8", "auto"), ("w8a8-fp8", "fp8"), ("w8a8-int8", "auto")])
+@pytest.mark.parametrize("scheme,kv", [("bf16", "auto"), ("w8a8-fp8", "auto"), ("w8a8-fp8", "fp8"), ("w8a8-int8", "auto"),
+                                       ("w4a16", "auto"), ("w4a16", "fp8")])
 def test_dependent_launches_change_no_token_and_no_log_prob(scheme, kv):
     """The decode kernels as programmatic dependent launches (each waits for the kernel ahead
     in its first instruction) compute exactly what plain launches do: same tokens and

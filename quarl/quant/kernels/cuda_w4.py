@@ -34,6 +34,7 @@ import torch
 
 from quarl.quant.kernels import splitk
 from quarl.quant.kernels.config import FragConfig, TileKConfig, WgConfig, wgmma_tokens
+from quarl.quant.kernels.cuda_launch import launch
 from quarl.quant.kernels.device import num_sms, nvrtc_available
 from quarl.quant.kernels.w4_layout import SLAB, RepackCache
 from quarl.quant.qweight import QuantizedWeight
@@ -121,8 +122,8 @@ def frag_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, c
     groups, slabs = fw.scales.shape[0], fw.scales.shape[1] // SLAB
     plan = splitk.fill(slabs, groups, cfg.blocks_per_sm * num_sms(x.device), splitk.cdiv(groups, cfg.nw))
     out, part, cnt = splitk.outputs(m, n, plan.split, slabs, torch.bfloat16, x.device)
-    _frag_kernel(cfg.nw, fw.negz is not None, cfg.stages)(
-        grid=(slabs, plan.split, 1), block=(cfg.nw * 32, 1, 1), args=_args(x, fw, bias, out, part, cnt, n, plan))
+    launch(_frag_kernel(cfg.nw, fw.negz is not None, cfg.stages), (slabs, plan.split, 1), (cfg.nw * 32, 1, 1),
+           _args(x, fw, bias, out, part, cnt, n, plan))
     return out
 
 
@@ -155,7 +156,7 @@ def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_
         grid = (plan.programs(cols), 1, 1)
         args.append(plan.whole)
     args.extend(extra)
-    kernel_for(fw.negz is not None, plan.cluster)(grid=grid, block=(threads, 1, 1), shared_mem=smem, args=args)
+    launch(kernel_for(fw.negz is not None, plan.cluster), grid, (threads, 1, 1), args, smem)
     return out
 
 

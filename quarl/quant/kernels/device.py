@@ -70,11 +70,17 @@ def dependent_launches(on: bool = True) -> Iterator[None]:
         _DEPENDENT = before
 
 
+def dependent(device: torch.device) -> bool:
+    """Whether a kernel launched now on ``device`` goes as a programmatic dependent launch:
+    inside :func:`dependent_launches`, on a GPU of compute capability 9 or more."""
+    return _DEPENDENT and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl(device: torch.device) -> dict:
     """Launch options of a quarl Triton kernel on ``device``: ``PDL`` (the kernel's constexpr
     that waits on the kernel ahead) and Triton's ``launch_pdl``, both on only inside
     :func:`dependent_launches` on a GPU that has them."""
-    if not _DEPENDENT or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not dependent(device):
         return {"PDL": False}  # (passed, not left to the kernel's default: inductor's launcher for a
         # user kernel in a compiled region miscounts its arguments when a constexpr is left out)
     return {"PDL": True, "launch_pdl": True}

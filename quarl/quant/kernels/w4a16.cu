@@ -6,6 +6,16 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// Programmatic dependent launch (sm_90+; launched by quarl.quant.kernels.device.launch_cuda):
+// wait until the kernel ahead on the stream has finished and its writes are visible, then let
+// the kernel behind be scheduled (it waits the same way). Without the launch attribute both are
+// no-ops, so every launch may run this first.
+__device__ __forceinline__ void wait_ahead() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 lop_q(u32 a) {  // (a & 0x000F000F) | 0x43004300: bf16x2 128 + code
   u32 r;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(0x000F000Fu), "r"(0x43004300u));
@@ -97,6 +107,7 @@ __global__ void __launch_bounds__(NW * 32) w4a16_frag(
   constexpr int RING = NW * ST * 1024, RED = NW * 16 * 65 * 4;
   __shared__ __align__(128) unsigned char smem[RING > RED ? RING : RED];
   __shared__ int last_flag;
+  wait_ahead();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int slab = blockIdx.x, sp = blockIdx.y;
@@ -356,6 +367,7 @@ __global__ void __launch_bounds__(SW * (8 / NT) * WM * 32, (MT * NT <= 8 && SW *
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp % WM, wh = (warp / WM) % WH, ws = warp / (WM * WH);
+  wait_ahead();
   const int cb = blockIdx.x, sp = blockIdx.y;
   const int nslabs = Np >> 6;
   const int slab = cb * SW + ws;
@@ -684,10 +696,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's barrier orders these stores before any wgmma reads them)
   zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
-  auto issue = [&](int grp, int slot) {
+  auto issue_x = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
     const unsigned char* xg = reinterpret_cast<const unsigned char*>(x) + (size_t)grp * 256;
-    const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
     if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
 #pragma unroll
       for (int i = 0; i < CX; ++i)
@@ -701,9 +712,17 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
         cp_async16(sbase + xdst[i], valid ? xg + xsrc[i] : reinterpret_cast<const unsigned char*>(x), valid);
       }
     }
+  };
+  auto issue_w = [&](int grp, int slot) {
+    const u32 sbase = ring + slot * STAGE;
+    const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
 #pragma unroll
     for (int i = 0; i < CW; ++i)
       if (tid + i * NTH < NWG * 256 && wok[i]) cp_async16(sbase + wdst[i], wg + wsrc[i], 16);
+  };
+  auto issue = [&](int grp, int slot) {
+    issue_x(grp, slot);
+    issue_w(grp, slot);
   };
 
   // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
@@ -797,9 +816,17 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     for (int i = 0; i < NACC; ++i) acc[i] += tmp[i] * (((i >> 1) & 1) ? s1 : s0);
   };
 
+  // the prologue: the first groups' weights are no kernel's output, so they are copied before
+  // the wait for the kernel ahead (a dependent launch streams them while that one finishes);
+  // the activations and the LoRA operands after it. (The first commit group then holds all of
+  // these weights: its wait covers them.)
+#pragma unroll
+  for (int p = 0; p < LA; ++p)
+    if (p < ngroups) issue_w(gb0 + p, p);
+  wait_ahead();
 #pragma unroll
   for (int p = 0; p < LA; ++p) {
-    if (p < ngroups) issue(gb0 + p, p);
+    if (p < ngroups) issue_x(gb0 + p, p);
     if (p == (MB ? 0 : min(ngroups, LA - 1))) lora_copies();
     cp_commit();
   }
