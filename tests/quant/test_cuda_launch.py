@@ -79,3 +79,11 @@ def test_dependent_launch_goes_through_cuLaunchKernelEx(monkeypatch):
     seen["err"] = 1
     with pytest.raises(RuntimeError, match="cuLaunchKernelEx failed: CUDA driver error 1"):
         launch(k, (1, 1, 1), (32, 1, 1), [9], device=torch.device("cpu"))
+
+
+def test_a_driver_without_cuLaunchKernelEx_gets_plain_launches(monkeypatch):
+    monkeypatch.setattr(cuda_launch, "dependent", lambda device: True)
+    monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: object())
+    k = _Kernel()
+    launch(k, (2, 1, 1), (64, 1, 1), [3], device=torch.device("cpu"))
+    assert k.calls == [{"grid": (2, 1, 1), "block": (64, 1, 1), "args": [3], "shared_mem": 0}]

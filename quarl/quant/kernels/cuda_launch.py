@@ -78,12 +78,12 @@ def launch(kernel, grid: Sequence[int], block: Sequence[int], args: Sequence[Any
     ``device`` (default: the first tensor argument's)."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    if not dependent(device):
+    lib = torch.cuda._utils._get_gpu_runtime_library() if dependent(device) else None
+    if lib is None or not hasattr(lib, "cuLaunchKernelEx"):  # (a driver before CUDA 12: plain launches)
         kernel(grid=tuple(grid), block=tuple(block), args=list(args), shared_mem=shared_mem)
         return
     if shared_mem >= 48 * 1024 and shared_mem > kernel._max_shared_mem_bytes:
         raise RuntimeError(f"the kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
-    lib = torch.cuda._utils._get_gpu_runtime_library()
     params, held = kernel_params(args)
     attrs = serialization_attrs()
     cfg = launch_config(grid, block, shared_mem, torch.cuda.current_stream(device).cuda_stream, attrs)
