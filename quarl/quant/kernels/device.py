@@ -70,11 +70,17 @@ def dependent_launches(on: bool = True) -> Iterator[None]:
         _DEPENDENT = before
 
 
+@functools.lru_cache(maxsize=8)
+def _has_grid_dependency_control(device: torch.device) -> bool:
+    """Compute capability 9 or more (asked once per device: every decode kernel's launch asks)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl(device: torch.device) -> dict:
     """Launch options of a quarl Triton kernel on ``device``: ``PDL`` (the kernel's constexpr
     that waits on the kernel ahead) and Triton's ``launch_pdl``, both on only inside
     :func:`dependent_launches` on a GPU that has them."""
-    if not _DEPENDENT or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not _DEPENDENT or not _has_grid_dependency_control(device):
         return {"PDL": False}  # (passed, not left to the kernel's default: inductor's launcher for a
         # user kernel in a compiled region miscounts its arguments when a constexpr is left out)
     return {"PDL": True, "launch_pdl": True}
