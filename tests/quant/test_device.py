@@ -14,6 +14,8 @@ def test_dependent_launches_only_inside_the_block_and_only_on_hopper_or_later(mo
     gpu = torch.device("cuda", 0)
     caps = {"cap": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: caps["cap"])
+    gdc = device._has_grid_dependency_control  # asked once per device: forget between "devices"
+    gdc.cache_clear()
     assert pdl(gpu) == OFF
     with dependent_launches():
         assert pdl(gpu) == ON
@@ -22,10 +24,13 @@ def test_dependent_launches_only_inside_the_block_and_only_on_hopper_or_later(mo
             assert pdl(gpu) == OFF
         assert pdl(gpu) == ON  # the outer setting comes back
         caps["cap"] = (8, 9)
+        gdc.cache_clear()
         assert pdl(gpu) == OFF
         caps["cap"] = (10, 0)
+        gdc.cache_clear()
         assert pdl(gpu) == ON
     assert pdl(gpu) == OFF
+    gdc.cache_clear()
 
 
 def test_dependent_launches_are_off_again_after_an_exception():

@@ -70,10 +70,16 @@ def dependent_launches(on: bool = True) -> Iterator[None]:
         _DEPENDENT = before
 
 
+@functools.lru_cache(maxsize=8)
+def _has_grid_dependency_control(device: torch.device) -> bool:
+    """Compute capability 9 or more (asked once per device: every decode kernel's launch asks)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def dependent(device: torch.device) -> bool:
     """Whether a kernel launched now on ``device`` goes as a programmatic dependent launch:
     inside :func:`dependent_launches`, on a GPU of compute capability 9 or more."""
-    return _DEPENDENT and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return _DEPENDENT and _has_grid_dependency_control(device)
 
 
 def pdl(device: torch.device) -> dict:
