@@ -41,7 +41,7 @@ class ActQuantConfig(NamedTuple):
 
 # kernel name -> the config type its Plan carries (None: the kernel takes no config)
 KERNEL_CONFIGS: dict[str, type | None] = {
-    "wgmma": WgConfig, "tile": TileKConfig, "frag": FragConfig, "swap": TileConfig, "tiled": TileConfig,
+    "wgmma": WgConfig, "tile": TileKConfig, "frag": FragConfig, "swap": TileConfig, "mid": TileConfig, "tiled": TileConfig,
     "dequant": None, "pointer": TileConfig, "tma": TileConfig, "cublas": None, "w4a8": TileConfig,
     "gated": TileConfig, "act_quant": ActQuantConfig,
 }
@@ -109,6 +109,14 @@ def _swap(m: int) -> list[Plan]:
             for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0, 0.5, 1, 2, 4, 8)] + [Plan("dequant")]
 
 
+def _mid(m: int) -> list[Plan]:
+    """The Triton mid-M w4 kernel: (tokens, weight rows, warps) per tile with at most 128 fp32
+    accumulators a thread, 3-4 stages; and dequantize + cuBLAS."""
+    tiles = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (128, 256, 8)]
+    return [Plan("mid", TileConfig(bm, bn, num_warps=w, num_stages=st))
+            for bm, bn, w in tiles if bm <= max(64, m) for st in (3, 4)] + [Plan("dequant")]
+
+
 def _weight_only(m: int) -> list[Plan]:
     """``wo_gemm_kernel`` tiles of the other weight-only formats, and dequantize + cuBLAS."""
     return [Plan("tiled", TileConfig(bm, bn, num_stages=st, post_scale=ps))
@@ -171,6 +179,8 @@ FAMILIES: dict[str, Family] = {
                    "int4 g128 weight-only, CUDA fragment kernel (sm80 / sm89, M <= 4)"),
     "swap": Family("w4a16", ("swap", "dequant"), "w4a16", "weight_only", (16, 32, 64), _swap,
                    "int4 g128 weight-only, Triton swap kernel and dequantize + cuBLAS (no wgmma)"),
+    "mid": Family("w4a16", ("mid", "dequant"), "w4a16", "weight_only", (128, 256, 1024, 4096), _mid,
+                  "int4 g128 weight-only, Triton mid-M kernel (prefill / large batches) and dequantize + cuBLAS"),
     "weight-only": Family("weight_only", ("tiled", "dequant"), "nvfp4", "weight_only", (16, 32, 64, 128), _weight_only,
                           "other weight-only formats (--format nvfp4, mxfp4, w2a16): wo_gemm_kernel tiles"),
     "fp8": Family("fp8", ("tma", "pointer", "cublas"), "w8a8-fp8", "quantized_input", (64, 256, 1024, 4096), _w8a8(True),

@@ -5,7 +5,8 @@ kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). R
 added on purpose (w4a16 on sm90 at M = 65-128: 128-token wgmma tiles instead of dequantize +
 cuBLAS; fp8 at M = 17-128 with K > 8192 over N <= 2048: the TMA kernel with K split; fp8 at
 M = 17-128 with N, K <= 2048: the pointer kernel on 64 x 32 tiles; the gated fp8 GEMM at
-M = 17-128 for hidden sizes up to 2048); every other case must match.
+M = 17-128 for hidden sizes up to 2048; w4a16 on sm90 above M = 128: the Triton mid-M kernel
+instead of dequantize + cuBLAS); every other case must match.
 """
 
 import json
@@ -61,6 +62,10 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
+        if fam == "w4" and gen == "sm90" and m > 128:  # added: the mid-M kernel
+            assert want == old_form(dispatch.DEQUANT, fam), want
+            assert dispatch.lookup("w4a16", gen, m, n, k).kernel == "mid", (m, n, k)
+            continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
             assert got.kernel == "tma" and got.config.split_k == (4 if m <= 64 else 2) and got.config.bm == 64, (m, n, k)
@@ -111,7 +116,11 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
-    assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584) == dispatch.DEQUANT
+    # prefill and large batches: the Triton mid-M kernel on Hopper; a dense copy runs cuBLAS on it
+    assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584).kernel == "mid"
+    assert dispatch.lookup("w4a16", "sm90", 4096, 37888, 3584).kernel == "mid"
+    assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584, dense=True) == dispatch.DEQUANT
+    assert dispatch.lookup("w4a16", "sm80", 129, 4608, 3584) == dispatch.DEQUANT
     for gen in ("sm80", "sm89"):
         assert dispatch.lookup("w4a16", gen, 4, 4608, 3584).kernel == "frag"
         assert dispatch.lookup("w4a16", gen, 8, 37888, 3584).kernel == "tile"

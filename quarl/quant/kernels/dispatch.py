@@ -35,6 +35,7 @@ _WEIGHT_ONLY = {
     "tile": cuda_w4.tile_gemm,
     "wgmma": cuda_w4.wgmma_gemm,
     "swap": lambda x, qw, bias, cfg, repacked=None: weight_only.swap_gemm(x, qw, bias, cfg),
+    "mid": lambda x, qw, bias, cfg, repacked=None: weight_only.mid_gemm(x, qw, bias, cfg),
     "tiled": lambda x, qw, bias, cfg, repacked=None: weight_only.tiled_gemm(x, qw, bias, cfg),
     "dequant": lambda x, qw, bias, cfg, repacked=None: weight_only.dequant_gemm(x, qw, bias, repacked=repacked),
 }
@@ -163,6 +164,8 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(16, 64, waves=4)), 16),
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
+    Row(Plan("mid", TileConfig(128, 128, num_warps=8, num_stages=3)), 256, None, SM90),
+    Row(Plan("mid", TileConfig(256, 128, num_warps=8, num_stages=3)), None, None, SM90),
     Row(DEQUANT),
 )
 
@@ -224,15 +227,21 @@ GATED_INT8: tuple[Row, ...] = (
 )
 
 
+def above_128(m: int, n: int, k: int) -> bool:
+    return m > 128
+
+
 def small_weight_m65(m: int, n: int, k: int) -> bool:
     return m > 64 and n * k <= 2**25
 
 
 # Tried first where the engine keeps a dense copy of each weight (``rollout.dense_weights``,
 # ``RepackCache.dense``): the ``dequant`` plan then is a plain GEMM on that copy, which beats
-# the w4 kernel on small weights at 65 <= M <= 128 (bench/NOTES.md, "dense weights").
+# the w4 kernel on small weights at 65 <= M <= 128 (bench/NOTES.md, "dense weights"), and is
+# bf16's own GEMM above 128 rows, where the GEMM is compute-bound.
 W4A16_DENSE: tuple[Row, ...] = (
     Row(DEQUANT, 128, small_weight_m65, SM90),
+    Row(DEQUANT, None, above_128),
 )
 
 TABLES: dict[str, tuple[Row, ...]] = {

@@ -767,3 +767,53 @@ def w4_swap_kernel(
         acc += part * s[:, None]
     _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
                    pid_n + pid_m * tl.num_programs(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def w4_mid_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    ASYM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+    IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """int4 g128 (sym / asym) weight-only GEMM for prefill and large decode batches (M > 128).
+
+    Swapped as :func:`w4_swap_kernel` (``out.T [BN, BM] = deq(W) [BN, K] @ x.T [K, BM]``: the
+    dequantized weight tile is the MMA's register A operand, so it never goes through shared
+    memory), but the weight is dequantized as :func:`dequant_kernel` writes it, ``(code -
+    zero) * scale`` in fp32 rounded to the activation dtype: one fp32 accumulator runs through
+    all of K (no per-chunk partial to scale) and the result is ``F.linear`` over
+    ``dequantize(W)`` summed in another order, as the learner computes it. Grid (tiles, K
+    splits); tiles in groups of GROUP_M token tiles that walk the weight tiles together, so a
+    group's activations stay in L2 while each weight tile is read once per group."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_j = tl.arange(0, 64)
+    nmask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm  # [1, BM]
+    xmask_m = offs_m[None, :] < M
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    z_rows = z_ptr + offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    c_lo = pid_k * CHUNKS_PER_SPLIT
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
+    for c in range(c_lo, c_hi):
+        packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        k_lo = c * 128 + offs_j
+        xt_lo = tl.load(x_cols + k_lo[:, None], mask=xmask_m & (k_lo[:, None] < K), other=0.0)
+        xt_hi = tl.load(x_cols + (k_lo + 64)[:, None], mask=xmask_m & (k_lo[:, None] + 64 < K), other=0.0)
+        s = tl.load(s_rows + c, mask=nmask, other=0.0)[:, None]
+        if ASYM:
+            zf = tl.load(z_rows + c, mask=nmask, other=0).to(tl.float32)[:, None]
+        else:
+            zf = 8.0
+        w_lo = (((packed & 15).to(tl.float32) - zf) * s).to(x_ptr.dtype.element_ty)
+        w_hi = ((((packed >> 4) & 15).to(tl.float32) - zf) * s).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(w_lo, xt_lo, acc)
+        acc = tl.dot(w_hi, xt_hi, acc)
+    _store_tile_nm(acc, out_ptr, part_ptr, cnt_ptr, bias_ptr, offs_n, offs_m, M, N, stride_om,
+                   tl.program_id(0), pid_k, N_SPLIT, IS_SPLIT, HAS_BIAS)
