@@ -111,10 +111,11 @@ def _swap(m: int) -> list[Plan]:
 
 def _mid(m: int) -> list[Plan]:
     """The Triton mid-M w4 kernel: (tokens, weight rows, warps) per tile with at most 128 fp32
-    accumulators a thread, 3-4 stages; and dequantize + cuBLAS."""
+    accumulators a thread, 3-4 stages (256 tokens: 3, 4 take 288 KB of shared memory); and
+    dequantize + cuBLAS."""
     tiles = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (128, 256, 8)]
     return [Plan("mid", TileConfig(bm, bn, num_warps=w, num_stages=st))
-            for bm, bn, w in tiles if bm <= max(64, m) for st in (3, 4)] + [Plan("dequant")]
+            for bm, bn, w in tiles if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
 
 
 def _weight_only(m: int) -> list[Plan]:

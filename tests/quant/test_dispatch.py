@@ -62,7 +62,7 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and m > 128:  # added: the mid-M kernel
+        if fam == "w4" and gen == "sm90" and 128 < m <= 256 and n * k > 1 << 25:  # added: the mid-M kernel
             assert want == old_form(dispatch.DEQUANT, fam), want
             assert dispatch.lookup("w4a16", gen, m, n, k).kernel == "mid", (m, n, k)
             continue
@@ -116,10 +116,13 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
-    # prefill and large batches: the Triton mid-M kernel on Hopper; a dense copy runs cuBLAS on it
-    assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584).kernel == "mid"
-    assert dispatch.lookup("w4a16", "sm90", 4096, 37888, 3584).kernel == "mid"
-    assert dispatch.lookup("w4a16", "sm90", 129, 4608, 3584, dense=True) == dispatch.DEQUANT
+    # 129-256 rows on Hopper: the Triton mid-M kernel for weights of more than 2^25 elements
+    # (bench/results/sweep_mid_7b_h100_s38.json); a dense copy runs cuBLAS on it
+    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584).kernel == "mid"
+    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).kernel == "mid"
+    assert dispatch.lookup("w4a16", "sm90", 256, 4608, 3584) == dispatch.DEQUANT
+    assert dispatch.lookup("w4a16", "sm90", 257, 37888, 3584) == dispatch.DEQUANT
+    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584, dense=True) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 129, 4608, 3584) == dispatch.DEQUANT
     for gen in ("sm80", "sm89"):
         assert dispatch.lookup("w4a16", gen, 4, 4608, 3584).kernel == "frag"

@@ -677,7 +677,7 @@ def test_w4_cuda_kernels_as_dependent_launches_give_the_same_bits(m):
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-@pytest.mark.parametrize("m,shape", [(129, (3584, 3584)), (300, (1000, 1040)), (1024, (4608, 3584)), (4096, (1536, 8960))])
+@pytest.mark.parametrize("m,shape", [(129, (3584, 3584)), (300, (1000, 1040)), (256, (37888, 3584)), (1024, (4608, 3584))])
 def test_w4_mid_kernel_tiles_equal_linear_over_the_dequantized_weight(name, m, shape):
     """The mid-M kernel at every tile the sweep tries (and the table's pick): deterministic,
     and F.linear over ``dequantize(W)`` (the weight in bf16, as the learner multiplies it) up
@@ -691,13 +691,13 @@ def test_w4_mid_kernel_tiles_equal_linear_over_the_dequantized_weight(name, m, s
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     w = weight_only.dequantize(qw, torch.bfloat16)
     expect = x.double() @ w.double().T + bias.double()
-    plan = dispatch.lookup("w4a16", "sm90", m, n, k)
-    assert plan.kernel == "mid"
     tiles = {c.config for c in sweep.family("mid").candidates(m) if c.kernel == "mid"}
     assert len(tiles) >= 8
-    for cfg in {plan.config} | tiles:
+    for cfg in tiles:
         a = weight_only.mid_gemm(x, qw, bias, cfg)
         b = weight_only.mid_gemm(x, qw, bias, cfg)
         assert torch.equal(a, b), cfg
         _check(a, expect, 4e-3)
-    assert torch.equal(quant_linear(x, qw, bias), weight_only.mid_gemm(x, qw, bias, plan.config))
+    plan = dispatch.lookup("w4a16", "sm90", m, n, k)
+    if plan.kernel == "mid":  # the table's rows: what quant_linear runs
+        assert torch.equal(quant_linear(x, qw, bias), weight_only.mid_gemm(x, qw, bias, plan.config))

@@ -103,6 +103,11 @@ def small_weight(m: int, n: int, k: int) -> bool:
     return n < 2048 and k <= 4096
 
 
+def above_2_25(m: int, n: int, k: int) -> bool:
+    """Weights of more than 2^25 elements (7B gate/up and down; not its q/k/v or o)."""
+    return n * k > 1 << 25
+
+
 def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
 
@@ -164,8 +169,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(16, 64, waves=4)), 16),
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
-    Row(Plan("mid", TileConfig(128, 128, num_warps=8, num_stages=3)), 256, None, SM90),
-    Row(Plan("mid", TileConfig(256, 128, num_warps=8, num_stages=3)), None, None, SM90),
+    Row(Plan("mid", TileConfig(256, 128, num_warps=8, num_stages=3)), 256, above_2_25, SM90),
     Row(DEQUANT),
 )
 
