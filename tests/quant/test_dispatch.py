@@ -5,8 +5,9 @@ kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). R
 added on purpose (w4a16 on sm90 at M = 65-128: 128-token wgmma tiles instead of dequantize +
 cuBLAS; fp8 at M = 17-128 with K > 8192 over N <= 2048: the TMA kernel with K split; fp8 at
 M = 17-128 with N, K <= 2048: the pointer kernel on 64 x 32 tiles; the gated fp8 GEMM at
-M = 17-128 for hidden sizes up to 2048; w4a16 on sm90 above M = 128: the Triton mid-M kernel
-instead of dequantize + cuBLAS); every other case must match.
+M = 17-128 for hidden sizes up to 2048; w4a16 on sm90 at M = 129-256 on large weights: the
+Triton mid-M kernel instead of dequantize + cuBLAS; w4a16 on sm90 at M = 33-64 on weights up to
+2048 x 2048: fewer K splits); every other case must match.
 """
 
 import json
@@ -82,6 +83,9 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True), (m, n, k)
             continue
+        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.small_square_m33(m, n, k):  # added: the 1.5B's o and q/k/v at 33-64
+            assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
+            continue
         if want == ["WgConfig", 3, 4, 1.0, True, 1, True, False]:  # since s25: 5 slots, per-slot mbarriers
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.config == dispatch.WgConfig(3, 5, 1.0, True, 1, True, mbar=True), (m, n, k)
@@ -113,6 +117,10 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
         assert dispatch.lookup("w4a16", "sm90", 32, n, k).config != dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 64, 3584, 18944).config.nwg == 2
     assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.nwg == 1
+    # the 1.5B's o and q/k/v at 33-64 rows: one block per SM's worth of K splits (sweep_wgmma_1p5b_m64_h100_s38.json)
+    assert dispatch.lookup("w4a16", "sm90", 64, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
+    assert dispatch.lookup("w4a16", "sm90", 32, 1536, 1536).config != dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
+    assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.blocks_per_sm == 2.0
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups

@@ -108,6 +108,11 @@ def above_2_25(m: int, n: int, k: int) -> bool:
     return n * k > 1 << 25
 
 
+def small_square_m33(m: int, n: int, k: int) -> bool:
+    """33-64 tokens on a weight of at most 2048 x 2048 (1.5B o, q/k/v): fewer K splits."""
+    return m > 32 and n <= 2048 and k <= 2048
+
+
 def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
 
@@ -156,6 +161,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True, cluster=True)), 64, wide_hidden_m64, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)), 64, long_k, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 1.0, tail=True, cluster=True)), 64, small_square_m33, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True)), 64, None, SM90),
