@@ -691,13 +691,20 @@ def test_w4_mid_kernel_tiles_equal_linear_over_the_dequantized_weight(name, m, s
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     w = weight_only.dequantize(qw, torch.bfloat16)
     expect = x.double() @ w.double().T + bias.double()
-    tiles = {c.config._replace(num_stages=3) for c in sweep.family("mid").candidates(m) if c.kernel == "mid"}
+    cands = sweep.family("mid").candidates(m)
+    tiles = {c.config._replace(num_stages=3) for c in cands if c.kernel == "mid"}
     assert len(tiles) >= 6
     for cfg in tiles if name == "w4a16" else list(tiles)[:2]:  # every tile shape once (compiles are slow)
         a = weight_only.mid_gemm(x, qw, bias, cfg)
         b = weight_only.mid_gemm(x, qw, bias, cfg)
         assert torch.equal(a, b), cfg
         _check(a, expect, 4e-3)
+    # the sweep's large swap tiles: the per-chunk scaled partials of the small-M kernels
+    exact = reference_linear(x.float(), qw, bias.float(), exact=True)
+    for cfg in {c.config._replace(num_stages=3) for c in cands if c.kernel == "swap"}:
+        a = weight_only.swap_gemm(x, qw, bias, cfg)
+        assert torch.equal(a, weight_only.swap_gemm(x, qw, bias, cfg)), cfg
+        _check(a, exact, 5e-3)
     plan = dispatch.lookup("w4a16", "sm90", m, n, k)
     if plan.kernel == "mid":  # the table's rows: what quant_linear runs
         assert torch.equal(quant_linear(x, qw, bias), weight_only.mid_gemm(x, qw, bias, plan.config))
