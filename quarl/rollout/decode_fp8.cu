@@ -28,7 +28,7 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// Programmatic dependent launch (sm_90+; launched by quarl.quant.kernels.device.launch_cuda):
+// Programmatic dependent launch (sm_90+; launched by quarl.quant.kernels.cuda_launch.launch):
 // wait until the kernel ahead on the stream has finished and its writes are visible, then let
 // the kernel behind be scheduled (it waits the same way). Without the launch attribute both are
 // no-ops, so every launch may run this first.
