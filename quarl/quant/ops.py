@@ -135,6 +135,23 @@ def quant_linear_quantized_input(
     return ref.reference_linear(xs, qw, bias, quantize_input=False)
 
 
+def gated_silu_weight_only(x: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None = None) -> torch.Tensor | None:
+    """``silu(gate) * up`` ``[..., I]`` of a w4a16 ``[gate; up]`` projection on ``x``, the
+    SiLU-and-mul in the GEMM's epilogue (Hopper's wgmma kernel, bit for bit the GEMM then
+    the engine's SiLU-and-mul), or None where it does not apply (another scheme or GPU, a
+    batch size whose plain GEMM is not that kernel): the caller runs the two apart."""
+    if qw.scheme.act_format != "none" or not x.is_cuda or x.dtype != torch.bfloat16 or not uses_fast_path(x):
+        return None
+    from quarl.quant.kernels import cuda_w4, launch
+    from quarl.quant.kernels.weight_only import is_w4_g128
+
+    if not is_w4_g128(qw) or not cuda_w4.wgmma_available():
+        return None
+    lead = x.shape[:-1]
+    y = launch.gated_silu_w4a16(x.reshape(-1, x.shape[-1]), qw, repacked)
+    return None if y is None else y.view(*lead, y.shape[-1])
+
+
 def gated_silu_quantized_input(
     xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -23,7 +23,7 @@ from quarl.model.lora import LoRALinear
 from quarl.model.transformer import AttnFn, TorchOps, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear, stackable
-from quarl.quant.qweight import concat_quantized
+from quarl.quant.qweight import QuantizedWeight, concat_quantized
 from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
@@ -373,6 +373,11 @@ def silu_mul_for(fused_gu: "FusedLinear", h, quant: str | None):
         gated = ops.gated_silu_quantized_input(h[0], h[1], fused_gu.weight, h[2])
         if gated is not None:
             return act_quant_from_partials(*gated, quant)
+    if quant is None and not isinstance(h, tuple) and fused_gu.bias is None and fused_gu.adapters is None \
+            and isinstance(fused_gu.weight, QuantizedWeight):  # w4a16: the wgmma kernel's gated epilogue
+        gated = ops.gated_silu_weight_only(h, fused_gu.weight, fused_gu.repacked)
+        if gated is not None:
+            return gated
     gu = fused_gu(h)
     inter = gu.shape[-1] // 2
     return silu_mul(gu[:, :inter], gu[:, inter:], quant=quant)

@@ -224,3 +224,18 @@ def test_the_gated_fp8_gemm_runs_the_small_hidden_gate_up_to_128_tokens():
     assert dispatch.lookup("gated_fp8", "none", 100, 17920, 1536).kernel == "gated"
     assert dispatch.lookup("gated_fp8", "none", 128, 37888, 3584) is None
     assert dispatch.lookup("gated_fp8", "none", 129, 17920, 1536) is None
+
+
+def test_the_gated_w4a16_epilogue_runs_the_plain_wgmma_plan_on_hopper_only():
+    import torch
+
+    from quarl.quant import quantize_weight
+
+    assert dispatch.lookup("gated_w4a16", "sm90", 64, 17920, 1536) == Plan("wgmma")
+    assert dispatch.lookup("gated_w4a16", "sm90", 128, 17920, 1536) == Plan("wgmma")
+    assert dispatch.lookup("gated_w4a16", "sm90", 129, 17920, 1536) is None
+    for gen in ("sm80", "sm89", "none"):
+        assert dispatch.lookup("gated_w4a16", gen, 64, 17920, 1536) is None
+    qw = quantize_weight(torch.randn(64, 256), "w4a16")
+    assert dispatch.pick_gated_w4(qw, 4, torch.device("cpu")) is None  # no wgmma kernel off Hopper
+    assert dispatch.pick_gated_w4(quantize_weight(torch.randn(64, 256), "w8a8-fp8"), 4, torch.device("cpu")) is None

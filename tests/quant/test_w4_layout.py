@@ -248,3 +248,32 @@ def test_the_dense_plan_runs_a_plain_gemm_on_the_kept_copy(monkeypatch, needs_tr
     for _ in range(3):
         assert torch.equal(launch.linear(x, qw, None, cache), want)
     assert len(made) == 1
+
+
+def test_gated_rows_pair_each_gate_row_with_its_up_row_in_one_thread():
+    """The "wgmma-gated" order: a permutation; the thread holding permuted row p (p % 16 < 8,
+    the kernel's row0) also holds p + 8, and the epilogue's column ``(p >> 4) * 8 + (p & 7)``
+    (w4a16.cu's gated_col) is p's gate row j, with p + 8 its up row I + j."""
+    n = 96
+    order = cuda_w4.gated_rows(n)
+    assert sorted(order.tolist()) == list(range(n))
+    for p in range(n):
+        if p % 16 < 8:
+            j = (p >> 4) * 8 + (p & 7)
+            assert order[p] == j and order[p + 8] == n // 2 + j
+    with pytest.raises(ValueError, match="I % 8 == 0"):
+        cuda_w4.gated_rows(88)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+def test_gated_layout_is_the_wgmma_layout_of_the_reordered_rows(name):
+    torch.manual_seed(4)
+    qw = quantize_weight(torch.randn(160, 384), name)
+    order = cuda_w4.gated_rows(160)
+    got = cuda_w4.repack_w4(qw, "wgmma-gated")
+    codes = cuda_w4.ref.unpack_4bit(qw.qdata)
+    assert torch.equal(_emulate_wgmma_fragments(got.qdata, 160), codes[order].to(torch.int64))
+    assert torch.equal(got.scales[:, :160], qw.scales[order].t())
+    if qw.zeros is not None:
+        plain = cuda_w4.repack_w4(qw, "wgmma")
+        assert torch.equal(got.negz[:, :160], plain.negz[:, order])

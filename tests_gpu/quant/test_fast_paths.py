@@ -708,3 +708,46 @@ def test_w4_mid_kernel_tiles_equal_linear_over_the_dequantized_weight(name, m, s
     plan = dispatch.lookup("w4a16", "sm90", m, n, k)
     if plan.kernel == "mid":  # the table's rows: what quant_linear runs
         assert torch.equal(quant_linear(x, qw, bias), weight_only.mid_gemm(x, qw, bias, plan.config))
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 16, 40, 64, 100, 128])
+@pytest.mark.parametrize("shape", [(17920, 1536), (1056, 1000)])  # the 1.5B's gate/up; I = 528, odd K, N % 64 != 0
+def test_wgmma_gated_epilogue_equals_the_gemm_then_silu_mul(name, m, shape):
+    """The wgmma kernel's gated variant (SiLU-and-mul of a [gate; up] weight in its epilogue,
+    the "wgmma-gated" layout) at the table's plan, whole column blocks, K split through global
+    partials and through clusters: bit for bit the plain kernel's output (same config) then
+    the engine's SiLU-and-mul kernel; and what ``ops.gated_silu_weight_only`` picks."""
+    from quarl.quant import ops
+    from quarl.quant.kernels import cuda_w4, dispatch
+    from quarl.quant.kernels.config import WgConfig
+    from quarl.quant.kernels.w4_layout import RepackCache
+    from quarl.rollout.fused import silu_mul
+
+    n, k = shape
+    inter = n // 2
+    qw, x, _, _ = _w4_case(n, k, m, name)
+    plan = dispatch.lookup("w4a16", "sm90", m, n, k)
+    assert plan.kernel == "wgmma"
+    cfgs = [plan.config, WgConfig(1, 4, 4.0, tail=False), WgConfig(1, 4, 2.0, tail=False, cluster=True),
+            WgConfig(2, 3, 1.0, single=True, tail=True), WgConfig(3, 5, 1.0, single=True, tail=True, mbar=True),
+            WgConfig(1, 4, 0.1, tail=True)]
+    ran = 0
+    for cfg in cfgs:
+        try:
+            cfg.check(m)
+        except ValueError:
+            continue
+        cache = RepackCache()
+        plain = cuda_w4.wgmma_gemm(x, qw, None, cfg, cache)
+        want = silu_mul(plain[:, :inter], plain[:, inter:])
+        got = cuda_w4.wgmma_gemm(x, qw, None, cfg, cache, gated=True)
+        assert got.shape == (m, inter)
+        assert torch.equal(got, want), cfg
+        ran += 1
+    assert ran >= 3
+    got = ops.gated_silu_weight_only(x, qw, RepackCache())
+    plain = quant_linear(x, qw)
+    assert torch.equal(got, silu_mul(plain[:, :inter], plain[:, inter:]))
+    with pytest.raises(ValueError, match="I % 8 == 0"):
+        cuda_w4.wgmma_gemm(x, quantize_weight(torch.randn(1048, k, device="cuda"), name), None, plan.config, gated=True)

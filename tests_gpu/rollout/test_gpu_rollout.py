@@ -701,3 +701,31 @@ def test_dense_weight_engine_takes_published_weights_in_its_graphs():
     lp = plain.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
     diff = [abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(after, lp)]
     assert max(diff) < 0.1, max(diff)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_w4a16_gated_epilogue_changes_no_token_and_no_log_prob(kv):
+    """The w4a16 gate/up GEMM with the SiLU-and-mul in its epilogue (the wgmma kernel's gated
+    variant) against the GEMM then the SiLU-and-mul kernel: same tokens and log-probs bit for
+    bit through CUDA graphs, at 40 sequences (64-row plans) and at 100 (128-token tiles)."""
+    import copy
+
+    from quarl.quant.kernels import dispatch
+
+    model = _small_model(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    for nseq in (40, 100):
+        prompts = [torch.randint(0, 1000, (3 + n % 37,), generator=g).tolist() for n in range(nseq)]
+        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=5, ignore_eos=True)
+        out = {}
+        for gated in (False, True):
+            cfg = EngineConfig(max_model_len=128, max_num_seqs=128, num_kv_blocks=1000, tune_decode=False,
+                               kv_cache_dtype=kv, dense_weights="off")
+            with dispatch.overrides(**({} if gated else {"gated_w4a16": None})):
+                engine = Engine(copy.deepcopy(model), scheme="w4a16", config=cfg)
+                out[gated] = engine.generate(prompts, params)
+            gate_ups = [m._fused_gate_up for m in engine.runner.model.modules() if hasattr(m, "_fused_gate_up")]
+            assert gate_ups and all(("wgmma-gated" in g.repacked.layouts()) == gated for g in gate_ups)
+            del engine
+        assert [c.token_ids for c in out[True]] == [c.token_ids for c in out[False]], nseq
+        assert [c.logprobs for c in out[True]] == [c.logprobs for c in out[False]], nseq

@@ -73,11 +73,12 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
-                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0):
+                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py);
-    ``lr``: 64-column atoms of the LoRA term (0: none)."""
+    ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
-    name = f"w4a16_wgmma_cluster<{args}, {cs}, {lr}>" if cs else f"w4a16_wgmma<{args}, {lr}>"
+    tail = f"{lr}, {_tf(gated)}"
+    name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
@@ -137,15 +138,16 @@ def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail:
 
 
 def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_args: tuple, threads: int,
-                    smem: int, one_d: bool, extra: tuple = ()) -> torch.Tensor:
+                    smem: int, one_d: bool, extra: tuple = (), out_cols: int | None = None) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
     wgmma kernels). ``kernel_for(asym, cluster_size)`` -> the kernel. ``one_d`` (wgmma): a
-    1-D grid, the ``whole`` column blocks first, and a ``whole`` argument, then ``extra``."""
+    1-D grid, the ``whole`` column blocks first, and a ``whole`` argument, then ``extra``.
+    ``out_cols``: the output's width when it is not ``n`` (the gated epilogue: ``n / 2``)."""
     m = x.shape[0]
     groups, np_ = fw.scales.shape
     cols = splitk.cdiv(np_ // SLAB, slabs_per_block)
     plan = _blocked_split(cols, groups, num_sms(x.device), *plan_args)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, n if out_cols is None else out_cols, dtype=torch.bfloat16, device=x.device)
     part = cnt = out
     if plan.split > 1 and not plan.cluster:
         part = torch.empty(plan.split, m, n, dtype=torch.float32, device=x.device)
@@ -229,26 +231,36 @@ def _lora_args(lora, x: torch.Tensor) -> tuple:
 
 
 def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig = WgConfig(),
-               repacked: RepackCache | None = None, defines: tuple[str, ...] = (), lora=None) -> torch.Tensor:
+               repacked: RepackCache | None = None, defines: tuple[str, ...] = (), lora=None,
+               gated: bool = False) -> torch.Tensor:
     """``x [M, K] (bf16, M <= 128) @ W.T + bias`` with the wgmma kernel (Hopper): same fragment
     words (reordered, :func:`~.w4_layout.wgmma_words`) and numerics as :func:`frag_gemm`.
     ``lora``: a :class:`~quarl.quant.ops.LoRATerm` the kernel adds to its fp32 tile before the
-    one rounding to bf16 (check :func:`takes_lora` first)."""
+    one rounding to bf16 (check :func:`takes_lora` first). ``gated`` (``W = [gate; up]``, 2 I
+    rows, I % 8 == 0, no bias, no LoRA term): ``silu(x gate^T) * (x up^T)`` ``[M, I]``, the
+    engine's SiLU-and-mul in the epilogue, bit for bit what the plain GEMM's output and
+    :func:`quarl.rollout.fused.silu_mul` give (same sums: the same K split over the same slabs)."""
     m = x.shape[0]
     cfg.check(m)
+    if gated and (qw.shape[0] % 16 or bias is not None or lora is not None):
+        raise ValueError(f"the gated w4 epilogue takes a [gate; up] weight of 2 I rows with I % 8 == 0, "
+                         f"no bias and no LoRA term (got {qw.shape[0]} rows, bias {bias is not None}, "
+                         f"LoRA {lora is not None})")
     if qw.shape[0] * qw.shape[1] // 2 >= 1 << 32 or m * x.stride(0) * 2 >= 1 << 32:  # the kernel's 32-bit byte offsets
         raise ValueError(f"wgmma w4 kernel: weight {tuple(qw.shape)} or activation rows past 4 GiB; split the layer")
     if lora is not None and lora.b.shape[0] != qw.shape[0]:
         raise ValueError(f"wgmma w4 kernel: the LoRA term's B has {lora.b.shape[0]} rows, the weight {qw.shape[0]}")
     if lora is not None and not takes_lora(cfg, x, lora):
         raise ValueError(f"wgmma w4 kernel: this LoRA term does not fit {cfg} (rank {lora.rank}, starts {lora.starts})")
-    x, bias, fw = _prepare(x, qw, bias, "wgmma", repacked)
+    x, bias, fw = _prepare(x, qw, bias, "wgmma-gated" if gated else "wgmma", repacked)
     ntok = wgmma_tokens(m)
     lr = 0 if lora is None else _lora_atoms(lora.rank)
     smem = cfg.smem_bytes(ntok) + (0 if lora is None else lora_smem_bytes(cfg, ntok, lora.rank))
 
     def kernel_for(asym: bool, cs: int):
-        return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr)
+        return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
+                             gated)
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
-                           cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x))
+                           cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x),
+                           out_cols=qw.shape[0] // 2 if gated else None)

@@ -254,9 +254,17 @@ W4A16_DENSE: tuple[Row, ...] = (
     Row(DEQUANT, None, above_128),
 )
 
+# The w4a16 [gate; up] GEMM with the SiLU-and-mul in its epilogue: where a row gives a plan,
+# the wgmma kernel of the plain GEMM's own plan runs gated (same config, same sums); None: the
+# plain GEMM and a separate SiLU-and-mul.
+GATED_W4A16: tuple[Row, ...] = (
+    Row(Plan("wgmma"), 128, None, SM90),
+    Row(None),
+)
+
 TABLES: dict[str, tuple[Row, ...]] = {
     "w4a16": W4A16, "weight_only": WEIGHT_ONLY, "fp8": FP8, "int8": INT8, "w4a8": W4A8,
-    "gated_fp8": GATED_FP8, "gated_int8": GATED_INT8,
+    "gated_fp8": GATED_FP8, "gated_int8": GATED_INT8, "gated_w4a16": GATED_W4A16,
 }
 
 _OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("quarl_kernel_overrides", default={})
@@ -326,6 +334,16 @@ def gated_plan(act_format: str, m: int, n: int, k: int) -> Plan | None:
 
 def pick_gated(qw: QuantizedWeight, m: int) -> Plan | None:
     return gated_plan(qw.scheme.act_format, m, *qw.shape)
+
+
+def pick_gated_w4(qw: QuantizedWeight, m: int, device: torch.device, dense: bool = False) -> Plan | None:
+    """The plain w4a16 plan for ``m`` rows when the gated epilogue may run it (table
+    ``gated_w4a16`` allows and the plan is the wgmma kernel), else None."""
+    n, k = qw.shape
+    if family(qw.scheme) != "w4a16" or _choose("gated_w4a16", gpu_gen(device, torch.bfloat16), m, n, k) is None:
+        return None
+    plan = pick(qw, m, device, torch.bfloat16, dense)
+    return plan if plan.kernel == "wgmma" else None
 
 
 def act_quant_plan(m: int, k: int) -> tuple[int, int]:

@@ -48,6 +48,19 @@ def gated_silu_gemm(
     return None if plan is None else plan.run(xq, sx, qw, out_dtype)
 
 
+def gated_silu_w4a16(x: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None = None) -> torch.Tensor | None:
+    """``silu(x gate^T) * (x up^T)`` ``[M, I]`` of a w4a16 ``[gate; up]`` weight in one wgmma
+    launch (the SiLU-and-mul in its epilogue), or None where the plain GEMM's plan is not the
+    wgmma kernel or the gated table declines: the caller then runs the GEMM and the SiLU-and-mul."""
+    if qw.shape[0] % 16:
+        return None
+    dense = repacked is not None and repacked.dense
+    plan = dispatch.pick_gated_w4(qw, x.shape[0], x.device, dense)
+    if plan is None:
+        return None
+    return cuda_w4.wgmma_gemm(x if x.is_contiguous() else x.contiguous(), qw, None, plan.config, repacked, gated=True)
+
+
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
            repacked: RepackCache | None = None, lora=None) -> torch.Tensor:
     """Fast quantized ``x [M, K] @ W.T + bias`` for any quantized scheme, plus ``lora`` (a

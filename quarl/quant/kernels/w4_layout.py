@@ -11,7 +11,8 @@ the code of weight ``W[64 s + 8 j + g, 16 kk + k]`` with ``h = (p >> 1) & 1`` an
 fragment half ``q & 1`` of tile ``2 i + (q >> 1)``. Scales are stored transposed, ``[Kp / 128,
 Np]`` fp32; asymmetric zero points as the bf16x2 bit pattern of ``-(128 + z)``, ``[Kp / 128,
 Np]`` uint32. The "wgmma" layout holds the same words in the order the wgmma kernel's warps
-unpack them (:func:`wgmma_words`).
+unpack them (:func:`wgmma_words`); "wgmma-gated" is the wgmma layout of a ``[gate; up]``
+weight's rows reordered for the gated epilogue (:func:`gated_rows`).
 
 Pure torch (any device): imported by the modules that own a cache without importing triton.
 """
@@ -29,7 +30,7 @@ from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
 SLAB = 64  # output columns per warp (fragment kernel) / per slab
-LAYOUTS = ("frag", "wgmma")
+LAYOUTS = ("frag", "wgmma", "wgmma-gated")
 
 
 class FragWeight(NamedTuple):
@@ -103,23 +104,40 @@ def unwgmma_words(words: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 1, 3, 5, 4, 2).reshape(s, groups * 8, 32, 4).contiguous()
 
 
+def gated_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The row order of a ``[gate; up]`` weight of ``n = 2 I`` rows (``I % 8 == 0``) in the
+    "wgmma-gated" layout: each 16-row group holds 8 gate rows, then the same 8 rows of up, so
+    that the wgmma kernel's thread that holds a gate row's sums (row ``16 w + g`` of a warp)
+    also holds its up row's (``16 w + 8 + g``) and can write ``silu(gate) * up`` itself."""
+    if n % 16:
+        raise ValueError(f"a gated [gate; up] weight needs 2 I rows with I % 8 == 0, got {n} rows")
+    p = torch.arange(n, device=device)
+    return torch.where(p % 16 < 8, (p // 16) * 8 + p % 16, n // 2 + (p // 16) * 8 + p % 16 - 8)
+
+
 def repack_w4(qw: QuantizedWeight, layout: str = "frag") -> FragWeight:
-    """The ``layout`` ("frag" or "wgmma") copy of an int4 g128 ``QuantizedWeight``."""
+    """The ``layout`` copy of an int4 g128 ``QuantizedWeight``: "frag", "wgmma", or
+    "wgmma-gated" (the wgmma layout of the rows in :func:`gated_rows` order)."""
     if not (qw.scheme.weight_format == "int" and qw.scheme.weight_bits == 4 and qw.scheme.group_size == PACK_K):
         raise ValueError(f"fragment layout needs int4 weights with group 128, got {qw.scheme.name}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown w4 layout {layout!r}; one of {LAYOUTS}")
     n = qw.shape[0]
     np_ = -(-n // SLAB) * SLAB
-    frag = repack_codes(ref.unpack_4bit(qw.qdata))
-    if layout == "wgmma":
+    codes, qscales, qzeros = ref.unpack_4bit(qw.qdata), qw.scales, qw.zeros
+    if layout == "wgmma-gated":
+        order = gated_rows(n, qw.device)
+        codes, qscales = codes[order], qscales[order]
+        qzeros = None if qzeros is None else qzeros[order]
+    frag = repack_codes(codes)
+    if layout != "frag":
         frag = wgmma_words(frag)
-    scales = torch.zeros(qw.scales.shape[1], np_, dtype=torch.float32, device=qw.device)
-    scales[:, :n] = qw.scales.t()
+    scales = torch.zeros(qscales.shape[1], np_, dtype=torch.float32, device=qw.device)
+    scales[:, :n] = qscales.t()
     negz = None
-    if qw.zeros is not None:
-        bits = (0xC300 | qw.zeros.to(torch.int64)) * 0x10001  # bf16x2 of -(128 + z), both halves
-        nz = torch.full((qw.zeros.shape[1], np_), 0xC308C308, dtype=torch.int64, device=qw.device)
+    if qzeros is not None:
+        bits = (0xC300 | qzeros.to(torch.int64)) * 0x10001  # bf16x2 of -(128 + z), both halves
+        nz = torch.full((qzeros.shape[1], np_), 0xC308C308, dtype=torch.int64, device=qw.device)
         nz[:, :n] = bits.t()
         negz = _as_u32(nz)
     return FragWeight(frag, scales, negz)
@@ -244,7 +262,7 @@ class RepackCache:
             if layout.startswith("dense-"):
                 self._refresh_dense(layout, e, qw, rows)
                 continue
-            if rows is None or e.source() is not qw.qdata:
+            if rows is None or e.source() is not qw.qdata or layout == "wgmma-gated":  # (its slabs mix rows)
                 self.get(qw, layout)
                 continue
             s0, s1 = rows[0] // SLAB, -(-rows[1] // SLAB)

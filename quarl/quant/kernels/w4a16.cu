@@ -87,6 +87,21 @@ __device__ __forceinline__ u16 to_bf16(float v) {
   return r;
 }
 __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
+// silu(g) * u of the fp32 sums g, u, as the plain GEMM's bf16 outputs then the engine's
+// SiLU-and-mul kernel (quarl.rollout.fused, Triton) compute it, instruction for instruction:
+// g and u rounded to bf16; s = bf16(g / (1 + 2^(-g log2 e))) with ex2.approx, add.rn and
+// div.full; then bf16(s u) (exact in fp32 before its one rounding)
+__device__ __forceinline__ u16 silu_mul_bf16(float g, float u) {
+  const float gf = from_bf16(to_bf16(g)), uf = from_bf16(to_bf16(u));
+  float e, q;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(gf, -1.4426950408889634f)));
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(gf), "f"(__fadd_rn(e, 1.f)));
+  return to_bf16(__fmul_rn(from_bf16(to_bf16(q)), uf));
+}
+// Gated output (the [gate; up] weight's rows permuted so that each 16-row group holds 8 gate
+// rows, then the same 8 rows of up: w4_layout's "wgmma-gated"): column j of h for the gate
+// row at permuted position n (n % 16 < 8), whose up row is n + 8
+__device__ __forceinline__ int gated_col(int n) { return (n >> 4) * 8 + (n & 7); }
 
 // grid (Np / 64, split), block NW warps. Block (s, sp) owns the 64 output columns of slab s
 // and groups [sp * gpb, (sp + 1) * gpb); its warps take contiguous shares of those groups
@@ -321,7 +336,30 @@ __device__ __forceinline__ void splitk_sum(
     }
   }
 }
-template <int NTH, int CMAX>
+// The gated sum: items (row, 4 gate columns); the gate and the up partials (8 columns on) are
+// summed in split order as splitk_sum sums them, then h = silu(g) u into out [M, N / 2]
+template <int NTH, int CQ>
+__device__ __forceinline__ void splitk_sum_gated(const float* part, u16* out, int c0, int cols, int M, int N, int ldo, int split) {
+  constexpr int HQ = CQ / 2;  // gate items per row
+  const int tid = threadIdx.x, total = M * HQ;
+  const size_t stride = (size_t)M * N;
+  for (int i = tid; i < total; i += NTH) {
+    const int r = i / HQ, q = i % HQ, c = 16 * (q >> 1) + 4 * (q & 1);
+    if (c >= cols) continue;
+    const float* p = part + (size_t)r * N + c0 + c;
+    float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < split; ++s) {
+      const float4 a = ldcg_f4(p + (size_t)s * stride), b = ldcg_f4(p + 8 + (size_t)s * stride);
+      gv[0] += a.x; gv[1] += a.y; gv[2] += a.z; gv[3] += a.w;
+      uv[0] += b.x; uv[1] += b.y; uv[2] += b.z; uv[3] += b.w;
+    }
+    u16 h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h[e] = silu_mul_bf16(gv[e], uv[e]);
+    *reinterpret_cast<uint2*>(out + (size_t)r * ldo + gated_col(c0 + c)) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+  }
+}
+template <int NTH, int CMAX, bool GATED = false>
 __device__ __forceinline__ void splitk_finish(
     const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
     int M, int N, int ldo, int split, int has_bias) {
@@ -336,7 +374,9 @@ __device__ __forceinline__ void splitk_finish(
   }
   __syncthreads();
   if (!last_flag) return;
-  if ((N & 3) == 0 && (ldo & 3) == 0)  // 16-byte partial loads, 8-byte output stores
+  if constexpr (GATED)  // N % 16 == 0 and ldo % 4 == 0 (launch checks)
+    splitk_sum_gated<NTH, CMAX / 4>(part, out, c0, cols, M, N, ldo, split);
+  else if ((N & 3) == 0 && (ldo & 3) == 0)  // 16-byte partial loads, 8-byte output stores
     splitk_sum<NTH, CMAX / 4, 4>(part, out, bias, c0, cols, M, N, ldo, split, has_bias);
   else
     splitk_sum<NTH, CMAX, 1>(part, out, bias, c0, cols, M, N, ldo, split, has_bias);
@@ -641,8 +681,9 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // weight group's with bf16 B rows as the A operand. Each warpgroup's t tile (swizzled as the
 // activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied to
 // shared memory past the ring with the prologue's copies.
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
+  static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE, "128-token tiles run the single-tile loop");
   static_assert(!MB || (SINGLE && ST >= 4), "the mbarrier loop is a single-tile loop of >= 4 slots");
@@ -971,20 +1012,46 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     cluster_sync();
     const int c0 = cb * NWG * 64, cols = min(NWG * 64, N - c0);
     constexpr int CQ = NWG * 16;  // 4-column items per token row
-    const int total = M * CQ, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
-    for (int i = sp * per + tid; i < i1; i += NTH) {
-      const int r = i / CQ, q = i % CQ;
-      if (q * 4 >= cols) continue;
-      const u32 addr = ring + (u32)(r * CW + q * 4) * 4;
-      float4 p[CS];
+    if constexpr (GATED) {  // items (row, 4 gate columns), the up columns 8 on
+      constexpr int HQ = CQ / 2;
+      const int total = M * HQ, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
+      for (int i = sp * per + tid; i < i1; i += NTH) {
+        const int r = i / HQ, q = i % HQ, c = 16 * (q >> 1) + 4 * (q & 1);
+        if (c >= cols) continue;
+        const u32 addr = ring + (u32)(r * CW + c) * 4;
+        float4 pg[CS], pu[CS];
 #pragma unroll
-      for (int s = 0; s < CS; ++s) p[s] = ld_cluster_f4(addr, s);
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < CS; ++s) {
+          pg[s] = ld_cluster_f4(addr, s);
+          pu[s] = ld_cluster_f4(addr + 32, s);
+        }
+        float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int s = 0; s < CS; ++s) {
-        v[0] += p[s].x; v[1] += p[s].y; v[2] += p[s].z; v[3] += p[s].w;
+        for (int s = 0; s < CS; ++s) {
+          gv[0] += pg[s].x; gv[1] += pg[s].y; gv[2] += pg[s].z; gv[3] += pg[s].w;
+          uv[0] += pu[s].x; uv[1] += pu[s].y; uv[2] += pu[s].z; uv[3] += pu[s].w;
+        }
+        u16 h[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h[e] = silu_mul_bf16(gv[e], uv[e]);
+        *reinterpret_cast<uint2*>(out + (size_t)r * ldo + gated_col(c0 + c)) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
       }
-      store_out<4>(out, ldo, r, c0 + q * 4, N, v, bias, has_bias);
+    } else {
+      const int total = M * CQ, per = (total + CS - 1) / CS, i1 = min(total, (sp + 1) * per);
+      for (int i = sp * per + tid; i < i1; i += NTH) {
+        const int r = i / CQ, q = i % CQ;
+        if (q * 4 >= cols) continue;
+        const u32 addr = ring + (u32)(r * CW + q * 4) * 4;
+        float4 p[CS];
+#pragma unroll
+        for (int s = 0; s < CS; ++s) p[s] = ld_cluster_f4(addr, s);
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int s = 0; s < CS; ++s) {
+          v[0] += p[s].x; v[1] += p[s].y; v[2] += p[s].z; v[3] += p[s].w;
+        }
+        store_out<4>(out, ldo, r, c0 + q * 4, N, v, bias, has_bias);
+      }
     }
     cluster_sync();  // the other blocks may still be reading this block's tile
     W4_TRACE_AT(4);
@@ -994,13 +1061,22 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   if (nsplit == 1) {
     W4_TRACE_AT(3);
     if (!live) return;
+    if constexpr (GATED) {  // rows row0 (gate) and row0 + 8 (up): accumulators i and i + 2
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) {
-      const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
-      if (r >= M || n >= N) continue;
-      float v = acc[i];
-      if (has_bias) v += from_bf16(bias[n]);
-      out[(size_t)r * ldo + n] = to_bf16(v);
+      for (int i = 0; i < NACC; ++i) {
+        if ((i >> 1) & 1) continue;
+        const int r = 8 * (i >> 2) + 2 * t + (i & 1);
+        if (r < M && row0 < N) out[(size_t)r * ldo + gated_col(row0)] = silu_mul_bf16(acc[i], acc[i + 2]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const int n = row0 + 8 * ((i >> 1) & 1), r = 8 * (i >> 2) + 2 * t + (i & 1);
+        if (r >= M || n >= N) continue;
+        float v = acc[i];
+        if (has_bias) v += from_bf16(bias[n]);
+        out[(size_t)r * ldo + n] = to_bf16(v);
+      }
     }
     return;
   }
@@ -1012,15 +1088,15 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     }
   }
   W4_TRACE_AT(3);
-  splitk_finish<NTH, NWG * 64>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
+  splitk_finish<NTH, NWG * 64, GATED>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
   W4_TRACE_AT(4);
   }
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR, bool GATED>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB, LR>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB, LR, GATED>(W4_WGMMA_ARGS);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR, bool GATED>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR, GATED>(W4_WGMMA_ARGS);
 }
