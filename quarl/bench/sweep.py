@@ -41,7 +41,7 @@ class ActQuantConfig(NamedTuple):
 
 # kernel name -> the config type its Plan carries (None: the kernel takes no config)
 KERNEL_CONFIGS: dict[str, type | None] = {
-    "wgmma": WgConfig, "tile": TileKConfig, "frag": FragConfig, "swap": TileConfig, "mid": TileConfig, "tiled": TileConfig,
+    "wgmma": WgConfig, "tile": TileKConfig, "frag": FragConfig, "swap": TileConfig, "tiled": TileConfig,
     "dequant": None, "pointer": TileConfig, "tma": TileConfig, "cublas": None, "w4a8": TileConfig,
     "gated": TileConfig, "act_quant": ActQuantConfig,
 }
@@ -110,16 +110,12 @@ def _swap(m: int) -> list[Plan]:
 
 
 def _mid(m: int) -> list[Plan]:
-    """Above 64 rows: the Triton mid-M w4 kernel, (tokens, weight rows, warps) per tile with at
-    most 128 fp32 accumulators a thread, 3-4 stages (256 tokens: 3, 4 take 288 KB of shared
-    memory); the swap kernel at large tiles (a per-chunk partial scaled into the accumulator:
-    two tiles of accumulators, so at most 64 each); and dequantize + cuBLAS."""
-    tiles = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (128, 256, 8)]
+    """Above 64 rows: the swap kernel at large tiles (a per-chunk partial scaled into the
+    accumulator: two tiles of accumulators, so at most 64 fp32 each a thread) and dequantize +
+    cuBLAS."""
     swaps = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8)]
-    return [Plan("mid", TileConfig(bm, bn, num_warps=w, num_stages=st))
-            for bm, bn, w in tiles if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + \
-        [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
-         for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
+    return [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
+            for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
 
 
 def _weight_only(m: int) -> list[Plan]:
@@ -184,8 +180,8 @@ FAMILIES: dict[str, Family] = {
                    "int4 g128 weight-only, CUDA fragment kernel (sm80 / sm89, M <= 4)"),
     "swap": Family("w4a16", ("swap", "dequant"), "w4a16", "weight_only", (16, 32, 64), _swap,
                    "int4 g128 weight-only, Triton swap kernel and dequantize + cuBLAS (no wgmma)"),
-    "mid": Family("w4a16", ("mid", "swap", "dequant"), "w4a16", "weight_only", (128, 256, 1024, 4096), _mid,
-                  "int4 g128 weight-only above 64 rows: Triton mid-M and swap kernels, dequantize + cuBLAS"),
+    "mid": Family("w4a16", ("swap", "dequant"), "w4a16", "weight_only", (128, 256, 1024, 4096), _mid,
+                  "int4 g128 weight-only above 64 rows: Triton swap kernel at large tiles, dequantize + cuBLAS"),
     "weight-only": Family("weight_only", ("tiled", "dequant"), "nvfp4", "weight_only", (16, 32, 64, 128), _weight_only,
                           "other weight-only formats (--format nvfp4, mxfp4, w2a16): wo_gemm_kernel tiles"),
     "fp8": Family("fp8", ("tma", "pointer", "cublas"), "w8a8-fp8", "quantized_input", (64, 256, 1024, 4096), _w8a8(True),

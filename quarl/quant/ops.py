@@ -137,8 +137,8 @@ def quant_linear_quantized_input(
 
 def gated_silu_weight_only(x: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None = None) -> torch.Tensor | None:
     """``silu(gate) * up`` ``[..., I]`` of a w4a16 ``[gate; up]`` projection on ``x``, the
-    SiLU-and-mul in the GEMM's epilogue (Hopper's wgmma kernel, bit for bit the GEMM then
-    the engine's SiLU-and-mul), or None where it does not apply (another scheme or GPU, a
+    SiLU-and-mul in the GEMM's epilogue (Hopper's wgmma kernel: the GEMM then the engine's
+    SiLU-and-mul, see :func:`~quarl.quant.kernels.cuda_w4.wgmma_gemm`), or None where it does not apply (another scheme or GPU, a
     batch size whose plain GEMM is not that kernel): the caller runs the two apart."""
     if qw.scheme.act_format != "none" or not x.is_cuda or x.dtype != torch.bfloat16 or not uses_fast_path(x):
         return None

@@ -63,9 +63,10 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and 128 < m <= 256 and n * k > 1 << 25:  # added: the mid-M kernel
+        if fam == "w4" and gen == "sm90" and 128 < m <= 256:  # added: the swap kernel's large tiles
             assert want == old_form(dispatch.DEQUANT, fam), want
-            assert dispatch.lookup("w4a16", gen, m, n, k).kernel == "mid", (m, n, k)
+            got = dispatch.lookup("w4a16", gen, m, n, k)
+            assert got.kernel == "swap" and got.config.bm == (64 if n < 4096 and k < 4096 else 128), (m, n, k)
             continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
@@ -124,11 +125,11 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
-    # 129-256 rows on Hopper: the Triton mid-M kernel for weights of more than 2^25 elements
-    # (bench/results/sweep_mid_7b_h100_s38.json); a dense copy runs cuBLAS on it
-    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584).kernel == "mid"
-    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).kernel == "mid"
-    assert dispatch.lookup("w4a16", "sm90", 256, 4608, 3584) == dispatch.DEQUANT
+    # 129-256 rows on Hopper: the swap kernel at 128-token tiles, 64 where both sides are under 4096
+    # (bench/results/sweep_mid_7b_h100_s39.json); a dense copy runs cuBLAS on it
+    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584) == dispatch.Plan("swap", dispatch.TileConfig(128, 64))
+    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).config.bm == 128
+    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 3584) == dispatch.Plan("swap", dispatch.TileConfig(64, 64, num_stages=4))
     assert dispatch.lookup("w4a16", "sm90", 257, 37888, 3584) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584, dense=True) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 129, 4608, 3584) == dispatch.DEQUANT

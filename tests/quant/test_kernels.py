@@ -243,26 +243,6 @@ def test_w4_swap_kernel(name, m, split_k):
     assert _rel(out, expect) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-@pytest.mark.parametrize("m,split_k", [(1, 1), (37, 1), (37, 2), (70, 3)])
-def test_w4_mid_kernel_is_linear_over_the_dequantized_weight(name, m, split_k):
-    """The mid-M kernel (several token and weight tiles, grouped; K split or not) against
-    float64 ``x @ dequantize(W).T``: the weight it multiplies is the one ``dequantize``
-    writes, so in fp32 the two differ only by the order of the sums."""
-    launch = _launch()
-    qw = quantize_weight(torch.randn(W4_N, W4_K), name)
-    x, bias = torch.randn(m, W4_K), torch.randn(W4_N)
-    w = launch.dequantize(qw, torch.float32)
-    assert torch.equal(w, qw.dequantize(torch.float32))  # the values both paths multiply
-    for b in (None, bias):
-        out = launch.mid_gemm(x, qw, b, launch.TileConfig(16, 16, split_k=split_k, group_m=2))
-        expect = x.double() @ w.double().T + (0 if b is None else b.double())
-        assert out.shape == (m, W4_N) and out.dtype == x.dtype
-        assert _rel(out, expect) < 1e-6
-    with pytest.raises(ValueError, match="group 128"):
-        launch.mid_gemm(x, quantize_weight(torch.randn(W4_N, W4_K), "w2a16"), None, launch.TileConfig(16, 16))
-
-
 def test_w4_dispatch_off_the_gpu_runs_the_swap_kernel():
     launch = _launch()
     qw = quantize_weight(torch.randn(W4_N, W4_K), "w4a16")

@@ -238,8 +238,10 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
     ``lora``: a :class:`~quarl.quant.ops.LoRATerm` the kernel adds to its fp32 tile before the
     one rounding to bf16 (check :func:`takes_lora` first). ``gated`` (``W = [gate; up]``, 2 I
     rows, I % 8 == 0, no bias, no LoRA term): ``silu(x gate^T) * (x up^T)`` ``[M, I]``, the
-    engine's SiLU-and-mul in the epilogue, bit for bit what the plain GEMM's output and
-    :func:`quarl.rollout.fused.silu_mul` give (same sums: the same K split over the same slabs)."""
+    engine's SiLU-and-mul in the epilogue: bit for bit the plain GEMM over the rows in the
+    gated order (:func:`~.w4_layout.gated_rows`) then :func:`quarl.rollout.fused.silu_mul`; the
+    same as over the weight as it is wherever the plan splits all column blocks alike (a tail
+    plan splits only the last wave's, which then hold other rows: the same sums in another order)."""
     m = x.shape[0]
     cfg.check(m)
     if gated and (qw.shape[0] % 16 or bias is not None or lora is not None):

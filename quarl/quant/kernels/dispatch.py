@@ -35,7 +35,6 @@ _WEIGHT_ONLY = {
     "tile": cuda_w4.tile_gemm,
     "wgmma": cuda_w4.wgmma_gemm,
     "swap": lambda x, qw, bias, cfg, repacked=None: weight_only.swap_gemm(x, qw, bias, cfg),
-    "mid": lambda x, qw, bias, cfg, repacked=None: weight_only.mid_gemm(x, qw, bias, cfg),
     "tiled": lambda x, qw, bias, cfg, repacked=None: weight_only.tiled_gemm(x, qw, bias, cfg),
     "dequant": lambda x, qw, bias, cfg, repacked=None: weight_only.dequant_gemm(x, qw, bias, repacked=repacked),
 }
@@ -103,11 +102,6 @@ def small_weight(m: int, n: int, k: int) -> bool:
     return n < 2048 and k <= 4096
 
 
-def above_2_25(m: int, n: int, k: int) -> bool:
-    """Weights of more than 2^25 elements (7B gate/up and down; not its q/k/v or o)."""
-    return n * k > 1 << 25
-
-
 def small_square_m33(m: int, n: int, k: int) -> bool:
     """33-64 tokens on a weight of at most 2048 x 2048 (1.5B o, q/k/v): fewer K splits."""
     return m > 32 and n <= 2048 and k <= 2048
@@ -115,6 +109,10 @@ def small_square_m33(m: int, n: int, k: int) -> bool:
 
 def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
+
+
+def both_below_4096(m: int, n: int, k: int) -> bool:
+    return n < 4096 and k < 4096
 
 
 def wide_hidden_m64(m: int, n: int, k: int) -> bool:
@@ -175,7 +173,8 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(16, 64, waves=4)), 16),
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
-    Row(Plan("mid", TileConfig(256, 128, num_warps=8, num_stages=3)), 256, above_2_25, SM90),
+    Row(Plan("swap", TileConfig(64, 64, num_stages=4)), 256, both_below_4096, SM90),
+    Row(Plan("swap", TileConfig(128, 64)), 256, None, SM90),
     Row(DEQUANT),
 )
 
@@ -255,8 +254,9 @@ W4A16_DENSE: tuple[Row, ...] = (
 )
 
 # The w4a16 [gate; up] GEMM with the SiLU-and-mul in its epilogue: where a row gives a plan,
-# the wgmma kernel of the plain GEMM's own plan runs gated (same config, same sums); None: the
-# plain GEMM and a separate SiLU-and-mul.
+# the wgmma kernel of the plain GEMM's own plan runs gated (same config; the same sums except
+# under a tail plan, whose split blocks then hold other rows); None: the plain GEMM and a
+# separate SiLU-and-mul.
 GATED_W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma"), 128, None, SM90),
     Row(None),

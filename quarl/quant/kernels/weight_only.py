@@ -5,9 +5,6 @@
   GPU at small M.
 * :func:`swap_gemm`: ``w4_swap_kernel`` for int4 g128 at M <= 64: the dequantized weight
   tile is the dot's A operand, so the few activation rows waste no weight traffic.
-* :func:`mid_gemm`: ``w4_mid_kernel`` for int4 g128 at prefill and large decode batches: the
-  same orientation with large tiles and the weight dequantized as :func:`dequantize` writes
-  it (the numerics of :func:`dequant_gemm`), without a dense copy of the weight.
 * :func:`dequant_gemm`: the weight dequantized once (:func:`dequantize`) and the GEMM left to
   cuBLAS, which wins once the GEMM is compute-bound.
 """
@@ -96,29 +93,6 @@ def swap_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, c
         x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
         ASYM=qw.zeros is not None, BM=cfg.bm, BN=cfg.bn, IS_SPLIT=plan.split > 1, HAS_BIAS=bias is not None,
         INTERP=interpreting(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
-
-
-def mid_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
-    """int4 g128 ``x [M, K] @ W.T + bias`` with ``w4_mid_kernel`` (``cfg.bm``: tokens per tile,
-    ``cfg.bn``: weight rows per tile, ``cfg.group_m``: token tiles per L2 group, ``cfg.split_k``:
-    the pointer kernels' K-split rule)."""
-    if not is_w4_g128(qw):
-        raise ValueError(f"the mid-M w4 kernel needs int4 weights with group 128, got {qw.scheme.name}")
-    m, k = x.shape
-    n = qw.shape[0]
-    nchunk = qw.qdata.shape[1] // (PACK_K // 2)
-    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
-    plan = splitk.pointer_split(tiles, nchunk, num_sms(x.device), cfg.split_k)
-    out, part, cnt = splitk.outputs(m, n, plan.split, tiles, x.dtype, x.device)
-    zeros = qw.zeros if qw.zeros is not None else qw.scales
-    tk.w4_mid_kernel[(tiles, plan.split)](
-        x, qw.qdata, qw.scales, zeros, bias if bias is not None else qw.scales, out, part, cnt,
-        m, n, k, nchunk, plan.per, plan.split,
-        x.stride(0), qw.qdata.stride(0), qw.scales.stride(0), out.stride(0),
-        ASYM=qw.zeros is not None, BM=cfg.bm, BN=cfg.bn, GROUP_M=cfg.group_m, IS_SPLIT=plan.split > 1,
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
