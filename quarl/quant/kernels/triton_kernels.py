@@ -704,25 +704,6 @@ def _store_tile_nm(
 
 
 @triton.jit
-def _swap_tile(x_ptr, w_ptr, s_ptr, z_ptr, pid_n, pid_m, pid_k, M, N, NCHUNK, CHUNKS_PER_SPLIT,
-               stride_xm, stride_wn, stride_sn, BM: tl.constexpr, BN: tl.constexpr):
-    """A swapped int4 kernel's tile (weight rows ``pid_n``, tokens ``pid_m``, K split ``pid_k``):
-    offsets, masks, the row pointers of the packed weight, the activations (``[1, BM]``), the
-    scales and zero points, and the split's range of 128-column chunks."""
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    nmask = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
-    xmask_m = offs_m[None, :] < M
-    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    z_rows = z_ptr + offs_n.to(tl.int64) * stride_sn
-    c_lo = pid_k * CHUNKS_PER_SPLIT
-    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
-    return offs_n, offs_m, nmask, w_rows, x_cols, xmask_m, s_rows, z_rows, c_lo, c_hi
-
-
-@triton.jit
 def w4_swap_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
@@ -742,11 +723,18 @@ def w4_swap_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n, offs_m, nmask, w_rows, x_cols, xmask_m, s_rows, z_rows, c_lo, c_hi = _swap_tile(
-        x_ptr, w_ptr, s_ptr, z_ptr, pid_n, pid_m, pid_k, M, N, NCHUNK, CHUNKS_PER_SPLIT,
-        stride_xm, stride_wn, stride_sn, BM, BN)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
     offs_j = tl.arange(0, 64)
+    nmask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm  # [1, BM]
+    xmask_m = offs_m[None, :] < M
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    z_rows = z_ptr + offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    c_lo = pid_k * CHUNKS_PER_SPLIT
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_SPLIT, NCHUNK)
     for c in range(c_lo, c_hi):
         packed = tl.load(w_rows + (c * 64 + offs_j)[None, :], mask=nmask[:, None], other=0)
         k_lo = c * 128 + offs_j
