@@ -162,14 +162,19 @@ def test_overrides_replace_a_family_inside_the_block_only():
 
 def test_wgmma_config_check_names_what_it_cannot_run():
     """The wgmma kernel's config check (pure; the GPU test runs it through the kernel): M past
-    128 tokens, a 128-token tile without the single fp32 tile, too few stages, too much
-    shared memory; every table row passes it at its own M range."""
+    128 tokens, a 128-token tile without the single fp32 tile (or the pre-scaled loop's), the
+    pre-scaled loop with another loop's flags, too few stages, too much shared memory; every
+    table row passes it at its own M range."""
     from quarl.quant.kernels.config import WgConfig
 
     with pytest.raises(ValueError, match="M <= 128"):
         WgConfig(2, 3, single=True).check(129)
-    with pytest.raises(ValueError, match="needs single=True"):
+    with pytest.raises(ValueError, match="needs single=True or prescale=True"):
         WgConfig(2, 4).check(65)
+    WgConfig(3, 4, prescale=True).check(128)  # the pre-scaled loop keeps one fp32 tile: 128 tokens fit
+    for bad in (WgConfig(2, 4, single=True, prescale=True), WgConfig(2, 4, single=True, mbar=True, prescale=True)):
+        with pytest.raises(ValueError, match="prescale=True runs its own loop"):
+            bad.check(64)
     with pytest.raises(ValueError, match=">= 3 stages"):
         WgConfig(1, 2).check(8)
     with pytest.raises(ValueError, match="shared memory"):

@@ -383,7 +383,8 @@ def test_quant_linear_with_an_adapter_is_the_base_plus_its_addmm_and_trains_it(n
 def test_wgmma_kernel_takes_a_lora_term_only_where_it_fits():
     """``cuda_w4.takes_lora``: ranks up to 128, at most 3 members on 64-row boundaries, bf16
     operands in 16-byte rows, no gradient wanted, and shared memory that keeps the block's
-    residency (the 7B gate/up block of 3 warpgroups x 5 slots has room for rank 64, not 128)."""
+    residency (the 7B gate/up block of 3 warpgroups x 5 slots has room for rank 64, not 128);
+    never the pre-scaled loop."""
     from quarl.quant.kernels import cuda_w4
     from quarl.quant.kernels.config import WgConfig
     from quarl.quant.ops import LoRATerm
@@ -402,6 +403,7 @@ def test_wgmma_kernel_takes_a_lora_term_only_where_it_fits():
     two_per_sm = WgConfig(1, 4, 2.0, tail=True, cluster=True)  # 83 KB: two blocks an SM
     assert cuda_w4.takes_lora(two_per_sm, x, term(64)) and not cuda_w4.takes_lora(two_per_sm, x, term(128))
     assert cuda_w4.takes_lora(WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True), x, term(128))
+    assert not cuda_w4.takes_lora(WgConfig(2, 4, 1.0, tail=True, prescale=True), x, term(64))  # its own loop
     assert not cuda_w4.takes_lora(wide, x, term(192))
     assert not cuda_w4.takes_lora(wide, x, term(64, (0, 3584, 4100), (0, 64, 128)))  # a slab in two members
     assert not cuda_w4.takes_lora(wide, x, term(64, (0, 64, 128, 192), (0, 64, 128, 192)))

@@ -760,3 +760,57 @@ def test_wgmma_gated_epilogue_equals_the_gemm_then_silu_mul(name, m, shape):
     torch.testing.assert_close(got.float(), silu_mul(plain[:, :inter], plain[:, inter:]).float(), rtol=2e-2, atol=2e-3)
     with pytest.raises(ValueError, match="I % 8 == 0"):
         cuda_w4.wgmma_gemm(x, quantize_weight(torch.randn(1048, k, device="cuda"), name), None, plan.config, gated=True)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [17, 64, 100])
+@pytest.mark.parametrize("shape", [(17920, 1536), (1056, 1000)])  # the 1.5B's gate/up; odd K, N % 64 != 0
+def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m, shape):
+    """The wgmma kernel's pre-scaled loop (``WgConfig.prescale``) at whole column blocks, K
+    split through global partials and through clusters, 1-3 warpgroups: deterministic; with
+    each row of x two ones in one group of K, bit for bit ``bf16(w[:, k1] + w[:, k2])`` over
+    ``w = dequantize(W)`` in bf16 (the learner's weight; the post-scaled loop rounds
+    ``s ((u1 - z) + (u2 - z))`` instead, which differs); random x: ``x @ w.T`` in float64 up
+    to the order of the sums; the gated epilogue over it is the plain one's over the rows in
+    the gated order, then the SiLU-and-mul, bit for bit."""
+    from quarl.quant.kernels import cuda_w4, weight_only
+    from quarl.quant.kernels.config import WgConfig
+    from quarl.quant.kernels.w4_layout import RepackCache, gated_rows
+    from quarl.quant.qweight import QuantizedWeight
+    from quarl.rollout.fused import silu_mul
+
+    n, k = shape
+    qw, x, bias, _ = _w4_case(n, k, m, name)
+    w = weight_only.dequantize(qw, torch.bfloat16)
+    assert torch.equal(w, qw.dequantize(torch.bfloat16))
+    g = torch.Generator(device="cuda").manual_seed(m)
+    grp = torch.randint(0, k // 128, (m,), device="cuda", generator=g)
+    k1 = grp * 128 + torch.randint(0, 64, (m,), device="cuda", generator=g)
+    k2 = grp * 128 + 64 + torch.randint(0, 64, (m,), device="cuda", generator=g)
+    rows = torch.arange(m, device="cuda")
+    two = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+    two[rows, k1] = 1.0
+    two[rows, k2] = 1.0
+    want_two = (w[:, k1].float() + w[:, k2].float()).T.to(torch.bfloat16)
+    expect = x.double() @ w.double().T + bias.double()
+    order = gated_rows(n, "cuda")
+    qg = QuantizedWeight(qw.scheme, qw.shape, qw.qdata[order], qw.scales[order],
+                         None if qw.zeros is None else qw.zeros[order])
+    gate_pos = torch.nonzero(torch.arange(n, device="cuda") % 16 < 8).flatten()
+    cfgs = [WgConfig(1, 4, 2.0, tail=False, cluster=True, prescale=True), WgConfig(2, 4, 4.0, prescale=True),
+            WgConfig(2, 3, 1.0, tail=True, prescale=True), WgConfig(3, 4, 1.0, tail=True, prescale=True),
+            WgConfig(1, 4, 0.1, tail=True, prescale=True)]
+    post_differs = False
+    for cfg in cfgs:
+        cfg.check(m)
+        cache = RepackCache()
+        a = cuda_w4.wgmma_gemm(x, qw, bias, cfg, cache)
+        assert torch.equal(a, cuda_w4.wgmma_gemm(x, qw, bias, cfg, cache)), cfg
+        _check(a, expect, 4e-3)
+        assert torch.equal(cuda_w4.wgmma_gemm(two, qw, None, cfg, cache), want_two), cfg
+        got = cuda_w4.wgmma_gemm(x, qw, None, cfg, cache, gated=True)
+        reordered = cuda_w4.wgmma_gemm(x, qg, None, cfg)
+        assert torch.equal(got, silu_mul(reordered[:, gate_pos], reordered[:, gate_pos + 8])), cfg
+        post = cfg._replace(prescale=False, single=m > 64)
+        post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
+    assert post_differs  # the check above can tell the two numerics apart

@@ -97,6 +97,9 @@ class WgConfig(NamedTuple):
     tail: bool = False  # blocks_per_sm = resident slots per SM; split K of the last wave only
     cluster: bool = False  # sum the K splits through distributed shared memory (all column blocks split)
     mbar: bool = False  # single-tile loop with per-slot mbarriers instead of a block barrier per group
+    # weights scaled before the MMA, bf16((u - z) s) as the learner dequantizes them: one fp32
+    # tile over all of K, the wgmmas streamed back to back (half a group in flight)
+    prescale: bool = False
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -106,9 +109,11 @@ class WgConfig(NamedTuple):
             raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, 1 <= minb x nwg <= 16; got {self}")
         if self.mbar and not (self.single and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: mbar=True runs the single-tile loop with >= 4 stages; got {self}")
-        if wgmma_tokens(m) > 64 and not self.single:
-            raise ValueError(f"wgmma w4 kernel: M={m} (128 tokens) needs single=True (a second fp32 tile of 64 "
-                             f"registers a thread would spill); got {self}")
+        if self.prescale and (self.single or self.mbar):
+            raise ValueError(f"wgmma w4 kernel: prescale=True runs its own loop (single=False, mbar=False); got {self}")
+        if wgmma_tokens(m) > 64 and not (self.single or self.prescale):
+            raise ValueError(f"wgmma w4 kernel: M={m} (128 tokens) needs single=True or prescale=True (a second "
+                             f"fp32 tile of 64 registers a thread would spill); got {self}")
         smem = self.smem_bytes(wgmma_tokens(m))
         if smem > 227 * 1024:
             raise ValueError(f"wgmma w4 kernel: {self} needs {smem} bytes of shared memory at M={m} (> 227 KB)")

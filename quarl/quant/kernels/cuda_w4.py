@@ -13,7 +13,10 @@ nothing is built at install time.
 Numerics are those of the Triton small-M kernel: ``(u - z)`` is exact in bf16, each group's
 products are summed by the tensor cores in fp32 and scaled by the fp32 group scale, ``acc +=
 s_g * sum_k x_k (u_k - z)``; the split-K partial sums are added in split order by the
-last-arriving block (deterministic).
+last-arriving block (deterministic). The wgmma kernel's pre-scaled loop (``WgConfig.prescale``)
+has the learner's numerics instead: each weight is ``bf16((u - z) s)`` (fp32 product, one
+rounding), as :func:`~quarl.quant.kernels.weight_only.dequantize` writes it, and one fp32 tile
+accumulates all of K, so the result is ``x @ dequantize(W).T`` summed in another order.
 
 Three kernels read that layout. ``w4a16_frag`` (M <= 16): every warp streams its own slab
 and K range through a private cp.async ring, activation tile included. ``w4a16_tile`` (M <=
@@ -73,11 +76,13 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
-                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False):
+                  cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False,
+                  prescale: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py);
-    ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue."""
+    ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
+    ``prescale``: the pre-scaled loop (``WgConfig.prescale``)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
-    tail = f"{lr}, {_tf(gated)}"
+    tail = f"{lr}, {_tf(gated)}, {_tf(prescale)}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
@@ -196,8 +201,10 @@ def takes_lora(cfg: WgConfig, x: torch.Tensor, lora) -> bool:
     """Whether the wgmma kernel with ``cfg`` adds ``lora`` (a :class:`~quarl.quant.ops.LoRATerm`)
     in its epilogue: rank <= 128, at most 3 members whose row starts (but the first) are
     64-row aligned, bf16 operands in 16-byte aligned rows, no gradient wanted, and shared
-    memory for it without losing a block per SM."""
+    memory for it without losing a block per SM; not the pre-scaled loop (``cfg.prescale``)."""
     xa, b = lora.xa, lora.b
+    if cfg.prescale:
+        return False
     if lora.rank > 128 or len(lora.starts) > 3 or any(s % 64 for s in lora.starts[1:]):
         return False
     if xa.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or xa.shape[1] != b.shape[1] or b.shape[1] % 8:
@@ -261,7 +268,7 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated)
+                             gated, cfg.prescale)
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x),

@@ -26,6 +26,15 @@ __device__ __forceinline__ u32 sub_z(u32 a, u32 negz) {  // (128 + u) - (128 + z
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(negz));
   return r;
 }
+// bf16x2 of bf16((u - z) s) from the bf16x2 of the exact (u - z) (sub_z) and the fp32 group
+// scale: each half widened to fp32 (exact), one fp32 product, rounded to nearest (the weight
+// quarl.quant's dequantize writes: (u - z) s in fp32, then bf16)
+__device__ __forceinline__ u32 scale_bf16x2(u32 v, float s) {
+  const float lo = __fmul_rn(__uint_as_float(v << 16), s), hi = __fmul_rn(__uint_as_float(v & 0xFFFF0000u), s);
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -681,11 +690,12 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // weight group's with bf16 B rows as the A operand. Each warpgroup's t tile (swizzled as the
 // activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied to
 // shared memory past the ring with the prologue's copies.
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, bool PS>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
+  static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
-  static_assert(NTOK <= 64 || SINGLE, "128-token tiles run the single-tile loop");
+  static_assert(NTOK <= 64 || SINGLE || PS, "128-token tiles run the single-tile or the pre-scaled loop");
   static_assert(!MB || (SINGLE && ST >= 4), "the mbarrier loop is a single-tile loop of >= 4 slots");
   W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
@@ -768,9 +778,12 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
 
   // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
   // write would make the compiler copy them between wgmma and wait (ptxas then serializes)
+  // (PS: acc is the wgmmas' own tile, the same rule: the first wgmma overwrites it)
   float acc[NACC], t0[NACC], t1[NACC];
+  if constexpr (!PS) {
 #pragma unroll
-  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  }
   u32 a0[8][4], a1[8][4];
   float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;  // scales of the group in t0 / t1
   const int row0 = n0 + 16 * warp + g;  // this thread's weight rows: row0 and row0 + 8
@@ -809,6 +822,27 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
 #pragma unroll
     for (int s = 0; s < 8; ++s)
       wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
+    wg_commit();
+  };
+  // PS: half h of group gi (steps 4 h .. 4 h + 3: the thread's 16-byte word of that half) with
+  // the weights scaled before the MMA, bf16((u - z) s) as the learner dequantizes them; its 4
+  // wgmmas accumulate straight into acc (the very first one overwrites it)
+  auto ps_half = [&](int gi, int h, u32 (&a)[4][4], u32 z0, u32 z1, float s0, float s1) {
+    const u32 sbase = ring + (gi % ST) * STAGE;
+    u32 w[4];
+    lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      a[s][0] = scale_bf16x2(sub_z(lop_q(w[s]), z0), s0);
+      a[s][1] = scale_bf16x2(sub_z(lop_q(w[s] >> 8), z1), s1);
+      a[s][2] = scale_bf16x2(sub_z(lop_q(w[s] >> 4), z0), s0);
+      a[s][3] = scale_bf16x2(sub_z(lop_q(w[s] >> 12), z1), s1);
+    }
+    wg_fence();
+    const unsigned long long d0 = desc_sw128(sbase);
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      wgmma_bf16<NTOK>(acc, a[s], d0 + ((h * (NTOK * 128) + s * 32) >> 4), gi > 0 || h > 0 || s > 0);
     wg_commit();
   };
   // the LoRA term's copies (LR > 0): in the mbarrier loop with the first group's, the term then
@@ -948,6 +982,45 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
       __syncwarp();
       if (lane == 0) mb_arrive(empty0 + 8 * (gi % ST));  // this warp is done with the slot
     }
+  } else if constexpr (PS) {
+    // pre-scaled: one fp32 tile over all of K, in half groups (4 steps): one half's wgmmas in
+    // flight while the next half is dequantized into the other set of A registers (a0: the
+    // first halves, a1: the second; 32 registers for both), so the wgmmas stream back to back;
+    // a slot is refilled two groups behind (LA = ST - 2), once every warpgroup retired its halves
+    u32 (&h0)[4][4] = *reinterpret_cast<u32 (*)[4][4]>(&a0[0][0]);
+    u32 (&h1)[4][4] = *reinterpret_cast<u32 (*)[4][4]>(&a1[0][0]);
+    // after the wait that retires a half: its A registers stay live (unmodified) until here
+    auto keep_a = [&](u32 (&a)[4][4]) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) keep_r(a[s][c]);
+    };
+    float sc0, sc1, sn0 = 0.f, sn1 = 0.f;
+    ld_scales(0, sc0, sc1);
+    for (int gi = 0; gi < ngroups; ++gi) {
+      u32 z0, z1;
+      zero_points(gi, z0, z1);
+      if (gi + 1 < ngroups) ld_scales(gi + 1, sn0, sn1);
+      cp_wait<LA - 1>();
+      proxy_fence();
+      __syncthreads();
+      if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
+      cp_commit();
+      if (gi == 0) W4_TRACE_AT(1);
+      ps_half(gi, 0, h0, z0, z1, sc0, sc1);
+      wg_wait1();  // retires the previous group's second half
+      keep_a(h1);
+      ps_half(gi, 1, h1, z0, z1, sc0, sc1);
+      wg_wait1();  // retires this group's first half
+      keep_a(h0);
+      sc0 = sn0;
+      sc1 = sn1;
+    }
+    wg_wait0();
+    keep_a(h1);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) keep_f(acc[i]);  // read only after the last wait
   } else if (SINGLE) {
     // one tile: wait for each group's wgmmas before folding it (about half the registers,
     // so more blocks per SM hide the latency the double-buffered loop hides with ILP); the
@@ -1092,11 +1165,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   W4_TRACE_AT(4);
   }
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR, bool GATED>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR, bool GATED, bool PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB, LR, GATED>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB, LR, GATED, PS>(W4_WGMMA_ARGS);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR, bool GATED>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR, bool GATED, bool PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR, GATED>(W4_WGMMA_ARGS);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR, GATED, PS>(W4_WGMMA_ARGS);
 }
