@@ -118,12 +118,15 @@ def _swap(m: int) -> list[Plan]:
 
 
 def _mid(m: int) -> list[Plan]:
-    """Above 64 rows: the swap kernel at large tiles (a per-chunk partial scaled into the
-    accumulator: two tiles of accumulators, so at most 64 fp32 each a thread) and dequantize +
-    cuBLAS."""
+    """Above 64 rows: the wgmma kernel's pre-scaled loop in 128-token tiles (1-3 warpgroups, 3-4
+    slots, K split in clusters or not); the swap kernel at large tiles (a per-chunk partial
+    scaled into the accumulator: two tiles of accumulators, so at most 64 fp32 each a thread);
+    and dequantize + cuBLAS."""
     swaps = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8)]
-    return [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
-            for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
+    pre = [Plan("wgmma", WgConfig(nwg, st, 1.0, tail=True, cluster=cl, prescale=True))
+           for nwg, st in ((1, 4), (2, 3), (2, 4), (3, 3), (3, 4)) for cl in (False, True)]
+    return pre + [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
+                  for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
 
 
 def _weight_only(m: int) -> list[Plan]:
@@ -188,8 +191,9 @@ FAMILIES: dict[str, Family] = {
                    "int4 g128 weight-only, CUDA fragment kernel (sm80 / sm89, M <= 4)"),
     "swap": Family("w4a16", ("swap", "dequant"), "w4a16", "weight_only", (16, 32, 64), _swap,
                    "int4 g128 weight-only, Triton swap kernel and dequantize + cuBLAS (no wgmma)"),
-    "mid": Family("w4a16", ("swap", "dequant"), "w4a16", "weight_only", (128, 256, 1024, 4096), _mid,
-                  "int4 g128 weight-only above 64 rows: Triton swap kernel at large tiles, dequantize + cuBLAS"),
+    "mid": Family("w4a16", ("wgmma", "swap", "dequant"), "w4a16", "weight_only", (128, 256, 1024, 4096), _mid,
+                  "int4 g128 weight-only above 64 rows: the wgmma kernel's pre-scaled loop (Hopper), the Triton "
+                  "swap kernel at large tiles, dequantize + cuBLAS"),
     "weight-only": Family("weight_only", ("tiled", "dequant"), "nvfp4", "weight_only", (16, 32, 64, 128), _weight_only,
                           "other weight-only formats (--format nvfp4, mxfp4, w2a16): wo_gemm_kernel tiles"),
     "fp8": Family("fp8", ("tma", "pointer", "cublas"), "w8a8-fp8", "quantized_input", (64, 256, 1024, 4096), _w8a8(True),

@@ -32,8 +32,9 @@ def old_form(plan: Plan | None, fam: str):
     cfg = plan.config
     if plan.kernel in ("frag", "tile", "wgmma"):
         fields = list(cfg)
-        if plan.kernel == "wgmma" and not cfg.mbar:  # a field added after the capture, at its default
-            fields = fields[:-1]
+        if plan.kernel == "wgmma":  # fields added after the capture, at their defaults
+            assert not cfg.prescale
+            fields = fields[:-1] if cfg.mbar else fields[:-2]
         return [type(cfg).__name__, *fields]
     if plan.kernel == "dequant" and fam == "wo":
         return ["dequant"]

@@ -763,11 +763,12 @@ def test_wgmma_gated_epilogue_equals_the_gemm_then_silu_mul(name, m, shape):
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-@pytest.mark.parametrize("m", [17, 64, 100])
+@pytest.mark.parametrize("m", [17, 64, 100, 300])
 @pytest.mark.parametrize("shape", [(17920, 1536), (1056, 1000)])  # the 1.5B's gate/up; odd K, N % 64 != 0
 def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m, shape):
     """The wgmma kernel's pre-scaled loop (``WgConfig.prescale``) at whole column blocks, K
-    split through global partials and through clusters, 1-3 warpgroups: deterministic; with
+    split through global partials and through clusters, 1-3 warpgroups, past 128 rows in
+    128-row tiles (grid y): deterministic; with
     each row of x two ones in one group of K, bit for bit ``bf16(w[:, k1] + w[:, k2])`` over
     ``w = dequantize(W)`` in bf16 (the learner's weight; the post-scaled loop rounds
     ``s ((u1 - z) + (u2 - z))`` instead, which differs); random x: ``x @ w.T`` in float64 up
@@ -811,6 +812,8 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         got = cuda_w4.wgmma_gemm(x, qw, None, cfg, cache, gated=True)
         reordered = cuda_w4.wgmma_gemm(x, qg, None, cfg)
         assert torch.equal(got, silu_mul(reordered[:, gate_pos], reordered[:, gate_pos + 8])), cfg
+        if m > 128:  # (the post-scaled loops take M <= 128)
+            continue
         post = cfg._replace(prescale=False, single=m > 64)
         post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
-    assert post_differs  # the check above can tell the two numerics apart
+    assert post_differs or m > 128  # the check above can tell the two numerics apart

@@ -111,6 +111,10 @@ class WgConfig(NamedTuple):
             raise ValueError(f"wgmma w4 kernel: mbar=True runs the single-tile loop with >= 4 stages; got {self}")
         if self.prescale and (self.single or self.mbar):
             raise ValueError(f"wgmma w4 kernel: prescale=True runs its own loop (single=False, mbar=False); got {self}")
+        if m > WGMMA_TOKENS[-1] and not self.prescale:
+            raise ValueError(f"wgmma w4 kernel takes M <= {WGMMA_TOKENS[-1]} (the pre-scaled loop, prescale=True, "
+                             f"any M in {WGMMA_TOKENS[-1]}-token tiles), got M={m}")
+        m = min(m, WGMMA_TOKENS[-1])
         if wgmma_tokens(m) > 64 and not (self.single or self.prescale):
             raise ValueError(f"wgmma w4 kernel: M={m} (128 tokens) needs single=True or prescale=True (a second "
                              f"fp32 tile of 64 registers a thread would spill); got {self}")

@@ -696,6 +696,16 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE || PS, "128-token tiles run the single-tile or the pre-scaled loop");
+  if constexpr (PS) {
+    // PS: blockIdx.y is the token tile (rows tt NTOK .. + NTOK - 1 of x and out): the block
+    // sees a tile of M <= NTOK rows, with its own stretch of the partials and the counters
+    const int tt = blockIdx.y;
+    x += (size_t)tt * NTOK * ldx;
+    out += (size_t)tt * NTOK * ldo;
+    part += (size_t)tt * split * NTOK * N;
+    counters += tt * ((Np / 64 + NWG - 1) / NWG);
+    M = min(NTOK, M - tt * NTOK);
+  }
   static_assert(!MB || (SINGLE && ST >= 4), "the mbarrier loop is a single-tile loop of >= 4 slots");
   W4_TRACE_AT(0);
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
