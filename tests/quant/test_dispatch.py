@@ -62,12 +62,15 @@ def test_tables_match_the_old_dispatch():
         if fam == "w4" and gen == "sm90" and 64 < m <= 128:  # the added rows: 128-token wgmma tiles
             assert want == ["dequant"] or want[0] == "TileConfig", want
             got = dispatch.lookup("w4a16", gen, m, n, k)
+            if n >= 16384:  # since s40: wide outputs run the pre-scaled loop
+                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True), (m, n, k)
+                continue
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and 128 < m <= 256:  # added: the swap kernel's large tiles
+        if fam == "w4" and gen == "sm90" and 128 < m <= 256:  # added: the pre-scaled wgmma loop in 128-row tiles
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            assert got.kernel == "swap" and got.config.bm == (64 if n < 4096 and k < 4096 else 128), (m, n, k)
+            assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, cluster=n < 16384 and k <= 8192, prescale=True), (m, n, k)
             continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
@@ -126,12 +129,20 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
-    # 129-256 rows on Hopper: the swap kernel at 128-token tiles, 64 where both sides are under 4096
-    # (bench/results/sweep_mid_7b_h100_s39.json); a dense copy runs cuBLAS on it
-    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584) == dispatch.Plan("swap", dispatch.TileConfig(128, 64))
-    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).config.bm == 128
-    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 3584) == dispatch.Plan("swap", dispatch.TileConfig(64, 64, num_stages=4))
+    # 65-128 rows, wide outputs (gate/up), and 129-256 rows on Hopper: the wgmma kernel's pre-scaled
+    # loop, three warpgroups, in 128-row tiles past 128 (bench/results/sweep_mid_7b_h200_s40.json,
+    # sweep_wgmma_7b_h200_s40.json); its K splits through clusters on q/k/v and o; a dense copy
+    # runs cuBLAS on it
+    ps = dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True)
+    assert dispatch.lookup("w4a16", "sm90", 128, 37888, 3584).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 128, 17920, 1536).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 128, 3584, 18944).config.single  # down: as before
+    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 3584).config == ps._replace(cluster=True)
+    assert dispatch.lookup("w4a16", "sm90", 200, 4608, 3584).config == ps._replace(cluster=True)
     assert dispatch.lookup("w4a16", "sm90", 257, 37888, 3584) == dispatch.DEQUANT
+    assert dispatch.lookup("w4a16", "sm80", 200, 3584, 3584) == dispatch.DEQUANT  # no wgmma before Hopper
     assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584, dense=True) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 129, 4608, 3584) == dispatch.DEQUANT
     for gen in ("sm80", "sm89"):
@@ -240,7 +251,10 @@ def test_the_gated_w4a16_epilogue_runs_the_plain_wgmma_plan_on_hopper_only():
 
     assert dispatch.lookup("gated_w4a16", "sm90", 64, 17920, 1536) == Plan("wgmma")
     assert dispatch.lookup("gated_w4a16", "sm90", 128, 17920, 1536) == Plan("wgmma")
-    assert dispatch.lookup("gated_w4a16", "sm90", 129, 17920, 1536) is None
+    # past 128 rows too, wherever the plain plan is the wgmma kernel (its pre-scaled loop up to 256)
+    assert dispatch.lookup("gated_w4a16", "sm90", 256, 17920, 1536) == Plan("wgmma")
+    assert dispatch.lookup("w4a16", "sm90", 256, 17920, 1536).kernel == "wgmma"
+    assert dispatch.lookup("w4a16", "sm90", 257, 17920, 1536).kernel == "dequant"  # (pick_gated_w4: None)
     for gen in ("sm80", "sm89", "none"):
         assert dispatch.lookup("gated_w4a16", gen, 64, 17920, 1536) is None
     qw = quantize_weight(torch.randn(64, 256), "w4a16")

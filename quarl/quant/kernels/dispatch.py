@@ -111,8 +111,14 @@ def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
 
 
-def both_below_4096(m: int, n: int, k: int) -> bool:
-    return n < 4096 and k < 4096
+def wide_output(m: int, n: int, k: int) -> bool:
+    """16384 output columns or more (gate/up of 1.5B and larger)."""
+    return n >= 16384
+
+
+def narrow_short_k(m: int, n: int, k: int) -> bool:
+    """Under 16384 output columns and K at most 8192 (q/k/v and o up to 32B)."""
+    return n < 16384 and k <= 8192
 
 
 def wide_hidden_m64(m: int, n: int, k: int) -> bool:
@@ -163,6 +169,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True)), 64, None, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 128, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, small_weight, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
@@ -173,8 +180,8 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(16, 64, waves=4)), 16),
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
-    Row(Plan("swap", TileConfig(64, 64, num_stages=4)), 256, both_below_4096, SM90),
-    Row(Plan("swap", TileConfig(128, 64)), 256, None, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 256, narrow_short_k, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 256, None, SM90),
     Row(DEQUANT),
 )
 
@@ -258,7 +265,7 @@ W4A16_DENSE: tuple[Row, ...] = (
 # under a tail plan, whose split blocks then hold other rows); None: the plain GEMM and a
 # separate SiLU-and-mul.
 GATED_W4A16: tuple[Row, ...] = (
-    Row(Plan("wgmma"), 128, None, SM90),
+    Row(Plan("wgmma"), None, None, SM90),
     Row(None),
 )
 
