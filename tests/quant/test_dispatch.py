@@ -67,10 +67,15 @@ def test_tables_match_the_old_dispatch():
                 continue
             assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and 128 < m <= 256:  # added: the pre-scaled wgmma loop in 128-row tiles
+        if fam == "w4" and gen == "sm90" and 128 < m <= 512:  # added: the pre-scaled wgmma loop in 128-row tiles
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, cluster=n < 16384 and k <= 8192, prescale=True), (m, n, k)
+            if n <= 2048 and k <= 2048:
+                assert got == dispatch.DEQUANT, (m, n, k)
+                continue
+            nwg = 3 if n >= 16384 or dispatch.few_192_tiles(m, n, k) else 2
+            cluster = n < 16384 and k <= 8192 and nwg == 3
+            assert got.config == dispatch.WgConfig(nwg, 4, 1.0, tail=True, cluster=cluster, prescale=True), (m, n, k)
             continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
@@ -141,7 +146,14 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).config == ps
     assert dispatch.lookup("w4a16", "sm90", 256, 3584, 3584).config == ps._replace(cluster=True)
     assert dispatch.lookup("w4a16", "sm90", 200, 4608, 3584).config == ps._replace(cluster=True)
-    assert dispatch.lookup("w4a16", "sm90", 257, 37888, 3584) == dispatch.DEQUANT
+    # up to 512 rows (sweep_mid_7b_512_h200_s40.json): two warpgroups where three would leave
+    # more than 64 tiles of 192 columns, except on wide outputs; the 1.5B's q/k/v and o dequantize
+    assert dispatch.lookup("w4a16", "sm90", 384, 3584, 3584).config == ps._replace(cluster=True)
+    assert dispatch.lookup("w4a16", "sm90", 384, 4608, 3584).config == ps._replace(nwg=2)
+    assert dispatch.lookup("w4a16", "sm90", 512, 3584, 18944).config == ps._replace(nwg=2)
+    assert dispatch.lookup("w4a16", "sm90", 512, 37888, 3584).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 256, 2048, 1536) == dispatch.DEQUANT
+    assert dispatch.lookup("w4a16", "sm90", 513, 37888, 3584) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 200, 3584, 3584) == dispatch.DEQUANT  # no wgmma before Hopper
     assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584, dense=True) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 129, 4608, 3584) == dispatch.DEQUANT
@@ -254,7 +266,7 @@ def test_the_gated_w4a16_epilogue_runs_the_plain_wgmma_plan_on_hopper_only():
     # past 128 rows too, wherever the plain plan is the wgmma kernel (its pre-scaled loop up to 256)
     assert dispatch.lookup("gated_w4a16", "sm90", 256, 17920, 1536) == Plan("wgmma")
     assert dispatch.lookup("w4a16", "sm90", 256, 17920, 1536).kernel == "wgmma"
-    assert dispatch.lookup("w4a16", "sm90", 257, 17920, 1536).kernel == "dequant"  # (pick_gated_w4: None)
+    assert dispatch.lookup("w4a16", "sm90", 513, 17920, 1536).kernel == "dequant"  # (pick_gated_w4: None)
     for gen in ("sm80", "sm89", "none"):
         assert dispatch.lookup("gated_w4a16", gen, 64, 17920, 1536) is None
     qw = quantize_weight(torch.randn(64, 256), "w4a16")

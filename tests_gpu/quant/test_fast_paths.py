@@ -532,7 +532,7 @@ def test_wgmma_kernel_is_the_default_up_to_m_128_and_follows_loads():
         for n in (3584, 512):
             assert pick(m, n, 3584).kernel == "wgmma"
     assert pick(65, 3584, 3584).config.single and pick(128, 37888, 3584).config.prescale  # 128-token tiles
-    assert pick(129, 3584, 3584).config.prescale and pick(257, 3584, 3584).kernel == "dequant"
+    assert pick(129, 3584, 3584).config.prescale and pick(513, 3584, 3584).kernel == "dequant"
     # the block shapes: clusters where every column block is split, 2 warpgroups on long K,
     # 3 on the widest weights at M > 32
     assert pick(1, 3584, 3584).config == WgConfig(1, 4, 2.0, False, 1, True, True)

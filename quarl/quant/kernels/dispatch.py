@@ -116,9 +116,13 @@ def wide_output(m: int, n: int, k: int) -> bool:
     return n >= 16384
 
 
-def narrow_short_k(m: int, n: int, k: int) -> bool:
-    """Under 16384 output columns and K at most 8192 (q/k/v and o up to 32B)."""
-    return n < 16384 and k <= 8192
+def few_192_tiles(m: int, n: int, k: int) -> bool:
+    """At most 64 tiles of 128 rows x 192 columns (three warpgroups' blocks) over 132 SMs."""
+    return cdiv(m, 128) * cdiv(n, 192) <= 64
+
+
+def few_192_tiles_short_k(m: int, n: int, k: int) -> bool:
+    return few_192_tiles(m, n, k) and k <= 8192
 
 
 def wide_hidden_m64(m: int, n: int, k: int) -> bool:
@@ -180,8 +184,11 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(16, 64, waves=4)), 16),
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 256, narrow_short_k, SM90),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 256, None, SM90),
+    Row(DEQUANT, 512, small_square, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 512, wide_output, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 512, few_192_tiles_short_k, SM90),
+    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 512, few_192_tiles, SM90),
+    Row(Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True)), 512, None, SM90),
     Row(DEQUANT),
 )
 
