@@ -707,19 +707,22 @@ def test_dense_weight_engine_takes_published_weights_in_its_graphs():
 def test_w4a16_gated_epilogue_changes_no_token_and_no_log_prob(kv):
     """The w4a16 gate/up GEMM with the SiLU-and-mul in its epilogue (the wgmma kernel's gated
     variant) against the GEMM then the SiLU-and-mul kernel: same tokens and log-probs bit for
-    bit through CUDA graphs, at 40 sequences (64-row plans) and at 100 (128-token tiles)."""
+    bit through CUDA graphs, at 40 sequences (64-row plans), at 100 (128-token tiles) and at 200
+    (the pre-scaled loop in 128-row tiles; gate/up of 3072 rows)."""
     import copy
 
     from quarl.quant.kernels import dispatch
+    from quarl.quant.kernels.device import gpu_gen
 
-    model = _small_model(torch.bfloat16)
+    model = _small_model(torch.bfloat16, intermediate_size=1536)
+    assert dispatch.lookup("w4a16", gpu_gen(torch.device("cuda")), 200, 3072, 256).config.prescale
     g = torch.Generator().manual_seed(2)
-    for nseq in (40, 100):
+    for nseq in (40, 100, 200):
         prompts = [torch.randint(0, 1000, (3 + n % 37,), generator=g).tolist() for n in range(nseq)]
         params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=5, ignore_eos=True)
         out = {}
         for gated in (False, True):
-            cfg = EngineConfig(max_model_len=128, max_num_seqs=128, num_kv_blocks=1000, tune_decode=False,
+            cfg = EngineConfig(max_model_len=128, max_num_seqs=256, num_kv_blocks=2000, tune_decode=False,
                                kv_cache_dtype=kv, dense_weights="off")
             with dispatch.overrides(**({} if gated else {"gated_w4a16": None})):
                 engine = Engine(copy.deepcopy(model), scheme="w4a16", config=cfg)

@@ -121,6 +121,11 @@ def few_192_tiles(m: int, n: int, k: int) -> bool:
     return cdiv(m, 128) * cdiv(n, 192) <= 64
 
 
+def one_wave_of_128(m: int, n: int, k: int) -> bool:
+    """At most 132 tiles of 128 x 128 (one wave on 132 SMs)."""
+    return cdiv(m, 128) * cdiv(n, 128) <= 132
+
+
 def few_192_tiles_short_k(m: int, n: int, k: int) -> bool:
     return few_192_tiles(m, n, k) and k <= 8192
 
@@ -188,7 +193,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 512, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 512, few_192_tiles_short_k, SM90),
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 512, few_192_tiles, SM90),
-    Row(Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True)), 512, None, SM90),
+    Row(Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True)), 512, one_wave_of_128, SM90),
     Row(DEQUANT),
 )
 
