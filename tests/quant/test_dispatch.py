@@ -5,8 +5,9 @@ kernel and config the old dispatch ran (``data/capture_dispatch_c62667c.py``). R
 added on purpose (w4a16 on sm90 at M = 65-128: 128-token wgmma tiles instead of dequantize +
 cuBLAS; fp8 at M = 17-128 with K > 8192 over N <= 2048: the TMA kernel with K split; fp8 at
 M = 17-128 with N, K <= 2048: the pointer kernel on 64 x 32 tiles; the gated fp8 GEMM at
-M = 17-128 for hidden sizes up to 2048; w4a16 on sm90 at M = 129-256 on large weights: the
-Triton mid-M kernel instead of dequantize + cuBLAS; w4a16 on sm90 at M = 33-64 on weights up to
+M = 17-128 for hidden sizes up to 2048; w4a16 on sm90 at M = 129-512 on all but the smallest
+weights and at 65-128 on wide outputs: the wgmma kernel's pre-scaled loop instead of dequantize +
+cuBLAS or the single-tile loop; w4a16 on sm90 at M = 33-64 on weights up to
 2048 x 2048: fewer K splits); every other case must match.
 """
 
@@ -137,7 +138,7 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
-    # 65-128 rows, wide outputs (gate/up), and 129-256 rows on Hopper: the wgmma kernel's pre-scaled
+    # 65-128 rows, wide outputs (gate/up), and 129-512 rows on Hopper: the wgmma kernel's pre-scaled
     # loop, three warpgroups, in 128-row tiles past 128 (bench/results/sweep_mid_7b_h200_s40.json,
     # sweep_wgmma_7b_h200_s40.json); its K splits through clusters on q/k/v and o; a dense copy
     # runs cuBLAS on it
