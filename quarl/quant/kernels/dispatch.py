@@ -168,6 +168,7 @@ def m2048_wide(m: int, n: int, k: int) -> bool:
 SM90 = ("sm90",)
 MMA = ("sm80", "sm89")  # mma.sync GPUs without wgmma
 DEQUANT = Plan("dequant")
+_PRESCALED = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True))  # the pre-scaled loop, three warpgroups
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
@@ -178,7 +179,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True)), 64, None, SM90),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 128, wide_output, SM90),
+    Row(_PRESCALED, 128, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, small_weight, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
@@ -190,9 +191,9 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
     Row(DEQUANT, 512, small_square, SM90),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 512, wide_output, SM90),
+    Row(_PRESCALED, 512, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 512, few_192_tiles_short_k, SM90),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True)), 512, few_192_tiles, SM90),
+    Row(_PRESCALED, 512, few_192_tiles, SM90),
     Row(Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True)), 512, one_wave_of_128, SM90),
     Row(DEQUANT),
 )
