@@ -36,7 +36,7 @@ from importlib import resources
 import torch
 
 from quarl.quant.kernels import splitk
-from quarl.quant.kernels.config import WGMMA_TOKENS, FragConfig, TileKConfig, WgConfig, wgmma_tokens
+from quarl.quant.kernels.config import FragConfig, TileKConfig, WgConfig, wgmma_tokens
 from quarl.quant.kernels.cuda_launch import launch
 from quarl.quant.kernels.device import num_sms, nvrtc_available
 from quarl.quant.kernels.w4_layout import SLAB, RepackCache
@@ -144,13 +144,13 @@ def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail:
 
 def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_args: tuple, threads: int,
                     smem: int, one_d: bool, extra: tuple = (), out_cols: int | None = None,
-                    token_tiles: int = 1) -> torch.Tensor:
+                    token_tiles: int = 1, tile_rows: int = 0) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
     wgmma kernels). ``kernel_for(asym, cluster_size)`` -> the kernel. ``one_d`` (wgmma): a
     1-D grid, the ``whole`` column blocks first, and a ``whole`` argument, then ``extra``.
     ``out_cols``: the output's width when it is not ``n`` (the gated epilogue: ``n / 2``).
-    ``token_tiles`` > 1 (the wgmma kernel's pre-scaled loop): grid y over 128-row tiles of x, each
-    with the same column blocks and K split (planned for that many times the blocks)."""
+    ``token_tiles`` > 1 (the wgmma kernel's pre-scaled loop): grid y over ``tile_rows``-row tiles
+    of x, each with the same column blocks and K split (planned for that many times the blocks)."""
     m = x.shape[0]
     groups, np_ = fw.scales.shape
     cols = splitk.cdiv(np_ // SLAB, slabs_per_block)
@@ -158,7 +158,7 @@ def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_
     out = torch.empty(m, n if out_cols is None else out_cols, dtype=torch.bfloat16, device=x.device)
     part = cnt = out
     if plan.split > 1 and not plan.cluster:
-        rows = m if token_tiles == 1 else token_tiles * WGMMA_TOKENS[-1]  # a stretch of 128 rows per tile
+        rows = m if token_tiles == 1 else token_tiles * tile_rows  # a stretch of tile_rows rows per tile
         part = torch.empty(plan.split, rows, n, dtype=torch.float32, device=x.device)
         cnt = splitk.COUNTERS.get(x.device, cols * token_tiles)
     args = _args(x, fw, bias, out, part, cnt, n, plan)
@@ -267,7 +267,7 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
     if lora is not None and not takes_lora(cfg, x, lora):
         raise ValueError(f"wgmma w4 kernel: this LoRA term does not fit {cfg} (rank {lora.rank}, starts {lora.starts})")
     x, bias, fw = _prepare(x, qw, bias, "wgmma-gated" if gated else "wgmma", repacked)
-    ntok = wgmma_tokens(min(m, WGMMA_TOKENS[-1]))
+    ntok = cfg.tile_tokens(m)
     lr = 0 if lora is None else _lora_atoms(lora.rank)
     smem = cfg.smem_bytes(ntok) + (0 if lora is None else lora_smem_bytes(cfg, ntok, lora.rank))
 
@@ -278,4 +278,4 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x),
                            out_cols=qw.shape[0] // 2 if gated else None,
-                           token_tiles=splitk.cdiv(m, WGMMA_TOKENS[-1]))
+                           token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok)

@@ -735,10 +735,19 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // chunks, as 32-bit byte offsets from x / wq (one 64-bit base per group: fewer registers
   // and address instructions than a pointer per chunk; launch checks both fit)
   constexpr int CX = (NTOK * 16 + NTH - 1) / NTH, CW = (NWG * 256 + NTH - 1) / NTH;
-  u32 xsrc[CX], xdst[CX];
-  int xcol[CX];  // first column in group 0; -1: zero-fill only (row >= M) or no chunk
+  // LINX (256-token tiles): copy i of a thread is row r0 + i RSTEP, chunk q0 (RSTEP = NTH / 16 is
+  // a multiple of 8, so all its copies share one swizzle): one base and one stride for each
+  // address instead of three CX-long arrays (48 registers at 256 tokens)
+  constexpr bool LINX = NTOK > 128;
+  constexpr int CXA = LINX ? 1 : CX, RSTEP = NTH / 16;
+  static_assert(!LINX || (RSTEP % 8 == 0 && (NTOK * 16) % NTH == 0), "256-token tiles: 1 or 2 warpgroups");
+  const int r0 = tid >> 4, q0 = tid & 15;
+  const u32 xsrc0 = ((u32)r0 * ldx + q0 * 8) * 2, xstep = (u32)RSTEP * ldx * 2;
+  const u32 xdst0 = (q0 >> 3) * (NTOK * 128) + r0 * 128 + (((q0 & 7) ^ (r0 & 7)) << 4);
+  u32 xsrc[CXA], xdst[CXA];
+  int xcol[CXA];  // first column in group 0; -1: zero-fill only (row >= M) or no chunk
 #pragma unroll
-  for (int i = 0; i < CX; ++i) {
+  for (int i = 0; i < CXA; ++i) {
     const int c = tid + i * NTH, r = c >> 4, q = c & 15;
     const bool ok = c < NTOK * 16 && r < M;
     xcol[i] = ok ? q * 8 : -1;
@@ -756,11 +765,26 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   }
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's barrier orders these stores before any wgmma reads them)
-  zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
+  if constexpr (LINX) {
+#pragma unroll
+    for (int i = 0; i < CX; ++i)
+      if (r0 + i * RSTEP >= M)
+        for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + xdst0 + i * RSTEP * 128);
+  } else {
+    zero_skipped_chunks<CX, NTH, ST>(ring, STAGE, tid, NTOK * 16, xdst, xcol);
+  }
   auto issue_x = [&](int grp, int slot) {
     const u32 sbase = ring + slot * STAGE;
     const unsigned char* xg = reinterpret_cast<const unsigned char*>(x) + (size_t)grp * 256;
-    if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
+    if constexpr (LINX) {
+      const int left = K - grp * 128 - q0 * 8;  // (the same for every copy of this thread)
+      const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+      const int rows = min(CX, (M - r0 + RSTEP - 1) / RSTEP);  // copies whose row is < M
+#pragma unroll
+      for (int i = 0; i < CX; ++i)
+        if (i < rows)
+          cp_async16(sbase + xdst0 + i * RSTEP * 128, valid ? xg + xsrc0 + i * xstep : reinterpret_cast<const unsigned char*>(x), valid);
+    } else if (grp * 128 + 128 <= K) {  // a whole group (uniform branch): no per-chunk bounds
 #pragma unroll
       for (int i = 0; i < CX; ++i)
         if (tid + i * NTH < NTOK * 16 && xcol[i] >= 0) cp_async16(sbase + xdst[i], xg + xsrc[i], 16);
