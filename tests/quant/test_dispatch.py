@@ -34,7 +34,7 @@ def old_form(plan: Plan | None, fam: str):
     if plan.kernel in ("frag", "tile", "wgmma"):
         fields = list(cfg)
         if plan.kernel == "wgmma":  # fields added after the capture, at their defaults
-            assert not cfg.prescale and not cfg.tok256
+            assert not cfg.prescale and not cfg.tile
             fields = fields[:-2] if cfg.mbar else fields[:-3]
         return [type(cfg).__name__, *fields]
     if plan.kernel == "dequant" and fam == "wo":
@@ -201,15 +201,16 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     with pytest.raises(ValueError, match="needs single=True or prescale=True"):
         WgConfig(2, 4).check(65)
     WgConfig(3, 4, prescale=True).check(128)  # the pre-scaled loop keeps one fp32 tile: 128 tokens fit
-    WgConfig(2, 3, prescale=True, tok256=True).check(1000)  # 256-token tiles: 3 x 72 KB slots
-    assert WgConfig(2, 3, prescale=True, tok256=True).tile_tokens(100) == 256
+    WgConfig(2, 3, prescale=True, tile=256).check(1000)  # 256-token tiles: 3 x 72 KB slots
+    WgConfig(2, 4, prescale=True, tile=192).check(1000)  # 192: 4 x 56 KB
+    assert WgConfig(2, 3, prescale=True, tile=256).tile_tokens(100) == 256
     assert WgConfig(2, 3, prescale=True).tile_tokens(1000) == 128 and WgConfig(2, 3).tile_tokens(20) == 32
-    for bad in (WgConfig(3, 3, prescale=True, tok256=True), WgConfig(2, 3, single=True, tok256=True),
-                WgConfig(2, 3, minb=2, prescale=True, tok256=True)):
-        with pytest.raises(ValueError, match="tok256=True runs the pre-scaled loop"):
+    for bad in (WgConfig(3, 3, prescale=True, tile=256), WgConfig(2, 3, single=True, tile=256),
+                WgConfig(2, 3, minb=2, prescale=True, tile=256), WgConfig(2, 3, prescale=True, tile=160)):
+        with pytest.raises(ValueError, match="tile=192 or 256 runs the pre-scaled loop"):
             bad.check(100)
     with pytest.raises(ValueError, match="shared memory"):
-        WgConfig(2, 4, prescale=True, tok256=True).check(300)  # 4 slots of 72 KB
+        WgConfig(2, 4, prescale=True, tile=256).check(300)  # 4 slots of 72 KB
     for bad in (WgConfig(2, 4, single=True, prescale=True), WgConfig(2, 4, single=True, mbar=True, prescale=True)):
         with pytest.raises(ValueError, match="prescale=True runs its own loop"):
             bad.check(64)

@@ -768,7 +768,7 @@ def test_wgmma_gated_epilogue_equals_the_gemm_then_silu_mul(name, m, shape):
 def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m, shape):
     """The wgmma kernel's pre-scaled loop (``WgConfig.prescale``) at whole column blocks, K
     split through global partials and through clusters, 1-3 warpgroups, past 128 rows in
-    128-row tiles (grid y), and in 256-row tiles (``tok256``): deterministic; with
+    128-row tiles (grid y), and in 192- and 256-row tiles (``tile``): deterministic; with
     each row of x two ones in one group of K, bit for bit ``bf16(w[:, k1] + w[:, k2])`` over
     ``w = dequantize(W)`` in bf16 (the learner's weight; the post-scaled loop rounds
     ``s ((u1 - z) + (u2 - z))`` instead, which differs); random x: ``x @ w.T`` in float64 up
@@ -800,8 +800,8 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
     gate_pos = torch.nonzero(torch.arange(n, device="cuda") % 16 < 8).flatten()
     cfgs = [WgConfig(1, 4, 2.0, tail=False, cluster=True, prescale=True), WgConfig(2, 4, 4.0, prescale=True),
             WgConfig(2, 3, 1.0, tail=True, prescale=True), WgConfig(3, 4, 1.0, tail=True, prescale=True),
-            WgConfig(1, 4, 0.1, tail=True, prescale=True), WgConfig(2, 3, 1.0, tail=True, prescale=True, tok256=True),
-            WgConfig(1, 3, 1.0, cluster=True, prescale=True, tok256=True)]
+            WgConfig(1, 4, 0.1, tail=True, prescale=True), WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256),
+            WgConfig(1, 3, 1.0, cluster=True, prescale=True, tile=256), WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192)]
     post_differs = False
     for cfg in cfgs:
         cfg.check(m)
@@ -815,6 +815,6 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         assert torch.equal(got, silu_mul(reordered[:, gate_pos], reordered[:, gate_pos + 8])), cfg
         if m > 128:  # (the post-scaled loops take M <= 128)
             continue
-        post = cfg._replace(prescale=False, single=m > 64, tok256=False)
+        post = cfg._replace(prescale=False, single=m > 64, tile=0)
         post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
     assert post_differs or m > 128  # the check above can tell the two numerics apart

@@ -100,16 +100,17 @@ class WgConfig(NamedTuple):
     # weights scaled before the MMA, bf16((u - z) s) as the learner dequantizes them: one fp32
     # tile over all of K, the wgmmas streamed back to back (half a group in flight)
     prescale: bool = False
-    # the pre-scaled loop in 256-token tiles (wgmma m64n256k16: 128 fp32 accumulators a thread,
-    # 1-2 warpgroups): each dequantized weight feeds twice the tokens
-    tok256: bool = False
+    # the pre-scaled loop in tiles of this many tokens (192: m64n192k16, 96 fp32 accumulators a
+    # thread, 4 slots of 56 KB; 256: m64n256k16, 128 accumulators, 3 slots of 72 KB; 1-2
+    # warpgroups): each dequantized weight feeds 1.5-2x the tokens; 0: 128-token tiles
+    tile: int = 0
 
     def smem_bytes(self, ntok: int) -> int:
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
 
     def tile_tokens(self, m: int) -> int:
         """Token rows of one block's activation tile (the wgmma N side) for M = ``m``."""
-        return 256 if self.tok256 else wgmma_tokens(min(m, WGMMA_TOKENS[-1]))
+        return self.tile or wgmma_tokens(min(m, WGMMA_TOKENS[-1]))
 
     def check(self, m: int) -> None:
         if self.nwg not in (1, 2, 3, 4) or self.stages < 3 or self.blocks_per_sm <= 0 or not 1 <= self.minb * self.nwg <= 16:
@@ -121,9 +122,9 @@ class WgConfig(NamedTuple):
         if m > WGMMA_TOKENS[-1] and not self.prescale:
             raise ValueError(f"wgmma w4 kernel takes M <= {WGMMA_TOKENS[-1]} (the pre-scaled loop, prescale=True, "
                              f"any M in {WGMMA_TOKENS[-1]}-token tiles), got M={m}")
-        if self.tok256 and not (self.prescale and self.nwg <= 2 and self.minb == 1):
-            raise ValueError(f"wgmma w4 kernel: tok256=True runs the pre-scaled loop (prescale=True) with 1-2 "
-                             f"warpgroups and minb=1 (its 128 accumulators take most of 255 registers); got {self}")
+        if self.tile and not (self.tile in (192, 256) and self.prescale and self.nwg <= 2 and self.minb == 1):
+            raise ValueError(f"wgmma w4 kernel: tile=192 or 256 runs the pre-scaled loop (prescale=True) with 1-2 "
+                             f"warpgroups and minb=1 (its 96-128 accumulators take most of 255 registers); got {self}")
         ntok = self.tile_tokens(m)
         m = min(m, WGMMA_TOKENS[-1])
         if wgmma_tokens(m) > 64 and not (self.single or self.prescale):

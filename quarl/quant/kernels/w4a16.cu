@@ -735,7 +735,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // chunks, as 32-bit byte offsets from x / wq (one 64-bit base per group: fewer registers
   // and address instructions than a pointer per chunk; launch checks both fit)
   constexpr int CX = (NTOK * 16 + NTH - 1) / NTH, CW = (NWG * 256 + NTH - 1) / NTH;
-  // LINX (256-token tiles): copy i of a thread is row r0 + i RSTEP, chunk q0 (RSTEP = NTH / 16 is
+  // LINX (192- and 256-token tiles): copy i of a thread is row r0 + i RSTEP, chunk q0 (RSTEP = NTH / 16 is
   // a multiple of 8, so all its copies share one swizzle): one base and one stride for each
   // address instead of three CX-long arrays (48 registers at 256 tokens)
   constexpr bool LINX = NTOK > 128;
