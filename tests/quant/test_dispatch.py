@@ -34,8 +34,8 @@ def old_form(plan: Plan | None, fam: str):
     if plan.kernel in ("frag", "tile", "wgmma"):
         fields = list(cfg)
         if plan.kernel == "wgmma":  # fields added after the capture, at their defaults
-            assert not cfg.prescale and not cfg.tile
-            fields = fields[:-2] if cfg.mbar else fields[:-3]
+            assert not cfg.prescale and not cfg.tile and not cfg.halves
+            fields = fields[:-3] if cfg.mbar else fields[:-4]
         return [type(cfg).__name__, *fields]
     if plan.kernel == "dequant" and fam == "wo":
         return ["dequant"]
@@ -203,6 +203,12 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     WgConfig(3, 4, prescale=True).check(128)  # the pre-scaled loop keeps one fp32 tile: 128 tokens fit
     WgConfig(2, 3, prescale=True, tile=256).check(1000)  # 256-token tiles: 3 x 72 KB slots
     WgConfig(2, 4, prescale=True, tile=192).check(1000)  # 192: 4 x 56 KB
+    WgConfig(2, 6, prescale=True, tile=256, halves=True).check(1000)  # 6 half slots of 36 KB
+    assert WgConfig(2, 6, prescale=True, tile=256, halves=True).smem_bytes(256) == 6 * 36 * 1024 + 1024
+    with pytest.raises(ValueError, match="halves=True runs 192- or 256-token tiles"):
+        WgConfig(2, 6, prescale=True, halves=True).check(1000)
+    with pytest.raises(ValueError, match="shared memory"):
+        WgConfig(2, 7, prescale=True, tile=256, halves=True).check(1000)
     assert WgConfig(2, 3, prescale=True, tile=256).tile_tokens(100) == 256
     assert WgConfig(2, 3, prescale=True).tile_tokens(1000) == 128 and WgConfig(2, 3).tile_tokens(20) == 32
     for bad in (WgConfig(3, 3, prescale=True, tile=256), WgConfig(2, 3, single=True, tile=256),

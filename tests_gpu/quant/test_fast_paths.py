@@ -801,7 +801,9 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
     cfgs = [WgConfig(1, 4, 2.0, tail=False, cluster=True, prescale=True), WgConfig(2, 4, 4.0, prescale=True),
             WgConfig(2, 3, 1.0, tail=True, prescale=True), WgConfig(3, 4, 1.0, tail=True, prescale=True),
             WgConfig(1, 4, 0.1, tail=True, prescale=True), WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256),
-            WgConfig(1, 3, 1.0, cluster=True, prescale=True, tile=256), WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192)]
+            WgConfig(1, 3, 1.0, cluster=True, prescale=True, tile=256), WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192),
+            WgConfig(2, 6, 1.0, tail=True, prescale=True, tile=256, halves=True),
+            WgConfig(1, 7, 1.0, cluster=True, prescale=True, tile=192, halves=True)]
     post_differs = False
     for cfg in cfgs:
         cfg.check(m)
@@ -815,6 +817,6 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         assert torch.equal(got, silu_mul(reordered[:, gate_pos], reordered[:, gate_pos + 8])), cfg
         if m > 128:  # (the post-scaled loops take M <= 128)
             continue
-        post = cfg._replace(prescale=False, single=m > 64, tile=0)
+        post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False)
         post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
     assert post_differs or m > 128  # the check above can tell the two numerics apart

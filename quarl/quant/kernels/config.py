@@ -104,8 +104,13 @@ class WgConfig(NamedTuple):
     # thread, 4 slots of 56 KB; 256: m64n256k16, 128 accumulators, 3 slots of 72 KB; 1-2
     # warpgroups): each dequantized weight feeds 1.5-2x the tokens; 0: 128-token tiles
     tile: int = 0
+    # with tile 192 / 256: ring slots of half a group (64 columns of K), each refilled after its
+    # own block barrier, so 6-8 slots keep copies 2-3 groups ahead
+    halves: bool = False
 
     def smem_bytes(self, ntok: int) -> int:
+        if self.halves:
+            return self.stages * (ntok * 128 + self.nwg * 2048) + 1024
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
 
     def tile_tokens(self, m: int) -> int:
@@ -125,6 +130,9 @@ class WgConfig(NamedTuple):
         if self.tile and not (self.tile in (192, 256) and self.prescale and self.nwg <= 2 and self.minb == 1):
             raise ValueError(f"wgmma w4 kernel: tile=192 or 256 runs the pre-scaled loop (prescale=True) with 1-2 "
                              f"warpgroups and minb=1 (its 96-128 accumulators take most of 255 registers); got {self}")
+        if self.halves and not (self.tile and self.stages >= 4):
+            raise ValueError(f"wgmma w4 kernel: halves=True runs 192- or 256-token tiles (tile=192 / 256) with "
+                             f">= 4 half-group slots; got {self}")
         ntok = self.tile_tokens(m)
         m = min(m, WGMMA_TOKENS[-1])
         if wgmma_tokens(m) > 64 and not (self.single or self.prescale):

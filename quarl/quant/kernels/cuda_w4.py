@@ -77,12 +77,12 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
                   cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False,
-                  prescale: bool = False):
+                  prescale: int = 0):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
-    ``prescale``: the pre-scaled loop (``WgConfig.prescale``)."""
+    ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
-    tail = f"{lr}, {_tf(gated)}, {_tf(prescale)}"
+    tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
@@ -273,7 +273,7 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated, cfg.prescale)
+                             gated, 2 if cfg.halves else int(cfg.prescale))
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x),

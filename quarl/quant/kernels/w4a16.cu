@@ -690,7 +690,7 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // weight group's with bf16 B rows as the A operand. Each warpgroup's t tile (swizzled as the
 // activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied to
 // shared memory past the ring with the prologue's copies.
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, bool PS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
@@ -711,7 +711,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // groups in flight: a slot is refilled once the wgmmas that read it are done, one group
   // behind in the single-tile loop (waited for before its fold), two in the double-buffered one
   constexpr int LA = SINGLE && !MB ? ST - 1 : ST - 2;
-  constexpr int XBYTES = NTOK * 256, STAGE = XBYTES + NWG * 4096;  // both multiples of 1024
+  // PS == 2: ring slots of half a group (64 columns of K: one activation atom, each slab's words
+  // of that half), refilled per half, so that the same shared memory holds copies further ahead
+  constexpr bool HS = PS == 2;
+  static_assert(!HS || NTOK > 128, "half-group slots: 192- and 256-token tiles");
+  constexpr int XBYTES = HS ? NTOK * 128 : NTOK * 256, STAGE = XBYTES + NWG * (HS ? 2048 : 4096);  // multiples of 1024
   constexpr int BROW = (LR * 64 + 8) * 2, LBYTES = LR * NTOK * 128 + 64 * BROW;  // LoRA bytes a warpgroup
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
@@ -765,7 +769,22 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   }
   // activation rows >= M are never copied: zeroed once here in every slot, they stay zero
   // (the first group's barrier orders these stores before any wgmma reads them)
-  if constexpr (LINX) {
+  // HS: half j (group gb0 + j / 2, columns 64 (j % 2) ..) into a half slot. Activations: chunk q1
+  // of rows r1 + i RSTEP1 (8 chunks a row, RSTEP1 = NTH / 8, a multiple of 8: one swizzle); weights:
+  // one 16-byte word a thread, word (warp w, lane l) of its slab's half at (2 w + h) 512 + 16 l
+  constexpr int RSTEP1 = NTH / 8, CXH = HS ? NTOK * 8 / NTH : 1;
+  static_assert(!HS || (RSTEP1 % 8 == 0 && (NTOK * 8) % NTH == 0), "half-group slots: 1 or 2 warpgroups");
+  const int r1 = tid >> 3, q1 = tid & 7;
+  const u32 hsrc0 = ((u32)r1 * ldx + q1 * 8) * 2, hstep = (u32)RSTEP1 * ldx * 2;
+  const u32 hdst0 = r1 * 128 + ((q1 ^ (r1 & 7)) << 4);
+  const int hslab = cb * NWG + (tid >> 7), hoff = tid & 127;
+  const bool hwok = hslab < nslabs;
+  if constexpr (HS) {
+#pragma unroll
+    for (int i = 0; i < CXH; ++i)
+      if (r1 + i * RSTEP1 >= M)
+        for (int p = 0; p < ST; ++p) sts128_zero(ring + p * STAGE + hdst0 + i * RSTEP1 * 128);
+  } else if constexpr (LINX) {
 #pragma unroll
     for (int i = 0; i < CX; ++i)
       if (r0 + i * RSTEP >= M)
@@ -808,6 +827,25 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   auto issue = [&](int grp, int slot) {
     issue_x(grp, slot);
     issue_w(grp, slot);
+  };
+  auto issue_xh = [&](int j, int slot) {
+    const int grp = gb0 + (j >> 1), h = j & 1;
+    const u32 sbase = ring + slot * STAGE;
+    const unsigned char* xg = reinterpret_cast<const unsigned char*>(x) + (size_t)grp * 256 + h * 128;
+    const int left = K - grp * 128 - h * 64 - q1 * 8;
+    const int valid = left >= 8 ? 16 : (left > 0 ? 2 * left : 0);
+    const int rows = min(CXH, (M - r1 + RSTEP1 - 1) / RSTEP1);
+#pragma unroll
+    for (int i = 0; i < CXH; ++i)
+      if (i < rows)
+        cp_async16(sbase + hdst0 + i * RSTEP1 * 128, valid ? xg + hsrc0 + i * hstep : reinterpret_cast<const unsigned char*>(x), valid);
+  };
+  auto issue_wh = [&](int j, int slot) {
+    const int grp = gb0 + (j >> 1), h = j & 1;
+    if (hwok)
+      cp_async16(ring + slot * STAGE + XBYTES + (tid >> 7) * 2048 + hoff * 16,
+                 reinterpret_cast<const unsigned char*>(wq) + ((size_t)hslab * G + grp) * 4096 +
+                     ((hoff >> 5) * 2 + h) * 512 + (hoff & 31) * 16, 16);
   };
 
   // t0 / t1 are only ever written by wgmma (the first of a group overwrites): any other
@@ -862,9 +900,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // the weights scaled before the MMA, bf16((u - z) s) as the learner dequantizes them; its 4
   // wgmmas accumulate straight into acc (the very first one overwrites it)
   auto ps_half = [&](int gi, int h, u32 (&a)[4][4], u32 z0, u32 z1, float s0, float s1) {
-    const u32 sbase = ring + (gi % ST) * STAGE;
+    // (HS: the half's own slot, its atom at the slot's start)
+    const u32 sbase = ring + ((HS ? 2 * gi + h : gi) % ST) * STAGE;
     u32 w[4];
-    lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16);
+    lds128(w, sbase + XBYTES + (HS ? wg * 2048 + (warp * 32 + lane) * 16 : wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16));
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       a[s][0] = scale_bf16x2(sub_z(lop_q(w[s]), z0), s0);
@@ -876,7 +915,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     const unsigned long long d0 = desc_sw128(sbase);
 #pragma unroll
     for (int s = 0; s < 4; ++s)
-      wgmma_bf16<NTOK>(acc, a[s], d0 + ((h * (NTOK * 128) + s * 32) >> 4), gi > 0 || h > 0 || s > 0);
+      wgmma_bf16<NTOK>(acc, a[s], d0 + (((HS ? 0 : h * (NTOK * 128)) + s * 32) >> 4), gi > 0 || h > 0 || s > 0);
     wg_commit();
   };
   // the LoRA term's copies (LR > 0): in the mbarrier loop with the first group's, the term then
@@ -929,6 +968,17 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // the wait for the kernel ahead (a dependent launch streams them while that one finishes);
   // the activations and the LoRA operands after it. (The first commit group then holds all of
   // these weights: its wait covers them.)
+  if constexpr (HS) {  // (in halves)
+#pragma unroll
+    for (int p = 0; p < LA; ++p)
+      if (p < 2 * ngroups) issue_wh(p, p);
+    wait_ahead();
+#pragma unroll
+    for (int p = 0; p < LA; ++p) {
+      if (p < 2 * ngroups) issue_xh(p, p);
+      cp_commit();
+    }
+  } else {
 #pragma unroll
   for (int p = 0; p < LA; ++p)
     if (p < ngroups) issue_w(gb0 + p, p);
@@ -938,6 +988,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     if (p < ngroups) issue_x(gb0 + p, p);
     if (p == (MB ? 0 : min(ngroups, LA - 1))) lora_copies();
     cp_commit();
+  }
   }
   // the LoRA term (LR > 0), once this warpgroup's copies of it landed: acc += scaling * t B^T
   auto lora_term = [&]() {
@@ -1032,19 +1083,32 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     };
     float sc0, sc1, sn0 = 0.f, sn1 = 0.f;
     ld_scales(0, sc0, sc1);
+    // the wait for a slot's copies, the barrier after which every warpgroup retired the half
+    // LA + ... slots back, and the refill of that slot (HS: per half, LA halves ahead)
+    auto land = [&](int j) {
+      cp_wait<LA - 1>();
+      proxy_fence();
+      __syncthreads();
+      if constexpr (HS) {
+        if (j + LA < 2 * ngroups) {
+          issue_xh(j + LA, (j + LA) % ST);
+          issue_wh(j + LA, (j + LA) % ST);
+        }
+      } else if (j + LA < ngroups) {
+        issue(gb0 + j + LA, (j + LA) % ST);
+      }
+      cp_commit();
+    };
     for (int gi = 0; gi < ngroups; ++gi) {
       u32 z0, z1;
       zero_points(gi, z0, z1);
       if (gi + 1 < ngroups) ld_scales(gi + 1, sn0, sn1);
-      cp_wait<LA - 1>();
-      proxy_fence();
-      __syncthreads();
-      if (gi + LA < ngroups) issue(gb0 + gi + LA, (gi + LA) % ST);
-      cp_commit();
+      land(HS ? 2 * gi : gi);
       if (gi == 0) W4_TRACE_AT(1);
       ps_half(gi, 0, h0, z0, z1, sc0, sc1);
       wg_wait1();  // retires the previous group's second half
       keep_a(h1);
+      if constexpr (HS) land(2 * gi + 1);
       ps_half(gi, 1, h1, z0, z1, sc0, sc1);
       wg_wait1();  // retires this group's first half
       keep_a(h0);
@@ -1199,11 +1263,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   W4_TRACE_AT(4);
   }
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR, bool GATED, bool PS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int LR, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, 0, MB, LR, GATED, PS>(W4_WGMMA_ARGS);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR, bool GATED, bool PS>
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR, GATED, PS>(W4_WGMMA_ARGS);
 }
