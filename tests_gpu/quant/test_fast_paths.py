@@ -820,3 +820,16 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False)
         post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
     assert post_differs or m > 128  # the check above can tell the two numerics apart
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("shape", [(4736, 3584), (1000, 1040)])  # 1040: a partial last 128-column chunk
+def test_dequant_kernel_equals_the_reference_bit_for_bit(name, shape):
+    """The learner's weight: the Triton dequantizer (one scale a row per chunk at groups of 128)
+    gives the reference's bf16 and fp16 values exactly."""
+    from quarl.quant.kernels import weight_only
+
+    qw = quantize_weight(torch.randn(*shape, device="cuda") * 0.02, name)
+    for dt in (torch.bfloat16, torch.float16):
+        got, want = weight_only.dequantize(qw, dt), qw.dequantize(dt)
+        assert got.dtype == dt and torch.equal(got, want), (got - want).abs().max().item()
