@@ -817,7 +817,7 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         assert torch.equal(got, silu_mul(reordered[:, gate_pos], reordered[:, gate_pos + 8])), cfg
         if m > 128:  # (the post-scaled loops take M <= 128)
             continue
-        post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False)
+        post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False, stages=min(cfg.stages, 4))
         post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
     assert post_differs or m > 128  # the check above can tell the two numerics apart
 
