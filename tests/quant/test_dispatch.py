@@ -71,8 +71,16 @@ def test_tables_match_the_old_dispatch():
         if fam == "w4" and gen == "sm90" and 128 < m <= 512:  # added: the pre-scaled wgmma loop in 128-row tiles
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            if n <= 2048 and k <= 2048:
+            # since s41 (the row-scale dequantizer): cuBLAS on the dequantized weight past 384
+            # rows, and from 256 rows on weights of K <= 4096 and N < 16384; 192- and 256-row
+            # tiles on the widest outputs
+            if (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and n < 32768):
                 assert got == dispatch.DEQUANT, (m, n, k)
+                continue
+            if m > 256 and n >= 32768:
+                tile = 192 if m <= 384 else 256
+                assert got.config == dispatch.WgConfig(2, 8 if tile == 192 else 3, 1.0, tail=True, prescale=True,
+                                                       tile=tile, halves=tile == 192), (m, n, k)
                 continue
             nwg = 3 if n >= 16384 or dispatch.few_192_tiles(m, n, k) else 2
             if nwg == 2 and -(-m // 128) * -(-n // 128) > 132:
@@ -148,15 +156,18 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 128, 3584, 18944).config.single  # down: as before
     assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584).config == ps
     assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 3584).config == ps._replace(cluster=True)
     assert dispatch.lookup("w4a16", "sm90", 200, 4608, 3584).config == ps._replace(cluster=True)
-    # up to 512 rows (sweep_mid_7b_512_h200_s40.json): two warpgroups where three would leave
-    # more than 64 tiles of 192 columns, except on wide outputs; the 1.5B's q/k/v and o dequantize
-    assert dispatch.lookup("w4a16", "sm90", 384, 3584, 3584).config == ps._replace(cluster=True)
-    assert dispatch.lookup("w4a16", "sm90", 384, 4608, 3584).config == ps._replace(nwg=2)
-    assert dispatch.lookup("w4a16", "sm90", 512, 3584, 18944).config == ps._replace(nwg=2)
-    assert dispatch.lookup("w4a16", "sm90", 512, 37888, 3584).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 512, 4608, 3584) == dispatch.DEQUANT  # (gemm_w4a16_7b_engine_h200_s40.json)
+    # with the row-scale dequantizer (sweep_mid_7b*_h200_s41.json, sweep_mid_1p5b_h200_s41.json):
+    # cuBLAS on the dequantized weight from 256 rows for the 7B's q/k/v and o and past 384 rows
+    # but on the widest outputs, which run 192-row tiles (half-group slots) at 257-384 rows and
+    # 256-row tiles at 385-512; the 7B's down keeps the pre-scaled loop up to 384 rows
+    for m, n, k in ((256, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (400, 3584, 18944), (512, 17920, 1536)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
+    assert dispatch.lookup("w4a16", "sm90", 384, 3584, 18944).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 256, 37888, 3584).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 300, 37888, 3584).config == ps._replace(nwg=2, stages=8, tile=192, halves=True)
+    assert dispatch.lookup("w4a16", "sm90", 512, 37888, 3584).config == ps._replace(nwg=2, stages=3, tile=256)
+    assert dispatch.lookup("w4a16", "sm90", 384, 17920, 1536).config == ps
     assert dispatch.lookup("w4a16", "sm90", 256, 2048, 1536) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm90", 513, 37888, 3584) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 200, 3584, 3584) == dispatch.DEQUANT  # no wgmma before Hopper

@@ -157,6 +157,26 @@ def small_square(m: int, n: int, k: int) -> bool:
     return n <= 2048 and k <= 2048
 
 
+def narrow_short_k_m256(m: int, n: int, k: int) -> bool:
+    """256 rows or more on a weight of fewer than 16384 output columns and K <= 4096 (7B q/k/v
+    and o): the dequantized weight is small next to the GEMM, so cuBLAS on it wins."""
+    return m >= 256 and n < 16384 and k <= 4096
+
+
+def very_wide_m257(m: int, n: int, k: int) -> bool:
+    """257-384 rows, 32768 output columns or more (7B and 32B gate/up): two tiles of 192 rows."""
+    return 256 < m <= 384 and n >= 32768
+
+
+def very_wide_m385(m: int, n: int, k: int) -> bool:
+    """385-512 rows, 32768 output columns or more: two tiles of 256 rows."""
+    return m > 384 and n >= 32768
+
+
+def above_384(m: int, n: int, k: int) -> bool:
+    return m > 384
+
+
 def m2048_long_k(m: int, n: int, k: int) -> bool:
     return m >= 2048 and k > 8192
 
@@ -191,6 +211,10 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
     Row(DEQUANT, 512, small_square, SM90),
+    Row(DEQUANT, 512, narrow_short_k_m256, SM90),
+    Row(Plan("wgmma", WgConfig(2, 8, 1.0, tail=True, prescale=True, tile=192, halves=True)), 512, very_wide_m257, SM90),
+    Row(Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256)), 512, very_wide_m385, SM90),
+    Row(DEQUANT, 512, above_384, SM90),
     Row(_PRESCALED, 512, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 512, few_192_tiles_short_k, SM90),
     Row(_PRESCALED, 512, few_192_tiles, SM90),
