@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from statistics import median
+from typing import Any, Callable
 
 
 def git_commit() -> str:
@@ -56,14 +58,18 @@ IDLE_REASON = 0x1
 class ClockWatch:
     """The GPUs' SM clocks, temperatures and clock-event reasons sampled by ``nvidia-smi``
     every ``interval`` seconds while a run lasts (``with ClockWatch() as w: ...``, then
-    :meth:`summary`), so that a run slowed by a GPU clocking down says so. No
-    ``nvidia-smi`` (a CPU machine): nothing is sampled and the summary is None."""
+    :meth:`summary`), so that a run slowed by a GPU clocking down says so. With ``label`` (a
+    function of no arguments: what the run is doing now, ``(stage, step)``) each reading is
+    tagged with what it returned just before, and :meth:`by_label` says which part of a run
+    the slow clocks fell in. No ``nvidia-smi`` (a CPU machine): nothing is sampled and the
+    summary is None."""
 
-    def __init__(self, interval: float = 2.0, command: str = "nvidia-smi") -> None:
+    def __init__(self, interval: float = 2.0, command: str = "nvidia-smi",
+                 label: Callable[[], tuple[str, int] | None] | None = None) -> None:
         import shutil
         import threading
 
-        self.interval, self.command = interval, shutil.which(command)
+        self.interval, self.command, self.label = interval, shutil.which(command), label
         self.fields = CLOCK_FIELDS
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
@@ -81,7 +87,8 @@ class ClockWatch:
 
     def _run(self) -> None:
         while True:
-            self.samples.extend(self.sample())
+            tag = self.label() if self.label is not None else None
+            self.samples.extend(dict(row, label=tag) for row in self.sample())
             if self._stop.wait(self.interval):
                 return
 
@@ -127,4 +134,20 @@ class ClockWatch:
             out[str(gpu)] = {"sm_mhz_median": clocks[len(clocks) // 2], "sm_mhz_min": clocks[0],
                              "sm_mhz_max": max(s["max_sm_mhz"] for s in mine), "temp_c_max": max(s["temp_c"] for s in mine),
                              "reasons": hex(reasons), "samples": len(mine)}
+        return out
+
+    def by_label(self) -> dict[str, dict[str, Any]]:
+        """Per ``stage`` the label named: the median and lowest SM clock and the median power
+        over its readings (every GPU's), their count, and the median clock and power of each
+        ``step`` (``{"learner": {..., "sm_mhz_by_step": {"2": 1980.0, ...}}}``); readings
+        with no label are left out."""
+        out: dict[str, dict[str, Any]] = {}
+        tagged = [s for s in self.samples if s.get("label") is not None]
+        for stage in sorted({s["label"][0] for s in tagged}):
+            mine = [s for s in tagged if s["label"][0] == stage]
+            steps = sorted({s["label"][1] for s in mine})
+            out[stage] = {"sm_mhz_median": median(s["sm_mhz"] for s in mine), "sm_mhz_min": min(s["sm_mhz"] for s in mine),
+                          "power_w_median": median(s["power_w"] for s in mine), "samples": len(mine)}
+            for field in ("sm_mhz", "power_w"):
+                out[stage][f"{field}_by_step"] = {str(t): median(s[field] for s in mine if s["label"][1] == t) for t in steps}
         return out

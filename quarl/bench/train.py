@@ -47,6 +47,8 @@ KEYS = {
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",
     "perf/learner_tflops": "learner_tflops", "perf/learner_mfu": "learner_mfu", "perf/compiles": "compiles",
     "perf/compile_s": "compile_s", "perf/gc_s": "gc_s", "perf/gc_full": "gc_full",
+    "gpu/rollout_sm_mhz": "rollout_sm_mhz", "gpu/learner_sm_mhz": "learner_sm_mhz",
+    "gpu/rollout_power_w": "rollout_power_w", "gpu/learner_power_w": "learner_power_w",
 }
 
 
@@ -168,36 +170,57 @@ def run_mode(name: str, overrides: list[str], run_dir: Path, profile: str | None
     :data:`PROFILED_STAGES`; else "")."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
+    from quarl.trainer.stages import current_stage
 
     if stage not in PROFILED_STAGES:
         raise ValueError(f"the profiled stage must be one of {', '.join(PROFILED_STAGES)}, got {stage!r}")
     cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
     trainer = Trainer(cfg)
     rows, table = [], ""
-    for i in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
-        if profile and i == cfg.trainer.steps - 1:
-            owner, attr = (trainer, "update_policy") if stage == "learner" else (trainer.publisher, "publish")
-            call = getattr(owner, attr)
-            holder: dict[str, str] = {}
 
-            def profiled(*args, call=call, holder=holder):
-                result, holder["table"] = profile_call(lambda: call(*args), f"{name} {stage}", what=profile)
-                return result
+    def label():  # what the run does now, for the GPU clock readings: (stage, step)
+        now = current_stage()
+        return None if now is None else (now, trainer.step + 1)
 
-            setattr(owner, attr, profiled)
-            metrics = trainer.train_step()
-            delattr(owner, attr)
-            table = holder["table"]
-        else:
-            metrics = trainer.train_step()
-        trainer.step += 1
-        rows.append({"step": trainer.step, **metrics})
+    with ClockWatch(interval=STAGE_CLOCK_INTERVAL, label=label) as watch:
+        for i in range(cfg.trainer.steps):  # the steps alone: no checkpoint (GBs for a 1.5B model) or eval
+            if profile and i == cfg.trainer.steps - 1:
+                owner, attr = (trainer, "update_policy") if stage == "learner" else (trainer.publisher, "publish")
+                call = getattr(owner, attr)
+                holder: dict[str, str] = {}
+
+                def profiled(*args, call=call, holder=holder):
+                    result, holder["table"] = profile_call(lambda: call(*args), f"{name} {stage}", what=profile)
+                    return result
+
+                setattr(owner, attr, profiled)
+                metrics = trainer.train_step()
+                delattr(owner, attr)
+                table = holder["table"]
+            else:
+                metrics = trainer.train_step()
+            trainer.step += 1
+            rows.append({"step": trainer.step, **metrics})
+    add_stage_clocks(rows, watch.by_label())
     trainer.rewards.close()
     del trainer
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows, table
+
+
+STAGE_CLOCK_INTERVAL = 0.5  # seconds between the stage-tagged clock readings of an in-process run
+
+
+def add_stage_clocks(rows: list[dict[str, Any]], by_label: dict[str, dict[str, Any]]) -> None:
+    """Into each step's row, the median SM clock and power of the readings taken in each of
+    its stages (``gpu/learner_sm_mhz``, ``gpu/learner_power_w``, ...), where there were any."""
+    for stage, seen in by_label.items():
+        for row in rows:
+            for field in ("sm_mhz", "power_w"):
+                if (v := seen[f"{field}_by_step"].get(str(row["step"]))) is not None:
+                    row[f"gpu/{stage}_{field}"] = v
 
 
 PROFILES = ("kernels", "host")
@@ -368,9 +391,21 @@ def clock_line(name: str, run: dict[str, Any]) -> str:
         f"hottest {c['temp_c_max']:.0f} C, clock-event reasons {c['reasons']}" for g, c in clocks.items())
 
 
+def stage_clock_line(name: str, run: dict[str, Any], stages: tuple[str, ...] = ("rollout", "learner")) -> str:
+    """Each stage's SM clock and power step by step (:func:`add_stage_clocks`); "" without them."""
+    parts = []
+    for stage in stages:
+        seen = [(r["step"], r[f"gpu/{stage}_sm_mhz"], r[f"gpu/{stage}_power_w"]) for r in run.get("steps", [])
+                if f"gpu/{stage}_sm_mhz" in r]
+        if seen:
+            parts.append(f"{stage} " + " ".join(f"{t}:{mhz:.0f}MHz/{w:.0f}W" for t, mhz, w in seen))
+    return f"{name} by step: " + "; ".join(parts) if parts else ""
+
+
 def print_clocks(name: str, run: dict[str, Any]) -> None:
-    if line := clock_line(name, run):
-        print(line, flush=True)
+    for line in (clock_line(name, run), stage_clock_line(name, run)):
+        if line:
+            print(line, flush=True)
 
 
 def package_root() -> Path:

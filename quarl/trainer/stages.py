@@ -69,6 +69,15 @@ class UpdateResult:
         return ((4 + e) * matmul_params + (6 + e) * lora_params) * self.tokens
 
 
+_OPEN: list[str] = []  # the stages open now in this process, outermost first
+
+
+def current_stage() -> str | None:
+    """The innermost stage open now in this process (``"learner"``, ``"rollout"``, ...; None
+    between steps): what a benchmark's GPU clock sampler tags its readings with."""
+    return _OPEN[-1] if _OPEN else None
+
+
 class StageClock:
     """Wall time (``time/<stage>``, summed over repeats, each stage waiting for its own GPU work)
     and, for stages asked to, peak CUDA memory (``memory/<stage>_peak_gb``) and the caching
@@ -90,6 +99,7 @@ class StageClock:
             torch.cuda.reset_peak_memory_stats(self.device)
             retries0 = _alloc_retries(self.device)
         t0 = time.perf_counter()
+        _OPEN.append(name)
         try:
             yield
         except torch.OutOfMemoryError:
@@ -98,6 +108,7 @@ class StageClock:
         finally:
             if self.cuda:  # the stage's queued kernels count as its own, not the next stage's
                 torch.cuda.synchronize(self.device)
+            _OPEN.pop()
             self.seconds[name] += time.perf_counter() - t0
             if memory and self.cuda:
                 self.peak_gb[name] = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -61,3 +61,63 @@ def test_without_nvidia_smi_the_watch_samples_nothing(monkeypatch, tmp_path):
         time.sleep(0.05)
     assert watch.samples == [] and watch.summary() is None
     assert clock_line("bf16", {}) == ""
+
+
+def test_readings_tagged_by_stage_and_step_give_each_stages_clock_per_step():
+    """Hand-made readings (two GPUs, two steps): per stage the medians over every GPU's
+    readings, per step too; untagged readings (between steps) are left out."""
+    from quarl.bench.train import add_stage_clocks, stage_clock_line
+
+    watch = ClockWatch()
+    rows = [("rollout", 1, 1980, 600), ("rollout", 1, 1970, 620), ("learner", 1, 1900, 690),
+            ("learner", 1, 1800, 700), ("learner", 2, 1500, 700), (None, None, 345, 70)]
+    watch.samples = [{"gpu": i % 2, "sm_mhz": mhz, "max_sm_mhz": 1980, "temp_c": 50, "power_w": w, "reasons": 0,
+                      "label": None if st is None else (st, t)} for i, (st, t, mhz, w) in enumerate(rows)]
+    got = watch.by_label()
+    assert set(got) == {"rollout", "learner"}
+    assert got["learner"]["sm_mhz_median"] == 1800 and got["learner"]["sm_mhz_min"] == 1500
+    assert got["learner"]["samples"] == 3 and got["learner"]["power_w_median"] == 700
+    assert got["learner"]["sm_mhz_by_step"] == {"1": 1850, "2": 1500}
+    assert got["rollout"]["sm_mhz_by_step"] == {"1": 1975} and got["rollout"]["power_w_by_step"] == {"1": 610}
+    steps = [{"step": 1}, {"step": 2}, {"step": 3}]
+    add_stage_clocks(steps, got)
+    assert steps[0] == {"step": 1, "gpu/rollout_sm_mhz": 1975, "gpu/rollout_power_w": 610,
+                        "gpu/learner_sm_mhz": 1850, "gpu/learner_power_w": 695}
+    assert steps[1] == {"step": 2, "gpu/learner_sm_mhz": 1500, "gpu/learner_power_w": 700}
+    assert steps[2] == {"step": 3}  # (no reading fell in it)
+    line = stage_clock_line("aligned-w8a8-fp8", {"steps": steps})
+    assert line == "aligned-w8a8-fp8 by step: rollout 1:1975MHz/610W; learner 1:1850MHz/695W 2:1500MHz/700W"
+    assert stage_clock_line("bf16", {"steps": [{"step": 1}]}) == ""
+
+
+def test_a_benchmark_run_tags_its_clock_readings_with_the_trainer_stage(tmp_path, monkeypatch):
+    """``run_mode`` on a tiny random model: each step's row carries the clock and power of the
+    readings taken in its rollout and its learner stage (the trainer's
+    :func:`~quarl.trainer.stages.current_stage`). The readings come from a function that
+    says which stage was open when it ran (nvidia-smi is faked), and each stage is stretched
+    to 30 ms so that readings fall in it on a busy machine."""
+    import time
+
+    from quarl.bench import train
+    from quarl.trainer import stages
+    from quarl.trainer.loop import Trainer
+
+    _fake_nvidia_smi(tmp_path, monkeypatch)  # (found on PATH: the watch starts)
+    mhz = {"rollout": 1900.0, "learner": 1500.0}
+    monkeypatch.setattr(ClockWatch, "sample", lambda self: [
+        {"gpu": 0, "sm_mhz": mhz.get(stages.current_stage(), 345.0), "max_sm_mhz": 1980.0, "temp_c": 50.0,
+         "power_w": 600.0 if stages.current_stage() == "learner" else 400.0, "reasons": 0}])
+    for name in ("_rollout", "update_policy"):  # (each called inside its stage)
+        def stretched(self, *args, _call=getattr(Trainer, name), **kw):
+            time.sleep(0.03)
+            return _call(self, *args, **kw)
+        monkeypatch.setattr(Trainer, name, stretched)
+    monkeypatch.setattr(train, "STAGE_CLOCK_INTERVAL", 0.001)
+    w = train.Workload("tiny", prompts=2, n=2, gen=6, token_budget=256, steps=2)
+    model_dir = train.save_random_model(w.shape, tmp_path / "model")
+    rows, _ = train.run_mode("bf16", train.workload_overrides(w, model_dir) + train.MODES["bf16"], tmp_path / "run")
+    for r in rows:
+        assert r["gpu/learner_sm_mhz"] == 1500 and r["gpu/learner_power_w"] == 600, r
+        assert r["gpu/rollout_sm_mhz"] == 1900 and r["gpu/rollout_power_w"] == 400, r
+    assert stages.current_stage() is None  # every stage closed
+    assert train.median_metrics(rows)["learner_sm_mhz"] == 1500
