@@ -392,13 +392,15 @@ def clock_line(name: str, run: dict[str, Any]) -> str:
 
 
 def stage_clock_line(name: str, run: dict[str, Any], stages: tuple[str, ...] = ("rollout", "learner")) -> str:
-    """Each stage's SM clock and power step by step (:func:`add_stage_clocks`); "" without them."""
+    """Each stage's time, SM clock and power step by step (:func:`add_stage_clocks`), so that a
+    stage slowing down with its clock shows beside it; "" without clock readings."""
     parts = []
     for stage in stages:
-        seen = [(r["step"], r[f"gpu/{stage}_sm_mhz"], r[f"gpu/{stage}_power_w"]) for r in run.get("steps", [])
-                if f"gpu/{stage}_sm_mhz" in r]
+        seen = [(r["step"], r.get(f"time/{stage}"), r[f"gpu/{stage}_sm_mhz"], r[f"gpu/{stage}_power_w"])
+                for r in run.get("steps", []) if f"gpu/{stage}_sm_mhz" in r]
         if seen:
-            parts.append(f"{stage} " + " ".join(f"{t}:{mhz:.0f}MHz/{w:.0f}W" for t, mhz, w in seen))
+            parts.append(f"{stage} " + " ".join(f"{t}:" + ("" if sec is None else f"{sec:.2f}s/") + f"{mhz:.0f}MHz/{w:.0f}W"
+                                                for t, sec, mhz, w in seen))
     return f"{name} by step: " + "; ".join(parts) if parts else ""
 
 

@@ -79,14 +79,15 @@ def test_readings_tagged_by_stage_and_step_give_each_stages_clock_per_step():
     assert got["learner"]["samples"] == 3 and got["learner"]["power_w_median"] == 700
     assert got["learner"]["sm_mhz_by_step"] == {"1": 1850, "2": 1500}
     assert got["rollout"]["sm_mhz_by_step"] == {"1": 1975} and got["rollout"]["power_w_by_step"] == {"1": 610}
-    steps = [{"step": 1}, {"step": 2}, {"step": 3}]
+    steps = [{"step": 1, "time/learner": 2.5}, {"step": 2, "time/learner": 3.25}, {"step": 3}]
     add_stage_clocks(steps, got)
-    assert steps[0] == {"step": 1, "gpu/rollout_sm_mhz": 1975, "gpu/rollout_power_w": 610,
+    assert steps[0] == {"step": 1, "time/learner": 2.5, "gpu/rollout_sm_mhz": 1975, "gpu/rollout_power_w": 610,
                         "gpu/learner_sm_mhz": 1850, "gpu/learner_power_w": 695}
-    assert steps[1] == {"step": 2, "gpu/learner_sm_mhz": 1500, "gpu/learner_power_w": 700}
+    assert steps[1] == {"step": 2, "time/learner": 3.25, "gpu/learner_sm_mhz": 1500, "gpu/learner_power_w": 700}
     assert steps[2] == {"step": 3}  # (no reading fell in it)
     line = stage_clock_line("aligned-w8a8-fp8", {"steps": steps})
-    assert line == "aligned-w8a8-fp8 by step: rollout 1:1975MHz/610W; learner 1:1850MHz/695W 2:1500MHz/700W"
+    assert line == ("aligned-w8a8-fp8 by step: rollout 1:1975MHz/610W; "
+                    "learner 1:2.50s/1850MHz/695W 2:3.25s/1500MHz/700W")
     assert stage_clock_line("bf16", {"steps": [{"step": 1}]}) == ""
 
 
