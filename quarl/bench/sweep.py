@@ -120,8 +120,9 @@ def _swap(m: int) -> list[Plan]:
 def _mid(m: int) -> list[Plan]:
     """Above 64 rows: the wgmma kernel's pre-scaled loop in 128-token tiles (1-3 warpgroups, 3-4
     slots, K split in clusters or not) and, past 128 rows, in 192- and 256-token tiles (two
-    warpgroups, 4 and 3 slots of a group, or 8 and 6 of half a group); the swap kernel at large tiles (a per-chunk partial scaled into the accumulator: two
-    tiles of accumulators, so at most 64 fp32 each a thread); and dequantize + cuBLAS."""
+    warpgroups, 4 and 3 slots of a group, or 8 and 6 of half a group); the swap kernel at large
+    tiles (a per-chunk partial scaled into the accumulator: two tiles of accumulators, so at
+    most 64 fp32 each a thread); and dequantize + cuBLAS."""
     swaps = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8)]
     pre = [Plan("wgmma", WgConfig(nwg, st, 1.0, tail=True, cluster=cl, prescale=True))
            for nwg, st in ((1, 4), (2, 3), (2, 4), (3, 3), (3, 4)) for cl in (False, True)]

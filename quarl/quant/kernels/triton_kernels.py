@@ -659,9 +659,13 @@ def dequant_kernel(
         code = (packed >> (BITS * i)) & CODE_MASK
         if ROW_GROUP:
             sv = s_row
+            if FMT == 1:
+                zv = z_row
         else:
             gidx = ks[None, :] // G
             sv = tl.load(s_ptr + rows * stride_sn + gidx, mask=nmask, other=0)
+            if FMT == 1:
+                zv = tl.load(z_ptr + rows * stride_sn + gidx, mask=nmask, other=0).to(tl.float32)
         if FMT == 2 or FMT == 3:
             val = _e2m1_value(code)
         else:
@@ -669,10 +673,7 @@ def dequant_kernel(
         if FMT == 0:
             val = val - HALF
         elif FMT == 1:
-            if ROW_GROUP:
-                val = val - z_row
-            else:
-                val = val - tl.load(z_ptr + rows * stride_sn + ks[None, :] // G, mask=nmask, other=0).to(tl.float32)
+            val = val - zv
         if FMT == 2:
             sv = _e4m3_value(sv.to(tl.int32)) * gscale
         elif FMT == 3:
