@@ -29,8 +29,17 @@ def test_kernel_params_point_at_torch_style_values():
     assert ctypes.c_void_p.from_address(params[0]).value == t.data_ptr()
     assert [ctypes.c_int.from_address(params[i]).value for i in (1, 2, 3)] == [7, -3, 1]
     assert ctypes.c_double.from_address(params[4]).value == 0.25
-    with pytest.raises(TypeError, match="tensor, an int or a float"):
+    with pytest.raises(TypeError, match="tensor, an int, a float or a ctypes array"):
         kernel_params(["x"])
+
+
+def test_a_ctypes_array_is_passed_by_value():
+    """A tensor map (128 opaque bytes) goes into the kernel's parameters as its bytes: the
+    parameter points at the array itself."""
+    tmap = (ctypes.c_uint64 * 16)(*range(100, 116))
+    params, held = kernel_params([3, tmap])
+    assert params[1] == ctypes.addressof(tmap)
+    assert list((ctypes.c_uint64 * 16).from_address(params[1])) == list(range(100, 116))
 
 
 class _Kernel:
@@ -79,6 +88,34 @@ def test_dependent_launch_goes_through_cuLaunchKernelEx(monkeypatch):
     seen["err"] = 1
     with pytest.raises(RuntimeError, match="cuLaunchKernelEx failed: CUDA driver error 1"):
         launch(k, (1, 1, 1), (32, 1, 1), [9], device=torch.device("cpu"))
+
+
+def test_a_by_value_argument_takes_cuLaunchKernelEx_without_the_dependency_attribute(monkeypatch):
+    """Outside ``dependent_launches`` a launch with a tensor map still goes through the driver
+    (torch's launcher cannot pass it), with no launch attribute; a driver without
+    cuLaunchKernelEx is a clear error, not a launch with wrong arguments."""
+    seen = {}
+
+    class _Lib:
+        def cuLaunchKernelEx(self, cfg_ref, func, params, extra):
+            cfg = ctypes.cast(cfg_ref, ctypes.POINTER(LaunchConfig)).contents
+            seen.update(n=cfg.numAttrs, first=ctypes.c_int.from_address(params[0]).value,
+                        tmap=list((ctypes.c_uint64 * 16).from_address(params[1])))
+            return 0
+
+    class _Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(cuda_launch, "dependent", lambda device: False)
+    monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: _Lib())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    k = _Kernel()
+    tmap = (ctypes.c_uint64 * 16)(*range(16))
+    launch(k, (1, 1, 1), (32, 1, 1), [7, tmap], device=torch.device("cpu"))
+    assert not k.calls and seen == {"n": 0, "first": 7, "tmap": list(range(16))}
+    monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: object())
+    with pytest.raises(RuntimeError, match="by value .* cuLaunchKernelEx"):
+        launch(k, (1, 1, 1), (32, 1, 1), [7, tmap], device=torch.device("cpu"))
 
 
 def test_a_driver_without_cuLaunchKernelEx_gets_plain_launches(monkeypatch):

@@ -35,7 +35,7 @@ def old_form(plan: Plan | None, fam: str):
         fields = list(cfg)
         if plan.kernel == "wgmma":  # fields added after the capture, at their defaults
             assert not cfg.prescale and not cfg.tile and not cfg.halves
-            fields = fields[:-3] if cfg.mbar else fields[:-4]
+            fields = fields[:-4] if cfg.mbar else fields[:-5]
         return [type(cfg).__name__, *fields]
     if plan.kernel == "dequant" and fam == "wo":
         return ["dequant"]
@@ -231,6 +231,10 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     for bad in (WgConfig(2, 4, single=True, prescale=True), WgConfig(2, 4, single=True, mbar=True, prescale=True)):
         with pytest.raises(ValueError, match="prescale=True runs its own loop"):
             bad.check(64)
+    for bad in (WgConfig(3, 5, single=True, tma=True), WgConfig(2, 4, prescale=True, tma=True)):
+        with pytest.raises(ValueError, match="tma=True runs the mbarrier loop"):
+            bad.check(64)
+    WgConfig(3, 5, single=True, mbar=True, tma=True).check(64)
     with pytest.raises(ValueError, match=">= 3 stages"):
         WgConfig(1, 2).check(8)
     with pytest.raises(ValueError, match="shared memory"):

@@ -514,6 +514,38 @@ def test_wgmma_mbarrier_loop_equals_the_barrier_loop(name, m, shape):
         cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 4, 1.0, False, mbar=True))
 
 
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+@pytest.mark.parametrize("m", [1, 17, 64, 100])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (17920, 1536), (1536, 8960)])
+def test_wgmma_tma_loop_equals_the_mbarrier_loop(name, m, shape):
+    """``tma``: the mbarrier loop fed by the bulk-copy engine (the activation tile from a tensor
+    map, rows past M and columns past K zero-filled by it; each slab's words in one copy) gives
+    the cp.async loop's output bit for bit at 1-4 warpgroups, K split through global partials
+    and clusters, 64/128-token tiles, N and K not multiples of the block, and activation rows
+    with a stride wider than K; deterministic and equal to the float64 reference."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+
+    n, k = shape
+    qw, x, bias, expect = _w4_case(n, k, m, name)
+    wide = torch.randn(m, k + 24, device="cuda", dtype=torch.bfloat16)
+    wide[:, :k] = x
+    ran = 0
+    for cfg in (WgConfig(3, 5, 1.0, True, 1, True, mbar=True), WgConfig(2, 4, 2.0, True, 2, True, True, mbar=True),
+                WgConfig(1, 6, 0.3, True, 2, True, mbar=True), WgConfig(2, 4, 1e-3, True, 1, False, mbar=True),
+                WgConfig(4, 4, 1.0, True, 1, True, mbar=True)):
+        if cfg.smem_bytes(cuda_w4.wgmma_tokens(m)) > 227 * 1024:
+            continue
+        plain = cuda_w4.wgmma_gemm(x, qw, bias, cfg)
+        a = _check_block_config(cuda_w4.wgmma_gemm, cfg._replace(tma=True), x, qw, bias, expect, None)
+        assert torch.equal(a, plain), cfg
+        assert torch.equal(cuda_w4.wgmma_gemm(wide[:, :k], qw, bias, cfg._replace(tma=True)), plain), cfg
+        ran += 1
+    assert ran >= 4
+    with pytest.raises(ValueError, match="tma=True"):
+        cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 4, 1.0, True, tma=True))
+
+
 def test_wgmma_kernel_is_the_default_up_to_m_128_and_follows_loads():
     from quarl.quant.kernels import dispatch
     from quarl.quant.kernels.config import WgConfig
@@ -732,7 +764,7 @@ def test_wgmma_gated_epilogue_equals_the_gemm_then_silu_mul(name, m, shape):
     assert plan.kernel == "wgmma"
     cfgs = [plan.config, WgConfig(1, 4, 4.0, tail=False), WgConfig(1, 4, 2.0, tail=False, cluster=True),
             WgConfig(2, 3, 1.0, single=True, tail=True), WgConfig(3, 5, 1.0, single=True, tail=True, mbar=True),
-            WgConfig(1, 4, 0.1, tail=True)]
+            WgConfig(3, 5, 1.0, single=True, tail=True, mbar=True, tma=True), WgConfig(1, 4, 0.1, tail=True)]
     ran = alike = 0
     for cfg in cfgs:
         try:

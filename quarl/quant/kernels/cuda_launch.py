@@ -9,7 +9,8 @@ instruction (``wait_ahead`` in the ``.cu`` sources: ``griddepcontrol.wait``) wai
 one has finished and its writes are visible. Results are those of a plain launch; what is
 hidden is the gap between two kernels (a CUDA graph captured inside keeps the edges).
 The argument marshalling is torch's: a tensor passes its data pointer, an int a C ``int``,
-a float a C ``double``.
+a float a C ``double``; and a ctypes array passes its bytes by value (a ``CUtensorMap``), which
+torch's launcher cannot, so a launch with one always goes through ``cuLaunchKernelEx``.
 """
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ def kernel_params(args: Sequence[Any]) -> tuple[ctypes.Array, list]:
     for a in args:
         if isinstance(a, torch.Tensor):
             held.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, ctypes.Array):
+            held.append(a)
         elif not isinstance(a, (int, float)):
-            raise TypeError(f"a kernel argument must be a tensor, an int or a float, got {type(a).__name__}")
+            raise TypeError(f"a kernel argument must be a tensor, an int, a float or a ctypes array, got {type(a).__name__}")
         elif isinstance(a, int):
             held.append(ctypes.c_int(a))
         else:
@@ -78,15 +81,21 @@ def launch(kernel, grid: Sequence[int], block: Sequence[int], args: Sequence[Any
     ``device`` (default: the first tensor argument's)."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    lib = torch.cuda._utils._get_gpu_runtime_library() if dependent(device) else None
+    by_value = any(isinstance(a, ctypes.Array) for a in args)
+    pdl = dependent(device)
+    lib = torch.cuda._utils._get_gpu_runtime_library() if pdl or by_value else None
     if lib is None or not hasattr(lib, "cuLaunchKernelEx"):  # (a driver before CUDA 12: plain launches)
+        if by_value:
+            raise RuntimeError("a kernel argument passed by value (a tensor map) needs cuLaunchKernelEx: "
+                               "a CUDA 12 or later driver")
         kernel(grid=tuple(grid), block=tuple(block), args=list(args), shared_mem=shared_mem)
         return
     if shared_mem >= 48 * 1024 and shared_mem > kernel._max_shared_mem_bytes:
         raise RuntimeError(f"the kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
     params, held = kernel_params(args)
-    attrs = serialization_attrs()
+    attrs = serialization_attrs() if pdl else (LaunchAttribute * 1)()
     cfg = launch_config(grid, block, shared_mem, torch.cuda.current_stream(device).cuda_stream, attrs)
+    cfg.numAttrs = len(attrs) if pdl else 0
     err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed: CUDA driver error {err}")

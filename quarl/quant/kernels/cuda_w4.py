@@ -25,10 +25,13 @@ slabs' fragments, the activation tile of all M rows, the group's scales and zero
 is shared by the block's warps. On Hopper, ``w4a16_wgmma`` (M <= 128) feeds the dequantized
 weights to wgmma as its register A operand; its ``w4a16_wgmma_cluster`` entry runs the K
 splits of a column block as one thread-block cluster and sums them through distributed
-shared memory, in the same order.
+shared memory, in the same order; its ``w4a16_wgmma_tma`` entries (``WgConfig.tma``) run the
+mbarrier loop with the copies made by the bulk-copy engine (TMA: a tensor map of the
+activations, :func:`x_tensor_map`), the same sums bit for bit.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 from importlib import resources
@@ -77,17 +80,55 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
                   cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False,
-                  prescale: int = 0):
-    """``defines``: extra ``-D`` macros (``W4_TRACE``: the timing probes of bench/w4_trace.py);
+                  prescale: int = 0, tma: bool = False):
+    """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
-    ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``)."""
+    ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``);
+    ``tma``: the TMA loop (``WgConfig.tma``: the mbarrier loop fed by the bulk-copy engine)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
+    if tma:
+        head = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {minb}"
+        name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}>" if cs else
+                f"w4a16_wgmma_tma<{head}, {_tf(gated)}>")
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
     return kern
+
+
+# cuda.h: CUtensorMapDataType BFLOAT16, CUtensorMapSwizzle 128B, CUtensorMapL2promotion L2_256B
+_TMAP_BF16, _TMAP_SWIZZLE_128B, _TMAP_L2_256B = 9, 3, 3
+_TMAPS: dict[tuple, ctypes.Array] = {}
+
+
+def x_tensor_map(x: torch.Tensor, rows: int) -> ctypes.Array:
+    """The ``CUtensorMap`` (128 bytes) of bf16 ``x [M, K]`` (16-byte aligned rows) that the TMA
+    loop reads in boxes of 64 columns x ``rows`` rows with the 128-byte swizzle (rows past M
+    and columns past K read as zeros). Encoded by the driver once per (address, shape, stride)
+    and kept: a CUDA graph replays the launch with the bytes it captured."""
+    m, k = x.shape
+    key = (x.device.index, x.data_ptr(), m, k, x.stride(0), rows)
+    tmap = _TMAPS.get(key)
+    if tmap is not None:
+        return tmap
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    if not hasattr(lib, "cuTensorMapEncodeTiled"):
+        raise RuntimeError("the TMA w4 loop needs cuTensorMapEncodeTiled: a CUDA 12 or later driver")
+    buf = ctypes.create_string_buffer(128 + 64)  # the driver wants a 64-byte aligned map
+    tmap = (ctypes.c_uint64 * 16).from_address(ctypes.addressof(buf) + -ctypes.addressof(buf) % 64)
+    tmap._buf = buf  # (keeps the storage alive with the map)
+    err = lib.cuTensorMapEncodeTiled(
+        tmap, _TMAP_BF16, 2, ctypes.c_void_p(x.data_ptr()), (ctypes.c_uint64 * 2)(k, m),
+        (ctypes.c_uint64 * 1)(x.stride(0) * 2), (ctypes.c_uint32 * 2)(64, rows), (ctypes.c_uint32 * 2)(1, 1),
+        0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed for x {tuple(x.shape)} stride {x.stride(0)}: CUDA driver error {err}")
+    if len(_TMAPS) >= 256:
+        _TMAPS.clear()
+    _TMAPS[key] = tmap
+    return tmap
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -205,9 +246,9 @@ def takes_lora(cfg: WgConfig, x: torch.Tensor, lora) -> bool:
     """Whether the wgmma kernel with ``cfg`` adds ``lora`` (a :class:`~quarl.quant.ops.LoRATerm`)
     in its epilogue: rank <= 128, at most 3 members whose row starts (but the first) are
     64-row aligned, bf16 operands in 16-byte aligned rows, no gradient wanted, and shared
-    memory for it without losing a block per SM; not the pre-scaled loop (``cfg.prescale``)."""
+    memory for it without losing a block per SM; not the pre-scaled or the TMA loop."""
     xa, b = lora.xa, lora.b
-    if cfg.prescale:
+    if cfg.prescale or cfg.tma:
         return False
     if lora.rank > 128 or len(lora.starts) > 3 or any(s % 64 for s in lora.starts[1:]):
         return False
@@ -273,9 +314,10 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated, 2 if cfg.halves else int(cfg.prescale))
+                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma)
 
+    extra = _lora_args(lora, x) + ((x_tensor_map(x, ntok),) if cfg.tma else ())
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
-                           cfg.nwg * 128, smem, one_d=True, extra=_lora_args(lora, x),
+                           cfg.nwg * 128, smem, one_d=True, extra=extra,
                            out_cols=qw.shape[0] // 2 if gated else None,
                            token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok)

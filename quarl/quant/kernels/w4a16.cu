@@ -623,8 +623,25 @@ __device__ __forceinline__ void mb_wait(u32 bar, u32 parity) {  // until the pha
                "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                "@!done bra MB_WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
+// The bulk-copy engine (TMA, sm90; the TMA loop): one thread's arrival on a slot's "full"
+// barrier that also expects the slot's bytes, a contiguous copy (weights) and a 2-D tile of
+// the activation tensor map (its 128-byte swizzle is the one wgmma reads), each completing
+// its bytes on that barrier. Rows and columns past the tensor's end arrive as zeros.
+__device__ __forceinline__ void mb_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_tile(u32 dst, const void* map, int col, int row, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+               :: "r"(dst), "l"(map), "r"(col), "r"(row), "r"(bar) : "memory");
+}
+// CUtensorMap (cuda.h): 128 opaque bytes, passed by value (__grid_constant__)
+struct __align__(64) TmaMap { unsigned long long v[16]; };
 //WGMMA_WRAPPERS//
-// Timing probes, compiled only with -DW4_TRACE (bench/w4_trace.py): thread 0 of each block
+// Timing probes, compiled only with -DW4_TRACE: thread 0 of each block
 // stores %globaltimer and %clock64 at point i (0 entry, 1 first group landed, 2 main loop done,
 // 3 partials stored, 4 split-K finish done) and its SM in trace[block * 12 + ...].
 #ifdef W4_TRACE
@@ -690,9 +707,16 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // weight group's with bf16 B rows as the A operand. Each warpgroup's t tile (swizzled as the
 // activation tile) and B rows (row pitch 64 LR + 8 bf16: no bank conflicts) are copied to
 // shared memory past the ring with the prologue's copies.
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS>
-__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
+// TMA (the TMA loop, w4a16_wgmma_tma): the mbarrier loop with its copies made by the bulk-copy
+// engine instead of every thread's cp.async: thread 0 arms a slot's "full" barrier with the
+// slot's bytes and issues the activation tile (two boxes of the tensor map `xmap`, rows >= M
+// and columns >= K zero-filled) and each live slab's 4 KB of words (one contiguous copy each).
+// The other threads issue no copies, no cp.async waits and no arrivals on "full". Same
+// products in the same order as the mbarrier loop: its output bit for bit.
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false>
+__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr) {
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
+  static_assert(!TMA || (MB && LR == 0 && PS == 0), "the TMA loop is the mbarrier loop without a LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE || PS, "128-token tiles run the single-tile or the pre-scaled loop");
@@ -779,7 +803,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   const u32 hdst0 = r1 * 128 + ((q1 ^ (r1 & 7)) << 4);
   const int hslab = cb * NWG + (tid >> 7), hoff = tid & 127;
   const bool hwok = hslab < nslabs;
-  if constexpr (HS) {
+  if constexpr (TMA) {
+    // (the tensor map's boxes write every row: zeros past M)
+  } else if constexpr (HS) {
 #pragma unroll
     for (int i = 0; i < CXH; ++i)
       if (r1 + i * RSTEP1 >= M)
@@ -968,7 +994,45 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
   // the wait for the kernel ahead (a dependent launch streams them while that one finishes);
   // the activations and the LoRA operands after it. (The first commit group then holds all of
   // these weights: its wait covers them.)
-  if constexpr (HS) {  // (in halves)
+  // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
+  __shared__ __align__(8) unsigned long long mbar[2 * ST];
+  const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
+  const int live_slabs = max(0, min(NWG, nslabs - cb * NWG));
+  const u32 slot_bytes = XBYTES + live_slabs * 4096;
+  auto tma_w = [&](int grp, int slot) {  // (thread 0) the live slabs' words of group grp
+    const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
+    for (int s = 0; s < live_slabs; ++s)
+      bulk_copy(ring + slot * STAGE + XBYTES + s * 4096, wg + (size_t)(cb * NWG + s) * G * 4096, 4096, full0 + 8 * slot);
+  };
+  auto tma_x = [&](int grp, int slot) {  // (thread 0) the two 64-column atoms of group grp
+    tma_tile(ring + slot * STAGE, xmap, grp * 128, 0, full0 + 8 * slot);
+    tma_tile(ring + slot * STAGE + NTOK * 128, xmap, grp * 128 + 64, 0, full0 + 8 * slot);
+  };
+  if constexpr (TMA) {
+    if (tid == 0) {
+#pragma unroll
+      for (int p = 0; p < ST; ++p) {
+        mb_init(full0 + 8 * p, 1);
+        mb_init(empty0 + 8 * p, NWG * 4);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0) {
+#pragma unroll
+      for (int p = 0; p < LA; ++p)
+        if (p < ngroups) {
+          mb_expect_tx(full0 + 8 * p, slot_bytes);
+          tma_w(gb0 + p, p);
+        }
+    }
+    wait_ahead();
+    if (tid == 0) {
+#pragma unroll
+      for (int p = 0; p < LA; ++p)
+        if (p < ngroups) tma_x(gb0 + p, p);
+    }
+  } else if constexpr (HS) {  // (in halves)
 #pragma unroll
     for (int p = 0; p < LA; ++p)
       if (p < 2 * ngroups) issue_wh(p, p);
@@ -1028,36 +1092,47 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS) {
     // every warp's wgmmas that read it are done; a slot is refilled two groups behind, so
     // the warpgroups drift apart by up to a group and one's unpacking and folding overlap
     // another's wgmmas. Same arithmetic, in the same order, as the barrier loop.
-    __shared__ __align__(8) unsigned long long mbar[2 * ST];
-    const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
-    if (tid == 0) {
+    if constexpr (!TMA) {
+      if (tid == 0) {
 #pragma unroll
-      for (int p = 0; p < ST; ++p) {
-        mb_init(full0 + 8 * p, NTH);
-        mb_init(empty0 + 8 * p, NWG * 4);
+        for (int p = 0; p < ST; ++p) {
+          mb_init(full0 + 8 * p, NTH);
+          mb_init(empty0 + 8 * p, NWG * 4);
+        }
       }
+      proxy_fence();  // the zeroed activation rows, before any wgmma reads them
+      __syncthreads();  // ... and the barriers initialized
+      cp_wait<LA - 1>();  // this thread's copies of group 0
+      proxy_fence();
+      mb_arrive(full0);
     }
-    proxy_fence();  // the zeroed activation rows, before any wgmma reads them
-    __syncthreads();  // ... and the barriers initialized
-    cp_wait<LA - 1>();  // this thread's copies of group 0
-    proxy_fence();
-    mb_arrive(full0);
     ld_scales(0, s10, s11);
     for (int gi = 0; gi < ngroups; ++gi) {
       s00 = s10;
       s01 = s11;
       if (gi + 1 < ngroups) {
         ld_scales(gi + 1, s10, s11);
-        cp_wait<LA - 2>();  // this thread's copies of group gi + 1
-        proxy_fence();
-        mb_arrive(full0 + 8 * ((gi + 1) % ST));
+        if constexpr (!TMA) {
+          cp_wait<LA - 2>();  // this thread's copies of group gi + 1
+          proxy_fence();
+          mb_arrive(full0 + 8 * ((gi + 1) % ST));
+        }
       }
       if (gi + LA < ngroups) {
         const int j = gi + LA;
-        if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);  // group j - ST read by every warp
-        issue(gb0 + j, j % ST);
+        if constexpr (TMA) {
+          if (tid == 0) {
+            if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);
+            mb_expect_tx(full0 + 8 * (j % ST), slot_bytes);
+            tma_w(gb0 + j, j % ST);
+            tma_x(gb0 + j, j % ST);
+          }
+        } else {
+          if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);  // group j - ST read by every warp
+          issue(gb0 + j, j % ST);
+        }
       }
-      cp_commit();
+      if constexpr (!TMA) cp_commit();
       u32 z0, z1;
       zero_points(gi, z0, z1);
       mb_wait(full0 + 8 * (gi % ST), (gi / ST) & 1);
@@ -1270,4 +1345,14 @@ __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma(W4_WGMMA_PARAMS) 
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int MINB, bool MB, int CS, int LR, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_cluster(W4_WGMMA_PARAMS) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR, GATED, PS>(W4_WGMMA_ARGS);
+}
+// the TMA loop (WgConfig.tma): xmap is the activation's tensor map (cuda_w4.x_tensor_map)
+template <int NWG, int NTOK, int ST, bool ASYM, int MINB, bool GATED>
+__global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma_tma(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, true, 0, true, 0, GATED, 0, true>(W4_WGMMA_ARGS, &xmap);
+}
+template <int NWG, int NTOK, int ST, bool ASYM, int MINB, int CS, bool GATED>
+__global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_tma_cluster(
+    W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, true, CS, true, 0, GATED, 0, true>(W4_WGMMA_ARGS, &xmap);
 }
