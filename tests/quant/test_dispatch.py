@@ -108,9 +108,13 @@ def test_tables_match_the_old_dispatch():
         if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.small_square_m33(m, n, k):  # added: the 1.5B's o and q/k/v at 33-64
             assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
             continue
-        if want == ["WgConfig", 3, 4, 1.0, True, 1, True, False]:  # since s25: 5 slots, per-slot mbarriers
+        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.long_k_m33(m, n, k):  # added s42: down, the TMA loop
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            assert got.config == dispatch.WgConfig(3, 5, 1.0, True, 1, True, mbar=True), (m, n, k)
+            assert got.config == dispatch.WgConfig(1, 4, 2.0, True, 2, True, True, mbar=True, tma=True), (m, n, k)
+            continue
+        if want == ["WgConfig", 3, 4, 1.0, True, 1, True, False]:  # since s25: 5 slots, per-slot mbarriers; s42: TMA
+            got = dispatch.lookup("w4a16", gen, m, n, k)
+            assert got.config == dispatch.WgConfig(3, 5, 1.0, True, 1, True, mbar=True, tma=True), (m, n, k)
             continue
         if fam == "act_quant":
             got = list(dispatch.act_quant_plan(m, k))
@@ -137,7 +141,12 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     for n, k in ((5120, 5120), (7168, 5120), (5120, 27648)):
         assert dispatch.lookup("w4a16", "sm90", 64, n, k).config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
         assert dispatch.lookup("w4a16", "sm90", 32, n, k).config != dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
-    assert dispatch.lookup("w4a16", "sm90", 64, 3584, 18944).config.nwg == 2
+    # down projections (K > 8192) at 33-64 rows: the TMA loop, one warpgroup (sweep_tma64_1p5b_h200_s42.json)
+    tma_down = dispatch.WgConfig(1, 4, 2.0, True, 2, True, True, mbar=True, tma=True)
+    assert dispatch.lookup("w4a16", "sm90", 64, 3584, 18944).config == tma_down
+    assert dispatch.lookup("w4a16", "sm90", 33, 1536, 8960).config == tma_down
+    assert dispatch.lookup("w4a16", "sm90", 32, 1536, 8960).config.nwg == 2
+    assert dispatch.lookup("w4a16", "sm90", 64, 17920, 1536).config.tma
     assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.nwg == 1
     # the 1.5B's o and q/k/v at 33-64 rows: one block per SM's worth of K splits (sweep_wgmma_1p5b_m64_h100_s38.json)
     assert dispatch.lookup("w4a16", "sm90", 64, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)

@@ -658,7 +658,8 @@ def test_wgmma_adds_a_lora_term_in_its_epilogue(name, m):
 
 def test_engine_lora_shapes_of_7b_take_the_fused_epilogue():
     """At decode batch 64 every adapted 7B projection's default plan adds its rank-64 adapters in
-    the w4a16 kernel (no fallback to a separate addmm), and gives the addmm's result."""
+    the w4a16 kernel (no fallback to a separate addmm; a TMA-loop plan as its mbarrier loop,
+    which takes the term), and gives the addmm's result."""
     from quarl.quant.kernels import cuda_w4, dispatch, launch
 
     for members, k in (((3584, 512, 512), 3584), ((3584,), 3584), ((18944, 18944), 3584), ((3584,), 18944)):
@@ -666,7 +667,8 @@ def test_engine_lora_shapes_of_7b_take_the_fused_epilogue():
         qw, x, _, _ = _w4_case(n, k, 64, "w4a16")
         term = _lora_case(members, (64,) * len(members), k, 64)
         plan = dispatch.pick(qw, 64, x.device)
-        assert plan.kernel == "wgmma" and cuda_w4.takes_lora(plan.config, x, term), (members, k, plan)
+        assert plan.kernel == "wgmma" and cuda_w4.takes_lora(plan.config._replace(tma=False), x, term), (members, k, plan)
+        assert not cuda_w4.takes_lora(plan.config._replace(tma=True), x, term)
         got = launch.linear(x, qw, None, None, term)
         plain = launch.linear(x, qw, None)
         want = term.add_to(plain).double()  # (rounded twice: the base, then the sum)
@@ -687,7 +689,8 @@ def test_w4_cuda_kernels_as_dependent_launches_give_the_same_bits(m):
     qw, x, bias, expect = _w4_case(1536, 8960, m, "w4a16")
     rc = RepackCache()  # the layouts made by the plain runs, before the capture
     runs = [lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 1, True, cluster=False), rc),
-            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 3, 2, True, 2, True, cluster=True), rc)]
+            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 3, 2, True, 2, True, cluster=True), rc),
+            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 2, True, True, mbar=True, tma=True), rc)]
     if m <= 16:
         runs.append(lambda: cuda_w4.frag_gemm(x, qw, bias, FragConfig(nw=4, blocks_per_sm=4, stages=8), rc))
     if m <= 64:

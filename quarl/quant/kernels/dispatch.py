@@ -82,6 +82,11 @@ def long_k(m: int, n: int, k: int) -> bool:
     return k > 8192
 
 
+def long_k_m33(m: int, n: int, k: int) -> bool:
+    """33-64 tokens and K > 8192 (down projections)."""
+    return m > 32 and k > 8192
+
+
 def short_k(m: int, n: int, k: int) -> bool:
     return k <= 8192
 
@@ -193,12 +198,14 @@ _PRESCALED = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True))  # the
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True, cluster=True)), 64, wide_hidden_m64, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True)), 64,
+        long_k_m33, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)), 64, long_k, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, tail=True, cluster=True)), 64, small_square_m33, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
-    Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True)), 64, None, SM90),
+    Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True, tma=True)), 64, None, SM90),
     Row(_PRESCALED, 128, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, small_weight, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),

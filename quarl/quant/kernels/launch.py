@@ -76,8 +76,9 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     else:
         dense = repacked is not None and repacked.dense
         plan = dispatch.pick(qw, x.shape[0], x.device, x.dtype, dense)
-        if lora is not None and plan.kernel == "wgmma" and lora.b.shape[0] == qw.shape[0] \
-                and cuda_w4.takes_lora(plan.config, x, lora):
-            return cuda_w4.wgmma_gemm(x, qw, bias, plan.config, repacked, lora=lora)
+        if lora is not None and plan.kernel == "wgmma" and lora.b.shape[0] == qw.shape[0]:
+            cfg = plan.config._replace(tma=False)  # (the TMA loop takes no term: the mbarrier loop's sums are its own)
+            if cuda_w4.takes_lora(cfg, x, lora):
+                return cuda_w4.wgmma_gemm(x, qw, bias, cfg, repacked, lora=lora)
         y = plan.run(x, qw, bias, repacked=repacked)
     return y if lora is None else lora.add_to(y)
