@@ -711,8 +711,9 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // engine instead of every thread's cp.async: thread 0 arms a slot's "full" barrier with the
 // slot's bytes and issues the activation tile (two boxes of the tensor map `xmap`, rows >= M
 // and columns >= K zero-filled) and each live slab's 4 KB of words (one contiguous copy each).
-// The other threads issue no copies, no cp.async waits and no arrivals on "full". Same
-// products in the same order as the mbarrier loop: its output bit for bit.
+// The other threads issue no copies, no cp.async waits and no arrivals on "full", and each
+// group's weights are unpacked while the previous group's wgmmas run. Same products in the
+// same order as the mbarrier loop: its output bit for bit.
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr) {
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
@@ -1085,54 +1086,91 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     cp_wait<LA - 1>();
     lora_term();
   }
-  if constexpr (MB) {
+  if constexpr (TMA) {
+    // The TMA loop: group gi + 1 is waited for and unpacked into the other set of A registers
+    // (a0 / a1 in turn) while group gi's wgmmas run, so a group's path is its wgmmas, the wait
+    // and the fold. Thread 0 refills the slot of group gi + LA once every warp released group
+    // gi + LA - ST ("empty"). The same products, folded in the same order, as the MB loop.
+    auto unpack = [&](int gi, u32 (&a)[8][4]) {
+      u32 z0, z1;
+      zero_points(gi, z0, z1);
+      mb_wait(full0 + 8 * (gi % ST), (gi / ST) & 1);
+      const u32 sbase = ring + (gi % ST) * STAGE;
+      u32 w[8];
+      lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
+      lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        a[s][0] = sub_z(lop_q(w[s]), z0);
+        a[s][1] = sub_z(lop_q(w[s] >> 8), z1);
+        a[s][2] = sub_z(lop_q(w[s] >> 4), z0);
+        a[s][3] = sub_z(lop_q(w[s] >> 12), z1);
+      }
+    };
+    auto step = [&](int gi, u32 (&a)[8][4], u32 (&an)[8][4]) {
+      wg_fence();
+      const unsigned long long d0 = desc_sw128(ring + (gi % ST) * STAGE);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        wgmma_bf16<NTOK>(t0, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
+      wg_commit();
+      s00 = s10;
+      s01 = s11;
+      if (gi + 1 < ngroups) ld_scales(gi + 1, s10, s11);
+      const int j = gi + LA;
+      if (tid == 0 && j < ngroups) {
+        if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);
+        mb_expect_tx(full0 + 8 * (j % ST), slot_bytes);
+        tma_w(gb0 + j, j % ST);
+        tma_x(gb0 + j, j % ST);
+      }
+      if (gi + 1 < ngroups) unpack(gi + 1, an);
+      wg_wait0();
+      fold(a, t0, s00, s01);
+      __syncwarp();
+      if (lane == 0) mb_arrive(empty0 + 8 * (gi % ST));  // this warp is done with the slot
+    };
+    ld_scales(0, s10, s11);
+    unpack(0, a0);
+    for (int gi = 0; gi < ngroups; gi += 2) {
+      step(gi, a0, a1);
+      if (gi + 1 < ngroups) step(gi + 1, a1, a0);
+    }
+  } else if constexpr (MB) {
     // MB: the single-tile loop without a block barrier per group. Slot s has two mbarriers:
     // full[s] completes when every thread's copies of the slot's group landed (each thread
     // arrives one group ahead, after its own cp.async wait and proxy fence), empty[s] when
     // every warp's wgmmas that read it are done; a slot is refilled two groups behind, so
     // the warpgroups drift apart by up to a group and one's unpacking and folding overlap
     // another's wgmmas. Same arithmetic, in the same order, as the barrier loop.
-    if constexpr (!TMA) {
-      if (tid == 0) {
+    if (tid == 0) {
 #pragma unroll
-        for (int p = 0; p < ST; ++p) {
-          mb_init(full0 + 8 * p, NTH);
-          mb_init(empty0 + 8 * p, NWG * 4);
-        }
+      for (int p = 0; p < ST; ++p) {
+        mb_init(full0 + 8 * p, NTH);
+        mb_init(empty0 + 8 * p, NWG * 4);
       }
-      proxy_fence();  // the zeroed activation rows, before any wgmma reads them
-      __syncthreads();  // ... and the barriers initialized
-      cp_wait<LA - 1>();  // this thread's copies of group 0
-      proxy_fence();
-      mb_arrive(full0);
     }
+    proxy_fence();  // the zeroed activation rows, before any wgmma reads them
+    __syncthreads();  // ... and the barriers initialized
+    cp_wait<LA - 1>();  // this thread's copies of group 0
+    proxy_fence();
+    mb_arrive(full0);
     ld_scales(0, s10, s11);
     for (int gi = 0; gi < ngroups; ++gi) {
       s00 = s10;
       s01 = s11;
       if (gi + 1 < ngroups) {
         ld_scales(gi + 1, s10, s11);
-        if constexpr (!TMA) {
-          cp_wait<LA - 2>();  // this thread's copies of group gi + 1
-          proxy_fence();
-          mb_arrive(full0 + 8 * ((gi + 1) % ST));
-        }
+        cp_wait<LA - 2>();  // this thread's copies of group gi + 1
+        proxy_fence();
+        mb_arrive(full0 + 8 * ((gi + 1) % ST));
       }
       if (gi + LA < ngroups) {
         const int j = gi + LA;
-        if constexpr (TMA) {
-          if (tid == 0) {
-            if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);
-            mb_expect_tx(full0 + 8 * (j % ST), slot_bytes);
-            tma_w(gb0 + j, j % ST);
-            tma_x(gb0 + j, j % ST);
-          }
-        } else {
-          if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);  // group j - ST read by every warp
-          issue(gb0 + j, j % ST);
-        }
+        if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);  // group j - ST read by every warp
+        issue(gb0 + j, j % ST);
       }
-      if constexpr (!TMA) cp_commit();
+      cp_commit();
       u32 z0, z1;
       zero_points(gi, z0, z1);
       mb_wait(full0 + 8 * (gi % ST), (gi / ST) & 1);
