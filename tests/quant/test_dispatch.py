@@ -106,7 +106,12 @@ def test_tables_match_the_old_dispatch():
             assert got.config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True), (m, n, k)
             continue
         if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.small_square_m33(m, n, k):  # added: the 1.5B's o and q/k/v at 33-64
-            assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
+            assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(
+                1, 4, 1.0, True, 1, True, True, mbar=True, tma=True)  # s42: the TMA loop
+            continue
+        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.n_below_16384_m33(m, n, k):  # added s42: the TMA loop
+            assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(
+                1, 4, 2.0, True, 2, True, True, mbar=True, tma=True), (m, n, k)
             continue
         if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.long_k_m33(m, n, k):  # added s42: down, the TMA loop
             got = dispatch.lookup("w4a16", gen, m, n, k)
@@ -148,9 +153,13 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 32, 1536, 8960).config.nwg == 2
     assert dispatch.lookup("w4a16", "sm90", 64, 17920, 1536).config.tma
     assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.nwg == 1
-    # the 1.5B's o and q/k/v at 33-64 rows: one block per SM's worth of K splits (sweep_wgmma_1p5b_m64_h100_s38.json)
-    assert dispatch.lookup("w4a16", "sm90", 64, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
-    assert dispatch.lookup("w4a16", "sm90", 32, 1536, 1536).config != dispatch.WgConfig(1, 4, 1.0, tail=True, cluster=True)
+    # the 1.5B's o and q/k/v at 33-64 rows: one block per SM's worth of K splits (sweep_wgmma_1p5b_m64_h100_s38.json),
+    # the TMA loop since s42; the 7B's q/k/v and o at 33-64 rows: the TMA loop, two blocks per SM
+    small = dispatch.WgConfig(1, 4, 1.0, True, 1, True, True, mbar=True, tma=True)
+    assert dispatch.lookup("w4a16", "sm90", 64, 1536, 1536).config == small
+    assert dispatch.lookup("w4a16", "sm90", 32, 1536, 1536).config != small
+    assert dispatch.lookup("w4a16", "sm90", 64, 4608, 3584).config == tma_down
+    assert not dispatch.lookup("w4a16", "sm90", 32, 4608, 3584).config.tma
     assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.blocks_per_sm == 2.0
     assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)

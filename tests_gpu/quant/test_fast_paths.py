@@ -570,7 +570,8 @@ def test_wgmma_kernel_is_the_default_up_to_m_128_and_follows_loads():
     assert pick(1, 3584, 3584).config == WgConfig(1, 4, 2.0, False, 1, True, True)
     assert pick(16, 18944, 3584).config.cluster and not pick(32, 18944, 3584).config.cluster
     assert pick(32, 37888, 3584).config == WgConfig(1, 3, 4.0, True, 4, True)
-    assert [pick(64, n, k).config.nwg for n, k in ((37888, 3584), (3584, 18944), (3584, 3584))] == [3, 2, 1]
+    assert [pick(64, n, k).config.nwg for n, k in ((37888, 3584), (3584, 18944), (3584, 3584))] == [3, 1, 1]
+    assert pick(64, 3584, 18944).config.tma and not pick(32, 3584, 18944).config.tma  # the TMA loop at 33-64 rows
     a, b = (torch.nn.Linear(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inf = QuantLinear.from_linear(a, "w4a16")
     x = torch.randn(12, 4096, device="cuda", dtype=torch.bfloat16)

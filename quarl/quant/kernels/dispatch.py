@@ -116,6 +116,11 @@ def n_below_16384(m: int, n: int, k: int) -> bool:
     return n < 16384
 
 
+def n_below_16384_m33(m: int, n: int, k: int) -> bool:
+    """33-64 tokens, fewer than 16384 output columns (7B q/k/v and o)."""
+    return m > 32 and n < 16384
+
+
 def wide_output(m: int, n: int, k: int) -> bool:
     """16384 output columns or more (gate/up of 1.5B and larger)."""
     return n >= 16384
@@ -202,7 +207,10 @@ W4A16: tuple[Row, ...] = (
         long_k_m33, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)), 64, long_k, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
-    Row(Plan("wgmma", WgConfig(1, 4, 1.0, tail=True, cluster=True)), 64, small_square_m33, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True, mbar=True, tma=True)), 64,
+        small_square_m33, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True)), 64,
+        n_below_16384_m33, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True, tma=True)), 64, None, SM90),
