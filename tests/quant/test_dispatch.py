@@ -249,10 +249,11 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     for bad in (WgConfig(2, 4, single=True, prescale=True), WgConfig(2, 4, single=True, mbar=True, prescale=True)):
         with pytest.raises(ValueError, match="prescale=True runs its own loop"):
             bad.check(64)
-    for bad in (WgConfig(3, 5, single=True, tma=True), WgConfig(2, 4, prescale=True, tma=True)):
-        with pytest.raises(ValueError, match="tma=True runs the mbarrier loop"):
+    for bad in (WgConfig(3, 5, single=True, tma=True), WgConfig(2, 4, tma=True)):
+        with pytest.raises(ValueError, match="tma=True feeds the mbarrier loop"):
             bad.check(64)
     WgConfig(3, 5, single=True, mbar=True, tma=True).check(64)
+    WgConfig(2, 8, prescale=True, tile=192, halves=True, tma=True).check(300)
     with pytest.raises(ValueError, match=">= 3 stages"):
         WgConfig(1, 2).check(8)
     with pytest.raises(ValueError, match="shared memory"):

@@ -107,9 +107,9 @@ class WgConfig(NamedTuple):
     # with tile 192 / 256: ring slots of half a group (64 columns of K), each refilled after its
     # own block barrier, so 6-8 slots keep copies 2-3 groups ahead
     halves: bool = False
-    # the mbarrier loop (mbar=True) with its copies made by the bulk-copy engine (TMA): one
-    # thread issues each slot's activation tile (a tensor map) and weight words, the others
-    # only compute; the mbarrier loop's output bit for bit, no LoRA term
+    # the mbarrier loop (mbar=True) or the pre-scaled loop (prescale=True) with its copies made
+    # by the bulk-copy engine (TMA): one thread issues each slot's activation tile (a tensor
+    # map) and weight words, the others only compute; that loop's output bit for bit, no LoRA
     tma: bool = False
 
     def smem_bytes(self, ntok: int) -> int:
@@ -134,8 +134,9 @@ class WgConfig(NamedTuple):
         if self.tile and not (self.tile in (192, 256) and self.prescale and self.nwg <= 2 and self.minb == 1):
             raise ValueError(f"wgmma w4 kernel: tile=192 or 256 runs the pre-scaled loop (prescale=True) with 1-2 "
                              f"warpgroups and minb=1 (its 96-128 accumulators take most of 255 registers); got {self}")
-        if self.tma and not self.mbar:
-            raise ValueError(f"wgmma w4 kernel: tma=True runs the mbarrier loop (single=True, mbar=True); got {self}")
+        if self.tma and not (self.mbar or self.prescale):
+            raise ValueError(f"wgmma w4 kernel: tma=True feeds the mbarrier loop (single=True, mbar=True) or the "
+                             f"pre-scaled loop (prescale=True); got {self}")
         if self.halves and not (self.tile and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: halves=True runs 192- or 256-token tiles (tile=192 / 256) with "
                              f">= 4 half-group slots; got {self}")

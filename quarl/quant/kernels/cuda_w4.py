@@ -84,14 +84,14 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
     """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
     ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``);
-    ``tma``: the TMA loop (``WgConfig.tma``: the mbarrier loop fed by the bulk-copy engine)."""
+    ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
     if tma:
         head = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {minb}"
-        name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}>" if cs else
-                f"w4a16_wgmma_tma<{head}, {_tf(gated)}>")
+        name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}, {prescale}>" if cs else
+                f"w4a16_wgmma_tma<{head}, {_tf(gated)}, {prescale}>")
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)

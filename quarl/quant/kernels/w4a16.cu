@@ -717,7 +717,7 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr) {
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
-  static_assert(!TMA || (MB && LR == 0 && PS == 0), "the TMA loop is the mbarrier loop without a LoRA term");
+  static_assert(!TMA || (LR == 0 && (MB || PS)), "TMA copies feed the mbarrier or the pre-scaled loop, no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE || PS, "128-token tiles run the single-tile or the pre-scaled loop");
@@ -998,16 +998,45 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
   __shared__ __align__(8) unsigned long long mbar[2 * ST];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
+  // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
+  // gb0 + j), or with HS half of one (unit j: half j % 2 of group gb0 + j / 2); the activation
+  // boxes start at the block's token tile (PS: blockIdx.y)
   const int live_slabs = max(0, min(NWG, nslabs - cb * NWG));
-  const u32 slot_bytes = XBYTES + live_slabs * 4096;
-  auto tma_w = [&](int grp, int slot) {  // (thread 0) the live slabs' words of group grp
+  const u32 slot_bytes = XBYTES + live_slabs * (HS ? 2048 : 4096);
+  const int nunits = HS ? 2 * ngroups : ngroups, trow = PS ? (int)blockIdx.y * NTOK : 0;
+  auto tma_w = [&](int j, int slot) {  // (thread 0) the live slabs' words of unit j
+    const int grp = gb0 + (HS ? j >> 1 : j);
     const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
-    for (int s = 0; s < live_slabs; ++s)
-      bulk_copy(ring + slot * STAGE + XBYTES + s * 4096, wg + (size_t)(cb * NWG + s) * G * 4096, 4096, full0 + 8 * slot);
+    for (int s = 0; s < live_slabs; ++s) {
+      const unsigned char* src = wg + (size_t)(cb * NWG + s) * G * 4096;
+      if constexpr (HS) {  // each warp's 512 bytes of the half: at (2 w + h) 512 of the group's 4 KB
+        for (int w = 0; w < 4; ++w)
+          bulk_copy(ring + slot * STAGE + XBYTES + s * 2048 + w * 512, src + (2 * w + (j & 1)) * 512, 512, full0 + 8 * slot);
+      } else {
+        bulk_copy(ring + slot * STAGE + XBYTES + s * 4096, src, 4096, full0 + 8 * slot);
+      }
+    }
   };
-  auto tma_x = [&](int grp, int slot) {  // (thread 0) the two 64-column atoms of group grp
-    tma_tile(ring + slot * STAGE, xmap, grp * 128, 0, full0 + 8 * slot);
-    tma_tile(ring + slot * STAGE + NTOK * 128, xmap, grp * 128 + 64, 0, full0 + 8 * slot);
+  auto tma_x = [&](int j, int slot) {  // (thread 0) unit j's 64-column atoms
+    if constexpr (HS) {
+      tma_tile(ring + slot * STAGE, xmap, (gb0 + (j >> 1)) * 128 + (j & 1) * 64, trow, full0 + 8 * slot);
+    } else {
+      tma_tile(ring + slot * STAGE, xmap, (gb0 + j) * 128, trow, full0 + 8 * slot);
+      tma_tile(ring + slot * STAGE + NTOK * 128, xmap, (gb0 + j) * 128 + 64, trow, full0 + 8 * slot);
+    }
+  };
+  // (thread 0) unit j into its slot, once every warp released unit j - ST there
+  auto tma_refill = [&](int j) {
+    if (tid == 0 && j < nunits) {
+      if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);
+      mb_expect_tx(full0 + 8 * (j % ST), slot_bytes);
+      tma_w(j, j % ST);
+      tma_x(j, j % ST);
+    }
+  };
+  auto tma_release = [&](int j) {  // this warp is done with unit j's slot
+    __syncwarp();
+    if (lane == 0) mb_arrive(empty0 + 8 * (j % ST));
   };
   if constexpr (TMA) {
     if (tid == 0) {
@@ -1022,16 +1051,16 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     if (tid == 0) {
 #pragma unroll
       for (int p = 0; p < LA; ++p)
-        if (p < ngroups) {
+        if (p < nunits) {
           mb_expect_tx(full0 + 8 * p, slot_bytes);
-          tma_w(gb0 + p, p);
+          tma_w(p, p);
         }
     }
     wait_ahead();
     if (tid == 0) {
 #pragma unroll
       for (int p = 0; p < LA; ++p)
-        if (p < ngroups) tma_x(gb0 + p, p);
+        if (p < nunits) tma_x(p, p);
     }
   } else if constexpr (HS) {  // (in halves)
 #pragma unroll
@@ -1086,7 +1115,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     cp_wait<LA - 1>();
     lora_term();
   }
-  if constexpr (TMA) {
+  if constexpr (TMA && !PS) {
     // The TMA loop: group gi + 1 is waited for and unpacked into the other set of A registers
     // (a0 / a1 in turn) while group gi's wgmmas run, so a group's path is its wgmmas, the wait
     // and the fold. Thread 0 refills the slot of group gi + LA once every warp released group
@@ -1117,18 +1146,11 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       s00 = s10;
       s01 = s11;
       if (gi + 1 < ngroups) ld_scales(gi + 1, s10, s11);
-      const int j = gi + LA;
-      if (tid == 0 && j < ngroups) {
-        if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);
-        mb_expect_tx(full0 + 8 * (j % ST), slot_bytes);
-        tma_w(gb0 + j, j % ST);
-        tma_x(gb0 + j, j % ST);
-      }
+      tma_refill(gi + LA);
       if (gi + 1 < ngroups) unpack(gi + 1, an);
       wg_wait0();
       fold(a, t0, s00, s01);
-      __syncwarp();
-      if (lane == 0) mb_arrive(empty0 + 8 * (gi % ST));  // this warp is done with the slot
+      tma_release(gi);
     };
     ld_scales(0, s10, s11);
     unpack(0, a0);
@@ -1196,6 +1218,33 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     };
     float sc0, sc1, sn0 = 0.f, sn1 = 0.f;
     ld_scales(0, sc0, sc1);
+    if constexpr (TMA) {
+      // the copies by the bulk-copy engine: per unit (a group, or with HS a half) a "full"
+      // mbarrier instead of the block barrier, refilled LA units ahead once every warp has
+      // retired (released) the unit ST back; the wgmmas and their order as below
+      for (int gi = 0; gi < ngroups; ++gi) {
+        u32 z0, z1;
+        zero_points(gi, z0, z1);
+        if (gi + 1 < ngroups) ld_scales(gi + 1, sn0, sn1);
+        const int j0 = HS ? 2 * gi : gi;
+        tma_refill(j0 + LA);
+        mb_wait(full0 + 8 * (j0 % ST), (j0 / ST) & 1);
+        ps_half(gi, 0, h0, z0, z1, sc0, sc1);
+        wg_wait1();  // retires the previous group's second half
+        keep_a(h1);
+        if (gi > 0) tma_release(HS ? j0 - 1 : gi - 1);
+        if constexpr (HS) {
+          tma_refill(j0 + 1 + LA);
+          mb_wait(full0 + 8 * ((j0 + 1) % ST), ((j0 + 1) / ST) & 1);
+        }
+        ps_half(gi, 1, h1, z0, z1, sc0, sc1);
+        wg_wait1();  // retires this group's first half
+        keep_a(h0);
+        if constexpr (HS) tma_release(j0);
+        sc0 = sn0;
+        sc1 = sn1;
+      }
+    } else {
     // the wait for a slot's copies, the barrier after which every warpgroup retired the half
     // LA + ... slots back, and the refill of that slot (HS: per half, LA halves ahead)
     auto land = [&](int j) {
@@ -1227,6 +1276,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       keep_a(h0);
       sc0 = sn0;
       sc1 = sn1;
+    }
     }
     wg_wait0();
     keep_a(h1);
@@ -1385,12 +1435,13 @@ __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, SINGLE, CS, MB, LR, GATED, PS>(W4_WGMMA_ARGS);
 }
 // the TMA loop (WgConfig.tma): xmap is the activation's tensor map (cuda_w4.x_tensor_map)
-template <int NWG, int NTOK, int ST, bool ASYM, int MINB, bool GATED>
+// (PS > 0: the pre-scaled loop fed the same way)
+template <int NWG, int NTOK, int ST, bool ASYM, int MINB, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma_tma(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, true, 0, true, 0, GATED, 0, true>(W4_WGMMA_ARGS, &xmap);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, PS == 0, 0, PS == 0, 0, GATED, PS, true>(W4_WGMMA_ARGS, &xmap);
 }
-template <int NWG, int NTOK, int ST, bool ASYM, int MINB, int CS, bool GATED>
+template <int NWG, int NTOK, int ST, bool ASYM, int MINB, int CS, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_tma_cluster(
     W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, true, CS, true, 0, GATED, 0, true>(W4_WGMMA_ARGS, &xmap);
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, PS == 0, CS, PS == 0, 0, GATED, PS, true>(W4_WGMMA_ARGS, &xmap);
 }
