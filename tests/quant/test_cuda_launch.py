@@ -60,24 +60,33 @@ def test_plain_launch_outside_the_block_or_before_hopper(monkeypatch):
     assert k.calls[0] == {"grid": (3, 2, 1), "block": (128, 1, 1), "args": [t, 5], "shared_mem": 1024}
 
 
-def test_dependent_launch_goes_through_cuLaunchKernelEx(monkeypatch):
-    seen = {}
+def _fake_driver(monkeypatch, dependent: bool, record) -> None:
+    """``cuLaunchKernelEx`` calls ``record(config, func, params, extra)`` (its return: the
+    driver's error code); the current stream's handle is 0xABC0."""
 
     class _Lib:
         def cuLaunchKernelEx(self, cfg_ref, func, params, extra):
-            cfg = ctypes.cast(cfg_ref, ctypes.POINTER(LaunchConfig)).contents
-            seen.update(grid=(cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), block=(cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
-                        smem=cfg.sharedMemBytes, stream=cfg.hStream, n=cfg.numAttrs, attr=cfg.attrs[0].id,
-                        allowed=ctypes.c_int.from_buffer(cfg.attrs[0].value).value, func=func.value, extra=extra,
-                        args=[ctypes.c_int.from_address(p).value for p in params[1:]])
-            return seen.get("err", 0)
+            return record(ctypes.cast(cfg_ref, ctypes.POINTER(LaunchConfig)).contents, func, params, extra)
 
     class _Stream:
         cuda_stream = 0xABC0
 
-    monkeypatch.setattr(cuda_launch, "dependent", lambda device: True)
+    monkeypatch.setattr(cuda_launch, "dependent", lambda device: dependent)
     monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: _Lib())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+
+
+def test_dependent_launch_goes_through_cuLaunchKernelEx(monkeypatch):
+    seen = {}
+
+    def record(cfg, func, params, extra):
+        seen.update(grid=(cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), block=(cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
+                    smem=cfg.sharedMemBytes, stream=cfg.hStream, n=cfg.numAttrs, attr=cfg.attrs[0].id,
+                    allowed=ctypes.c_int.from_buffer(cfg.attrs[0].value).value, func=func.value, extra=extra,
+                    args=[ctypes.c_int.from_address(p).value for p in params[1:]])
+        return seen.get("err", 0)
+
+    _fake_driver(monkeypatch, True, record)
     k = _Kernel()
     launch(k, (5, 1, 1), (256, 1, 1), [torch.zeros(1), 9, 11], 65536, device=torch.device("cpu"))
     assert not k.calls
@@ -96,19 +105,12 @@ def test_a_by_value_argument_takes_cuLaunchKernelEx_without_the_dependency_attri
     cuLaunchKernelEx is a clear error, not a launch with wrong arguments."""
     seen = {}
 
-    class _Lib:
-        def cuLaunchKernelEx(self, cfg_ref, func, params, extra):
-            cfg = ctypes.cast(cfg_ref, ctypes.POINTER(LaunchConfig)).contents
-            seen.update(n=cfg.numAttrs, first=ctypes.c_int.from_address(params[0]).value,
-                        tmap=list((ctypes.c_uint64 * 16).from_address(params[1])))
-            return 0
+    def record(cfg, func, params, extra):
+        seen.update(n=cfg.numAttrs, first=ctypes.c_int.from_address(params[0]).value,
+                    tmap=list((ctypes.c_uint64 * 16).from_address(params[1])))
+        return 0
 
-    class _Stream:
-        cuda_stream = 0
-
-    monkeypatch.setattr(cuda_launch, "dependent", lambda device: False)
-    monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: _Lib())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    _fake_driver(monkeypatch, False, record)
     k = _Kernel()
     tmap = (ctypes.c_uint64 * 16)(*range(16))
     launch(k, (1, 1, 1), (32, 1, 1), [7, tmap], device=torch.device("cpu"))

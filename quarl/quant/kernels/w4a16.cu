@@ -903,8 +903,8 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     z0 = ASYM ? negz[(size_t)grp * Np + srow] : 0xC308C308u;
     z1 = ASYM ? negz[(size_t)grp * Np + srow + 8] : 0xC308C308u;
   };
-  auto mma_group = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], u32 z0, u32 z1) {
-    if (gi == 0) W4_TRACE_AT(1);
+  // (unpack_group: the 8 steps into `a`; issue_group: their wgmmas into `tmp`)
+  auto unpack_group = [&](int gi, u32 (&a)[8][4], u32 z0, u32 z1) {
     const u32 sbase = ring + (gi % ST) * STAGE;
     u32 w[8];
     lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
@@ -916,12 +916,19 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       a[s][2] = sub_z(lop_q(w[s] >> 4), z0);    // row g,     columns 2t + 8, 2t + 9
       a[s][3] = sub_z(lop_q(w[s] >> 12), z1);   // row g + 8
     }
+  };
+  auto issue_group = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC]) {
     wg_fence();
-    const unsigned long long d0 = desc_sw128(sbase);  // + (byte offset >> 4): the start address field
+    const unsigned long long d0 = desc_sw128(ring + (gi % ST) * STAGE);  // + (byte offset >> 4): the start address field
 #pragma unroll
     for (int s = 0; s < 8; ++s)
       wgmma_bf16<NTOK>(tmp, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
     wg_commit();
+  };
+  auto mma_group = [&](int gi, u32 (&a)[8][4], float (&tmp)[NACC], u32 z0, u32 z1) {
+    if (gi == 0) W4_TRACE_AT(1);
+    unpack_group(gi, a, z0, z1);
+    issue_group(gi, a, tmp);
   };
   // PS: half h of group gi (steps 4 h .. 4 h + 3: the thread's 16-byte word of that half) with
   // the weights scaled before the MMA, bf16((u - z) s) as the learner dequantizes them; its 4
@@ -1124,25 +1131,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       u32 z0, z1;
       zero_points(gi, z0, z1);
       mb_wait(full0 + 8 * (gi % ST), (gi / ST) & 1);
-      const u32 sbase = ring + (gi % ST) * STAGE;
-      u32 w[8];
-      lds128(w, sbase + XBYTES + wg * 4096 + ((warp * 2) * 32 + lane) * 16);
-      lds128(w + 4, sbase + XBYTES + wg * 4096 + ((warp * 2 + 1) * 32 + lane) * 16);
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        a[s][0] = sub_z(lop_q(w[s]), z0);
-        a[s][1] = sub_z(lop_q(w[s] >> 8), z1);
-        a[s][2] = sub_z(lop_q(w[s] >> 4), z0);
-        a[s][3] = sub_z(lop_q(w[s] >> 12), z1);
-      }
+      unpack_group(gi, a, z0, z1);
     };
     auto step = [&](int gi, u32 (&a)[8][4], u32 (&an)[8][4]) {
-      wg_fence();
-      const unsigned long long d0 = desc_sw128(ring + (gi % ST) * STAGE);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        wgmma_bf16<NTOK>(t0, a[s], d0 + (((s >> 2) * (NTOK * 128) + (s & 3) * 32) >> 4), s > 0);
-      wg_commit();
+      issue_group(gi, a, t0);
       s00 = s10;
       s01 = s11;
       if (gi + 1 < ngroups) ld_scales(gi + 1, s10, s11);
