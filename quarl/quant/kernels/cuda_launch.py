@@ -93,9 +93,8 @@ def launch(kernel, grid: Sequence[int], block: Sequence[int], args: Sequence[Any
     if shared_mem >= 48 * 1024 and shared_mem > kernel._max_shared_mem_bytes:
         raise RuntimeError(f"the kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
     params, held = kernel_params(args)
-    attrs = serialization_attrs() if pdl else (LaunchAttribute * 1)()
+    attrs = serialization_attrs() if pdl else (LaunchAttribute * 0)()
     cfg = launch_config(grid, block, shared_mem, torch.cuda.current_stream(device).cuda_stream, attrs)
-    cfg.numAttrs = len(attrs) if pdl else 0
     err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed: CUDA driver error {err}")
