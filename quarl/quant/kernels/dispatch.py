@@ -198,19 +198,19 @@ def m2048_wide(m: int, n: int, k: int) -> bool:
 SM90 = ("sm90",)
 MMA = ("sm80", "sm89")  # mma.sync GPUs without wgmma
 DEQUANT = Plan("dequant")
+# the TMA loop, one warpgroup, two blocks per SM, K split in clusters (33-64 rows: down; 7B q/k/v and o)
+_TMA_ONE_WG = Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True))
 _PRESCALED = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True))  # the pre-scaled loop, three warpgroups
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(3, 4, 1.0, single=True, minb=1, tail=True, cluster=True)), 64, wide_hidden_m64, SM90),
-    Row(Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True)), 64,
-        long_k_m33, SM90),
+    Row(_TMA_ONE_WG, 64, long_k_m33, SM90),
     Row(Plan("wgmma", WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)), 64, long_k, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 16, n_below_32768, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True, mbar=True, tma=True)), 64,
         small_square_m33, SM90),
-    Row(Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True)), 64,
-        n_below_16384_m33, SM90),
+    Row(_TMA_ONE_WG, 64, n_below_16384_m33, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True, tma=True)), 64, None, SM90),
