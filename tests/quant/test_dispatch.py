@@ -63,31 +63,38 @@ def test_tables_match_the_old_dispatch():
         if fam == "w4" and gen == "sm90" and 64 < m <= 128:  # the added rows: 128-token wgmma tiles
             assert want == ["dequant"] or want[0] == "TileConfig", want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            if n >= 16384:  # since s40: wide outputs run the pre-scaled loop
-                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True), (m, n, k)
-                continue
-            assert got.kernel == "wgmma" and got.config.single and got.config.nwg == (1 if n < 2048 and k <= 4096 else 2), (m, n, k)
+            # since s43 every row here feeds its loop with TMA copies: wide outputs and the 14B / 32B
+            # weights (both sides >= 5120, K split in clusters) the pre-scaled loop, the rest the
+            # single-tile loop
+            if n >= 16384:
+                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True), (m, n, k)
+            elif n >= 5120 and k >= 5120:
+                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True,
+                                                       tma=True), (m, n, k)
+            else:
+                nwg = 1 if n < 2048 and k <= 4096 else 2
+                assert got.config == dispatch.WgConfig(nwg, 4, 1.0, single=True, tail=True, cluster=True, mbar=True,
+                                                       tma=True), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and 128 < m <= 512:  # added: the pre-scaled wgmma loop in 128-row tiles
+        if fam == "w4" and gen == "sm90" and 128 < m <= 512:  # added: the pre-scaled wgmma loop
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            # since s41 (the row-scale dequantizer): cuBLAS on the dequantized weight past 384
-            # rows, and from 256 rows on weights of K <= 4096 and N < 16384; 192- and 256-row
-            # tiles on the widest outputs
-            if (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and n < 32768):
+            # cuBLAS on the dequantized weight on the 1.5B's squares, from 256 rows on weights of
+            # K <= 4096 and N < 16384, and past 384 rows on weights under 2^25 elements; since s43
+            # the pre-scaled loop with TMA copies elsewhere: 256-row tiles on weights of 2^25+
+            # elements (but at 257-384 rows); at 257-384 rows four warpgroups on wide outputs and
+            # weights of 2^26+ elements; three with K split in clusters where both sides are
+            # >= 5120 (up to 256 rows, or a 2^25+ weight); three on wide outputs, two on the rest
+            big = n * k >= 1 << 25
+            if (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and not big):
                 assert got == dispatch.DEQUANT, (m, n, k)
-                continue
-            if m > 256 and n >= 32768:
-                tile = 192 if m <= 384 else 256
-                assert got.config == dispatch.WgConfig(2, 8 if tile == 192 else 3, 1.0, tail=True, prescale=True,
-                                                       tile=tile, halves=tile == 192), (m, n, k)
-                continue
-            nwg = 3 if n >= 16384 or dispatch.few_192_tiles(m, n, k) else 2
-            if nwg == 2 and -(-m // 128) * -(-n // 128) > 132:
-                assert got == dispatch.DEQUANT, (m, n, k)
-                continue
-            cluster = n < 16384 and k <= 8192 and nwg == 3
-            assert got.config == dispatch.WgConfig(nwg, 4, 1.0, tail=True, cluster=cluster, prescale=True), (m, n, k)
+            elif big and not 256 < m <= 384:
+                assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)
+            else:
+                cluster = n >= 5120 and k >= 5120 and (m <= 256 or big) and n < 16384 and n * k < 1 << 26
+                nwg = 4 if m > 256 and (n * k >= 1 << 26 or n >= 16384) else 3 if n >= 16384 or cluster else 2
+                assert got.config == dispatch.WgConfig(nwg, 4, 1.0, tail=True, cluster=cluster, prescale=True,
+                                                       tma=True), (m, n, k)
             continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
@@ -161,32 +168,37 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 64, 4608, 3584).config == tma_down
     assert not dispatch.lookup("w4a16", "sm90", 32, 4608, 3584).config.tma
     assert dispatch.lookup("w4a16", "sm90", 64, 3584, 3584).config.blocks_per_sm == 2.0
-    assert dispatch.lookup("w4a16", "sm90", 65, 4608, 3584).config == dispatch.WgConfig(2, 3, 1.0, True, 1, True, True)
-    assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == dispatch.WgConfig(1, 4, 1.0, True, 1, True, True)
-    assert dispatch.lookup("w4a16", "sm90", 128, 1536, 8960).config.nwg == 2  # a long K: two warpgroups
-    # 65-128 rows, wide outputs (gate/up), and 129-512 rows on Hopper: the wgmma kernel's pre-scaled
-    # loop, three warpgroups, in 128-row tiles past 128 (bench/results/sweep_mid_7b_h200_s40.json,
-    # sweep_wgmma_7b_h200_s40.json); its K splits through clusters on q/k/v and o; a dense copy
-    # runs cuBLAS on it
-    ps = dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True)
-    assert dispatch.lookup("w4a16", "sm90", 128, 37888, 3584).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 128, 17920, 1536).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 128, 3584, 18944).config.single  # down: as before
-    assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 256, 3584, 18944).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 200, 4608, 3584).config == ps._replace(cluster=True)
-    # with the row-scale dequantizer (sweep_mid_7b*_h200_s41.json, sweep_mid_1p5b_h200_s41.json):
-    # cuBLAS on the dequantized weight from 256 rows for the 7B's q/k/v and o and past 384 rows
-    # but on the widest outputs, which run 192-row tiles (half-group slots) at 257-384 rows and
-    # 256-row tiles at 385-512; the 7B's down keeps the pre-scaled loop up to 384 rows
-    for m, n, k in ((256, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (400, 3584, 18944), (512, 17920, 1536)):
+    # 65-128 rows since s43 (sweep_pstma_{1p5b,7b_m128,14b}_h200_s43.json): the single-tile loop
+    # with TMA copies, one warpgroup on the 1.5B's small weights, two on the rest; the pre-scaled
+    # loop with TMA copies on wide outputs (three warpgroups) and on the 14B's weights (two)
+    single = dispatch.WgConfig(2, 4, 1.0, single=True, tail=True, cluster=True, mbar=True, tma=True)
+    for n, k in ((4608, 3584), (3584, 3584), (3584, 18944), (1536, 8960), (2048, 1536)):
+        assert dispatch.lookup("w4a16", "sm90", 65, n, k).config == single, (n, k)
+        assert dispatch.lookup("w4a16", "sm90", 128, n, k).config == single, (n, k)
+    assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == single._replace(nwg=1)
+    ps = dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True)
+    for n, k in ((37888, 3584), (17920, 1536), (27648, 5120)):
+        assert dispatch.lookup("w4a16", "sm90", 128, n, k).config == ps, (n, k)
+    for n, k in ((5120, 5120), (7168, 5120), (5120, 13824)):
+        assert dispatch.lookup("w4a16", "sm90", 100, n, k).config == ps._replace(cluster=True), (n, k)
+    # 129-512 rows (sweep_pstma_7b_h200_s43.json and the 1.5B's and 14B's): cuBLAS on the
+    # dequantized weight on the 1.5B's squares, from 256 rows for the 7B's q/k/v and o, and past
+    # 384 rows on weights under 2^25 elements; the pre-scaled loop with TMA copies elsewhere:
+    # 256-row tiles on the large weights at 129-256 and 385-512 rows, four warpgroups at 257-384,
+    # three with K split in clusters on the 14B's o up to 256 rows and q/k/v at 257-384
+    for m, n, k in ((256, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (512, 17920, 1536), (512, 1536, 8960),
+                    (512, 5120, 5120), (200, 2048, 1536)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
-    assert dispatch.lookup("w4a16", "sm90", 384, 3584, 18944).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 256, 37888, 3584).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 300, 37888, 3584).config == ps._replace(nwg=2, stages=8, tile=192, halves=True)
-    assert dispatch.lookup("w4a16", "sm90", 512, 37888, 3584).config == ps._replace(nwg=2, stages=3, tile=256)
-    assert dispatch.lookup("w4a16", "sm90", 384, 17920, 1536).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 256, 2048, 1536) == dispatch.DEQUANT
+    tile256 = dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)
+    for m, n, k in ((129, 37888, 3584), (256, 3584, 18944), (512, 37888, 3584), (400, 3584, 18944), (256, 7168, 5120)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)
+    for n, k in ((37888, 3584), (3584, 18944), (17920, 1536), (27648, 5120), (5120, 13824)):
+        assert dispatch.lookup("w4a16", "sm90", 300, n, k).config == ps._replace(nwg=4), (n, k)
+    assert dispatch.lookup("w4a16", "sm90", 256, 17920, 1536).config == ps
+    assert dispatch.lookup("w4a16", "sm90", 256, 1536, 8960).config == ps._replace(nwg=2)
+    assert dispatch.lookup("w4a16", "sm90", 384, 5120, 5120).config == ps._replace(nwg=2)
+    assert dispatch.lookup("w4a16", "sm90", 256, 5120, 5120).config == ps._replace(cluster=True)
+    assert dispatch.lookup("w4a16", "sm90", 384, 7168, 5120).config == ps._replace(cluster=True)
     assert dispatch.lookup("w4a16", "sm90", 513, 37888, 3584) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 200, 3584, 3584) == dispatch.DEQUANT  # no wgmma before Hopper
     assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584, dense=True) == dispatch.DEQUANT

@@ -126,20 +126,6 @@ def wide_output(m: int, n: int, k: int) -> bool:
     return n >= 16384
 
 
-def few_192_tiles(m: int, n: int, k: int) -> bool:
-    """At most 64 tiles of 128 rows x 192 columns (three warpgroups' blocks) over 132 SMs."""
-    return cdiv(m, 128) * cdiv(n, 192) <= 64
-
-
-def one_wave_of_128(m: int, n: int, k: int) -> bool:
-    """At most 132 tiles of 128 x 128 (one wave on 132 SMs)."""
-    return cdiv(m, 128) * cdiv(n, 128) <= 132
-
-
-def few_192_tiles_short_k(m: int, n: int, k: int) -> bool:
-    return few_192_tiles(m, n, k) and k <= 8192
-
-
 def wide_hidden_m64(m: int, n: int, k: int) -> bool:
     """33-64 tokens, a hidden size of 5120 or more (14B, 32B) and no wide output: q/k/v and o
     (K = hidden), and down when its weight is as large as the 32B's (K = 27648)."""
@@ -173,18 +159,31 @@ def narrow_short_k_m256(m: int, n: int, k: int) -> bool:
     return m >= 256 and n < 16384 and k <= 4096
 
 
-def very_wide_m257(m: int, n: int, k: int) -> bool:
-    """257-384 rows, 32768 output columns or more (7B and 32B gate/up): two tiles of 192 rows."""
-    return 256 < m <= 384 and n >= 32768
-
-
-def very_wide_m385(m: int, n: int, k: int) -> bool:
-    """385-512 rows, 32768 output columns or more: two tiles of 256 rows."""
-    return m > 384 and n >= 32768
-
-
 def above_384(m: int, n: int, k: int) -> bool:
     return m > 384
+
+
+def hidden_5120(m: int, n: int, k: int) -> bool:
+    """Both sides 5120 or more: a hidden size of 5120 or more (14B, 32B q/k/v, o and down)."""
+    return n >= 5120 and k >= 5120
+
+
+def big_weight_256_tiles(m: int, n: int, k: int) -> bool:
+    """A weight of 2^25 elements or more (7B gate/up and down; 14B and 32B but o) at 129-256
+    or 385-512 rows: whole 256-row tiles."""
+    return n * k >= 1 << 25 and not 256 < m <= 384
+
+
+def m257_wide_or_big(m: int, n: int, k: int) -> bool:
+    """257-384 rows on 16384 output columns or more or on a weight of 2^26 elements or more
+    (7B and 14B gate/up and down)."""
+    return 256 < m <= 384 and (n >= 16384 or n * k >= 1 << 26)
+
+
+def hidden_5120_tiles(m: int, n: int, k: int) -> bool:
+    """Both sides 5120 or more at 129-256 rows, or on a weight of 2^25 elements or more (14B
+    and 32B o at 129-256 rows, q/k/v at 257-384)."""
+    return hidden_5120(m, n, k) and (m <= 256 or n * k >= 1 << 25)
 
 
 def m2048_long_k(m: int, n: int, k: int) -> bool:
@@ -200,7 +199,11 @@ MMA = ("sm80", "sm89")  # mma.sync GPUs without wgmma
 DEQUANT = Plan("dequant")
 # the TMA loop, one warpgroup, two blocks per SM, K split in clusters (33-64 rows: down; 7B q/k/v and o)
 _TMA_ONE_WG = Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True))
-_PRESCALED = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True))  # the pre-scaled loop, three warpgroups
+# the pre-scaled loop fed by TMA copies: three warpgroups, two, and three with K split in clusters
+# (65-512 rows)
+_PRESCALED_TMA = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True))
+_PRESCALED_TMA_2WG = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True))
+_PRESCALED_TMA_CLUSTER = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True, tma=True))
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
@@ -214,9 +217,11 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True, tma=True)), 64, None, SM90),
-    Row(_PRESCALED, 128, wide_output, SM90),
-    Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True)), 128, small_weight, SM90),
-    Row(Plan("wgmma", WgConfig(2, 3, 1.0, single=True, tail=True, cluster=True)), 128, None, SM90),
+    Row(_PRESCALED_TMA, 128, wide_output, SM90),
+    Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True, mbar=True, tma=True)), 128,
+        small_weight, SM90),
+    Row(_PRESCALED_TMA_CLUSTER, 128, hidden_5120, SM90),
+    Row(Plan("wgmma", WgConfig(2, 4, 1.0, single=True, tail=True, cluster=True, mbar=True, tma=True)), 128, None, SM90),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=8, stages=8)), 4, big_weight_k8192, MMA),
     Row(Plan("frag", FragConfig(nw=2, blocks_per_sm=4, stages=8)), 4, big_weight, MMA),
     Row(Plan("frag", FragConfig(nw=4, blocks_per_sm=8, stages=8)), 4, None, MMA),
@@ -227,13 +232,13 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
     Row(DEQUANT, 512, small_square, SM90),
     Row(DEQUANT, 512, narrow_short_k_m256, SM90),
-    Row(Plan("wgmma", WgConfig(2, 8, 1.0, tail=True, prescale=True, tile=192, halves=True)), 512, very_wide_m257, SM90),
-    Row(Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256)), 512, very_wide_m385, SM90),
+    Row(Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)), 512, big_weight_256_tiles,
+        SM90),
     Row(DEQUANT, 512, above_384, SM90),
-    Row(_PRESCALED, 512, wide_output, SM90),
-    Row(Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True)), 512, few_192_tiles_short_k, SM90),
-    Row(_PRESCALED, 512, few_192_tiles, SM90),
-    Row(Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True)), 512, one_wave_of_128, SM90),
+    Row(Plan("wgmma", WgConfig(4, 4, 1.0, tail=True, prescale=True, tma=True)), 512, m257_wide_or_big, SM90),
+    Row(_PRESCALED_TMA_CLUSTER, 512, hidden_5120_tiles, SM90),
+    Row(_PRESCALED_TMA, 512, wide_output, SM90),
+    Row(_PRESCALED_TMA_2WG, 512, None, SM90),
     Row(DEQUANT),
 )
 
