@@ -154,7 +154,8 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
     steps = sorted(st.decode_step_s)
     row = {
         "shape": shape, "format": fmt, "kv_cache_dtype": config.kv_cache_dtype, "lora_rank": lora_rank, "batch": batch,
-        "dependent_launches": config.dependent_launches,
+        "dependent_launches": config.dependent_launches, "dense_weights": config.dense_weights,
+        "dense_weight_bytes": engine.runner.dense_weight_bytes,
         "prompt_len": prompt_len, "gen_len": gen_len, "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
         "prefill_s": st.prefill_s, "prefill_steps": st.prefill_steps, "decode_s": st.decode_s,
         "decode_steps": st.decode_steps, "planned_steps": st.planned_steps, "preemptions": st.preemptions,
@@ -331,6 +332,7 @@ def summary_table(result: dict[str, Any]) -> str:
             f"{r['decode_step_ms_mean']:8.3f} {r['decode_step_floor_ms_mean']:8.3f} {r['decode_floor_fraction']:5.2f} "
             f"{r.get('speedup_vs_bf16', float('nan')):6.2f} {r.get('speedup_vs_hf', float('nan')):6.1f} "
             f"{r['last_step_graph_replay_ms']:7.3f}/{r['decode_step_floor_ms_last']:.3f} {r['decode_tiling']}"
+            + (f"  dense copies {r['dense_weight_bytes'] / 1e9:.1f} GB" if r.get("dense_weight_bytes") else "")
         )
     if "hf" in result:
         lines.append(f"HF generate: {result['hf']['generated_tok_per_s']:.0f} tok/s ({result['hf']['gen_len']} new tokens)")

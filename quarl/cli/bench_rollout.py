@@ -32,6 +32,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dependent-launches", choices=("off", "on"), default="on",
                    help="the engine's decode kernels as programmatic dependent launches (Hopper+; "
                         "EngineConfig.dependent_launches)")
+    p.add_argument("--dense-weights", choices=("auto", "on", "off"), default="auto",
+                   help="whether a weight-only engine keeps dense bf16 copies of its weights and runs cuBLAS on them "
+                        "where that wins (EngineConfig.dense_weights; auto: when they take at most 10%% of the GPU); "
+                        "off times the quantized kernels at every batch")
     p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
     p.add_argument("--out", default=None, help="write the JSON result here (--profile-kernels: the table, as text)")
     p.add_argument("--profile-kernels", action="store_true",
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     kv_dtypes = tuple(check_kv_cache_dtype(k) for k in args.kv_cache_dtype.split(",") if k)
     if not torch.cuda.is_available():
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
-    engine_kw = {"dependent_launches": args.dependent_launches == "on"}
+    engine_kw = {"dependent_launches": args.dependent_launches == "on", "dense_weights": args.dense_weights}
     if args.profile_kernels:
         text = "\n".join(profile_kernels(args.shape, f, args.batch, args.prompt_len, kv_cache_dtype=kv,
                                          lora_rank=args.lora_rank, engine_kw=engine_kw)

@@ -1,67 +1,36 @@
-"""The rollout benchmark's pure parts: idle time between a decode step's kernels."""
+"""``quarl bench rollout``: its options and its summary table (the GPU run itself is tests_gpu's)."""
+
+import argparse
 
 import pytest
 
-from quarl.bench.rollout import idle_gaps
+from quarl.bench.rollout import summary_table
+from quarl.cli import bench_rollout
 
 
-def test_idle_gaps_sums_the_holes_and_names_the_kernel_that_waited():
-    spans = [("b", 12.0, 20.0), ("a", 0.0, 10.0), ("c", 23.0, 30.0), ("b", 31.5, 40.0),
-             ("a", 1000.0, 1010.0)]  # the last one comes after the host's pause between replays
-    idle, before = idle_gaps(spans, max_gap_us=100.0)
-    assert idle == pytest.approx(2.0 + 3.0 + 1.5)
-    assert before == {"b": (pytest.approx(3.5), 2), "c": (pytest.approx(3.0), 1)}
+def _row(fmt: str, dense_bytes: int) -> dict:
+    return {"shape": "qwen2.5-7b", "format": fmt, "kv_cache_dtype": "auto", "batch": 256, "generated_tok_per_s": 25123.4,
+            "decode_step_ms_mean": 8.853, "decode_step_floor_ms_mean": 5.167, "decode_floor_fraction": 0.58,
+            "speedup_vs_bf16": 1.0, "last_step_graph_replay_ms": 9.174, "decode_step_floor_ms_last": 5.892,
+            "decode_tiling": [128, 4, 8, "triton"], "dense_weight_bytes": dense_bytes}
 
 
-def test_overlapping_kernels_leave_no_idle_time():
-    idle, before = idle_gaps([("a", 0.0, 10.0), ("b", 5.0, 8.0), ("c", 9.0, 12.0), ("d", 12.5, 13.0)])
-    assert idle == pytest.approx(0.5) and before == {"d": (pytest.approx(0.5), 1)}
+def test_the_table_names_the_dense_copies_a_weight_only_engine_kept():
+    result = {"device": "NVIDIA H200", "ceilings": {"bandwidth": 4.0e12, "bf16_flops": 7.7e14},
+              "rows": [_row("bf16", 0), _row("w4a16", 13_060_000_000), {"shape": "qwen2.5-7b", "format": "w4a16",
+                                                                       "error": "CUDA out of memory"}]}
+    lines = summary_table(result).splitlines()
+    assert lines[0] == "NVIDIA H200  bw 4.00 TB/s  bf16 770 TFLOP/s"
+    assert "dense" not in lines[2] and lines[2].split()[:5] == ["qwen2.5-7b", "bf16", "auto", "256", "25123"]
+    assert lines[3].endswith("dense copies 13.1 GB")
+    assert "ERROR CUDA out of memory" in lines[4]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w4a16"])
-def test_lora_engine_is_the_one_a_lora_run_builds(fmt):
-    """``--lora-rank``: every default target of the engine's model carries an adapter over a
-    frozen base in the format, and the engine decodes with it."""
-    import torch
-
-    from quarl.bench.rollout import make_engine, random_model
-    from quarl.model.config import TransformerConfig
-    from quarl.model.lora import DEFAULT_TARGETS
-    from quarl.quant import QuantLinear
-    from quarl.rollout.config import EngineConfig
-    from quarl.rollout.sampling_params import SamplingParams
-
-    cfg = TransformerConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            max_position_embeddings=64)
-    model = random_model(cfg, torch.device("cpu"))
-    engine = make_engine(model, fmt, EngineConfig(max_num_seqs=2, max_model_len=32), lora_rank=4)
-    adapted = [n for n, m in engine.model.named_modules() if getattr(m, "lora", None) is not None]
-    assert len(adapted) == len(DEFAULT_TARGETS) * cfg.num_hidden_layers
-    bases = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
-    assert (len(bases) == len(adapted)) == (fmt != "bf16")
-    assert not any(p.requires_grad for n, p in engine.model.named_parameters() if ".lora." not in n)
-    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True, seed=0))
-    assert [len(o.token_ids) for o in outs] == [3, 3]
-
-
-def test_large_shapes_are_packed_as_they_are_made(monkeypatch):
-    """``PACKED_ON_LOAD`` shapes (14B, 32B) in a low-bit format come packed from
-    ``random_quantized_model``; in bf16, and other shapes, from ``random_model``."""
-    import torch
-
-    from quarl.bench import rollout
-    from quarl.model.presets import PRESETS
-    from quarl.quant import QuantLinear
-
-    assert {"qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen3-8b"} <= set(rollout.SHAPES)
-    assert rollout.shape_config("qwen2.5-32b", 128).num_hidden_layers == 64
-    monkeypatch.setitem(rollout.SHAPES, "tiny", dict(PRESETS["tiny"], eos_token_id=1))
-    monkeypatch.setattr(rollout, "PACKED_ON_LOAD", ("tiny",))
-    made = []
-    real = rollout.random_model
-    monkeypatch.setattr(rollout, "random_model", lambda *a, **k: made.append(a) or real(*a, **k))
-    packed = rollout.bench_model("tiny", "w4a16", torch.device("cpu"), 64)
-    assert not made and sum(isinstance(m, QuantLinear) for m in packed.modules()) == 7 * 2
-    plain = rollout.bench_model("tiny", "bf16", torch.device("cpu"), 64)
-    assert made and not any(isinstance(m, QuantLinear) for m in plain.modules())
+@pytest.mark.parametrize("value", ["auto", "on", "off"])
+def test_dense_weights_is_an_engine_setting_of_the_run(value):
+    p = argparse.ArgumentParser()
+    bench_rollout._add_args(p)
+    assert p.parse_args(["--dense-weights", value]).dense_weights == value
+    assert p.parse_args([]).dense_weights == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dense-weights", "maybe"])
