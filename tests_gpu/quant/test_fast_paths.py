@@ -805,7 +805,7 @@ def test_wgmma_gated_epilogue_equals_the_gemm_then_silu_mul(name, m, shape):
 @pytest.mark.parametrize("shape", [(17920, 1536), (1056, 1000)])  # the 1.5B's gate/up; odd K, N % 64 != 0
 def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m, shape):
     """The wgmma kernel's pre-scaled loop (``WgConfig.prescale``) at whole column blocks, K
-    split through global partials and through clusters, 1-3 warpgroups, past 128 rows in
+    split through global partials and through clusters, 1-4 warpgroups, past 128 rows in
     128-row tiles (grid y), and in 192- and 256-row tiles (``tile``): deterministic; with
     each row of x two ones in one group of K, bit for bit ``bf16(w[:, k1] + w[:, k2])`` over
     ``w = dequantize(W)`` in bf16 (the learner's weight; the post-scaled loop rounds
@@ -839,6 +839,7 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
     gate_pos = torch.nonzero(torch.arange(n, device="cuda") % 16 < 8).flatten()
     cfgs = [WgConfig(1, 4, 2.0, tail=False, cluster=True, prescale=True), WgConfig(2, 4, 4.0, prescale=True),
             WgConfig(2, 3, 1.0, tail=True, prescale=True), WgConfig(3, 4, 1.0, tail=True, prescale=True),
+            WgConfig(4, 4, 1.0, tail=True, prescale=True), WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True),
             WgConfig(1, 4, 0.1, tail=True, prescale=True), WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256),
             WgConfig(1, 3, 1.0, cluster=True, prescale=True, tile=256), WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192),
             WgConfig(2, 6, 1.0, tail=True, prescale=True, tile=256, halves=True),
