@@ -407,6 +407,80 @@ def best_line(rows: list[dict]) -> str:
     return f"M={r0['M']:<5} {r0['layer']:>22} bf16 {r0['bf16_us']:7.1f}us default {dtext}  best {btext}"
 
 
+def _table_spec(fam: Family, fmt: str, gen: str, m: int, n: int, k: int) -> str:
+    """The spec of the plan the dispatch tables pick now for one (M, shape) of ``fam``
+    (``gen``: the w4a16 row set, e.g. ``sm90``; the other tables have one)."""
+    from quarl.quant.kernels import dispatch
+    from quarl.quant.scheme import get_scheme
+
+    if fam.operands == "act_quant":
+        return format_candidate(ActQuantConfig(*dispatch.act_quant_plan(m, k)))
+    if fam.operands == "gated":
+        plan = dispatch.gated_plan(get_scheme(fmt).act_format, m, n, k)
+        return "plain (no gated GEMM)" if plan is None else format_candidate(plan)
+    plan = dispatch.lookup(fam.table, gen if fam.table == "w4a16" else "none", m, n, k)
+    return "-" if plan is None else format_candidate(plan)
+
+
+def sweep_gen(result: dict) -> str:
+    """The w4a16 row set of the GPU a saved sweep ran on (from its device name)."""
+    name = str(result.get("device", ""))
+    for marks, gen in ((("H100", "H200", "H800", "H20", "GH200"), "sm90"), (("A100", "A800", "A10", "A30", "A40"), "sm80"),
+                       (("L4", "L40", "RTX 40", "RTX 6000 Ada"), "sm89")):
+        if any(mark in name for mark in marks):
+            return gen
+    raise ValueError(f"cannot tell the GPU generation of a sweep run on {name!r}; pass --gen (sm90, sm89, sm80)")
+
+
+def against_table(result: dict, gen: str | None = None) -> list[dict]:
+    """The dispatch tables as they are now, replayed over a saved sweep (``run_sweep``'s
+    JSON): per (M, shape) the plan picked then (its ``default``) and now, the time of each in
+    that sweep (now: NaN when the plan was not among its candidates), and the fastest
+    candidate. No GPU: it answers "does the table pick each sweep's winner?" after rows
+    change."""
+    fam = family(result["family"])
+    gen = gen or sweep_gen(result)
+    groups: dict[tuple, list[dict]] = {}
+    for r in result["rows"]:
+        groups.setdefault((r["M"], r["layer"], r["N"], r["K"]), []).append(r)
+    out = []
+    for (m, layer, n, k), rows in groups.items():
+        ran = {r["cfg"]: r for r in rows if not r.get("error") and r["us"] == r["us"]}
+        then = ran.get("default")
+        now = _table_spec(fam, result["format"], gen, m, n, k)
+        now_row = ran.get("plain" if now.startswith("plain") else now)
+        if now_row is None and then is not None and then.get("plan") == now:
+            now_row = then
+        best = min(ran.values(), key=lambda r: r["us"]) if ran else None
+        out.append(dict(
+            M=m, layer=layer, N=n, K=k, bf16_us=rows[0]["bf16_us"],
+            then_plan=then.get("plan", "-") if then else "-", then_us=then["us"] if then else math.nan,
+            now_plan=now, now_us=now_row["us"] if now_row else math.nan,
+            best_cfg=(best.get("plan", "default") if best["cfg"] == "default" else best["cfg"]) if best else "-",
+            best_us=best["us"] if best else math.nan,
+        ))
+    return out
+
+
+def against_lines(rows: list[dict], slack: float = 1.05) -> list[str]:
+    """One line per (M, shape), marked ``<<`` where the table's plan now is more than
+    ``slack`` times the fastest candidate's time or was not swept; then per M the geomean
+    speedup over bf16 of the plans picked then and now (over the shapes swept with both)."""
+    lines = []
+    for r in rows:
+        now = f"{r['now_us']:7.1f}" if r["now_us"] == r["now_us"] else "  (not swept)"
+        off = not r["now_us"] <= slack * r["best_us"]
+        lines.append(f"M={r['M']:<5} {r['layer']:>22} bf16 {r['bf16_us']:7.1f}us  then {r['then_us']:7.1f}  now {now}"
+                     f"  best {r['best_us']:7.1f} {r['best_cfg']}  now: {r['now_plan']}{'  <<' if off else ''}")
+    for m in sorted({r["M"] for r in rows}):
+        both = [r for r in rows if r["M"] == m and r["now_us"] == r["now_us"] and r["then_us"] == r["then_us"]]
+        if both:
+            then = _geomean([r["bf16_us"] / r["then_us"] for r in both])
+            now = _geomean([r["bf16_us"] / r["now_us"] for r in both])
+            lines.append(f"M={m}: {len(both)} shapes, geomean over bf16: then {then:.2f}x, now {now:.2f}x")
+    return lines
+
+
 # ---------------------------------------------------------------- GPU
 
 @dataclass
@@ -490,18 +564,9 @@ def _override(fam: Family, cand: Candidate | None):
 
 
 def _default_plan(fam: Family, fmt: str, m: int, n: int, k: int, dev) -> str:
-    from quarl.quant.kernels import dispatch
     from quarl.quant.kernels.device import gpu_gen
-    from quarl.quant.scheme import get_scheme
 
-    if fam.operands == "act_quant":
-        return format_candidate(ActQuantConfig(*dispatch.act_quant_plan(m, k)))
-    if fam.operands == "gated":
-        plan = dispatch.gated_plan(get_scheme(fmt).act_format, m, n, k)
-        return "plain (no gated GEMM)" if plan is None else format_candidate(plan)
-    gen = gpu_gen(dev, __import__("torch").bfloat16) if fam.table == "w4a16" else "none"
-    plan = dispatch.lookup(fam.table, gen, m, n, k)
-    return "-" if plan is None else format_candidate(plan)
+    return _table_spec(fam, fmt, gpu_gen(dev, __import__("torch").bfloat16), m, n, k)
 
 
 def time_candidate(fam: Family, b: Bench, cand: Candidate | None, ref, reps: int) -> tuple[float, Any, str | None]:

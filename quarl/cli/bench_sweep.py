@@ -35,6 +35,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="run each candidate once at each M and shape, untimed (for ncu / nsys); needs --candidates")
     p.add_argument("--list", action="store_true", help="print the candidates at each M as specs and exit (no GPU)")
     p.add_argument("--out", help="write the JSON result here (rows, summary, device, commit)")
+    p.add_argument("--against", metavar="FILE[,FILE]",
+                   help="no GPU: replay the dispatch tables as they are now over saved sweeps of FAMILY (JSON from "
+                        "--out): per M and shape the plan picked then and now, their times there and the fastest")
+    p.add_argument("--gen", choices=("sm90", "sm89", "sm80"),
+                   help="with --against: the w4a16 row set (default: from the sweep's device name)")
     p.set_defaults(run=run)
     return p
 
@@ -65,11 +70,30 @@ def _check_format(family: str, fmt: str | None) -> None:
         raise ValueError(f"--format {fmt}: its GEMM is picked from table {table}, family {family} overrides {fam.table}")
 
 
+def _against(args: argparse.Namespace) -> int:
+    from quarl.bench.sweep import against_lines, against_table
+
+    for path in args.against.split(","):
+        try:
+            result = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"--against {path}: no such file (a sweep's JSON, written by --out)") from None
+        if result.get("benchmark") != "sweep" or "rows" not in result:
+            raise ValueError(f"--against {path}: not a sweep result (no 'rows'; write one with quarl bench sweep --out)")
+        if result["family"] != args.family:
+            raise ValueError(f"--against {path}: a sweep of family {result['family']}, not {args.family}")
+        print(f"{path} ({result.get('device', '?')}, {str(result.get('git_commit', '?'))[:8]}):")
+        print("\n".join(against_lines(against_table(result, args.gen))))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from quarl.bench.sweep import family, format_candidate, parse_shapes, run_once, run_sweep
 
+    if args.against:
+        return _against(args)
     fam = family(args.family)
     cands = _candidates(args.family, args.candidates)
     ms = [int(m) for m in args.m.split(",")] if args.m else list(fam.ms)

@@ -130,3 +130,64 @@ def test_candidates_from_a_file(tmp_path):
     f.write_text("# wgmma shapes of run 19\n2,3,2,single=1\n1,4,blocks_per_sm=2|4\n")
     assert _candidates("wgmma", f"@{f}") == [Plan("wgmma", WgConfig(2, 3, 2.0, True)), Plan("wgmma", WgConfig(1, 4, 2.0)),
                                              Plan("wgmma", WgConfig(1, 4, 4.0))]
+
+
+def _saved_sweep(device: str = "NVIDIA H200") -> dict:
+    """A saved sweep of family mid on three shapes at M = 128 (times by hand)."""
+    def spec(m, n, k):
+        return format_candidate(dispatch.lookup("w4a16", "sm90", m, n, k))
+
+    now_a, now_b = spec(128, 3584, 18944), spec(128, 37888, 3584)
+    assert now_a != now_b and "tma=1" in now_a
+    row = dict(M=128, layer="", N=0, K=0, bf16_us=0.0, error=None)
+    rows = [
+        # down: the table's plan now was swept (12 us) but another ran faster (10 us): flagged
+        {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "default", "plan": "wgmma:old", "us": 24.0},
+        {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": now_a, "us": 12.0},
+        {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "wgmma:fast", "us": 10.0},
+        {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "wgmma:broken", "us": 1.0,
+         "error": "relative error 0.5"},
+        # gate/up: the table then picked what it picks now (no candidate row of it): the default's time
+        {**row, "layer": "gate_up", "N": 37888, "K": 3584, "bf16_us": 30.0, "cfg": "default", "plan": now_b, "us": 20.0},
+        {**row, "layer": "gate_up", "N": 37888, "K": 3584, "bf16_us": 30.0, "cfg": "wgmma:slow", "us": 40.0},
+        # o: the plan picked now was not a candidate
+        {**row, "layer": "o", "N": 3584, "K": 3584, "bf16_us": 8.0, "cfg": "default", "plan": "wgmma:old", "us": 10.0},
+    ]
+    return {"benchmark": "sweep", "family": "mid", "format": "w4a16", "device": device, "git_commit": "abc", "rows": rows}
+
+
+def test_the_table_now_replayed_over_a_saved_sweep():
+    rows = {r["layer"]: r for r in sweep.against_table(_saved_sweep())}
+    down, gu, o = rows["down"], rows["gate_up"], rows["o"]
+    assert (down["then_us"], down["now_us"], down["best_us"], down["best_cfg"]) == (24.0, 12.0, 10.0, "wgmma:fast")
+    assert (gu["then_us"], gu["now_us"], gu["best_us"], gu["best_cfg"]) == (20.0, 20.0, 20.0, gu["now_plan"])
+    assert o["then_us"] == 10.0 and math.isnan(o["now_us"]) and o["then_plan"] == "wgmma:old"
+    lines = sweep.against_lines(list(rows.values()))
+    flagged = [ln for ln in lines if ln.endswith("<<")]
+    assert len(flagged) == 2 and any("down" in ln for ln in flagged) and any("(not swept)" in ln for ln in flagged)
+    # over down and gate/up (swept then and now): then sqrt(12/24 * 30/20), now sqrt(12/12 * 30/20)
+    assert lines[-1] == f"M=128: 2 shapes, geomean over bf16: then {math.sqrt(0.5 * 1.5):.2f}x, now {math.sqrt(1.5):.2f}x"
+    assert sweep.against_lines(list(rows.values()), slack=1.25)[0].endswith("  now: " + down["now_plan"])
+
+
+def test_a_saved_sweeps_generation_comes_from_its_device_or_gen():
+    assert sweep.sweep_gen({"device": "NVIDIA H100 80GB HBM3"}) == "sm90"
+    assert sweep.sweep_gen({"device": "NVIDIA A100-SXM4-80GB"}) == "sm80"
+    with pytest.raises(ValueError, match="pass --gen"):
+        sweep.sweep_gen({"device": "cpu"})
+    # on an A100 the w4a16 table has no wgmma rows: the plans now are others
+    assert all("wgmma" not in r["now_plan"] for r in sweep.against_table(_saved_sweep("NVIDIA A100"), None))
+    assert all("wgmma" not in r["now_plan"] for r in sweep.against_table(_saved_sweep("cpu"), "sm80"))
+
+
+def test_sweep_against_saved_files_needs_no_gpu(tmp_path):
+    import json
+
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(_saved_sweep()))
+    r = _quarl("bench", "sweep", "mid", "--against", str(f))
+    assert r.returncode == 0 and r.stdout.count("<<") == 2 and "M=128: 2 shapes" in r.stdout, r.stderr
+    r = _quarl("bench", "sweep", "wgmma", "--against", str(f))
+    assert r.returncode == 2 and "a sweep of family mid, not wgmma" in r.stderr
+    r = _quarl("bench", "sweep", "mid", "--against", str(tmp_path / "none.json"))
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
