@@ -517,7 +517,9 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         max_bs = min(self.config.max_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
-        self._make_decode_buffers(max(max_bs, self._bs_cap))
+        # every batch the scheduler may run fits these buffers: a larger one would remake them
+        # and leave the graphs reading the old ones
+        self._make_decode_buffers(max(self.config.max_num_seqs, self._bs_cap))
         self._h_ctx[:] = 1
         self._h_slots[:] = self.kv.scratch_slot
         self._h_split[0] = 128

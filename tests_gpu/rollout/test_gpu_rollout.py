@@ -128,6 +128,25 @@ def test_cuda_graph_decode_equals_eager(dtype):
     torch.testing.assert_close(lp_a, lp_b, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
+def test_graphs_of_small_batches_after_a_batch_past_the_largest_graph():
+    """max_graph_batch below max_num_seqs (and max_num_seqs past 256): a batch larger than
+    every graph runs eagerly, and the graphs of small batches after it still read the inputs
+    of their own step (they once read decode buffers that the large batch had replaced)."""
+    model = _small_model(torch.float32)
+    kw = dict(max_model_len=128, max_num_seqs=300, num_kv_blocks=700)
+    graph = Engine(model, config=EngineConfig(cuda_graphs=True, max_graph_batch=8, **kw))
+    eager = Engine(model, config=EngineConfig(cuda_graphs=False, **kw))
+    eager.runner.decode_tiling = graph.runner.decode_tiling
+    assert max(graph.runner.graphs) == 8
+    many = [torch.randint(0, 1000, (5,)).tolist() for _ in range(270)]
+    few = [torch.randint(0, 1000, (n,)).tolist() for n in (5, 40, 17, 9, 3, 33)]
+    params = SamplingParams(temperature=0.8, max_new_tokens=30, seed=5, ignore_eos=True)
+    for engine in (graph, eager):
+        engine.generate(many, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    a, b = graph.generate(few, params), eager.generate(few, params)
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+
+
 @pytest.mark.parametrize("num_kv_blocks", [200, 12])
 def test_queued_decode_steps_give_the_completions_of_unqueued_ones(num_kv_blocks):
     """The engine queues decode step t + 1 behind t before reading t's tokens (two steps in
