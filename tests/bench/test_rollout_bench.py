@@ -1,11 +1,74 @@
-"""``quarl bench rollout``: its options and its summary table (the GPU run itself is tests_gpu's)."""
+"""The rollout benchmark's pure parts: idle time between a decode step's kernels, its summary
+table and options (the GPU run itself is tests_gpu's)."""
 
 import argparse
 
 import pytest
 
-from quarl.bench.rollout import summary_table
+from quarl.bench.rollout import idle_gaps, summary_table
 from quarl.cli import bench_rollout
+
+
+def test_idle_gaps_sums_the_holes_and_names_the_kernel_that_waited():
+    spans = [("b", 12.0, 20.0), ("a", 0.0, 10.0), ("c", 23.0, 30.0), ("b", 31.5, 40.0),
+             ("a", 1000.0, 1010.0)]  # the last one comes after the host's pause between replays
+    idle, before = idle_gaps(spans, max_gap_us=100.0)
+    assert idle == pytest.approx(2.0 + 3.0 + 1.5)
+    assert before == {"b": (pytest.approx(3.5), 2), "c": (pytest.approx(3.0), 1)}
+
+
+def test_overlapping_kernels_leave_no_idle_time():
+    idle, before = idle_gaps([("a", 0.0, 10.0), ("b", 5.0, 8.0), ("c", 9.0, 12.0), ("d", 12.5, 13.0)])
+    assert idle == pytest.approx(0.5) and before == {"d": (pytest.approx(0.5), 1)}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "w4a16"])
+def test_lora_engine_is_the_one_a_lora_run_builds(fmt):
+    """``--lora-rank``: every default target of the engine's model carries an adapter over a
+    frozen base in the format, and the engine decodes with it."""
+    import torch
+
+    from quarl.bench.rollout import make_engine, random_model
+    from quarl.model.config import TransformerConfig
+    from quarl.model.lora import DEFAULT_TARGETS
+    from quarl.quant import QuantLinear
+    from quarl.rollout.config import EngineConfig
+    from quarl.rollout.sampling_params import SamplingParams
+
+    cfg = TransformerConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            max_position_embeddings=64)
+    model = random_model(cfg, torch.device("cpu"))
+    engine = make_engine(model, fmt, EngineConfig(max_num_seqs=2, max_model_len=32), lora_rank=4)
+    adapted = [n for n, m in engine.model.named_modules() if getattr(m, "lora", None) is not None]
+    assert len(adapted) == len(DEFAULT_TARGETS) * cfg.num_hidden_layers
+    bases = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert (len(bases) == len(adapted)) == (fmt != "bf16")
+    assert not any(p.requires_grad for n, p in engine.model.named_parameters() if ".lora." not in n)
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True, seed=0))
+    assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_large_shapes_are_packed_as_they_are_made(monkeypatch):
+    """``PACKED_ON_LOAD`` shapes (14B, 32B) in a low-bit format come packed from
+    ``random_quantized_model``; in bf16, and other shapes, from ``random_model``."""
+    import torch
+
+    from quarl.bench import rollout
+    from quarl.model.presets import PRESETS
+    from quarl.quant import QuantLinear
+
+    assert {"qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen3-8b"} <= set(rollout.SHAPES)
+    assert rollout.shape_config("qwen2.5-32b", 128).num_hidden_layers == 64
+    monkeypatch.setitem(rollout.SHAPES, "tiny", dict(PRESETS["tiny"], eos_token_id=1))
+    monkeypatch.setattr(rollout, "PACKED_ON_LOAD", ("tiny",))
+    made = []
+    real = rollout.random_model
+    monkeypatch.setattr(rollout, "random_model", lambda *a, **k: made.append(a) or real(*a, **k))
+    packed = rollout.bench_model("tiny", "w4a16", torch.device("cpu"), 64)
+    assert not made and sum(isinstance(m, QuantLinear) for m in packed.modules()) == 7 * 2
+    plain = rollout.bench_model("tiny", "bf16", torch.device("cpu"), 64)
+    assert made and not any(isinstance(m, QuantLinear) for m in plain.modules())
 
 
 def _row(fmt: str, dense_bytes: int) -> dict:
