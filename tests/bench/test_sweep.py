@@ -191,3 +191,24 @@ def test_sweep_against_saved_files_needs_no_gpu(tmp_path):
     assert r.returncode == 2 and "a sweep of family mid, not wgmma" in r.stderr
     r = _quarl("bench", "sweep", "mid", "--against", str(tmp_path / "none.json"))
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name,ms", [("sweep_pstma_1p5b_h200_s43", (128, 256, 384, 512)),
+                                     ("sweep_pstma_7b_m128_h200_s43", (128,)),
+                                     ("sweep_pstma_7b_h200_s43", (256, 384, 512)),  # (its 128 rows lack the single-tile TMA loop)
+                                     ("sweep_pstma_14b_h200_s43", (128, 256, 384, 512))])
+def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps(name, ms):
+    """The sm90 rows at 65-512 rows against the H200 sweeps they were written from: where the
+    table's plan was swept it is within 10% of that (M, shape)'s fastest candidate, and per M
+    the plans picked now are no slower than those picked when the sweep ran."""
+    import json
+
+    result = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())
+    rows = [r for r in sweep.against_table(result) if r["M"] in ms]
+    swept = [r for r in rows if r["now_us"] == r["now_us"]]
+    assert len(rows) == 4 * len(ms) and swept == rows, [r for r in rows if r not in swept]
+    slow = [(r["M"], r["layer"], r["now_us"], r["best_us"]) for r in swept if r["now_us"] > 1.10 * r["best_us"]]
+    assert not slow
+    for m in {r["M"] for r in swept}:
+        at = [r for r in swept if r["M"] == m and r["then_us"] == r["then_us"]]
+        assert sweep._geomean([r["now_us"] for r in at]) <= 1.005 * sweep._geomean([r["then_us"] for r in at]), m
