@@ -171,7 +171,7 @@ def hidden_5120(m: int, n: int, k: int) -> bool:
 def big_weight_256_tiles(m: int, n: int, k: int) -> bool:
     """A weight of 2^25 elements or more (7B gate/up and down; 14B and 32B but o) at 129-256
     or 385-512 rows: whole 256-row tiles."""
-    return n * k >= 1 << 25 and not 256 < m <= 384
+    return big_weight(m, n, k) and not 256 < m <= 384
 
 
 def m257_wide_or_big(m: int, n: int, k: int) -> bool:
@@ -183,7 +183,7 @@ def m257_wide_or_big(m: int, n: int, k: int) -> bool:
 def hidden_5120_tiles(m: int, n: int, k: int) -> bool:
     """Both sides 5120 or more at 129-256 rows, or on a weight of 2^25 elements or more (14B
     and 32B o at 129-256 rows, q/k/v at 257-384)."""
-    return hidden_5120(m, n, k) and (m <= 256 or n * k >= 1 << 25)
+    return hidden_5120(m, n, k) and (m <= 256 or big_weight(m, n, k))
 
 
 def m2048_long_k(m: int, n: int, k: int) -> bool:
