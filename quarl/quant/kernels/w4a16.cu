@@ -1178,9 +1178,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     // producer warpgroup (threads NTH ..) dequantizes each unit's weights, bf16((u - z) s) as
     // ps_half does, into the unit's slot as each consumer's 64 x 64 A tile (the activation
     // atom's K-major 128-byte swizzled layout) and arrives on "afull"; its thread 0 streams the
-    // raw words, scales and zero points through a ring of WRING units ("wfull") and the
-    // activation atoms through the ST slots ("full"), a slot's atom once every consumer warp
-    // released the unit there ("empty"). The consumers only wait and issue 4 wgmmas a unit,
+    // raw words, scales and zero points through a ring of WRING units ("wfull"); it writes a
+    // slot's tiles once every consumer warp released the unit there ("empty"), so it runs up to
+    // ST units ahead. Consumer thread 0 refills the activation atoms ("full") ST units ahead,
+    // after that release. The consumers only wait and issue 4 wgmmas a unit,
     // A and B from shared memory, into one fp32 tile: the pre-scaled loop's products in its
     // order, so its output bit for bit.
     if (wg == NWG) {
@@ -1189,7 +1190,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         const int rs = j % WRING, slot = j % ST;
         const u32 rb = rawring + rs * RBYTES, ab = ring + slot * STAGE + XBYTES;
         mb_wait(wfull0 + 8 * rs, (j / WRING) & 1);
-        for (int s = 0; s < live_slabs; ++s) {
+        if (j >= ST) mb_wait(empty0 + 8 * slot, (j / ST - 1) & 1);  // unit j - ST released its slot
+#pragma unroll
+        for (int s = 0; s < NWG; ++s) {
+          if (s >= live_slabs) break;
           u32 w[4], a[4][4];
           lds128(w, rb + s * 2048 + (pw * 32 + lane) * 16);
           const int r = 16 * pw + g;
@@ -1222,13 +1226,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         proxy_fence();  // the tiles, written through the generic proxy, before wgmma reads them
         mb_arrive(afull0 + 8 * slot);
         asm volatile("bar.sync 1, 128;" ::: "memory");  // every producer thread is done with raw unit j
-        if (p == 0) {
-          if (j + WRING < nunits) ws_raw(j + WRING);
-          if (j >= 1 && j + ST - 1 < nunits) {
-            mb_wait(empty0 + 8 * ((j - 1) % ST), ((j - 1) / ST) & 1);  // unit j - 1 released
-            ws_x(j + ST - 1);
-          }
-        }
+        if (p == 0 && j + WRING < nunits) ws_raw(j + WRING);
       }
     } else if (live) {
       for (int j = 0; j < nunits; ++j) {
@@ -1241,7 +1239,13 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         for (int st = 0; st < 4; ++st) wgmma_bf16_ss<NTOK>(acc, da + ((st * 32) >> 4), db + ((st * 32) >> 4), j > 0 || st > 0);
         wg_commit();
         wg_wait1();  // retires unit j - 1
-        if (j > 0) tma_release(j - 1);
+        if (j > 0) {
+          tma_release(j - 1);
+          if (tid == 0 && j - 1 + ST < nunits) {  // unit j - 1 + ST's atom, once every consumer released j - 1
+            mb_wait(empty0 + 8 * ((j - 1) % ST), ((j - 1) / ST) & 1);
+            ws_x(j - 1 + ST);
+          }
+        }
       }
       wg_wait0();
 #pragma unroll
