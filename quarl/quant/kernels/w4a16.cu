@@ -368,20 +368,25 @@ __device__ __forceinline__ void splitk_sum_gated(const float* part, u16* out, in
     *reinterpret_cast<uint2*>(out + (size_t)r * ldo + gated_col(c0 + c)) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
   }
 }
-template <int NTH, int CMAX, bool GATED = false>
+// (NBAR > 0: the first NTH threads of the block only, through named barrier NBAR)
+template <int NTH, int CMAX, bool GATED = false, int NBAR = 0>
 __device__ __forceinline__ void splitk_finish(
     const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
     int M, int N, int ldo, int split, int has_bias) {
   __shared__ int last_flag;
   const int tid = threadIdx.x;
-  __syncthreads();  // every thread's partial stores ...
+  auto sync = [&]() {
+    if constexpr (NBAR > 0) asm volatile("bar.sync %0, %1;" :: "n"(NBAR), "n"(NTH) : "memory");
+    else __syncthreads();
+  };
+  sync();  // every thread's partial stores ...
   if (tid == 0) {
     __threadfence();  // ... made visible at GPU scope before the arrival
     const int last = atomicAdd(counters + cb, 1) == split - 1;
     if (last) __threadfence();  // the other blocks' partials seen before this block reads them
     last_flag = last;
   }
-  __syncthreads();
+  sync();
   if (!last_flag) return;
   if constexpr (GATED)  // N % 16 == 0 and ldo % 4 == 0 (launch checks)
     splitk_sum_gated<NTH, CMAX / 4>(part, out, c0, cols, M, N, ldo, split);
@@ -719,10 +724,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   static_assert(!TMA || (LR == 0 && (MB || PS)), "TMA copies feed the mbarrier or the pre-scaled loop, no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
-  // PS == 3: the pre-scaled loop with a producer warpgroup (WS, below), its threads past NTH
+  // PS == 3: the pre-scaled loop with producer warpgroups (WS, below), one a consumer, past NTH
   constexpr bool WS = PS == 3;
-  static_assert(!WS || (TMA && CS == 0 && NTOK >= 128), "the producer-warpgroup loop: TMA copies, no cluster, 128+ tokens");
-  constexpr int NTH = NWG * 128, NACC = NTOK / 2, NTB = NTH + (WS ? 128 : 0);  // NTB: the block's threads
+  static_assert(!WS || (TMA && CS == 0 && NTOK >= 128 && NWG <= 2), "the producer-warpgroup loop: TMA copies, no cluster, 128+ tokens, 1-2 consumers");
+  constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE || PS, "128-token tiles run the single-tile or the pre-scaled loop");
   if constexpr (PS) {
     // PS: blockIdx.y is the token tile (rows tt NTOK .. + NTOK - 1 of x and out): the block
@@ -759,7 +764,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   const int sp = CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols);
   const int nsplit = CS ? CS : (whole_blk ? 1 : split);
   const int slab = cb * NWG + wg;
-  const bool live = (!WS || wg < NWG) && slab < nslabs;  // (WS: the producer warpgroup owns no slab)
+  const bool live = (!WS || wg < NWG) && slab < nslabs;  // (WS: the producer warpgroups own no slab)
   const int n0 = slab * 64;
   const int gb0 = sp * gpb, ngroups = whole_blk ? G : min(G, gb0 + gpb) - gb0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
@@ -1007,9 +1012,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // the activations and the LoRA operands after it. (The first commit group then holds all of
   // these weights: its wait covers them.)
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
-  // (WS: then "afull" ST barriers, then "wfull" WRING barriers of the producer's raw ring)
+  // (WS: then "afull" ST x NWG barriers (slot, slab), then "wfull" WRING barriers of the producers' raw ring)
   constexpr int WRING = 4;
-  __shared__ __align__(8) unsigned long long mbar[(WS ? 3 : 2) * ST + (WS ? WRING : 0)];
+  __shared__ __align__(8) unsigned long long mbar[(WS ? (2 + NWG) : 2) * ST + (WS ? WRING : 0)];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
   // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
   // gb0 + j), or with HS half of one (unit j: half j % 2 of group gb0 + j / 2); the activation
@@ -1054,7 +1059,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // WS: the producer's raw ring past the ST slots: per unit (half a group) the live slabs'
   // words of that half (2 KB each), then their 64 fp32 scales and (ASYM) 64 negated zero points
   constexpr int RSLAB = 2048 + 256 + (ASYM ? 256 : 0), RBYTES = NWG * RSLAB;
-  const u32 afull0 = full0 + 16 * ST, wfull0 = full0 + 24 * ST, rawring = ring + ST * STAGE;
+  const u32 afull0 = full0 + 16 * ST, wfull0 = full0 + 8 * (2 + NWG) * ST, rawring = ring + ST * STAGE;
   auto ws_raw = [&](int j) {  // (producer thread 0) unit j's words, scales and zero points
     const int grp = gb0 + (j >> 1), slot = j % WRING;
     const u32 rb = rawring + slot * RBYTES;
@@ -1078,7 +1083,8 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       for (int p = 0; p < ST; ++p) {
         mb_init(full0 + 8 * p, 1);
         mb_init(empty0 + 8 * p, max(1, live_slabs) * 4);
-        mb_init(afull0 + 8 * p, 128);
+#pragma unroll
+        for (int q = 0; q < NWG; ++q) mb_init(afull0 + 8 * (p * NWG + q), 128);
       }
 #pragma unroll
       for (int p = 0; p < WRING; ++p) mb_init(wfull0 + 8 * p, 1);
@@ -1184,16 +1190,15 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     // after that release. The consumers only wait and issue 4 wgmmas a unit,
     // A and B from shared memory, into one fp32 tile: the pre-scaled loop's products in its
     // order, so its output bit for bit.
-    if (wg == NWG) {
-      const int p = tid - NTH, pw = p >> 5;
+    if (wg >= NWG) {
+      // producer warpgroup s = wg - NWG writes slab s's tiles
+      const int p = tid - NTH, pw = (p >> 5) & 3, s = wg - NWG;
       for (int j = 0; j < nunits; ++j) {
         const int rs = j % WRING, slot = j % ST;
         const u32 rb = rawring + rs * RBYTES, ab = ring + slot * STAGE + XBYTES;
         mb_wait(wfull0 + 8 * rs, (j / WRING) & 1);
         if (j >= ST) mb_wait(empty0 + 8 * slot, (j / ST - 1) & 1);  // unit j - ST released its slot
-#pragma unroll
-        for (int s = 0; s < NWG; ++s) {
-          if (s >= live_slabs) break;
+        if (s < live_slabs) {
           u32 w[4], a[4][4];
           lds128(w, rb + s * 2048 + (pw * 32 + lane) * 16);
           const int r = 16 * pw + g;
@@ -1222,17 +1227,19 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
             asm volatile("st.shared.u32 [%0], %1;" :: "r"(t0a + hi), "r"(a[st][2]) : "memory");
             asm volatile("st.shared.u32 [%0], %1;" :: "r"(t0a + 1024 + hi), "r"(a[st][3]) : "memory");
           }
+          proxy_fence();  // the tile, written through the generic proxy, before wgmma reads it
+          mb_arrive(afull0 + 8 * (slot * NWG + s));
         }
-        proxy_fence();  // the tiles, written through the generic proxy, before wgmma reads them
-        mb_arrive(afull0 + 8 * slot);
-        asm volatile("bar.sync 1, 128;" ::: "memory");  // every producer thread is done with raw unit j
+        asm volatile("bar.sync 1, %0;" :: "n"(NTH) : "memory");  // every producer thread is done with raw unit j
         if (p == 0 && j + WRING < nunits) ws_raw(j + WRING);
       }
-    } else if (live) {
+      return;  // (the epilogue is the consumers': its barriers count NTH threads)
+    }
+    if (live) {
       for (int j = 0; j < nunits; ++j) {
         const int slot = j % ST;
         mb_wait(full0 + 8 * slot, (j / ST) & 1);
-        mb_wait(afull0 + 8 * slot, (j / ST) & 1);
+        mb_wait(afull0 + 8 * (slot * NWG + wg), (j / ST) & 1);
         wg_fence();
         const unsigned long long db = desc_sw128(ring + slot * STAGE), da = desc_sw128(ring + slot * STAGE + XBYTES + wg * 8192);
 #pragma unroll
@@ -1543,7 +1550,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     }
   }
   W4_TRACE_AT(3);
-  splitk_finish<NTB, NWG * 64, GATED>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
+  splitk_finish<NTH, NWG * 64, GATED, WS ? 2 : 0>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
   W4_TRACE_AT(4);
   }
 }
@@ -1561,9 +1568,9 @@ template <int NWG, int NTOK, int ST, bool ASYM, int MINB, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma_tma(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, PS == 0, 0, PS == 0, 0, GATED, PS, true>(W4_WGMMA_ARGS, &xmap);
 }
-// the producer-warpgroup loop (WgConfig.ws): NWG consumer warpgroups and one producer
+// the producer-warpgroup loop (WgConfig.ws): NWG consumer warpgroups, then NWG producers
 template <int NWG, int NTOK, int ST, bool ASYM, bool GATED>
-__global__ void __launch_bounds__((NWG + 1) * 128, 1) w4a16_wgmma_ws(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
+__global__ void __launch_bounds__(2 * NWG * 128, 1) w4a16_wgmma_ws(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, 3, true>(W4_WGMMA_ARGS, &xmap);
 }
 template <int NWG, int NTOK, int ST, bool ASYM, int MINB, int CS, bool GATED, int PS>
