@@ -123,7 +123,7 @@ class WgConfig(NamedTuple):
     def smem_bytes(self, ntok: int) -> int:
         if self.ws:  # ring slots of half a group (the atom and each consumer's 64 x 64 bf16 tile),
             # then 4 units of raw words, scales (and zero points) a consumer
-            return self.stages * (ntok * 128 + self.nwg * 8192) + 12 * self.nwg * 2560 + 1024
+            return self.stages * (ntok * 128 + self.nwg * 8192) + 4 * self.nwg * 2560 + 1024
         if self.halves:
             return self.stages * (ntok * 128 + self.nwg * 2048) + 1024
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)

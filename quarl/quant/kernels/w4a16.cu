@@ -1013,7 +1013,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // these weights: its wait covers them.)
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
   // (WS: then "afull" ST x NWG barriers (slot, slab), then "wfull" WRING barriers of the producers' raw ring)
-  constexpr int WRING = 12;
+  constexpr int WRING = 4;
   __shared__ __align__(8) unsigned long long mbar[(WS ? (2 + NWG) : 2) * ST + (WS ? WRING : 0)];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
   // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
