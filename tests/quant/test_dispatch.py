@@ -35,7 +35,7 @@ def old_form(plan: Plan | None, fam: str):
         fields = list(cfg)
         if plan.kernel == "wgmma":  # fields added after the capture, at their defaults
             assert not cfg.prescale and not cfg.tile and not cfg.halves
-            fields = fields[:-4] if cfg.mbar else fields[:-5]
+            fields = fields[:8] if cfg.mbar else fields[:7]  # (nwg .. cluster, and mbar where set)
         return [type(cfg).__name__, *fields]
     if plan.kernel == "dequant" and fam == "wo":
         return ["dequant"]
