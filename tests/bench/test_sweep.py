@@ -196,9 +196,10 @@ def test_sweep_against_saved_files_needs_no_gpu(tmp_path):
 @pytest.mark.parametrize("name,ms", [("sweep_pstma_1p5b_h200_s43", (128, 256, 384, 512)),
                                      ("sweep_pstma_7b_m128_h200_s43", (128,)),
                                      ("sweep_pstma_7b_h200_s43", (256, 384, 512)),  # (its 128 rows lack the single-tile TMA loop)
-                                     ("sweep_pstma_14b_h200_s43", (128, 256, 384, 512))])
+                                     ("sweep_pstma_14b_h200_s43", (128, 256, 384, 512)),
+                                     ("sweep_ws_7b_h200_s44", (256, 1024, 4096))])
 def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps(name, ms):
-    """The sm90 rows at 65-512 rows against the H200 sweeps they were written from: where the
+    """The sm90 rows at 65-4096 rows against the H200 sweeps they were written from: where the
     table's plan was swept it is within 10% of that (M, shape)'s fastest candidate, and per M
     the plans picked now are no slower than those picked when the sweep ran."""
     import json

@@ -96,6 +96,11 @@ def test_tables_match_the_old_dispatch():
                 assert got.config == dispatch.WgConfig(nwg, 4, 1.0, tail=True, cluster=cluster, prescale=True,
                                                        tma=True), (m, n, k)
             continue
+        if fam == "w4" and gen == "sm90" and 512 < m <= 1024 and n * k >= 1 << 26:  # added in s44: 256-row tiles
+            assert want == old_form(dispatch.DEQUANT, fam), want
+            got = dispatch.lookup("w4a16", gen, m, n, k)
+            assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True), (m, n, k)
+            continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
             assert got.kernel == "tma" and got.config.split_k == (4 if m <= 64 else 2) and got.config.bm == 64, (m, n, k)
@@ -199,7 +204,11 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 384, 5120, 5120).config == ps._replace(nwg=2)
     assert dispatch.lookup("w4a16", "sm90", 256, 5120, 5120).config == ps._replace(cluster=True)
     assert dispatch.lookup("w4a16", "sm90", 384, 7168, 5120).config == ps._replace(cluster=True)
-    assert dispatch.lookup("w4a16", "sm90", 513, 37888, 3584) == dispatch.DEQUANT
+    # 513-1024 rows (sweep_ws_7b_h200_s44.json): 256-row tiles on weights of 2^26 elements or more
+    for m, n, k in ((513, 37888, 3584), (1024, 3584, 18944), (1024, 27648, 5120)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)
+    for m, n, k in ((1024, 4608, 3584), (1024, 5120, 5120), (1025, 37888, 3584), (4096, 3584, 18944)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
     assert dispatch.lookup("w4a16", "sm80", 200, 3584, 3584) == dispatch.DEQUANT  # no wgmma before Hopper
     assert dispatch.lookup("w4a16", "sm90", 129, 37888, 3584, dense=True) == dispatch.DEQUANT
     assert dispatch.lookup("w4a16", "sm80", 129, 4608, 3584) == dispatch.DEQUANT
