@@ -149,7 +149,7 @@ class WgConfig(NamedTuple):
             raise ValueError(f"wgmma w4 kernel: tma=True feeds the mbarrier loop (single=True, mbar=True) or the "
                              f"pre-scaled loop (prescale=True); got {self}")
         if self.ws and not (self.prescale and self.tma and not self.cluster and not self.halves and self.minb == 1
-                            and self.tile_tokens(m) >= 128 and self.nwg * self.tile_tokens(m) <= 384):
+                            and self.tile_tokens(m) >= 128 and self.nwg <= 2 and self.nwg * self.tile_tokens(m) <= 384):
             raise ValueError(f"wgmma w4 kernel: ws=True runs the pre-scaled loop fed by TMA (prescale=True, tma=True) "
                              f"without clusters or half-group slots, minb=1, tiles of 128+ tokens (M > 64), 1-2 consumer "
                              f"warpgroups of at most 384 tokens together (a 512-thread block has 128 registers a "
