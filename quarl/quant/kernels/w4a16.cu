@@ -1013,7 +1013,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // these weights: its wait covers them.)
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
   // (WS: then "afull" ST x NWG barriers (slot, slab), then "wfull" WRING barriers of the producers' raw ring)
-  constexpr int WRING = 4;
+  constexpr int WRING = 3;
   __shared__ __align__(8) unsigned long long mbar[(WS ? (2 + NWG) : 2) * ST + (WS ? WRING : 0)];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
   // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
@@ -1056,22 +1056,20 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     __syncwarp();
     if (lane == 0) mb_arrive(empty0 + 8 * (j % ST));
   };
-  // WS: the producer's raw ring past the ST slots: per unit (half a group) the live slabs'
-  // words of that half (2 KB each), then their 64 fp32 scales and (ASYM) 64 negated zero points
-  constexpr int RSLAB = 2048 + 256 + (ASYM ? 256 : 0), RBYTES = NWG * RSLAB;
+  // WS: the producers' raw ring past the ST slots, WRING groups: per group the live slabs'
+  // words (4 KB each, one copy), then their 64 fp32 scales and (ASYM) 64 negated zero points
+  constexpr int RSLAB = 4096 + 256 + (ASYM ? 256 : 0), RBYTES = NWG * RSLAB;
   const u32 afull0 = full0 + 16 * ST, wfull0 = full0 + 8 * (2 + NWG) * ST, rawring = ring + ST * STAGE;
-  auto ws_raw = [&](int j) {  // (producer thread 0) unit j's words, scales and zero points
-    const int grp = gb0 + (j >> 1), slot = j % WRING;
+  auto ws_raw = [&](int gi) {  // (producer thread 0) group gi's words, scales and zero points
+    const int grp = gb0 + gi, slot = gi % WRING;
     const u32 rb = rawring + slot * RBYTES;
     mb_expect_tx(wfull0 + 8 * slot, live_slabs * RSLAB);
-    for (int s = 0; s < live_slabs; ++s) {
-      const unsigned char* src = reinterpret_cast<const unsigned char*>(wq) + ((size_t)(cb * NWG + s) * G + grp) * 4096;
-      for (int w = 0; w < 4; ++w)
-        bulk_copy(rb + s * 2048 + w * 512, src + (2 * w + (j & 1)) * 512, 512, wfull0 + 8 * slot);
-    }
-    bulk_copy(rb + NWG * 2048, scales + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
+    for (int s = 0; s < live_slabs; ++s)
+      bulk_copy(rb + s * 4096, reinterpret_cast<const unsigned char*>(wq) + ((size_t)(cb * NWG + s) * G + grp) * 4096,
+                4096, wfull0 + 8 * slot);
+    bulk_copy(rb + NWG * 4096, scales + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
     if constexpr (ASYM)
-      bulk_copy(rb + NWG * 2304, negz + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
+      bulk_copy(rb + NWG * 4352, negz + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
   };
   auto ws_x = [&](int j) {  // (producer thread 0) unit j's activation atom
     mb_expect_tx(full0 + 8 * (j % ST), NTOK * 128);
@@ -1094,7 +1092,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     if (tid == NTH) {
 #pragma unroll
       for (int p = 0; p < WRING; ++p)
-        if (p < nunits) ws_raw(p);
+        if (p < ngroups) ws_raw(p);
     }
     wait_ahead();
     if (tid == NTH) {
@@ -1194,21 +1192,21 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       // producer warpgroup s = wg - NWG writes slab s's tiles
       const int p = tid - NTH, pw = (p >> 5) & 3, s = wg - NWG;
       for (int j = 0; j < nunits; ++j) {
-        const int rs = j % WRING, slot = j % ST;
+        const int gi = j >> 1, h = j & 1, rs = gi % WRING, slot = j % ST;
         const u32 rb = rawring + rs * RBYTES, ab = ring + slot * STAGE + XBYTES;
-        mb_wait(wfull0 + 8 * rs, (j / WRING) & 1);
+        mb_wait(wfull0 + 8 * rs, (gi / WRING) & 1);
         if (j >= ST) mb_wait(empty0 + 8 * slot, (j / ST - 1) & 1);  // unit j - ST released its slot
         if (s < live_slabs) {
           u32 w[4], a[4][4];
-          lds128(w, rb + s * 2048 + (pw * 32 + lane) * 16);
+          lds128(w, rb + s * 4096 + ((pw * 2 + h) * 32 + lane) * 16);
           const int r = 16 * pw + g;
           float s0, s1;
-          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s0) : "r"(rb + NWG * 2048 + (s * 64 + r) * 4));
-          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s1) : "r"(rb + NWG * 2048 + (s * 64 + r + 8) * 4));
+          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s0) : "r"(rb + NWG * 4096 + (s * 64 + r) * 4));
+          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s1) : "r"(rb + NWG * 4096 + (s * 64 + r + 8) * 4));
           u32 z0 = 0xC308C308u, z1 = 0xC308C308u;
           if constexpr (ASYM) {
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z0) : "r"(rb + NWG * 2304 + (s * 64 + r) * 4));
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z1) : "r"(rb + NWG * 2304 + (s * 64 + r + 8) * 4));
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z0) : "r"(rb + NWG * 4352 + (s * 64 + r) * 4));
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z1) : "r"(rb + NWG * 4352 + (s * 64 + r + 8) * 4));
           }
 #pragma unroll
           for (int st = 0; st < 4; ++st) {
@@ -1230,8 +1228,10 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
           proxy_fence();  // the tile, written through the generic proxy, before wgmma reads it
           mb_arrive(afull0 + 8 * (slot * NWG + s));
         }
-        asm volatile("bar.sync 1, %0;" :: "n"(NTH) : "memory");  // every producer thread is done with raw unit j
-        if (p == 0 && j + WRING < nunits) ws_raw(j + WRING);
+        if (h == 1) {  // every producer thread is done with raw group gi: refill its slot
+          asm volatile("bar.sync 1, %0;" :: "n"(NTH) : "memory");
+          if (p == 0 && gi + WRING < ngroups) ws_raw(gi + WRING);
+        }
       }
       return;  // (the epilogue is the consumers': its barriers count NTH threads)
     }
