@@ -27,7 +27,9 @@ weights to wgmma as its register A operand; its ``w4a16_wgmma_cluster`` entry ru
 splits of a column block as one thread-block cluster and sums them through distributed
 shared memory, in the same order; its ``w4a16_wgmma_tma`` entries (``WgConfig.tma``) run the
 mbarrier loop with the copies made by the bulk-copy engine (TMA: a tensor map of the
-activations, :func:`x_tensor_map`), the same sums bit for bit.
+activations, :func:`x_tensor_map`), the same sums bit for bit; ``w4a16_wgmma_ws``
+(``WgConfig.ws``) runs the pre-scaled loop with producer warpgroups that dequantize into shared
+memory, its output bit for bit (in no dispatch row: slower, bench/NOTES.md session 44).
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
     """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
     ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``;
-    3: with a producer warpgroup, ``WgConfig.ws``);
+    3: with producer warpgroups, ``WgConfig.ws``);
     ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"

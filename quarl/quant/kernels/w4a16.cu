@@ -1178,16 +1178,17 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     lora_term();
   }
   if constexpr (WS) {
-    // The producer-warpgroup loop (WS), in units of half a group (64 columns of K). The
-    // producer warpgroup (threads NTH ..) dequantizes each unit's weights, bf16((u - z) s) as
-    // ps_half does, into the unit's slot as each consumer's 64 x 64 A tile (the activation
-    // atom's K-major 128-byte swizzled layout) and arrives on "afull"; its thread 0 streams the
-    // raw words, scales and zero points through a ring of WRING units ("wfull"); it writes a
-    // slot's tiles once every consumer warp released the unit there ("empty"), so it runs up to
-    // ST units ahead. Consumer thread 0 refills the activation atoms ("full") ST units ahead,
-    // after that release. The consumers only wait and issue 4 wgmmas a unit,
+    // The producer-warpgroup loop (WS), in units of half a group (64 columns of K). Producer
+    // warpgroup s (threads NTH + 128 s ..) dequantizes slab s of each unit, bf16((u - z) s) as
+    // ps_half does, into the unit's slot as consumer s's 64 x 64 A tile (the activation atom's
+    // K-major 128-byte swizzled layout) and arrives on that tile's "afull" barrier. Producer
+    // thread 0 streams the raw words, scales and zero points, a group at a time, through a ring
+    // of WRING groups ("wfull"), refilled after the producers' barrier at each group's second
+    // half. A producer writes a slot's tile once every consumer warp released the unit there
+    // ("empty"), so it runs up to ST units ahead; consumer thread 0 refills the activation
+    // atoms ("full") after that release. The consumers only wait and issue 4 wgmmas a unit,
     // A and B from shared memory, into one fp32 tile: the pre-scaled loop's products in its
-    // order, so its output bit for bit.
+    // order, so its output bit for bit. The producers leave before the epilogue.
     if (wg >= NWG) {
       // producer warpgroup s = wg - NWG writes slab s's tiles
       const int p = tid - NTH, pw = (p >> 5) & 3, s = wg - NWG;
