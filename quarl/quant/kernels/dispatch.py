@@ -209,6 +209,8 @@ _TMA_ONE_WG = Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, 
 _PRESCALED_TMA = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True))
 _PRESCALED_TMA_2WG = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True))
 _PRESCALED_TMA_CLUSTER = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True, tma=True))
+# ... in 256-row tiles, two warpgroups (129-256 and 385-1024 rows on large weights)
+_PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True))
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
@@ -237,16 +239,13 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
     Row(DEQUANT, 512, small_square, SM90),
     Row(DEQUANT, 512, narrow_short_k_m256, SM90),
-    Row(Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)), 512, big_weight_256_tiles,
-        SM90),
+    Row(_PRESCALED_TMA_256, 512, big_weight_256_tiles, SM90),
     Row(DEQUANT, 512, above_384, SM90),
     Row(Plan("wgmma", WgConfig(4, 4, 1.0, tail=True, prescale=True, tma=True)), 512, m257_wide_or_big, SM90),
     Row(_PRESCALED_TMA_CLUSTER, 512, hidden_5120_tiles, SM90),
     Row(_PRESCALED_TMA, 512, wide_output, SM90),
     Row(_PRESCALED_TMA_2WG, 512, None, SM90),
-    # 513-1024 rows: 256-row tiles on the largest weights (sweep_ws_7b_h200_s44.json: 7B gate/up
-    # 423 us against cuBLAS on the dequantized weight's 477 at 1024 rows, down 215 against 232)
-    Row(Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)), 1024, weight_2_26, SM90),
+    Row(_PRESCALED_TMA_256, 1024, weight_2_26, SM90),  # 513-1024 rows: the largest weights (NOTES session 44)
     Row(DEQUANT),
 )
 
