@@ -1077,7 +1077,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     if constexpr (ASYM)
       bulk_copy(rb + NWG * 4352, negz + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
   };
-  auto ws_x = [&](int j) {  // (producer thread 0) unit j's activation atom
+  auto ws_x = [&](int j) {  // (one thread: the producers' first in the prologue, then consumer thread 0) unit j's activation atom
     mb_expect_tx(full0 + 8 * (j % ST), NTOK * 128);
     tma_tile(ring + (j % ST) * STAGE, xmap, (gb0 + (j >> 1)) * 128 + (j & 1) * 64, trow, full0 + 8 * (j % ST));
   };
