@@ -91,12 +91,12 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
-    if tma:
+    if tma and prescale == 3:
+        name = f"w4a16_wgmma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}>"
+    elif tma:
         head = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {minb}"
         name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}, {prescale}>" if cs else
                 f"w4a16_wgmma_tma<{head}, {_tf(gated)}, {prescale}>")
-        if prescale == 3:
-            name = f"w4a16_wgmma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
