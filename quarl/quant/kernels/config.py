@@ -111,19 +111,11 @@ class WgConfig(NamedTuple):
     # by the bulk-copy engine (TMA): one thread issues each slot's activation tile (a tensor
     # map) and weight words, the others only compute; that loop's output bit for bit, no LoRA
     tma: bool = False
-    # the pre-scaled loop fed by TMA (prescale=True, tma=True) with as many producer warpgroups
-    # as consumers: producer s dequantizes slab s's half groups into shared memory; the nwg (1-2)
-    # consumer warpgroups read both wgmma operands from there and only issue wgmmas. Its output
-    # is the pre-scaled loop's, bit for bit. Tiles of 128+ tokens
-    ws: bool = False
 
     def threads(self) -> int:
-        return self.nwg * (2 if self.ws else 1) * 128
+        return self.nwg * 128
 
     def smem_bytes(self, ntok: int) -> int:
-        if self.ws:  # ring slots of half a group (the atom and each consumer's 64 x 64 bf16 tile),
-            # then 3 groups of raw words, scales (and zero points) a consumer
-            return self.stages * (ntok * 128 + self.nwg * 8192) + 3 * self.nwg * 4608 + 1024
         if self.halves:
             return self.stages * (ntok * 128 + self.nwg * 2048) + 1024
         return self.stages * (ntok * 256 + self.nwg * 4096) + 1024  # (+ 1024: alignment of the ring)
@@ -148,12 +140,6 @@ class WgConfig(NamedTuple):
         if self.tma and not (self.mbar or self.prescale):
             raise ValueError(f"wgmma w4 kernel: tma=True feeds the mbarrier loop (single=True, mbar=True) or the "
                              f"pre-scaled loop (prescale=True); got {self}")
-        if self.ws and not (self.prescale and self.tma and not self.cluster and not self.halves and self.minb == 1
-                            and self.tile_tokens(m) >= 128 and self.nwg <= 2 and self.nwg * self.tile_tokens(m) <= 384):
-            raise ValueError(f"wgmma w4 kernel: ws=True runs the pre-scaled loop fed by TMA (prescale=True, tma=True) "
-                             f"without clusters or half-group slots, minb=1, tiles of 128+ tokens (M > 64), 1-2 consumer "
-                             f"warpgroups of at most 384 tokens together (a 512-thread block has 128 registers a "
-                             f"thread); got {self}")
         if self.halves and not (self.tile and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: halves=True runs 192- or 256-token tiles (tile=192 / 256) with "
                              f">= 4 half-group slots; got {self}")

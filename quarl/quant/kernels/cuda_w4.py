@@ -27,9 +27,7 @@ weights to wgmma as its register A operand; its ``w4a16_wgmma_cluster`` entry ru
 splits of a column block as one thread-block cluster and sums them through distributed
 shared memory, in the same order; its ``w4a16_wgmma_tma`` entries (``WgConfig.tma``) run the
 mbarrier loop with the copies made by the bulk-copy engine (TMA: a tensor map of the
-activations, :func:`x_tensor_map`), the same sums bit for bit; ``w4a16_wgmma_ws``
-(``WgConfig.ws``) runs the pre-scaled loop with producer warpgroups that dequantize into shared
-memory, its output bit for bit (in no dispatch row: slower, bench/NOTES.md session 44).
+activations, :func:`x_tensor_map`), the same sums bit for bit.
 """
 from __future__ import annotations
 
@@ -85,15 +83,12 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
                   prescale: int = 0, tma: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
-    ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``;
-    3: with producer warpgroups, ``WgConfig.ws``);
+    ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``);
     ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
-    if tma and prescale == 3:
-        name = f"w4a16_wgmma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}>"
-    elif tma:
+    if tma:
         head = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {minb}"
         name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}, {prescale}>" if cs else
                 f"w4a16_wgmma_tma<{head}, {_tf(gated)}, {prescale}>")
@@ -319,7 +314,7 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated, 3 if cfg.ws else 2 if cfg.halves else int(cfg.prescale), cfg.tma)
+                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma)
 
     extra = _lora_args(lora, x) + ((x_tensor_map(x, ntok),) if cfg.tma else ())
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),

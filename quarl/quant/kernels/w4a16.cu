@@ -380,25 +380,20 @@ __device__ __forceinline__ void splitk_sum_gated(const float* part, u16* out, in
     *reinterpret_cast<uint2*>(out + (size_t)r * ldo + gated_col(c0 + c)) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
   }
 }
-// (NBAR > 0: the first NTH threads of the block only, through named barrier NBAR)
-template <int NTH, int CMAX, bool GATED = false, int NBAR = 0>
+template <int NTH, int CMAX, bool GATED = false>
 __device__ __forceinline__ void splitk_finish(
     const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
     int M, int N, int ldo, int split, int has_bias) {
   __shared__ int last_flag;
   const int tid = threadIdx.x;
-  auto sync = [&]() {
-    if constexpr (NBAR > 0) asm volatile("bar.sync %0, %1;" :: "n"(NBAR), "n"(NTH) : "memory");
-    else __syncthreads();
-  };
-  sync();  // every thread's partial stores ...
+  __syncthreads();  // every thread's partial stores ...
   if (tid == 0) {
     __threadfence();  // ... made visible at GPU scope before the arrival
     const int last = atomicAdd(counters + cb, 1) == split - 1;
     if (last) __threadfence();  // the other blocks' partials seen before this block reads them
     last_flag = last;
   }
-  sync();
+  __syncthreads();
   if (!last_flag) return;
   if constexpr (GATED)  // N % 16 == 0 and ldo % 4 == 0 (launch checks)
     splitk_sum_gated<NTH, CMAX / 4>(part, out, c0, cols, M, N, ldo, split);
@@ -736,9 +731,6 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   static_assert(!TMA || (LR == 0 && (MB || PS)), "TMA copies feed the mbarrier or the pre-scaled loop, no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
-  // PS == 3: the pre-scaled loop with producer warpgroups (WS, below), one a consumer, past NTH
-  constexpr bool WS = PS == 3;
-  static_assert(!WS || (TMA && CS == 0 && NTOK >= 128 && NWG <= 2), "the producer-warpgroup loop: TMA copies, no cluster, 128+ tokens, 1-2 consumers");
   constexpr int NTH = NWG * 128, NACC = NTOK / 2;
   static_assert(NTOK <= 64 || SINGLE || PS, "128-token tiles run the single-tile or the pre-scaled loop");
   if constexpr (PS) {
@@ -760,8 +752,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // of that half), refilled per half, so that the same shared memory holds copies further ahead
   constexpr bool HS = PS == 2;
   static_assert(!HS || NTOK > 128, "half-group slots: 192- and 256-token tiles");
-  // (WS: a slot holds half a group: one activation atom, then each consumer's 64 x 64 bf16 weight tile)
-  constexpr int XBYTES = HS || WS ? NTOK * 128 : NTOK * 256, STAGE = XBYTES + NWG * (WS ? 8192 : HS ? 2048 : 4096);  // multiples of 1024
+  constexpr int XBYTES = HS ? NTOK * 128 : NTOK * 256, STAGE = XBYTES + NWG * (HS ? 2048 : 4096);  // multiples of 1024
   constexpr int BROW = (LR * 64 + 8) * 2, LBYTES = LR * NTOK * 128 + 64 * BROW;  // LoRA bytes a warpgroup
   extern __shared__ unsigned char dsmem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
@@ -776,7 +767,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   const int sp = CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols);
   const int nsplit = CS ? CS : (whole_blk ? 1 : split);
   const int slab = cb * NWG + wg;
-  const bool live = (!WS || wg < NWG) && slab < nslabs;  // (WS: the producer warpgroups own no slab)
+  const bool live = slab < nslabs;
   const int n0 = slab * 64;
   const int gb0 = sp * gpb, ngroups = whole_blk ? G : min(G, gb0 + gpb) - gb0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
@@ -1018,16 +1009,14 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // the activations and the LoRA operands after it. (The first commit group then holds all of
   // these weights: its wait covers them.)
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
-  // (WS: then "afull" ST x NWG barriers (slot, slab), then "wfull" WRING barriers of the producers' raw ring)
-  constexpr int WRING = 3;
-  __shared__ __align__(8) unsigned long long mbar[(WS ? (2 + NWG) : 2) * ST + (WS ? WRING : 0)];
+  __shared__ __align__(8) unsigned long long mbar[2 * ST];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
   // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
   // gb0 + j), or with HS half of one (unit j: half j % 2 of group gb0 + j / 2); the activation
   // boxes start at the block's token tile (PS: blockIdx.y)
   const int live_slabs = max(0, min(NWG, nslabs - cb * NWG));
   const u32 slot_bytes = XBYTES + live_slabs * (HS ? 2048 : 4096);
-  const int nunits = HS || WS ? 2 * ngroups : ngroups, trow = PS ? (int)blockIdx.y * NTOK : 0;
+  const int nunits = HS ? 2 * ngroups : ngroups, trow = PS ? (int)blockIdx.y * NTOK : 0;
   auto tma_w = [&](int j, int slot) {  // (thread 0) the live slabs' words of unit j
     const int grp = gb0 + (HS ? j >> 1 : j);
     const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
@@ -1062,51 +1051,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     __syncwarp();
     if (lane == 0) mb_arrive(empty0 + 8 * (j % ST));
   };
-  // WS: the producers' raw ring past the ST slots, WRING groups: per group the live slabs'
-  // words (4 KB each, one copy), then their 64 fp32 scales and (ASYM) 64 negated zero points
-  constexpr int RSLAB = 4096 + 256 + (ASYM ? 256 : 0), RBYTES = NWG * RSLAB;
-  const u32 afull0 = full0 + 16 * ST, wfull0 = full0 + 8 * (2 + NWG) * ST, rawring = ring + ST * STAGE;
-  auto ws_raw = [&](int gi) {  // (producer thread 0) group gi's words, scales and zero points
-    const int grp = gb0 + gi, slot = gi % WRING;
-    const u32 rb = rawring + slot * RBYTES;
-    mb_expect_tx(wfull0 + 8 * slot, live_slabs * RSLAB);
-    for (int s = 0; s < live_slabs; ++s)
-      bulk_copy(rb + s * 4096, reinterpret_cast<const unsigned char*>(wq) + ((size_t)(cb * NWG + s) * G + grp) * 4096,
-                4096, wfull0 + 8 * slot);
-    bulk_copy(rb + NWG * 4096, scales + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
-    if constexpr (ASYM)
-      bulk_copy(rb + NWG * 4352, negz + (size_t)grp * Np + cb * NWG * 64, live_slabs * 256, wfull0 + 8 * slot);
-  };
-  auto ws_x = [&](int j) {  // (one thread: the producers' first in the prologue, then consumer thread 0) unit j's activation atom
-    mb_expect_tx(full0 + 8 * (j % ST), NTOK * 128);
-    tma_tile(ring + (j % ST) * STAGE, xmap, (gb0 + (j >> 1)) * 128 + (j & 1) * 64, trow, full0 + 8 * (j % ST));
-  };
-  if constexpr (WS) {
-    if (tid == 0) {
-#pragma unroll
-      for (int p = 0; p < ST; ++p) {
-        mb_init(full0 + 8 * p, 1);
-        mb_init(empty0 + 8 * p, max(1, live_slabs) * 4);
-#pragma unroll
-        for (int q = 0; q < NWG; ++q) mb_init(afull0 + 8 * (p * NWG + q), 128);
-      }
-#pragma unroll
-      for (int p = 0; p < WRING; ++p) mb_init(wfull0 + 8 * p, 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (tid == NTH) {
-#pragma unroll
-      for (int p = 0; p < WRING; ++p)
-        if (p < ngroups) ws_raw(p);
-    }
-    wait_ahead();
-    if (tid == NTH) {
-#pragma unroll
-      for (int p = 0; p < ST; ++p)
-        if (p < nunits) ws_x(p);
-    }
-  } else if constexpr (TMA) {
+  if constexpr (TMA) {
     if (tid == 0) {
 #pragma unroll
       for (int p = 0; p < ST; ++p) {
@@ -1183,83 +1128,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     cp_wait<LA - 1>();
     lora_term();
   }
-  if constexpr (WS) {
-    // The producer-warpgroup loop (WS), in units of half a group (64 columns of K). Producer
-    // warpgroup s (threads NTH + 128 s ..) dequantizes slab s of each unit, bf16((u - z) s) as
-    // ps_half does, into the unit's slot as consumer s's 64 x 64 A tile (the activation atom's
-    // K-major 128-byte swizzled layout) and arrives on that tile's "afull" barrier. Producer
-    // thread 0 streams the raw words, scales and zero points, a group at a time, through a ring
-    // of WRING groups ("wfull"), refilled after the producers' barrier at each group's second
-    // half. A producer writes a slot's tile once every consumer warp released the unit there
-    // ("empty"), so it runs up to ST units ahead; consumer thread 0 refills the activation
-    // atoms ("full") after that release. The consumers only wait and issue 4 wgmmas a unit,
-    // A and B from shared memory, into one fp32 tile: the pre-scaled loop's products in its
-    // order, so its output bit for bit. The producers leave before the epilogue.
-    if (wg >= NWG) {
-      // producer warpgroup s = wg - NWG writes slab s's tiles
-      const int p = tid - NTH, pw = (p >> 5) & 3, s = wg - NWG;
-      for (int j = 0; j < nunits; ++j) {
-        const int gi = j >> 1, h = j & 1, rs = gi % WRING, slot = j % ST;
-        const u32 rb = rawring + rs * RBYTES, ab = ring + slot * STAGE + XBYTES;
-        mb_wait(wfull0 + 8 * rs, (gi / WRING) & 1);
-        if (j >= ST) mb_wait(empty0 + 8 * slot, (j / ST - 1) & 1);  // unit j - ST released its slot
-        if (s < live_slabs) {
-          u32 w[4], a[4][4];
-          lds128(w, rb + s * 4096 + ((pw * 2 + h) * 32 + lane) * 16);
-          const int r = 16 * pw + g;
-          float s0, s1;
-          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s0) : "r"(rb + NWG * 4096 + (s * 64 + r) * 4));
-          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s1) : "r"(rb + NWG * 4096 + (s * 64 + r + 8) * 4));
-          u32 z0 = 0xC308C308u, z1 = 0xC308C308u;
-          if constexpr (ASYM) {
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z0) : "r"(rb + NWG * 4352 + (s * 64 + r) * 4));
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z1) : "r"(rb + NWG * 4352 + (s * 64 + r + 8) * 4));
-          }
-          ps_unpack(a, w, z0, z1, s0, s1);
-          // element (row, k) of the tile at row 128 + ((k / 8) ^ (row % 8)) 16 + (k % 8) 2
-          const u32 t0a = ab + s * 8192 + r * 128 + 4 * t;
-#pragma unroll
-          for (int st = 0; st < 4; ++st) {
-            const u32 lo = ((2 * st) ^ g) << 4, hi = ((2 * st + 1) ^ g) << 4;
-            asm volatile("st.shared.u32 [%0], %1;" :: "r"(t0a + lo), "r"(a[st][0]) : "memory");
-            asm volatile("st.shared.u32 [%0], %1;" :: "r"(t0a + 1024 + lo), "r"(a[st][1]) : "memory");
-            asm volatile("st.shared.u32 [%0], %1;" :: "r"(t0a + hi), "r"(a[st][2]) : "memory");
-            asm volatile("st.shared.u32 [%0], %1;" :: "r"(t0a + 1024 + hi), "r"(a[st][3]) : "memory");
-          }
-          proxy_fence();  // the tile, written through the generic proxy, before wgmma reads it
-          mb_arrive(afull0 + 8 * (slot * NWG + s));
-        }
-        if (h == 1) {  // every producer thread is done with raw group gi: refill its slot
-          asm volatile("bar.sync 1, %0;" :: "n"(NTH) : "memory");
-          if (p == 0 && gi + WRING < ngroups) ws_raw(gi + WRING);
-        }
-      }
-      return;  // (the epilogue is the consumers': its barriers count NTH threads)
-    }
-    if (live) {
-      for (int j = 0; j < nunits; ++j) {
-        const int slot = j % ST;
-        mb_wait(full0 + 8 * slot, (j / ST) & 1);
-        mb_wait(afull0 + 8 * (slot * NWG + wg), (j / ST) & 1);
-        wg_fence();
-        const unsigned long long db = desc_sw128(ring + slot * STAGE), da = desc_sw128(ring + slot * STAGE + XBYTES + wg * 8192);
-#pragma unroll
-        for (int st = 0; st < 4; ++st) wgmma_bf16_ss<NTOK>(acc, da + ((st * 32) >> 4), db + ((st * 32) >> 4), j > 0 || st > 0);
-        wg_commit();
-        wg_wait1();  // retires unit j - 1
-        if (j > 0) {
-          tma_release(j - 1);
-          if (tid == 0 && j - 1 + ST < nunits) {  // unit j - 1 + ST's atom, once every consumer released j - 1
-            mb_wait(empty0 + 8 * ((j - 1) % ST), ((j - 1) / ST) & 1);
-            ws_x(j - 1 + ST);
-          }
-        }
-      }
-      wg_wait0();
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) keep_f(acc[i]);
-    }
-  } else if constexpr (TMA && !PS) {
+  if constexpr (TMA && !PS) {
     // The TMA loop: group gi + 1 is waited for and unpacked into the other set of A registers
     // (a0 / a1 in turn) while group gi's wgmmas run, so a group's path is its wgmmas, the wait
     // and the fold. Thread 0 refills the slot of group gi + LA once every warp released group
@@ -1551,7 +1420,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     }
   }
   W4_TRACE_AT(3);
-  splitk_finish<NTH, NWG * 64, GATED, WS ? 2 : 0>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
+  splitk_finish<NTH, NWG * 64, GATED>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
   W4_TRACE_AT(4);
   }
 }
@@ -1568,11 +1437,6 @@ __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4
 template <int NWG, int NTOK, int ST, bool ASYM, int MINB, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) w4a16_wgmma_tma(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, PS == 0, 0, PS == 0, 0, GATED, PS, true>(W4_WGMMA_ARGS, &xmap);
-}
-// the producer-warpgroup loop (WgConfig.ws): NWG consumer warpgroups, then NWG producers
-template <int NWG, int NTOK, int ST, bool ASYM, bool GATED>
-__global__ void __launch_bounds__(2 * NWG * 128, 1) w4a16_wgmma_ws(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
-  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, 3, true>(W4_WGMMA_ARGS, &xmap);
 }
 template <int NWG, int NTOK, int ST, bool ASYM, int MINB, int CS, bool GATED, int PS>
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_tma_cluster(
