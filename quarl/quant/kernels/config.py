@@ -112,9 +112,6 @@ class WgConfig(NamedTuple):
     # map) and weight words, the others only compute; that loop's output bit for bit, no LoRA
     tma: bool = False
 
-    def threads(self) -> int:
-        return self.nwg * 128
-
     def smem_bytes(self, ntok: int) -> int:
         if self.halves:
             return self.stages * (ntok * 128 + self.nwg * 2048) + 1024

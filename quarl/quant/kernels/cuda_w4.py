@@ -318,6 +318,6 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     extra = _lora_args(lora, x) + ((x_tensor_map(x, ntok),) if cfg.tma else ())
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
-                           cfg.threads(), smem, one_d=True, extra=extra,
+                           cfg.nwg * 128, smem, one_d=True, extra=extra,
                            out_cols=qw.shape[0] // 2 if gated else None,
                            token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok)

@@ -35,18 +35,6 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 v, float s) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-// a thread's 16-byte word of half a group (4 steps of 16 columns) as the pre-scaled loop's
-// register A fragments: bf16((u - z) s), rows g (z0, s0) and g + 8 (z1, s1), columns 2t, 2t + 1
-// and 2t + 8, 2t + 9 of each step
-__device__ __forceinline__ void ps_unpack(u32 (&a)[4][4], const u32 (&w)[4], u32 z0, u32 z1, float s0, float s1) {
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    a[s][0] = scale_bf16x2(sub_z(lop_q(w[s]), z0), s0);
-    a[s][1] = scale_bf16x2(sub_z(lop_q(w[s] >> 8), z1), s1);
-    a[s][2] = scale_bf16x2(sub_z(lop_q(w[s] >> 4), z0), s0);
-    a[s][3] = scale_bf16x2(sub_z(lop_q(w[s] >> 12), z1), s1);
-  }
-}
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -950,7 +938,13 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     const u32 sbase = ring + ((HS ? 2 * gi + h : gi) % ST) * STAGE;
     u32 w[4];
     lds128(w, sbase + XBYTES + (HS ? wg * 2048 + (warp * 32 + lane) * 16 : wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16));
-    ps_unpack(a, w, z0, z1, s0, s1);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      a[s][0] = scale_bf16x2(sub_z(lop_q(w[s]), z0), s0);
+      a[s][1] = scale_bf16x2(sub_z(lop_q(w[s] >> 8), z1), s1);
+      a[s][2] = scale_bf16x2(sub_z(lop_q(w[s] >> 4), z0), s0);
+      a[s][3] = scale_bf16x2(sub_z(lop_q(w[s] >> 12), z1), s1);
+    }
     wg_fence();
     const unsigned long long d0 = desc_sw128(sbase);
 #pragma unroll
