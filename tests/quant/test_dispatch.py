@@ -273,6 +273,13 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     for bad in (WgConfig(3, 5, single=True, tma=True), WgConfig(2, 4, tma=True)):
         with pytest.raises(ValueError, match="tma=True feeds the mbarrier loop"):
             bad.check(64)
+    ws = WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True)
+    ws.check(1000)
+    assert ws.threads == 384 and ws._replace(producer=False).threads == 256
+    for bad in (ws._replace(tma=False), ws._replace(nwg=1, tile=0), ws._replace(cluster=True),
+                WgConfig(4, 4, prescale=True, tma=True, producer=True), WgConfig(2, 4, single=True, mbar=True, tma=True, producer=True)):
+        with pytest.raises(ValueError, match="producer=True feeds the pre-scaled TMA loop"):
+            bad.check(100)
     WgConfig(3, 5, single=True, mbar=True, tma=True).check(64)
     WgConfig(2, 8, prescale=True, tile=192, halves=True, tma=True).check(300)
     with pytest.raises(ValueError, match=">= 3 stages"):

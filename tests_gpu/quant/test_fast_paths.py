@@ -812,7 +812,8 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
     ``s ((u1 - z) + (u2 - z))`` instead, which differs); random x: ``x @ w.T`` in float64 up
     to the order of the sums; the gated epilogue over it is the plain one's over the rows in
     the gated order, then the SiLU-and-mul, bit for bit; with the copies made by the bulk-copy
-    engine (``tma``) the same bits, plain and gated."""
+    engine (``tma``), and those issued by a producer warpgroup (``producer``), the same bits,
+    plain and gated."""
     from quarl.quant.kernels import cuda_w4, weight_only
     from quarl.quant.kernels.config import WgConfig
     from quarl.quant.kernels.w4_layout import RepackCache, gated_rows
@@ -858,6 +859,10 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         tma = cfg._replace(tma=True)  # the copies by the bulk-copy engine: the same bits
         assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, tma, cache), a), tma
         assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, tma, cache, gated=True), got), tma
+        if cfg.nwg in (2, 3) and not cfg.cluster:  # ... issued by a producer warpgroup: the same bits
+            ws = tma._replace(producer=True)
+            assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, ws, cache), a), ws
+            assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, ws, cache, gated=True), got), ws
         if m > 128:  # (the post-scaled loops take M <= 128)
             continue
         post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False, stages=min(cfg.stages, 4))

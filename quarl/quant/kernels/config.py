@@ -111,6 +111,14 @@ class WgConfig(NamedTuple):
     # by the bulk-copy engine (TMA): one thread issues each slot's activation tile (a tensor
     # map) and weight words, the others only compute; that loop's output bit for bit, no LoRA
     tma: bool = False
+    # the pre-scaled TMA loop (prescale=True, tma=True, 2-3 warpgroups, no cluster) with one more
+    # warpgroup that only issues the copies, every slot in flight; the computing warpgroups take
+    # its registers (setmaxnreg): that loop's output bit for bit
+    producer: bool = False
+
+    @property
+    def threads(self) -> int:
+        return (self.nwg + self.producer) * 128
 
     def smem_bytes(self, ntok: int) -> int:
         if self.halves:
@@ -137,6 +145,9 @@ class WgConfig(NamedTuple):
         if self.tma and not (self.mbar or self.prescale):
             raise ValueError(f"wgmma w4 kernel: tma=True feeds the mbarrier loop (single=True, mbar=True) or the "
                              f"pre-scaled loop (prescale=True); got {self}")
+        if self.producer and not (self.prescale and self.tma and not self.cluster and self.nwg in (2, 3) and self.minb == 1):
+            raise ValueError(f"wgmma w4 kernel: producer=True feeds the pre-scaled TMA loop (prescale=True, tma=True) "
+                             f"of 2-3 warpgroups, minb=1, no cluster; got {self}")
         if self.halves and not (self.tile and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: halves=True runs 192- or 256-token tiles (tile=192 / 256) with "
                              f">= 4 half-group slots; got {self}")

@@ -80,11 +80,12 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
                   cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False,
-                  prescale: int = 0, tma: bool = False):
+                  prescale: int = 0, tma: bool = False, producer: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
     ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``);
-    ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop)."""
+    ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop);
+    ``producer``: the pre-scaled TMA loop with a producer warpgroup (``WgConfig.producer``)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
@@ -92,6 +93,8 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
         head = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {minb}"
         name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}, {prescale}>" if cs else
                 f"w4a16_wgmma_tma<{head}, {_tf(gated)}, {prescale}>")
+    if producer:
+        name = f"w4a16_wgmma_tma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}, {prescale}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
@@ -314,10 +317,10 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma)
+                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma, cfg.producer)
 
     extra = _lora_args(lora, x) + ((x_tensor_map(x, ntok),) if cfg.tma else ())
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
-                           cfg.nwg * 128, smem, one_d=True, extra=extra,
+                           cfg.threads, smem, one_d=True, extra=extra,
                            out_cols=qw.shape[0] // 2 if gated else None,
                            token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok)

@@ -368,20 +368,25 @@ __device__ __forceinline__ void splitk_sum_gated(const float* part, u16* out, in
     *reinterpret_cast<uint2*>(out + (size_t)r * ldo + gated_col(c0 + c)) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
   }
 }
-template <int NTH, int CMAX, bool GATED = false>
+// (BAR > 0: the block's first NTH threads only, on named barrier BAR: a producer warpgroup has left)
+template <int NTH, int CMAX, bool GATED = false, int BAR = 0>
 __device__ __forceinline__ void splitk_finish(
     const float* part, u16* out, const u16* bias, int* counters, int cb, int c0, int cols,
     int M, int N, int ldo, int split, int has_bias) {
   __shared__ int last_flag;
   const int tid = threadIdx.x;
-  __syncthreads();  // every thread's partial stores ...
+  auto sync = [&]() {
+    if constexpr (BAR > 0) asm volatile("bar.sync %0, %1;" :: "n"(BAR), "n"(NTH) : "memory");
+    else __syncthreads();
+  };
+  sync();  // every thread's partial stores ...
   if (tid == 0) {
     __threadfence();  // ... made visible at GPU scope before the arrival
     const int last = atomicAdd(counters + cb, 1) == split - 1;
     if (last) __threadfence();  // the other blocks' partials seen before this block reads them
     last_flag = last;
   }
-  __syncthreads();
+  sync();
   if (!last_flag) return;
   if constexpr (GATED)  // N % 16 == 0 and ldo % 4 == 0 (launch checks)
     splitk_sum_gated<NTH, CMAX / 4>(part, out, c0, cols, M, N, ldo, split);
@@ -611,6 +616,11 @@ __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
+// a warpgroup's register budget (setmaxnreg, sm90: every thread of the warpgroup executes it)
+template <int R>
+__device__ __forceinline__ void regs_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R)); }
+template <int R>
+__device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R)); }
 // mbarriers (shared::cta, 64-bit): the MB loop's per-slot "landed" and "read" barriers
 __device__ __forceinline__ void mb_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
@@ -714,8 +724,16 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // The other threads issue no copies, no cp.async waits and no arrivals on "full", and each
 // group's weights are unpacked while the previous group's wgmmas run. Same products in the
 // same order as the mbarrier loop: its output bit for bit.
-template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false>
+// WSP (the pre-scaled TMA loop with a producer warpgroup, w4a16_wgmma_tma_ws): one more
+// warpgroup, past the NWG that compute, whose thread NTH issues every unit's copies as soon as
+// its slot is released (all ST slots in flight), so no computing warp ever waits to refill; it
+// gives its registers to the computing warpgroups (setmaxnreg) and leaves. The same wgmmas in
+// the same order: the pre-scaled TMA loop's output bit for bit.
+template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false,
+          bool WSP = false>
 __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr) {
+  static_assert(!WSP || (TMA && PS && CS == 0 && (NWG == 2 || NWG == 3)),
+                "the producer warpgroup feeds the pre-scaled TMA loop of 2-3 warpgroups, no cluster");
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   static_assert(!TMA || (LR == 0 && (MB || PS)), "TMA copies feed the mbarrier or the pre-scaled loop, no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
@@ -1034,7 +1052,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   };
   // (thread 0) unit j into its slot, once every warp released unit j - ST there
   auto tma_refill = [&](int j) {
-    if (tid == 0 && j < nunits) {
+    if (!WSP && tid == 0 && j < nunits) {
       if (j >= ST) mb_wait(empty0 + 8 * (j % ST), (j / ST - 1) & 1);
       mb_expect_tx(full0 + 8 * (j % ST), slot_bytes);
       tma_w(j, j % ST);
@@ -1055,6 +1073,33 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    if constexpr (WSP) {
+      // 384 threads (2 + 1 warpgroups) start with 168 registers each, 512 (3 + 1) with 128: the
+      // producer keeps 40 / 24, the computing warpgroups take 232 / 160 (the 256-token tile needs 207)
+      constexpr int PREG = NWG == 2 ? 40 : 24, CREG = NWG == 2 ? 232 : 160;
+      if (wg == NWG) {
+        regs_down<PREG>();
+        if (tid == NTH) {
+          const int first = min(ST, nunits);
+          for (int p = 0; p < first; ++p) {
+            mb_expect_tx(full0 + 8 * p, slot_bytes);
+            tma_w(p, p);
+          }
+          wait_ahead();
+          for (int p = 0; p < first; ++p) tma_x(p, p);
+          for (int j = ST; j < nunits; ++j) {
+            const int slot = j % ST;
+            mb_wait(empty0 + 8 * slot, (j / ST - 1) & 1);
+            mb_expect_tx(full0 + 8 * slot, slot_bytes);
+            tma_w(j, slot);
+            tma_x(j, slot);
+          }
+        }
+        return;
+      }
+      regs_up<CREG>();
+      wait_ahead();
+    } else {
     if (tid == 0) {
 #pragma unroll
       for (int p = 0; p < LA; ++p)
@@ -1068,6 +1113,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
 #pragma unroll
       for (int p = 0; p < LA; ++p)
         if (p < nunits) tma_x(p, p);
+    }
     }
   } else if constexpr (HS) {  // (in halves)
 #pragma unroll
@@ -1414,7 +1460,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     }
   }
   W4_TRACE_AT(3);
-  splitk_finish<NTH, NWG * 64, GATED>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
+  splitk_finish<NTH, NWG * 64, GATED, WSP ? 1 : 0>(part, out, bias, counters, cb, cb * NWG * 64, min(NWG * 64, N - cb * NWG * 64), M, N, ldo, nsplit, has_bias);
   W4_TRACE_AT(4);
   }
 }
@@ -1436,4 +1482,9 @@ template <int NWG, int NTOK, int ST, bool ASYM, int MINB, int CS, bool GATED, in
 __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4a16_wgmma_tma_cluster(
     W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, PS == 0, CS, PS == 0, 0, GATED, PS, true>(W4_WGMMA_ARGS, &xmap);
+}
+// the pre-scaled TMA loop with a producer warpgroup (WgConfig.producer): NWG + 1 warpgroups
+template <int NWG, int NTOK, int ST, bool ASYM, bool GATED, int PS>
+__global__ void __launch_bounds__((NWG + 1) * 128, 1) w4a16_wgmma_tma_ws(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
+  w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, PS, true, true>(W4_WGMMA_ARGS, &xmap);
 }
