@@ -66,8 +66,9 @@ def test_tables_match_the_old_dispatch():
             # since s43 every row here feeds its loop with TMA copies: wide outputs and the 14B / 32B
             # weights (both sides >= 5120, K split in clusters) the pre-scaled loop, the rest the
             # single-tile loop
-            if n >= 16384:
-                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True), (m, n, k)
+            if n >= 16384:  # (with a producer warpgroup since s46)
+                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True,
+                                                       producer=True), (m, n, k)
             elif n >= 5120 and k >= 5120:
                 assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True,
                                                        tma=True), (m, n, k)
@@ -85,21 +86,24 @@ def test_tables_match_the_old_dispatch():
             # elements (but at 257-384 rows); at 257-384 rows four warpgroups on wide outputs and
             # weights of 2^26+ elements; three with K split in clusters where both sides are
             # >= 5120 (up to 256 rows, or a 2^25+ weight); three on wide outputs, two on the rest
+            # (since s46 the 256-row tiles and the two- and three-warpgroup loops with a producer)
             big = n * k >= 1 << 25
             if (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and not big):
                 assert got == dispatch.DEQUANT, (m, n, k)
             elif big and not 256 < m <= 384:
-                assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)
+                assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True,
+                                                       producer=True)
             else:
                 cluster = n >= 5120 and k >= 5120 and (m <= 256 or big) and n < 16384 and n * k < 1 << 26
                 nwg = 4 if m > 256 and (n * k >= 1 << 26 or n >= 16384) else 3 if n >= 16384 or cluster else 2
                 assert got.config == dispatch.WgConfig(nwg, 4, 1.0, tail=True, cluster=cluster, prescale=True,
-                                                       tma=True), (m, n, k)
+                                                       tma=True, producer=not cluster and nwg < 4), (m, n, k)
             continue
         if fam == "w4" and gen == "sm90" and 512 < m <= 1024 and n * k >= 1 << 26:  # added in s44: 256-row tiles
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
-            assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True), (m, n, k)
+            assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True,
+                                                   producer=True), (m, n, k)
             continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
@@ -181,11 +185,13 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
         assert dispatch.lookup("w4a16", "sm90", 65, n, k).config == single, (n, k)
         assert dispatch.lookup("w4a16", "sm90", 128, n, k).config == single, (n, k)
     assert dispatch.lookup("w4a16", "sm90", 128, 1536, 1536).config == single._replace(nwg=1)
-    ps = dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True)
+    # (s46: the loops without clusters, of 2-3 warpgroups, have a producer warpgroup)
+    ps = dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True, producer=True)
+    psc = ps._replace(cluster=True, producer=False)
     for n, k in ((37888, 3584), (17920, 1536), (27648, 5120)):
         assert dispatch.lookup("w4a16", "sm90", 128, n, k).config == ps, (n, k)
     for n, k in ((5120, 5120), (7168, 5120), (5120, 13824)):
-        assert dispatch.lookup("w4a16", "sm90", 100, n, k).config == ps._replace(cluster=True), (n, k)
+        assert dispatch.lookup("w4a16", "sm90", 100, n, k).config == psc, (n, k)
     # 129-512 rows (sweep_pstma_7b_h200_s43.json and the 1.5B's and 14B's): cuBLAS on the
     # dequantized weight on the 1.5B's squares, from 256 rows for the 7B's q/k/v and o, and past
     # 384 rows on weights under 2^25 elements; the pre-scaled loop with TMA copies elsewhere:
@@ -194,16 +200,16 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     for m, n, k in ((256, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (512, 17920, 1536), (512, 1536, 8960),
                     (512, 5120, 5120), (200, 2048, 1536)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
-    tile256 = dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True)
+    tile256 = dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True)
     for m, n, k in ((129, 37888, 3584), (256, 3584, 18944), (512, 37888, 3584), (400, 3584, 18944), (256, 7168, 5120)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)
     for n, k in ((37888, 3584), (3584, 18944), (17920, 1536), (27648, 5120), (5120, 13824)):
-        assert dispatch.lookup("w4a16", "sm90", 300, n, k).config == ps._replace(nwg=4), (n, k)
+        assert dispatch.lookup("w4a16", "sm90", 300, n, k).config == ps._replace(nwg=4, producer=False), (n, k)
     assert dispatch.lookup("w4a16", "sm90", 256, 17920, 1536).config == ps
     assert dispatch.lookup("w4a16", "sm90", 256, 1536, 8960).config == ps._replace(nwg=2)
     assert dispatch.lookup("w4a16", "sm90", 384, 5120, 5120).config == ps._replace(nwg=2)
-    assert dispatch.lookup("w4a16", "sm90", 256, 5120, 5120).config == ps._replace(cluster=True)
-    assert dispatch.lookup("w4a16", "sm90", 384, 7168, 5120).config == ps._replace(cluster=True)
+    assert dispatch.lookup("w4a16", "sm90", 256, 5120, 5120).config == psc
+    assert dispatch.lookup("w4a16", "sm90", 384, 7168, 5120).config == psc
     # 513-1024 rows (sweep_ws_7b_h200_s44.json): 256-row tiles on weights of 2^26 elements or more
     for m, n, k in ((513, 37888, 3584), (1024, 3584, 18944), (1024, 27648, 5120)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)

@@ -679,7 +679,8 @@ def test_engine_lora_shapes_of_7b_take_the_fused_epilogue():
 
 @pytest.mark.parametrize("m", [8, 40, 64, 100])
 def test_w4_cuda_kernels_as_dependent_launches_give_the_same_bits(m):
-    """The fragment, tile and wgmma kernels (global and cluster K splits) launched through
+    """The fragment, tile and wgmma kernels (global and cluster K splits, the pre-scaled loop
+    with a producer warpgroup) launched through
     ``cuLaunchKernelEx`` as programmatic dependent launches, back to back eagerly and inside
     a CUDA graph: the same output bits as plain launches."""
     from quarl.quant.kernels import cuda_w4
@@ -691,7 +692,10 @@ def test_w4_cuda_kernels_as_dependent_launches_give_the_same_bits(m):
     rc = RepackCache()  # the layouts made by the plain runs, before the capture
     runs = [lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 1, True, cluster=False), rc),
             lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 3, 2, True, 2, True, cluster=True), rc),
-            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 2, True, True, mbar=True, tma=True), rc)]
+            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 2, True, True, mbar=True, tma=True), rc),
+            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True, producer=True), rc),
+            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True,
+                                                             producer=True), rc)]
     if m <= 16:
         runs.append(lambda: cuda_w4.frag_gemm(x, qw, bias, FragConfig(nw=4, blocks_per_sm=4, stages=8), rc))
     if m <= 64:

@@ -204,13 +204,13 @@ MMA = ("sm80", "sm89")  # mma.sync GPUs without wgmma
 DEQUANT = Plan("dequant")
 # the TMA loop, one warpgroup, two blocks per SM, K split in clusters (33-64 rows: down; 7B q/k/v and o)
 _TMA_ONE_WG = Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, cluster=True, mbar=True, tma=True))
-# the pre-scaled loop fed by TMA copies: three warpgroups, two, and three with K split in clusters
-# (65-512 rows)
-_PRESCALED_TMA = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True))
-_PRESCALED_TMA_2WG = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True))
+# the pre-scaled loop fed by TMA copies: three warpgroups, two (each with a producer warpgroup
+# issuing the copies, NOTES session 46), and three with K split in clusters (65-512 rows)
+_PRESCALED_TMA = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True, producer=True))
+_PRESCALED_TMA_2WG = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True, producer=True))
 _PRESCALED_TMA_CLUSTER = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True, tma=True))
-# ... in 256-row tiles, two warpgroups (129-256 and 385-1024 rows on large weights)
-_PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True))
+# ... in 256-row tiles, two warpgroups and a producer (129-256 and 385-1024 rows on large weights)
+_PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True))
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
