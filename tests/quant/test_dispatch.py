@@ -286,9 +286,6 @@ def test_wgmma_config_check_names_what_it_cannot_run():
                 WgConfig(4, 4, prescale=True, tma=True, producer=True), WgConfig(2, 4, single=True, mbar=True, tma=True, producer=True)):
         with pytest.raises(ValueError, match="producer=True feeds the pre-scaled TMA loop"):
             bad.check(100)
-    ws._replace(persistent=True).check(1000)
-    with pytest.raises(ValueError, match="persistent=True runs the producer loop"):
-        ws._replace(producer=False, persistent=True).check(1000)
     WgConfig(3, 5, single=True, mbar=True, tma=True).check(64)
     WgConfig(2, 8, prescale=True, tile=192, halves=True, tma=True).check(300)
     with pytest.raises(ValueError, match=">= 3 stages"):

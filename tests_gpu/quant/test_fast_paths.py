@@ -695,9 +695,7 @@ def test_w4_cuda_kernels_as_dependent_launches_give_the_same_bits(m):
             lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(1, 4, 2, True, 2, True, True, mbar=True, tma=True), rc),
             lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True, producer=True), rc),
             lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True,
-                                                             producer=True), rc),
-            lambda: cuda_w4.wgmma_gemm(x, qw, bias, WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True, producer=True,
-                                                             persistent=True), rc)]
+                                                             producer=True), rc)]
     if m <= 16:
         runs.append(lambda: cuda_w4.frag_gemm(x, qw, bias, FragConfig(nw=4, blocks_per_sm=4, stages=8), rc))
     if m <= 64:
@@ -818,8 +816,8 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
     ``s ((u1 - z) + (u2 - z))`` instead, which differs); random x: ``x @ w.T`` in float64 up
     to the order of the sums; the gated epilogue over it is the plain one's over the rows in
     the gated order, then the SiLU-and-mul, bit for bit; with the copies made by the bulk-copy
-    engine (``tma``), and those issued by a producer warpgroup (``producer``, and with one block
-    a SM walking the work items, ``persistent``), the same bits, plain and gated."""
+    engine (``tma``), and those issued by a producer warpgroup (``producer``), the same bits,
+    plain and gated."""
     from quarl.quant.kernels import cuda_w4, weight_only
     from quarl.quant.kernels.config import WgConfig
     from quarl.quant.kernels.w4_layout import RepackCache, gated_rows
@@ -866,9 +864,9 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, tma, cache), a), tma
         assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, tma, cache, gated=True), got), tma
         if cfg.nwg in (2, 3) and not cfg.cluster:  # ... issued by a producer warpgroup: the same bits
-            for ws in (tma._replace(producer=True), tma._replace(producer=True, persistent=True)):
-                assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, ws, cache), a), ws
-                assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, ws, cache, gated=True), got), ws
+            ws = tma._replace(producer=True)
+            assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, ws, cache), a), ws
+            assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, ws, cache, gated=True), got), ws
         if m > 128:  # (the post-scaled loops take M <= 128)
             continue
         post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False, stages=min(cfg.stages, 4))

@@ -115,9 +115,6 @@ class WgConfig(NamedTuple):
     # warpgroup that only issues the copies, every slot in flight; the computing warpgroups take
     # its registers (setmaxnreg): that loop's output bit for bit
     producer: bool = False
-    # ... persistent: one block a SM walks the work items, the producer's copies running on into
-    # the next item while the computing warpgroups finish this one (needs producer=True)
-    persistent: bool = False
 
     @property
     def threads(self) -> int:
@@ -151,8 +148,6 @@ class WgConfig(NamedTuple):
         if self.producer and not (self.prescale and self.tma and not self.cluster and self.nwg in (2, 3) and self.minb == 1):
             raise ValueError(f"wgmma w4 kernel: producer=True feeds the pre-scaled TMA loop (prescale=True, tma=True) "
                              f"of 2-3 warpgroups, minb=1, no cluster; got {self}")
-        if self.persistent and not self.producer:
-            raise ValueError(f"wgmma w4 kernel: persistent=True runs the producer loop (producer=True); got {self}")
         if self.halves and not (self.tile and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: halves=True runs 192- or 256-token tiles (tile=192 / 256) with "
                              f">= 4 half-group slots; got {self}")

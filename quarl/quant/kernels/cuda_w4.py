@@ -80,13 +80,12 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
                   cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False,
-                  prescale: int = 0, tma: bool = False, producer: bool = False, persistent: bool = False):
+                  prescale: int = 0, tma: bool = False, producer: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
     ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``);
     ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop);
-    ``producer``: the pre-scaled TMA loop with a producer warpgroup (``WgConfig.producer``;
-    ``persistent``: one block a SM over the work items, ``WgConfig.persistent``)."""
+    ``producer``: the pre-scaled TMA loop with a producer warpgroup (``WgConfig.producer``)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
@@ -95,7 +94,7 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
         name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}, {prescale}>" if cs else
                 f"w4a16_wgmma_tma<{head}, {_tf(gated)}, {prescale}>")
     if producer:
-        name = f"w4a16_wgmma_tma_ws{'p' if persistent else ''}<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}, {prescale}>"
+        name = f"w4a16_wgmma_tma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}, {prescale}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
@@ -189,15 +188,13 @@ def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail:
 
 def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_args: tuple, threads: int,
                     smem: int, one_d: bool, extra: tuple = (), out_cols: int | None = None,
-                    token_tiles: int = 1, tile_rows: int = 0, persistent: bool = False) -> torch.Tensor:
+                    token_tiles: int = 1, tile_rows: int = 0) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
     wgmma kernels). ``kernel_for(asym, cluster_size)`` -> the kernel. ``one_d`` (wgmma): a
     1-D grid, the ``whole`` column blocks first, and a ``whole`` argument, then ``extra``.
     ``out_cols``: the output's width when it is not ``n`` (the gated epilogue: ``n / 2``).
     ``token_tiles`` > 1 (the wgmma kernel's pre-scaled loop): grid y over ``tile_rows``-row tiles
-    of x, each with the same column blocks and K split (planned for that many times the blocks).
-    ``persistent``: as many blocks as SMs (at most one a work item), each walking the work items
-    (column block, K split, token tile) a grid apart."""
+    of x, each with the same column blocks and K split (planned for that many times the blocks)."""
     m = x.shape[0]
     groups, np_ = fw.scales.shape
     cols = splitk.cdiv(np_ // SLAB, slabs_per_block)
@@ -212,8 +209,6 @@ def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_
     grid = (cols, plan.split, 1)
     if one_d:
         grid = (plan.programs(cols), token_tiles, 1)
-        if persistent:
-            grid = (min(grid[0] * token_tiles, num_sms(x.device)), 1, 1)
         args.append(plan.whole)
     args.extend(extra)
     launch(kernel_for(fw.negz is not None, plan.cluster), grid, (threads, 1, 1), args, smem)
@@ -322,11 +317,10 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma, cfg.producer, cfg.persistent)
+                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma, cfg.producer)
 
     extra = _lora_args(lora, x) + ((x_tensor_map(x, ntok),) if cfg.tma else ())
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.threads, smem, one_d=True, extra=extra,
                            out_cols=qw.shape[0] // 2 if gated else None,
-                           token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok,
-                           persistent=cfg.persistent)
+                           token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok)

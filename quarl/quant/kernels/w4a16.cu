@@ -729,25 +729,11 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // its slot is released (all ST slots in flight), so no computing warp ever waits to refill; it
 // gives its registers to the computing warpgroups (setmaxnreg) and leaves. The same wgmmas in
 // the same order: the pre-scaled TMA loop's output bit for bit.
-// ROLE (the persistent producer loop, w4a16_wgmma_tma_wsp): 0 = the block's one work item,
-// every thread; 1 = one item's copies, by the producer thread only; 2 = one item's wgmmas and
-// epilogue, by the computing threads. In roles 1-2 the caller has set up the barriers and the
-// registers, (bx, by) is the item, ub the units its ring has taken before it, and *units gets
-// this item's units.
-template <int ST>
-__device__ __forceinline__ unsigned long long* tma_mbar() {  // the TMA loops' "full" and "empty" barriers
-  __shared__ __align__(8) unsigned long long mbar[2 * ST];
-  return mbar;
-}
-template <int NWG> __device__ constexpr int ws_producer_regs() { return NWG == 2 ? 40 : 24; }
-template <int NWG> __device__ constexpr int ws_compute_regs() { return NWG == 2 ? 232 : 160; }
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false,
-          bool WSP = false, int ROLE = 0>
-__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr, int bx = 0, int by = 0,
-                                                 int ub = 0, int* units = nullptr) {
+          bool WSP = false>
+__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr) {
   static_assert(!WSP || (TMA && PS && CS == 0 && (NWG == 2 || NWG == 3)),
                 "the producer warpgroup feeds the pre-scaled TMA loop of 2-3 warpgroups, no cluster");
-  static_assert(ROLE == 0 || WSP, "roles split the producer loop");
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   static_assert(!TMA || (LR == 0 && (MB || PS)), "TMA copies feed the mbarrier or the pre-scaled loop, no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
@@ -756,7 +742,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   if constexpr (PS) {
     // PS: blockIdx.y is the token tile (rows tt NTOK .. + NTOK - 1 of x and out): the block
     // sees a tile of M <= NTOK rows, with its own stretch of the partials and the counters
-    const int tt = ROLE ? by : (int)blockIdx.y;
+    const int tt = blockIdx.y;
     x += (size_t)tt * NTOK * ldx;
     out += (size_t)tt * NTOK * ldo;
     part += (size_t)tt * split * NTOK * N;
@@ -781,10 +767,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // block -> (column block, K split): the first `whole` blocks take one column block each
   // over all of K; the others split the remaining column blocks' K `split` ways (gpb groups
   // each), the blocks of one split `tcols` apart (whole = 0: every column block split)
-  const int bxi = ROLE ? bx : (int)blockIdx.x;
-  const int tcols = (nslabs + NWG - 1) / NWG - whole, tb = bxi - whole;
+  const int tcols = (nslabs + NWG - 1) / NWG - whole, tb = (int)blockIdx.x - whole;
   const bool whole_blk = CS == 0 && tb < 0;
-  const int cb = CS ? blockIdx.x / CS : (whole_blk ? bxi : whole + tb % tcols);
+  const int cb = CS ? blockIdx.x / CS : (whole_blk ? blockIdx.x : whole + tb % tcols);
   const int sp = CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols);
   const int nsplit = CS ? CS : (whole_blk ? 1 : split);
   const int slab = cb * NWG + wg;
@@ -968,7 +953,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // wgmmas accumulate straight into acc (the very first one overwrites it)
   auto ps_half = [&](int gi, int h, u32 (&a)[4][4], u32 z0, u32 z1, float s0, float s1) {
     // (HS: the half's own slot, its atom at the slot's start)
-    const u32 sbase = ring + ((ub + (HS ? 2 * gi + h : gi)) % ST) * STAGE;
+    const u32 sbase = ring + ((HS ? 2 * gi + h : gi) % ST) * STAGE;
     u32 w[4];
     lds128(w, sbase + XBYTES + (HS ? wg * 2048 + (warp * 32 + lane) * 16 : wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16));
 #pragma unroll
@@ -1036,15 +1021,14 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // the activations and the LoRA operands after it. (The first commit group then holds all of
   // these weights: its wait covers them.)
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
-  unsigned long long* mbar = tma_mbar<ST>();
+  __shared__ __align__(8) unsigned long long mbar[2 * ST];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
   // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
   // gb0 + j), or with HS half of one (unit j: half j % 2 of group gb0 + j / 2); the activation
   // boxes start at the block's token tile (PS: blockIdx.y)
   const int live_slabs = max(0, min(NWG, nslabs - cb * NWG));
   const u32 slot_bytes = XBYTES + live_slabs * (HS ? 2048 : 4096);
-  const int nunits = HS ? 2 * ngroups : ngroups, trow = PS ? (ROLE ? by : (int)blockIdx.y) * NTOK : 0;
-  if constexpr (ROLE > 0) *units = nunits;
+  const int nunits = HS ? 2 * ngroups : ngroups, trow = PS ? (int)blockIdx.y * NTOK : 0;
   auto tma_w = [&](int j, int slot) {  // (thread 0) the live slabs' words of unit j
     const int grp = gb0 + (HS ? j >> 1 : j);
     const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
@@ -1077,10 +1061,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   };
   auto tma_release = [&](int j) {  // this warp is done with unit j's slot
     __syncwarp();
-    if (lane == 0) mb_arrive(empty0 + 8 * ((ub + j) % ST));
+    if (lane == 0) mb_arrive(empty0 + 8 * (j % ST));
   };
   if constexpr (TMA) {
-    if constexpr (ROLE == 0) {
     if (tid == 0) {
 #pragma unroll
       for (int p = 0; p < ST; ++p) {
@@ -1090,27 +1073,23 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    }
     if constexpr (WSP) {
       // 384 threads (2 + 1 warpgroups) start with 168 registers each, 512 (3 + 1) with 128: the
       // producer keeps 40 / 24, the computing warpgroups take 232 / 160 (the 256-token tile needs 207)
-      if (ROLE == 1 || (ROLE == 0 && wg == NWG)) {
-        if constexpr (ROLE == 0) regs_down<ws_producer_regs<NWG>()>();
-        if (ROLE == 1 || tid == NTH) {
-          // unit j of this item is unit ub + j of the ring: its slot's last reader released it first
-          int j = 0;
-          if (ub == 0) {  // the block's first item: its weights stream before the wait for the kernel ahead
-            j = min(ST, nunits);
-            for (int p = 0; p < j; ++p) {
-              mb_expect_tx(full0 + 8 * p, slot_bytes);
-              tma_w(p, p);
-            }
-            wait_ahead();
-            for (int p = 0; p < j; ++p) tma_x(p, p);
+      constexpr int PREG = NWG == 2 ? 40 : 24, CREG = NWG == 2 ? 232 : 160;
+      if (wg == NWG) {
+        regs_down<PREG>();
+        if (tid == NTH) {
+          const int first = min(ST, nunits);
+          for (int p = 0; p < first; ++p) {
+            mb_expect_tx(full0 + 8 * p, slot_bytes);
+            tma_w(p, p);
           }
-          for (; j < nunits; ++j) {
-            const int u = ub + j, slot = u % ST;
-            if (u >= ST) mb_wait(empty0 + 8 * slot, (u / ST - 1) & 1);
+          wait_ahead();
+          for (int p = 0; p < first; ++p) tma_x(p, p);
+          for (int j = ST; j < nunits; ++j) {
+            const int slot = j % ST;
+            mb_wait(empty0 + 8 * slot, (j / ST - 1) & 1);
             mb_expect_tx(full0 + 8 * slot, slot_bytes);
             tma_w(j, slot);
             tma_x(j, slot);
@@ -1118,10 +1097,8 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         }
         return;
       }
-      if constexpr (ROLE == 0) {
-        regs_up<ws_compute_regs<NWG>()>();
-        wait_ahead();
-      }
+      regs_up<CREG>();
+      wait_ahead();
     } else {
     if (tid == 0) {
 #pragma unroll
@@ -1289,14 +1266,14 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         if (gi + 1 < ngroups) ld_scales(gi + 1, sn0, sn1);
         const int j0 = HS ? 2 * gi : gi;
         tma_refill(j0 + LA);
-        mb_wait(full0 + 8 * ((ub + j0) % ST), ((ub + j0) / ST) & 1);
+        mb_wait(full0 + 8 * (j0 % ST), (j0 / ST) & 1);
         ps_half(gi, 0, h0, z0, z1, sc0, sc1);
         wg_wait1();  // retires the previous group's second half
         keep_a(h1);
         if (gi > 0) tma_release(HS ? j0 - 1 : gi - 1);
         if constexpr (HS) {
           tma_refill(j0 + 1 + LA);
-          mb_wait(full0 + 8 * ((ub + j0 + 1) % ST), ((ub + j0 + 1) / ST) & 1);
+          mb_wait(full0 + 8 * ((j0 + 1) % ST), ((j0 + 1) / ST) & 1);
         }
         ps_half(gi, 1, h1, z0, z1, sc0, sc1);
         wg_wait1();  // retires this group's first half
@@ -1341,7 +1318,6 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     }
     wg_wait0();
     keep_a(h1);
-    if constexpr (ROLE == 2) tma_release(nunits - 1);  // (the producer refills it for a later item)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) keep_f(acc[i]);  // read only after the last wait
   } else if (SINGLE) {
@@ -1511,45 +1487,4 @@ __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4
 template <int NWG, int NTOK, int ST, bool ASYM, bool GATED, int PS>
 __global__ void __launch_bounds__((NWG + 1) * 128, 1) w4a16_wgmma_tma_ws(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, PS, true, true>(W4_WGMMA_ARGS, &xmap);
-}
-// ... persistent (WgConfig.persistent): one block a SM walks the work items (column block, K
-// split, token tile) gridDim.x apart in launch order; the producer's copies run on into the next
-// item while the computing warpgroups finish and store this one
-template <int NWG, int NTOK, int ST, bool ASYM, bool GATED, int PS>
-__global__ void __launch_bounds__((NWG + 1) * 128, 1) w4a16_wgmma_tma_wsp(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
-  constexpr int NTH = NWG * 128;
-  const int tid = threadIdx.x;
-  unsigned long long* mbar = tma_mbar<ST>();
-  if (tid == 0) {
-    for (int p = 0; p < ST; ++p) {
-      mb_init(smem_addr(&mbar[p]), 1);
-      mb_init(smem_addr(&mbar[ST + p]), NWG * 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  const int tcols = ((Np >> 6) + NWG - 1) / NWG - whole, programs = whole + tcols * split;
-  const int items = programs * ((M + NTOK - 1) / NTOK);
-  if (tid >= NTH) {
-    regs_down<ws_producer_regs<NWG>()>();
-    if (tid == NTH) {
-      int ub = 0;
-      for (int it = blockIdx.x; it < items; it += gridDim.x) {
-        int n = 0;
-        w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, PS, true, true, 1>(
-            W4_WGMMA_ARGS, &xmap, it % programs, it / programs, ub, &n);
-        ub += n;
-      }
-    }
-    return;
-  }
-  regs_up<ws_compute_regs<NWG>()>();
-  wait_ahead();
-  int ub = 0;
-  for (int it = blockIdx.x; it < items; it += gridDim.x) {
-    int n = 0;
-    w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, PS, true, true, 2>(
-        W4_WGMMA_ARGS, &xmap, it % programs, it / programs, ub, &n);
-    ub += n;
-  }
 }
