@@ -193,22 +193,25 @@ def test_sweep_against_saved_files_needs_no_gpu(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("name,ms", [("sweep_pstma_1p5b_h200_s43", (128, 256, 384, 512)),
-                                     ("sweep_pstma_7b_m128_h200_s43", (128,)),
-                                     ("sweep_pstma_7b_h200_s43", (256, 384, 512)),  # (its 128 rows lack the single-tile TMA loop)
-                                     ("sweep_pstma_14b_h200_s43", (128, 256, 384, 512)),
-                                     ("sweep_ws_7b_h200_s44", (256, 1024, 4096))])
+@pytest.mark.parametrize("name,ms", [("sweep_producer_1p5b_h200_s46", (128, 256, 384)),
+                                     ("sweep_producer_7b_h200_s46", (128, 256, 1024)),  # (three shapes: no q/o)
+                                     ("sweep_producer_7b_384_h200_s46", (384, 512)),
+                                     ("sweep_producer_14b_h200_s46", (128, 256, 384, 1024)),
+                                     ("sweep_ws_7b_h200_s44", (4096,))])
 def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps(name, ms):
-    """The sm90 rows at 65-4096 rows against the H200 sweeps they were written from: where the
-    table's plan was swept it is within 10% of that (M, shape)'s fastest candidate, and per M
-    the plans picked now are no slower than those picked when the sweep ran."""
+    """The sm90 rows at 65-4096 rows against the H200 sweeps they were written from (session
+    46's, where the producer warpgroup came in; s44's at 4096 rows): where the table's plan was
+    swept it is within 12% of that (M, shape)'s fastest candidate (in session 46 one plan timed
+    twice in one sweep at 512+ rows moved by up to 11%), and per M the plans picked now are no
+    slower than those picked when the sweep ran."""
     import json
 
     result = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())
     rows = [r for r in sweep.against_table(result) if r["M"] in ms]
     swept = [r for r in rows if r["now_us"] == r["now_us"]]
-    assert len(rows) == 4 * len(ms) and swept == rows, [r for r in rows if r not in swept]
-    slow = [(r["M"], r["layer"], r["now_us"], r["best_us"]) for r in swept if r["now_us"] > 1.10 * r["best_us"]]
+    shapes = {(r["N"], r["K"]) for r in result["rows"]}
+    assert len(rows) == len(shapes) * len(ms) and swept == rows, [r for r in rows if r not in swept]
+    slow = [(r["M"], r["layer"], r["now_us"], r["best_us"]) for r in swept if r["now_us"] > 1.12 * r["best_us"]]
     assert not slow
     for m in {r["M"] for r in swept}:
         at = [r for r in swept if r["M"] == m and r["then_us"] == r["then_us"]]
