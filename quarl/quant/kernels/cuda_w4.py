@@ -27,7 +27,9 @@ weights to wgmma as its register A operand; its ``w4a16_wgmma_cluster`` entry ru
 splits of a column block as one thread-block cluster and sums them through distributed
 shared memory, in the same order; its ``w4a16_wgmma_tma`` entries (``WgConfig.tma``) run the
 mbarrier loop with the copies made by the bulk-copy engine (TMA: a tensor map of the
-activations, :func:`x_tensor_map`), the same sums bit for bit.
+activations, :func:`x_tensor_map`), the same sums bit for bit; its ``w4a16_wgmma_tma_ws``
+entry (``WgConfig.producer``) runs the pre-scaled TMA loop with one more warpgroup that only
+issues the copies and hands its registers to the others, again the same sums bit for bit.
 """
 from __future__ import annotations
 
