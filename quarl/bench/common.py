@@ -151,3 +151,50 @@ class ClockWatch:
             for field in ("sm_mhz", "power_w"):
                 out[stage][f"{field}_by_step"] = {str(t): median(s[field] for s in mine if s["label"][1] == t) for t in steps}
         return out
+
+
+GAP_BINS_US = (5.0, 50.0)  # idle stretches: launch latency (< 5 us), short host stalls, long ones
+
+
+def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("inf"), largest: int = 5) -> dict[str, Any]:
+    """Where the GPU sat idle between kernels: ``spans`` are ``(name, start us, end us)`` in any
+    order, overlaps allowed (several streams). Gaps longer than ``max_gap_us`` are left out (the
+    host between graph replays). Returns the span from the first start to the last end, the
+    idle time, its split by gap length (:data:`GAP_BINS_US`: ``[total us, count]`` a bin), the
+    ``largest`` gaps with the kernels either side, and per kernel the idle time right before
+    its launches and how many of them waited. Many sub-5-us gaps are launch latency (a graph
+    removes them); long ones are the host falling behind or waiting (a sync)."""
+    bins = [[0.0, 0] for _ in range(len(GAP_BINS_US) + 1)]
+    out: dict[str, Any] = {"span_us": 0.0, "idle_us": 0.0, "bins": bins, "bin_edges_us": list(GAP_BINS_US),
+                           "largest": [], "before": {}}
+    if not spans:
+        return out
+    ordered = sorted(spans, key=lambda s: s[1])
+    before: dict[str, tuple[float, int]] = {}
+    found = []
+    end, last = ordered[0][2], ordered[0][0]
+    for name, start, stop in ordered[1:]:
+        gap = start - end
+        if 0 < gap <= max_gap_us:
+            b = sum(gap >= edge for edge in GAP_BINS_US)
+            bins[b][0] += gap
+            bins[b][1] += 1
+            t, n = before.get(name, (0.0, 0))
+            before[name] = (t + gap, n + 1)
+            found.append((gap, last, name))
+        if stop >= end:
+            end, last = stop, name
+    out.update(span_us=end - ordered[0][1], idle_us=sum(b[0] for b in bins), before=before,
+               largest=[[round(g, 1), a, b] for g, a, b in sorted(found, key=lambda f: -f[0])[:largest]])
+    return out
+
+
+def gaps_lines(gaps: dict[str, Any]) -> list[str]:
+    """:func:`idle_gaps` as table lines."""
+    edges = gaps["bin_edges_us"]
+    names = [f"< {edges[0]:g} us"] + [f"{a:g}-{b:g} us" for a, b in zip(edges, edges[1:])] + [f">= {edges[-1]:g} us"]
+    span = max(gaps["span_us"], 1e-9)
+    lines = [f"  GPU idle between kernels: {gaps['idle_us'] / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
+             f"({gaps['idle_us'] / span:.1%}); " + ", ".join(f"{n}: {t / 1e3:.1f} ms in {c}" for n, (t, c) in zip(names, gaps["bins"]))]
+    lines += [f"    gap {g / 1e3:7.2f} ms after {a} before {b}" for g, a, b in gaps["largest"]]
+    return lines

@@ -5,9 +5,10 @@ log-probs of ``tokens / seq_len`` right-padded rows through the compiled layer r
 learner's forward runs them on CUDA) and the backward of a weighted sum of them, its gradients
 accumulated into the weights' ``.grad`` as gradient accumulation does. Per micro-batch it
 reports the host's time (until the backward call returns), the wall time (CUDA events), the
-GPU's kernel time and launches (torch.profiler over one more repeat), and their ratio: a
-learner whose host takes longer than its kernels leaves the GPU waiting, whatever the kernels
-cost. The optimizer step and fp32 master weights are not in it (``quarl bench train`` times the
+GPU's kernel time, launches and idle time between kernels (torch.profiler over one more
+repeat), and the host's time over the kernels'. The idle time is the direct measure: a host
+whose launches fill the queue is throttled to the GPU's pace, so host ~ kernels alone does not
+say the host is slow (NOTES, session 46); a host that falls behind leaves long gaps. The optimizer step and fp32 master weights are not in it (``quarl bench train`` times the
 whole step). Random weights of a preset shape, optionally fewer layers; each mode, and with a
 baseline each mode under that code too, in a process of its own.
 """
@@ -132,11 +133,14 @@ def measure(cfg, scheme: str | None, spec: Spec, device: torch.device, profile: 
         "host_ms": statistics.median(hosts), "host_ms_min": min(hosts), "wall_ms": statistics.median(walls),
         "wall_ms_min": min(walls), "wall_ms_max": max(walls), "walls_ms": [round(w, 3) for w in walls],
         "fallbacks": getattr(ops, "fallbacks", 0), "kernels_ms": None, "launches": None, "host_over_kernels": None,
+        "idle_ms": None, "idle_long_ms": None,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
     }
     if cuda:
-        kernels_ms, launches = _kernel_time(repeat, device)
-        out.update(kernels_ms=kernels_ms / spec.micro_batches, launches=launches / spec.micro_batches)
+        kernels_ms, launches, gaps = _kernel_time(repeat, device)
+        out.update(kernels_ms=kernels_ms / spec.micro_batches, launches=launches / spec.micro_batches,
+                   idle_ms=gaps["idle_us"] / 1e3 / spec.micro_batches,
+                   idle_long_ms=gaps["bins"][-1][0] / 1e3 / spec.micro_batches)
         out["host_over_kernels"] = out["host_ms"] / out["kernels_ms"]
     if profile is not None:
         from quarl.bench.train import profile_call
@@ -146,17 +150,21 @@ def measure(cfg, scheme: str | None, spec: Spec, device: torch.device, profile: 
     return out
 
 
-def _kernel_time(fn, device: torch.device) -> tuple[float, int]:
-    """The GPU's kernel time (ms) and kernel count of one call of ``fn``."""
+def _kernel_time(fn, device: torch.device) -> tuple[float, int, dict[str, Any]]:
+    """The GPU's kernel time (ms), kernel count and idle gaps (:func:`~quarl.bench.common.idle_gaps`)
+    of one call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
 
+    from quarl.bench.common import idle_gaps
     from quarl.bench.train import gpu_kernels
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
     kernels = gpu_kernels(prof).values()
-    return sum(t for t, _ in kernels) / 1e3, int(sum(n for _, n in kernels))
+    gaps = idle_gaps([(e.name[:60], e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type.name == "CUDA"])
+    return sum(t for t, _ in kernels) / 1e3, int(sum(n for _, n in kernels)), gaps
 
 
 def model_config(spec: Spec):
@@ -229,15 +237,16 @@ def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path,
 
 def summary_table(result: dict[str, Any]) -> str:
     """The markdown table of a result (one row per mode, and per baseline run)."""
-    head = ("| mode | host ms | wall ms (min-max) | kernels ms | launches | host / kernels | peak GB | vs baseline (host / wall) |\n"
-            "|---|---|---|---|---|---|---|---|")
+    head = ("| mode | host ms | wall ms (min-max) | kernels ms | launches | GPU idle ms (gaps >= 50 us) | host / kernels | peak GB "
+            "| vs baseline (host / wall) |\n|---|---|---|---|---|---|---|---|---|")
 
     def fmt(x, spec=".1f"):
         return "-" if x is None else format(x, spec)
 
     def row(name: str, r: dict[str, Any], vs: str = "") -> str:
         return (f"| {name} | {fmt(r['host_ms'])} | {fmt(r['wall_ms'])} ({fmt(r['wall_ms_min'])}-{fmt(r['wall_ms_max'])}) | "
-                f"{fmt(r['kernels_ms'])} | {fmt(r['launches'], '.0f')} | {fmt(r['host_over_kernels'], '.2f')} | "
+                f"{fmt(r['kernels_ms'])} | {fmt(r['launches'], '.0f')} | {fmt(r.get('idle_ms'))} ({fmt(r.get('idle_long_ms'))}) | "
+                f"{fmt(r['host_over_kernels'], '.2f')} | "
                 f"{fmt(r['peak_gb'])} | {vs} |")
 
     lines = [f"learner micro-batch of {result['spec']['tokens']} tokens, {result['layers']} layers of "

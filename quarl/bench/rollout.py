@@ -31,7 +31,7 @@ from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampling_params import SamplingParams
-from quarl.bench.common import git_commit
+from quarl.bench.common import git_commit, idle_gaps
 from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 
 # the released shapes of quarl.model.presets, with their tokenizers' EOS id
@@ -253,24 +253,6 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
     return result
 
 
-def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("inf")
-              ) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Idle GPU time between kernels: ``spans`` are ``(name, start_us, end_us)`` of one
-    stream's kernels in any order. Returns the total idle time (gaps of at most
-    ``max_gap_us``; longer ones are the host between replays) and, per kernel name, the idle
-    time right before its launches and how many of them waited."""
-    idle, before = 0.0, {}
-    ordered = sorted(spans, key=lambda s: s[1])
-    end = None
-    for name, s0, s1 in ordered:
-        if end is not None and 0 < s0 - end <= max_gap_us:
-            t, n = before.get(name, (0.0, 0))
-            before[name] = (t + s0 - end, n + 1)
-            idle += s0 - end
-        end = s1 if end is None else max(end, s1)
-    return idle, before
-
-
 def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int = 10, top: int = 14,
                     device: torch.device | None = None, kv_cache_dtype: str = "auto", lora_rank: int = 0,
                     engine_kw: dict | None = None) -> str:
@@ -302,7 +284,8 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
             kernels[e.name[:90]] = (t + e.device_time, n + 1)
     total_us = sum(t for t, _ in kernels.values()) / reps
     spans = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
-    idle_us, before = idle_gaps(spans, max_gap_us=0.5 * replay_ms * 1e3)
+    gaps = idle_gaps(spans, max_gap_us=0.5 * replay_ms * 1e3)
+    idle_us, before = gaps["idle_us"], gaps["before"]
     extra = "".join(f" {k}={v}" for k, v in (engine_kw or {}).items())
     lines = [f"{shape} {fmt} kv={kv_cache_dtype} lora={lora_rank}{extra} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
              f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "

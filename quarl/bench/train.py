@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from quarl.bench.common import ClockWatch, child_env, child_failed, write_json
+from quarl.bench.common import ClockWatch, child_env, child_failed, gaps_lines, idle_gaps, write_json
 
 # metric -> short name in the summary
 KEYS = {
@@ -257,7 +257,7 @@ def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
     gaps = None
     if cuda:
         kernels = gpu_kernels(prof)
-        gaps = idle_gaps([(e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+        gaps = idle_gaps([(e.name[:60], e.time_range.start, e.time_range.end) for e in prof.events()
                           if e.device_type.name == "CUDA"])
     else:
         for e in prof.key_averages():
@@ -273,47 +273,6 @@ def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
     for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / max(busy, 1e-12):5.1f}% {n:6d}x  {kname}")
     return result, "\n".join(lines)
-
-
-GAP_BINS_US = (5.0, 50.0)  # idle stretches: launch latency (< 5 us), short host stalls, long ones
-
-
-def idle_gaps(kernels: list[tuple[float, float, str]], largest: int = 5) -> dict[str, Any]:
-    """Where the GPU sat idle between kernels: ``kernels`` as ``(start us, end us, name)``
-    (any order, overlaps allowed: several streams). The idle time from the first start to the
-    last end, split by gap length (:data:`GAP_BINS_US`: ``[total us, count]`` per bin) and the
-    ``largest`` gaps with the kernels either side. Many sub-5-us gaps are launch latency (a
-    graph removes them); long gaps are the host falling behind or waiting (a sync)."""
-    bins = [[0.0, 0] for _ in range(len(GAP_BINS_US) + 1)]
-    out: dict[str, Any] = {"span_us": 0.0, "idle_us": 0.0, "bins": bins, "bin_edges_us": list(GAP_BINS_US), "largest": []}
-    if not kernels:
-        return out
-    ks = sorted(kernels)
-    end, before, found = ks[0][1], ks[0][2], []
-    for start, stop, name in ks[1:]:
-        if start > end:
-            gap = start - end
-            b = sum(gap >= edge for edge in GAP_BINS_US)
-            bins[b][0] += gap
-            bins[b][1] += 1
-            found.append((gap, before, name))
-        if stop >= end:
-            end, before = stop, name
-    out["span_us"] = end - ks[0][0]
-    out["idle_us"] = sum(b[0] for b in bins)
-    out["largest"] = [[round(g, 1), a, b] for g, a, b in sorted(found, key=lambda f: -f[0])[:largest]]
-    return out
-
-
-def gaps_lines(gaps: dict[str, Any]) -> list[str]:
-    """:func:`idle_gaps` as table lines."""
-    edges = gaps["bin_edges_us"]
-    names = [f"< {edges[0]:g} us"] + [f"{a:g}-{b:g} us" for a, b in zip(edges, edges[1:])] + [f">= {edges[-1]:g} us"]
-    span = max(gaps["span_us"], 1e-9)
-    lines = [f"  GPU idle between kernels: {gaps['idle_us'] / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
-             f"({gaps['idle_us'] / span:.1%}); " + ", ".join(f"{n}: {t / 1e3:.1f} ms in {c}" for n, (t, c) in zip(names, gaps["bins"]))]
-    lines += [f"    gap {g / 1e3:7.2f} ms after {a} before {b}" for g, a, b in gaps["largest"]]
-    return lines
 
 
 def gpu_kernels(prof) -> dict[str, list[float]]:

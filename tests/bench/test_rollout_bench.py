@@ -5,21 +5,39 @@ import argparse
 
 import pytest
 
-from quarl.bench.rollout import idle_gaps, summary_table
+from quarl.bench.common import idle_gaps
+from quarl.bench.rollout import summary_table
 from quarl.cli import bench_rollout
 
 
 def test_idle_gaps_sums_the_holes_and_names_the_kernel_that_waited():
     spans = [("b", 12.0, 20.0), ("a", 0.0, 10.0), ("c", 23.0, 30.0), ("b", 31.5, 40.0),
              ("a", 1000.0, 1010.0)]  # the last one comes after the host's pause between replays
-    idle, before = idle_gaps(spans, max_gap_us=100.0)
-    assert idle == pytest.approx(2.0 + 3.0 + 1.5)
-    assert before == {"b": (pytest.approx(3.5), 2), "c": (pytest.approx(3.0), 1)}
+    g = idle_gaps(spans, max_gap_us=100.0)
+    assert g["idle_us"] == pytest.approx(2.0 + 3.0 + 1.5)
+    assert g["before"] == {"b": (pytest.approx(3.5), 2), "c": (pytest.approx(3.0), 1)}
 
 
 def test_overlapping_kernels_leave_no_idle_time():
-    idle, before = idle_gaps([("a", 0.0, 10.0), ("b", 5.0, 8.0), ("c", 9.0, 12.0), ("d", 12.5, 13.0)])
-    assert idle == pytest.approx(0.5) and before == {"d": (pytest.approx(0.5), 1)}
+    g = idle_gaps([("a", 0.0, 10.0), ("b", 5.0, 8.0), ("c", 9.0, 12.0), ("d", 12.5, 13.0)])
+    assert g["idle_us"] == pytest.approx(0.5) and g["before"] == {"d": (pytest.approx(0.5), 1)}
+
+
+def test_idle_gaps_bins_hand_computed_stretches():
+    """Kernels on two streams, out of order: the idle time is what no kernel covers, binned by
+    length (< 5 us, 5-50 us, >= 50 us), the largest gaps named by the kernels either side."""
+    from quarl.bench.common import gaps_lines
+
+    ks = [("d", 120.0, 130.0), ("a", 0.0, 10.0), ("b", 12.0, 20.0), ("c2", 15.0, 40.0),  # c2 overlaps b
+          ("c", 43.0, 50.0), ("e", 200.0, 201.0)]
+    g = idle_gaps(ks, largest=2)
+    # gaps: 10->12 (2 us), 40->43 (3 us), 50->120 (70 us), 130->200 (70 us)
+    assert g["span_us"] == 201.0 and g["idle_us"] == 145.0
+    assert g["bins"] == [[5.0, 2], [0.0, 0], [140.0, 2]]
+    assert [x[0] for x in g["largest"]] == [70.0, 70.0] and g["largest"][0][1:] in (["c", "d"], ["d", "e"])
+    lines = gaps_lines(g)
+    assert "0.1 ms of a 0.2 ms span (72.1%)" in lines[0] and len(lines) == 3
+    assert idle_gaps([])["idle_us"] == 0.0
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "w4a16"])

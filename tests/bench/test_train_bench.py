@@ -60,23 +60,6 @@ def test_profile_call_names_its_kinds():
     assert result == 499500 and table.startswith("sum: host")
 
 
-def test_idle_gaps_bins_hand_computed_stretches():
-    """Kernels on two streams, out of order: the idle time is what no kernel covers, binned by
-    length, the largest gaps named by the kernels either side."""
-    from quarl.bench.train import gaps_lines, idle_gaps
-
-    ks = [(120.0, 130.0, "d"), (0.0, 10.0, "a"), (12.0, 20.0, "b"), (15.0, 40.0, "c2"),  # c2 overlaps b
-          (43.0, 50.0, "c"), (200.0, 201.0, "e")]
-    g = idle_gaps(ks, largest=2)
-    # gaps: 10->12 (2 us), 40->43 (3 us), 50->120 (70 us), 130->200 (70 us)
-    assert g["span_us"] == 201.0 and g["idle_us"] == 145.0
-    assert g["bins"] == [[5.0, 2], [0.0, 0], [140.0, 2]]
-    assert [x[0] for x in g["largest"]] == [70.0, 70.0] and g["largest"][0][1:] in (["c", "d"], ["d", "e"])
-    lines = gaps_lines(g)
-    assert "0.1 ms of a 0.2 ms span (72.1%)" in lines[0] and len(lines) == 3
-    assert idle_gaps([])["idle_us"] == 0.0
-
-
 def test_mode_names_take_per_mode_options():
     """``aligned-w4a16+kvfp8`` is that mode with the FP8 KV cache (bf16 in the same call keeps
     its bf16 cache); unknown bases and options are errors that name the choices."""
