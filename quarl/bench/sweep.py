@@ -73,11 +73,26 @@ def _tiles(kernel: str, rows: list[tuple], **fixed) -> list[Plan]:
     return out
 
 
+def _prescaled_tma(nwg: int, st: int, cl: bool, bps: float = 1.0, minb: int = 1, **kw) -> Plan:
+    """The pre-scaled loop fed by TMA copies (the tables' since session 43), with a producer
+    warpgroup wherever one fits (2-3 computing warpgroups, one block a SM, no cluster: session 46)."""
+    return Plan("wgmma", WgConfig(nwg, st, bps, minb=minb, tail=True, cluster=cl, prescale=True, tma=True,
+                                  producer=not cl and nwg in (2, 3) and minb == 1, **kw))
+
+
+def _mbar_tma() -> list[Plan]:
+    """The single-tile loop with per-slot mbarriers fed by TMA copies (the tables' at 33-128 rows
+    since session 42): 1-3 warpgroups, 1-2 blocks a SM, with and without the cluster split."""
+    return [Plan("wgmma", WgConfig(nwg, st, float(bps), True, minb, tail=True, cluster=cl, mbar=True, tma=True))
+            for nwg, st, bps, minb in ((1, 4, 1, 1), (1, 4, 2, 2), (2, 4, 1, 1), (3, 5, 1, 1)) for cl in (False, True)]
+
+
 def _wgmma(m: int) -> list[Plan]:
     """H100 runs 18-19 (bench/NOTES.md): 1-3 warpgroups, 3-6 ring slots, 1-4 blocks per SM,
     with and without the cluster split; M > 64 (128-token tiles) single-tile shapes only. Above
-    16 rows also the pre-scaled loop (``prescale``: one fp32 tile, wgmmas back to back), 1-3
-    warpgroups of 4-5 slots (64 tokens) or 3-4 (128 tokens: 36-44 KB a slot)."""
+    16 rows also the pre-scaled loop (``prescale``: one fp32 tile, wgmmas back to back; with TMA
+    copies, :func:`_prescaled_tma`), 1-3 warpgroups of 4-5 slots (64 tokens) or 3-4 (128 tokens:
+    36-44 KB a slot); above 32 rows the TMA single-tile loop (:func:`_mbar_tma`)."""
     shapes = [(1, 3, False, 1), (1, 4, False, 1), (2, 3, False, 1), (2, 4, False, 1), (2, 6, False, 1),
               (1, 3, True, 4), (3, 4, True, 1)]
     pre = [(1, 4, 2), (1, 5, 2), (2, 4, 1), (2, 5, 1), (3, 4, 1)]
@@ -87,8 +102,9 @@ def _wgmma(m: int) -> list[Plan]:
     plans = [Plan("wgmma", WgConfig(nwg, st, float(bps), single, minb, tail=True, cluster=cl))
              for nwg, st, single, minb in shapes for bps in (1, 2, 4) for cl in (False, True)]
     if m > 16:
-        plans += [Plan("wgmma", WgConfig(nwg, st, float(bps), minb=minb, tail=True, cluster=cl, prescale=True))
-                  for nwg, st, minb in pre for bps in (1, 2) for cl in (False, True)]
+        plans += [_prescaled_tma(nwg, st, cl, float(bps), minb) for nwg, st, minb in pre for bps in (1, 2) for cl in (False, True)]
+    if m > 32:
+        plans += _mbar_tma()
     return plans
 
 
@@ -118,22 +134,18 @@ def _swap(m: int) -> list[Plan]:
 
 
 def _mid(m: int) -> list[Plan]:
-    """Above 64 rows: the wgmma kernel's pre-scaled loop fed by TMA copies (the tables' loops
-    since session 43) in 128-token tiles (1-4 warpgroups, 3-4 slots, K split in clusters or not)
-    and, past 128 rows, in 192- and 256-token tiles (two warpgroups, 4 and 3 slots of a group,
-    or 8 and 6 of half a group), with a producer warpgroup wherever one fits (2-3 computing
-    warpgroups, no cluster: session 46); the swap kernel at large tiles (a per-chunk partial
-    scaled into the accumulator: two tiles of accumulators, so at most 64 fp32 each a thread);
-    and dequantize + cuBLAS."""
+    """Above 64 rows: the wgmma kernel's pre-scaled loop fed by TMA copies (:func:`_prescaled_tma`)
+    in 128-token tiles (1-4 warpgroups, 3-4 slots, K split in clusters or not) and, past 128
+    rows, in 192- and 256-token tiles (two warpgroups, 4 and 3 slots of a group, or 8 and 6 of
+    half a group); up to 128 rows the TMA single-tile loop (:func:`_mbar_tma`); the swap kernel
+    at large tiles (a per-chunk partial scaled into the accumulator: two tiles of accumulators,
+    so at most 64 fp32 each a thread); and dequantize + cuBLAS."""
     swaps = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8)]
-
-    def prescaled(nwg: int, st: int, cl: bool, **kw) -> Plan:
-        return Plan("wgmma", WgConfig(nwg, st, 1.0, tail=True, cluster=cl, prescale=True, tma=True,
-                                      producer=not cl and nwg in (2, 3), **kw))
-
-    pre = [prescaled(nwg, st, cl) for nwg, st in ((1, 4), (2, 3), (2, 4), (3, 3), (3, 4), (4, 4)) for cl in (False, True)]
+    pre = [_prescaled_tma(nwg, st, cl) for nwg, st in ((1, 4), (2, 3), (2, 4), (3, 3), (3, 4), (4, 4)) for cl in (False, True)]
+    if m <= 128:
+        pre += _mbar_tma()
     if m > 128:
-        pre += [prescaled(2, st, cl, tile=tile, halves=hv)
+        pre += [_prescaled_tma(2, st, cl, tile=tile, halves=hv)
                 for tile, st, hv in ((192, 4, False), (256, 3, False), (192, 8, True), (256, 6, True))
                 for cl in (False, True)]
     return pre + [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))

@@ -216,3 +216,23 @@ def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps
     for m in {r["M"] for r in swept}:
         at = [r for r in swept if r["M"] == m and r["then_us"] == r["then_us"]]
         assert sweep._geomean([r["now_us"] for r in at]) <= 1.005 * sweep._geomean([r["then_us"] for r in at]), m
+
+
+@pytest.mark.parametrize("fam,ms", [("wgmma", (64, 128)), ("mid", (128, 256, 384, 512, 1024))])
+def test_the_hopper_w4a16_families_time_the_tables_own_plans(fam, ms):
+    """A default sweep of a family times each plan the sm90 table picks in its range on the 1.5B,
+    7B and 14B engine shapes as a candidate of its own, not only as the ``default`` column (the
+    s46 producer plans and the s42 TMA loops were missing from the defaults before)."""
+    from quarl.bench.gemm import MODELS, linear_shapes
+
+    family = FAMILIES[fam]
+    shapes = {(s.n, s.k) for mdl in ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b")
+              for s in linear_shapes(MODELS[mdl], ("engine",))}
+    missing = []
+    for m in ms:
+        cands = {format_candidate(c) for c in family.candidates(m)}
+        for n, k in sorted(shapes):
+            spec = sweep._table_spec(family, family.format, "sm90", m, n, k)
+            if spec.startswith("wgmma") and spec not in cands:
+                missing.append((m, n, k, spec))
+    assert not missing, missing
