@@ -76,8 +76,8 @@ def _tiles(kernel: str, rows: list[tuple], **fixed) -> list[Plan]:
 def _prescaled_tma(nwg: int, st: int, cl: bool, bps: float = 1.0, minb: int = 1, **kw) -> Plan:
     """The pre-scaled loop fed by TMA copies (the tables' since session 43), with a producer
     warpgroup wherever one fits (2-3 computing warpgroups, one block a SM, no cluster: session 46)."""
-    return Plan("wgmma", WgConfig(nwg, st, bps, minb=minb, tail=True, cluster=cl, prescale=True, tma=True,
-                                  producer=not cl and nwg in (2, 3) and minb == 1, **kw))
+    cfg = WgConfig(nwg, st, bps, minb=minb, tail=True, cluster=cl, prescale=True, tma=True, **kw)
+    return Plan("wgmma", cfg._replace(producer=cfg.producer_fits()))
 
 
 def _mbar_tma() -> list[Plan]:

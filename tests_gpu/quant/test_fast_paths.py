@@ -863,7 +863,7 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         tma = cfg._replace(tma=True)  # the copies by the bulk-copy engine: the same bits
         assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, tma, cache), a), tma
         assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, tma, cache, gated=True), got), tma
-        if cfg.nwg in (2, 3) and not cfg.cluster:  # ... issued by a producer warpgroup: the same bits
+        if tma.producer_fits():  # ... issued by a producer warpgroup: the same bits
             ws = tma._replace(producer=True)
             assert torch.equal(cuda_w4.wgmma_gemm(x, qw, bias, ws, cache), a), ws
             assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, ws, cache, gated=True), got), ws

@@ -120,6 +120,11 @@ class WgConfig(NamedTuple):
     def threads(self) -> int:
         return (self.nwg + self.producer) * 128
 
+    def producer_fits(self) -> bool:
+        """Whether this loop can take a producer warpgroup (``producer``): the pre-scaled TMA loop
+        of 2-3 computing warpgroups, one block a SM (their registers), no cluster."""
+        return self.prescale and self.tma and not self.cluster and self.nwg in (2, 3) and self.minb == 1
+
     def smem_bytes(self, ntok: int) -> int:
         if self.halves:
             return self.stages * (ntok * 128 + self.nwg * 2048) + 1024
@@ -145,7 +150,7 @@ class WgConfig(NamedTuple):
         if self.tma and not (self.mbar or self.prescale):
             raise ValueError(f"wgmma w4 kernel: tma=True feeds the mbarrier loop (single=True, mbar=True) or the "
                              f"pre-scaled loop (prescale=True); got {self}")
-        if self.producer and not (self.prescale and self.tma and not self.cluster and self.nwg in (2, 3) and self.minb == 1):
+        if self.producer and not self.producer_fits():
             raise ValueError(f"wgmma w4 kernel: producer=True feeds the pre-scaled TMA loop (prescale=True, tma=True) "
                              f"of 2-3 warpgroups, minb=1, no cluster; got {self}")
         if self.halves and not (self.tile and self.stages >= 4):
