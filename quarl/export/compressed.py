@@ -58,7 +58,10 @@ weights only; ``--format quarl-packed`` keeps them), and any quantized linear wh
 pads K to 128).
 
 vLLM keeps the scales of its integer kernels in the serving dtype, so it rounds the fp32
-scales to bf16 when it loads them; transformers (CPU) decompresses with the library.
+scales to bf16 when it loads them. quarl's group scales (w4a16, w4a16-asym, w4a8-int8) are
+bf16 values already (:func:`quarl.quant.reference.bf16_scale`), so vLLM serves the very
+weights the run trained, unless a UAQ scale that is not a power of two was folded into them.
+transformers (CPU) decompresses with the library.
 """
 
 from __future__ import annotations

@@ -116,7 +116,10 @@ def load_packed(
     """Rebuild a quarl-packed export: quantized linears become :class:`QuantLinear`.
 
     ``dtype`` applies to the high-precision tensors (None: as stored, bf16); the
-    quantized fields are loaded as stored.
+    quantized fields are loaded as stored, except integer group scales that are not bf16
+    values (written before quarl rounded them to bf16, :func:`~quarl.quant.reference.bf16_scale`):
+    those are rounded to the nearest bf16, as vLLM does when it loads them and as the w4a16
+    wgmma kernel reads them.
     """
     path = Path(path)
     arch, scheme, qc = read_quantization_config(path)
@@ -128,6 +131,7 @@ def load_packed(
             qlinear = QuantLinear(linear.in_features, linear.out_features, scheme, linear.bias is not None)
             setattr(model.get_submodule(parent) if parent else model, child, qlinear)
     quantized_fields = {f"{m}.{f}" for m in qc["modules"] for f in model.get_submodule(m)._fields}
+    group_scales = scheme.weight_format == "int" and scheme.group_size is not None
     file = path / "model.safetensors"
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no model.safetensors")
@@ -142,6 +146,8 @@ def load_packed(
             t = f.get_tensor(key)
             if dtype is not None and name not in quantized_fields and t.is_floating_point():
                 t = t.to(dtype)
+            if group_scales and name in quantized_fields and name.endswith(".scales"):
+                t = t.to(torch.bfloat16).float()
             state[name] = t.to(device)
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:

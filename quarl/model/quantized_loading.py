@@ -54,7 +54,7 @@ from quarl.quant.linear import DEFAULT_INCLUDE, QuantLinear, selected_linears
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: int-group scales are bf16 values (reference.bf16_scale)
 CACHE_SHARD_BYTES = 1 << 31  # host memory a cache write or read holds at once
 _MANIFEST = "manifest.json"
 

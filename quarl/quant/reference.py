@@ -15,6 +15,10 @@ Weight formats and their stored tensors (``QuantizedWeight`` fields):
   Asymmetric: ``lo = min(min w_g, 0)``, ``hi = max(max w_g, 0)`` (times clip),
   ``s = (hi - lo) / (2^b - 1)``, ``z = clamp(round(-lo / s), 0, 2^b - 1)``,
   ``u = clamp(round(w / s) + z, 0, 2^b - 1)``, ``w ~ (u - z) * s``.
+  ``s`` is then rounded to the nearest bf16 value (:func:`bf16_scale`): vLLM keeps these
+  scales in bf16, and the w4a16 wgmma kernel scales weights with one bf16 multiply, both
+  exact only on bf16 scales. (A group's extreme may then sit up to 2^-8 past the top code;
+  it takes that code. Quantizing a dequantized weight again gives the same weight.)
   ``scales fp32 [N, Kp / G]``, ``zeros uint8 [N, Kp / G]`` (asymmetric only).
 * ``nvfp4``: e2m1 codes, G = 16. Tensor scale ``t = max|w| / (448 * 6)`` (fp32, stored in
   ``global_scale``), group scale ``g = e4m3(max|w_g| / 6 / t)`` (``scales float8_e4m3fn
@@ -165,6 +169,12 @@ def quantize_per_channel(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torc
     return {"qdata": q, "scales": s}
 
 
+def bf16_scale(s: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 scales rounded to the nearest bf16 value, kept in fp32 (at least the
+    smallest positive bf16, 2^-133, so that no scale becomes zero)."""
+    return s.bfloat16().float().clamp_min(2.0**-133)
+
+
 def quantize_int_groups(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
     """int4/int2 groups along K (layout in the module docstring): packed codes, scales, zeros."""
     b, g = scheme.weight_bits, scheme.group_size
@@ -174,13 +184,13 @@ def quantize_int_groups(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch
     out: dict[str, torch.Tensor] = {}
     if scheme.symmetric:
         half = 2 ** (b - 1)
-        s = _safe_scale(wg.abs().amax(dim=2) * scheme.clip_ratio, half - 1)
+        s = bf16_scale(_safe_scale(wg.abs().amax(dim=2) * scheme.clip_ratio, half - 1))
         u = torch.round(wg / s[..., None]).clamp(-half, half - 1) + half
     else:
         top = 2**b - 1
         lo = wg.amin(dim=2).clamp(max=0) * scheme.clip_ratio
         hi = wg.amax(dim=2).clamp(min=0) * scheme.clip_ratio
-        s = _safe_scale(hi - lo, top)
+        s = bf16_scale(_safe_scale(hi - lo, top))
         z = torch.round(-lo / s).clamp(0, top)
         u = (torch.round(wg / s[..., None]) + z[..., None]).clamp(0, top)
         out["zeros"] = z.to(torch.uint8)

@@ -114,6 +114,26 @@ def test_packed_round_trip(tmp_path, scheme):
         quarl.load_model(tmp_path / "packed")
 
 
+def test_packed_load_rounds_older_group_scales_to_bf16(tmp_path):
+    """An export written before group scales were bf16 values (fp32 scales off the bf16 grid)
+    loads with them rounded to the nearest bf16, as vLLM reads them; codes and w8a8's per-channel
+    fp32 scales are loaded as stored."""
+    from safetensors.torch import load_file, save_file
+
+    for scheme in ("w4a16", "w8a8-int8"):
+        out = tmp_path / scheme
+        export_checkpoint(_make_run(tmp_path / f"run-{scheme}", _original(), scheme=scheme), out, "quarl-packed")
+        tensors = load_file(out / "model.safetensors")
+        name = "model.layers.0.mlp.up_proj.scales"
+        old = tensors[name] * (1 + 2**-12)  # as an older quarl wrote them: not bf16 values
+        assert not torch.equal(old.bfloat16().float(), old)
+        tensors[name] = old
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        up = load_packed(out).layers[0].mlp.up_proj
+        assert torch.equal(up.qdata, tensors["model.layers.0.mlp.up_proj.qdata"])
+        assert torch.equal(up.scales, old.bfloat16().float() if scheme == "w4a16" else old)
+
+
 def test_cli(tmp_path, capsys):
     run = _make_run(tmp_path / "run", _original(), mode="bf16")
     assert main(["export", str(run), "--out", str(tmp_path / "hf"), "--format", "hf-fp32"]) == 0

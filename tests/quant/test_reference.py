@@ -28,8 +28,34 @@ def test_int_group_error_within_half_step(name):
     qw = quantize_weight(w, sc)
     err = (qw.dequantize() - w).abs()
     s = qw.scales.repeat_interleave(sc.group_size, dim=1)[:, : w.shape[1]]
-    assert torch.all(err <= s / 2 * (1 + 1e-5) + 1e-12)
+    # asymmetric: the bf16 scale may be up to 2^-8 short of (hi - lo) / top, so the group's top
+    # can lie that far past the top code (symmetric: past +-(2^(b-1) - 1), a code that is there)
+    slack = 0.0 if sc.symmetric else (2**sc.weight_bits - 1) * 2**-8
+    assert torch.all(err <= s * (0.5 + slack) * (1 + 1e-5) + 1e-12)
     assert torch.all(qw.dequantize()[1] == 0)
+
+
+def test_bf16_scale_hand_values():
+    # 0.1 = 0x3DCCCCCD in fp32 -> 0x3DCD0000 = 0.10009765625 (nearest); 1 + 3 2^-9 -> 1 + 2^-7
+    # (ties to even: 1 + 2^-8 -> 1); 2^-140 -> 2^-133, the smallest positive bf16
+    got = ref.bf16_scale(torch.tensor([1.0, 1.0 + 3 * 2**-9, 1.0 + 2**-8, 0.1, 2.0**-140, 6.0]))
+    assert got.tolist() == [1.0, 1.0 + 2**-7, 1.0, 0.10009765625, 2.0**-133, 6.0]
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a8-int8", "w4a16-asym", "w2a16"])
+def test_int_group_scales_are_the_nearest_bf16_values(name):
+    """The scale is the exact one (``amax * fp32(1 / qmax)``, asymmetric: of ``hi - lo``)
+    rounded to the nearest bf16 value: a bf16 value within half a bf16 step (2^-8 relative)."""
+    sc = get_scheme(name)
+    w = torch.randn(64, 512) * 0.02
+    qw = quantize_weight(w, sc)
+    g = _groups(w, sc.group_size)
+    qmax = 2 ** (sc.weight_bits - 1) - 1 if sc.symmetric else 2**sc.weight_bits - 1
+    span = g.abs().amax(2) if sc.symmetric else g.amax(2).clamp(min=0) - g.amin(2).clamp(max=0)
+    exact = span * (1.0 / qmax)
+    assert torch.equal(qw.scales.bfloat16().float(), qw.scales)
+    assert torch.all((qw.scales - exact).abs() <= exact * 2**-8)
+    assert (qw.scales != exact).float().mean() > 0.9  # the exact scale is rarely a bf16 value
 
 
 def test_int8_per_channel_error_and_codes():

@@ -817,7 +817,8 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
     to the order of the sums; the gated epilogue over it is the plain one's over the rows in
     the gated order, then the SiLU-and-mul, bit for bit; with the copies made by the bulk-copy
     engine (``tma``), and those issued by a producer warpgroup (``producer``), the same bits,
-    plain and gated."""
+    plain and gated. The loop scales with one bf16 multiply, exact on the quantizer's bf16
+    scales; a scale that is not a bf16 value is read rounded to nearest."""
     from quarl.quant.kernels import cuda_w4, weight_only
     from quarl.quant.kernels.config import WgConfig
     from quarl.quant.kernels.w4_layout import RepackCache, gated_rows
@@ -826,6 +827,12 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
 
     n, k = shape
     qw, x, bias, _ = _w4_case(n, k, m, name)
+    assert torch.equal(qw.scales.bfloat16().float(), qw.scales)
+    off = QuantizedWeight(qw.scheme, qw.shape, qw.qdata, qw.scales * (1 + 2**-10), qw.zeros)  # not bf16 values
+    near = QuantizedWeight(qw.scheme, qw.shape, qw.qdata, off.scales.bfloat16().float(), qw.zeros)
+    assert not torch.equal(off.scales, near.scales)
+    ps = WgConfig(2, 3, 1.0, tail=True, prescale=True)
+    assert torch.equal(cuda_w4.wgmma_gemm(x, off, bias, ps), cuda_w4.wgmma_gemm(x, near, bias, ps))
     w = weight_only.dequantize(qw, torch.bfloat16)
     assert torch.equal(w, qw.dequantize(torch.bfloat16))
     g = torch.Generator(device="cuda").manual_seed(m)

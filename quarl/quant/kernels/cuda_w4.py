@@ -14,8 +14,10 @@ Numerics are those of the Triton small-M kernel: ``(u - z)`` is exact in bf16, e
 products are summed by the tensor cores in fp32 and scaled by the fp32 group scale, ``acc +=
 s_g * sum_k x_k (u_k - z)``; the split-K partial sums are added in split order by the
 last-arriving block (deterministic). The wgmma kernel's pre-scaled loop (``WgConfig.prescale``)
-has the learner's numerics instead: each weight is ``bf16((u - z) s)`` (fp32 product, one
-rounding), as :func:`~quarl.quant.kernels.weight_only.dequantize` writes it, and one fp32 tile
+has the learner's numerics instead: each weight is ``bf16((u - z) s)`` (one bf16 fused
+multiply, exact before its one rounding because the quantizer's scales are bf16 values:
+:func:`~quarl.quant.reference.bf16_scale`), as :func:`~quarl.quant.kernels.weight_only.dequantize`
+writes it in fp32, and one fp32 tile
 accumulates all of K, so the result is ``x @ dequantize(W).T`` summed in another order.
 
 Three kernels read that layout. ``w4a16_frag`` (M <= 16): every warp streams its own slab

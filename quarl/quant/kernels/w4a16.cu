@@ -26,13 +26,19 @@ __device__ __forceinline__ u32 sub_z(u32 a, u32 negz) {  // (128 + u) - (128 + z
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(negz));
   return r;
 }
-// bf16x2 of bf16((u - z) s) from the bf16x2 of the exact (u - z) (sub_z) and the fp32 group
-// scale: each half widened to fp32 (exact), one fp32 product, rounded to nearest (the weight
-// quarl.quant's dequantize writes: (u - z) s in fp32, then bf16)
-__device__ __forceinline__ u32 scale_bf16x2(u32 v, float s) {
-  const float lo = __fmul_rn(__uint_as_float(v << 16), s), hi = __fmul_rn(__uint_as_float(v & 0xFFFF0000u), s);
+// bf16x2 of bf16((u - z) s) from the bf16x2 of the exact (u - z) (sub_z) and the group scale s
+// as both halves of `sb` (pair_bf16): the product of two bf16 values is exact before fma's one
+// rounding, so this is the weight quarl.quant's dequantize writes ((u - z) s in fp32, then bf16)
+// wherever s is a bf16 value, as the quantizer makes it (reference.bf16_scale); the -0 addend
+// keeps the product's sign. (A scale that is not a bf16 value is taken rounded to nearest.)
+__device__ __forceinline__ u32 pair_bf16(float s) {
   u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(s));
+  return r;
+}
+__device__ __forceinline__ u32 scale_bf16x2(u32 v, u32 sb) {
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(sb), "r"(0x80008000u));
   return r;
 }
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
@@ -956,12 +962,13 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     const u32 sbase = ring + ((HS ? 2 * gi + h : gi) % ST) * STAGE;
     u32 w[4];
     lds128(w, sbase + XBYTES + (HS ? wg * 2048 + (warp * 32 + lane) * 16 : wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16));
+    const u32 b0 = pair_bf16(s0), b1 = pair_bf16(s1);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      a[s][0] = scale_bf16x2(sub_z(lop_q(w[s]), z0), s0);
-      a[s][1] = scale_bf16x2(sub_z(lop_q(w[s] >> 8), z1), s1);
-      a[s][2] = scale_bf16x2(sub_z(lop_q(w[s] >> 4), z0), s0);
-      a[s][3] = scale_bf16x2(sub_z(lop_q(w[s] >> 12), z1), s1);
+      a[s][0] = scale_bf16x2(sub_z(lop_q(w[s]), z0), b0);
+      a[s][1] = scale_bf16x2(sub_z(lop_q(w[s] >> 8), z1), b1);
+      a[s][2] = scale_bf16x2(sub_z(lop_q(w[s] >> 4), z0), b0);
+      a[s][3] = scale_bf16x2(sub_z(lop_q(w[s] >> 12), z1), b1);
     }
     wg_fence();
     const unsigned long long d0 = desc_sw128(sbase);
