@@ -193,14 +193,18 @@ def test_sweep_against_saved_files_needs_no_gpu(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("name,ms", [("sweep_producer_1p5b_h200_s46", (128, 256, 384)),
-                                     ("sweep_producer_7b_h200_s46", (128, 256, 1024)),  # (three shapes: no q/o)
-                                     ("sweep_producer_7b_384_h200_s46", (384, 512)),
-                                     ("sweep_producer_14b_h200_s46", (128, 256, 384, 1024)),
+@pytest.mark.parametrize("name,ms", [("sweep_producer_1p5b_h200_s46", (128, 384)),
+                                     ("sweep_bf16s_1p5b_h200_s47", (256,)),
+                                     ("sweep_mid_7b_h200_s47", (128, 256)),
+                                     ("sweep_producer_7b_384_h200_s46", (384,)),
+                                     ("sweep_bf16s_7b_h200_s47", (512, 1024)),
+                                     ("sweep_producer_14b_h200_s46", (128, 384)),
+                                     ("sweep_bf16s_14b_h200_s47", (256, 1024)),
                                      ("sweep_ws_7b_h200_s44", (4096,))])
 def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps(name, ms):
     """The sm90 rows at 65-4096 rows against the H200 sweeps they were written from (session
-    46's, where the producer warpgroup came in; s44's at 4096 rows): where the table's plan was
+    46's, where the producer warpgroup came in; session 47's, with the pre-scaled loop's bf16
+    multiply, at the M where rows changed; s44's at 4096 rows): where the table's plan was
     swept it is within 12% of that (M, shape)'s fastest candidate (in session 46 one plan timed
     twice in one sweep at 512+ rows moved by up to 11%), and per M the plans picked now are no
     slower than those picked when the sweep ran."""

@@ -87,8 +87,13 @@ def test_tables_match_the_old_dispatch():
             # weights of 2^26+ elements; three with K split in clusters where both sides are
             # >= 5120 (up to 256 rows, or a 2^25+ weight); three on wide outputs, two on the rest
             # (since s46 the 256-row tiles and the two- and three-warpgroup loops with a producer)
+            # (since s47 the 256-row tiles with K split in clusters at 129-256 rows where those fill one wave)
             big = n * k >= 1 << 25
-            if (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and not big):
+            c = -(-n // 128)
+            if m <= 256 and not (n <= 2048 and k <= 2048) and 2 <= min(132 // c, k // 256, 8) and c * min(132 // c, k // 256, 8) <= 112:
+                assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256,
+                                                       tma=True), (m, n, k)
+            elif (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and not big):
                 assert got == dispatch.DEQUANT, (m, n, k)
             elif big and not 256 < m <= 384:
                 assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True,
@@ -99,9 +104,12 @@ def test_tables_match_the_old_dispatch():
                 assert got.config == dispatch.WgConfig(nwg, 4, 1.0, tail=True, cluster=cluster, prescale=True,
                                                        tma=True, producer=not cluster and nwg < 4), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and 512 < m <= 1024 and n * k >= 1 << 26:  # added in s44: 256-row tiles
+        if fam == "w4" and gen == "sm90" and 512 < m <= 1024 and n * k >= 1 << 25:  # added in s44: 256-row tiles (2^25 since s47)
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
+            if m > 768 and k > 8192 and n >= 5120:  # (but cuBLAS on the dequantized weight there since s47)
+                assert got == dispatch.DEQUANT, (m, n, k)
+                continue
             assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True,
                                                    producer=True), (m, n, k)
             continue
@@ -197,16 +205,27 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     # 384 rows on weights under 2^25 elements; the pre-scaled loop with TMA copies elsewhere:
     # 256-row tiles on the large weights at 129-256 and 385-512 rows, four warpgroups at 257-384,
     # three with K split in clusters on the 14B's o up to 256 rows and q/k/v at 257-384
-    for m, n, k in ((256, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (512, 17920, 1536), (512, 1536, 8960),
-                    (512, 5120, 5120), (200, 2048, 1536)):
+    for m, n, k in ((384, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (512, 17920, 1536), (512, 1536, 8960),
+                    (512, 5120, 5120), (200, 2048, 1536), (256, 1536, 1536)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
     tile256 = dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True)
-    for m, n, k in ((129, 37888, 3584), (256, 3584, 18944), (512, 37888, 3584), (400, 3584, 18944), (256, 7168, 5120)):
+    for m, n, k in ((129, 37888, 3584), (512, 37888, 3584), (400, 3584, 18944), (256, 27648, 5120), (256, 5120, 13824)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)
+    # s47 (sweep_mid_7b_h200_s47.json, sweep_bf16s_*_h200_s47.json): at 129-256 rows the 256-row
+    # tile splits K in clusters where those fill one wave (7B q/k/v, o and down, 14B q/k/v, the
+    # 1.5B's down; not the 14B's o and down); at 769-1024 rows the 14B's and 32B's down run cuBLAS
+    # on the dequantized weight, and at 513-1024 rows the 14B's q/k/v (2^25 elements) the 256-row tile
+    for m, n, k in ((129, 3584, 3584), (256, 3584, 3584), (256, 4608, 3584), (256, 3584, 18944), (200, 1536, 8960),
+                    (256, 7168, 5120)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256._replace(cluster=True, producer=False), (m, n, k)
+    for m, n, k in ((769, 5120, 13824), (1024, 5120, 27648)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
+    for m, n, k in ((768, 5120, 13824), (1024, 3584, 18944), (1024, 7168, 5120), (513, 7168, 5120)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)
     for n, k in ((37888, 3584), (3584, 18944), (17920, 1536), (27648, 5120), (5120, 13824)):
         assert dispatch.lookup("w4a16", "sm90", 300, n, k).config == ps._replace(nwg=4, producer=False), (n, k)
     assert dispatch.lookup("w4a16", "sm90", 256, 17920, 1536).config == ps
-    assert dispatch.lookup("w4a16", "sm90", 256, 1536, 8960).config == ps._replace(nwg=2)
+    assert dispatch.lookup("w4a16", "sm90", 300, 1536, 8960).config == ps._replace(nwg=2)
     assert dispatch.lookup("w4a16", "sm90", 384, 5120, 5120).config == ps._replace(nwg=2)
     assert dispatch.lookup("w4a16", "sm90", 256, 5120, 5120).config == psc
     assert dispatch.lookup("w4a16", "sm90", 384, 7168, 5120).config == psc

@@ -186,9 +186,20 @@ def hidden_5120_tiles(m: int, n: int, k: int) -> bool:
     return hidden_5120(m, n, k) and (m <= 256 or big_weight(m, n, k))
 
 
-def weight_2_26(m: int, n: int, k: int) -> bool:
-    """A weight of 2^26 elements or more (7B, 14B and 32B gate/up and down)."""
-    return n * k >= 1 << 26
+def clusters_fit(m: int, n: int, k: int) -> bool:
+    """The 256-row tile's K split in clusters fills one wave: two warpgroups' column blocks of 128
+    (``c``) split ``s = min(132 // c, K / 256, 8)`` ways (the tail plan on the 132 SMs of an H100 /
+    H200 SXM) with ``2 <= s`` and ``c s <= 112`` (7B q/k/v, o and down, 14B q/k/v, the 1.5B's
+    down; not the 14B's o and down, 40 blocks split 3 ways, which ran two waves: NOTES session 47)."""
+    c = -(-n // 128)
+    s = min(132 // c, k // 256, 8)
+    return s >= 2 and c * s <= 112
+
+
+def long_k_m769(m: int, n: int, k: int) -> bool:
+    """769 rows or more, K > 8192 and 5120 output columns or more (14B and 32B down): cuBLAS on
+    the dequantized weight beats the 256-row tiles (NOTES sessions 46 and 47)."""
+    return m > 768 and k > 8192 and n >= 5120
 
 
 def m2048_long_k(m: int, n: int, k: int) -> bool:
@@ -209,8 +220,10 @@ _TMA_ONE_WG = Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, 
 _PRESCALED_TMA = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True, producer=True))
 _PRESCALED_TMA_2WG = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True, producer=True))
 _PRESCALED_TMA_CLUSTER = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True, tma=True))
-# ... in 256-row tiles, two warpgroups and a producer (129-256 and 385-1024 rows on large weights)
+# ... in 256-row tiles, two warpgroups and a producer (129-256 and 385-1024 rows on large weights),
+# or with K split in clusters (129-256 rows on narrow weights, NOTES session 47)
 _PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True))
+_PRESCALED_TMA_256_CLUSTER = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256, tma=True))
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
@@ -238,6 +251,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(32, 64, waves=4)), 32),
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
     Row(DEQUANT, 512, small_square, SM90),
+    Row(_PRESCALED_TMA_256_CLUSTER, 256, clusters_fit, SM90),
     Row(DEQUANT, 512, narrow_short_k_m256, SM90),
     Row(_PRESCALED_TMA_256, 512, big_weight_256_tiles, SM90),
     Row(DEQUANT, 512, above_384, SM90),
@@ -245,7 +259,8 @@ W4A16: tuple[Row, ...] = (
     Row(_PRESCALED_TMA_CLUSTER, 512, hidden_5120_tiles, SM90),
     Row(_PRESCALED_TMA, 512, wide_output, SM90),
     Row(_PRESCALED_TMA_2WG, 512, None, SM90),
-    Row(_PRESCALED_TMA_256, 1024, weight_2_26, SM90),  # 513-1024 rows: the largest weights (NOTES session 44)
+    Row(DEQUANT, 1024, long_k_m769, SM90),
+    Row(_PRESCALED_TMA_256, 1024, big_weight, SM90),  # 513-1024 rows: the largest weights (NOTES sessions 44, 47)
     Row(DEQUANT),
 )
 
