@@ -17,8 +17,9 @@ Weight formats and their stored tensors (``QuantizedWeight`` fields):
   ``u = clamp(round(w / s) + z, 0, 2^b - 1)``, ``w ~ (u - z) * s``.
   ``s`` is then rounded to the nearest bf16 value (:func:`bf16_scale`): vLLM keeps these
   scales in bf16, and the w4a16 wgmma kernel scales weights with one bf16 multiply, both
-  exact only on bf16 scales. (A group's extreme may then sit up to 2^-8 past the top code;
-  it takes that code. Quantizing a dequantized weight again gives the same weight.)
+  exact only on bf16 scales. (A group's extreme may then lie up to 2^-8 of its range past
+  the outermost code, which it takes. Symmetric: quantizing a dequantized weight again gives
+  the same weight.)
   ``scales fp32 [N, Kp / G]``, ``zeros uint8 [N, Kp / G]`` (asymmetric only).
 * ``nvfp4``: e2m1 codes, G = 16. Tensor scale ``t = max|w| / (448 * 6)`` (fp32, stored in
   ``global_scale``), group scale ``g = e4m3(max|w_g| / 6 / t)`` (``scales float8_e4m3fn
