@@ -43,11 +43,12 @@ def test_uaq_shrinks_w4a16_quantization_error_of_scaled_weights():
     apply_uaq(model, 1.5)
     w1 = _scaled_weights(model)
     err1 = sum(float((quantize_weight(w, "w4a16").dequantize(torch.float64) - w).pow(2).sum()) for w in w1.values())
-    # absolute error scales by 1/s (squared: 1/s^2); relative error is unchanged
-    assert abs(err1 / err0 - 1 / 1.5**2) < 1e-6
+    # absolute error scales by 1/s (squared: 1/s^2); relative error is unchanged (up to the
+    # rounding of the group scales to bf16, which a factor of 1.5 does not commute with)
+    assert abs(err1 / err0 * 1.5**2 - 1) < 1e-3
     q1 = {k: quantize_weight(w, "w4a16") for k, w in w1.items()}
     q0 = {k: quantize_weight(w, "w4a16") for k, w in w0.items()}
-    assert abs(rel_quant_err(w1, q1) - rel_quant_err(w0, q0)) < 1e-9
+    assert abs(rel_quant_err(w1, q1) / rel_quant_err(w0, q0) - 1) < 1e-3
 
 
 def test_uaq_on_qat_model_invalidates_cache():
