@@ -593,7 +593,8 @@ def _default_plan(fam: Family, fmt: str, m: int, n: int, k: int, dev) -> str:
     return _table_spec(fam, fmt, gpu_gen(dev, __import__("torch").bfloat16), m, n, k)
 
 
-def time_candidate(fam: Family, b: Bench, cand: Candidate | None, ref, reps: int) -> tuple[float, Any, str | None]:
+def time_candidate(fam: Family, b: Bench, cand: Candidate | None, ref, reps: int,
+                   timer: Callable | None = None) -> tuple[float, Any, str | None]:
     """``(seconds per call, output on set 0, error)`` of one candidate (None: the default)."""
     from quarl.bench.timing import time_per_call
 
@@ -605,20 +606,53 @@ def time_candidate(fam: Family, b: Bench, cand: Candidate | None, ref, reps: int
                 return math.nan, out, "not deterministic (two runs on the same input differ)"
             if ref is not None and (why := _differs(out, ref, b.exact)):
                 return math.nan, out, why
-            return time_per_call(b.calls, reps=reps), out, None
+            return (timer or time_per_call)(b.calls, reps=reps), out, None
     except Exception as e:  # noqa: BLE001 - a failing candidate is a result
         return math.nan, None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def time_shape(fam: Family, b: Bench, cands: list[Candidate], reps: int, rounds: int = 1,
+               timer: Callable | None = None) -> tuple[list[float], list[tuple[str, list[float], str | None]]]:
+    """bf16's seconds per call and, per entry (``plain`` for a gated family, ``default``, then
+    each candidate), its seconds per call in each of ``rounds`` rounds with its error. The first
+    round checks each entry's output against the reference (the plain path, else the default);
+    later rounds time again, in the same order, every entry that passed, so that a drift of the
+    clocks or an interference hits all plans alike (keep each one's fastest)."""
+    from quarl.bench.timing import time_per_call
+
+    timer = timer or time_per_call
+    bf16 = [timer(b.bf16, reps=reps)] if b.bf16 else []
+    entries: list[tuple[str, Candidate | None, list[float], str | None]] = []
+    ref = None
+    if b.plain is not None:  # gated: the plain path is the reference and an entry of its own
+        ref = b.plain[0]()
+        entries.append(("plain", None, [timer(b.plain, reps=reps)], None))
+    t, out, err = time_candidate(fam, b, None, ref, reps, timer)
+    entries.append(("default", None, [t], err))
+    ref = ref if ref is not None else out
+    for cand in cands:
+        t, _, err = time_candidate(fam, b, cand, ref, reps, timer)
+        entries.append((format_candidate(cand), cand, [t], err))
+    for _ in range(rounds - 1):
+        if b.bf16:
+            bf16.append(timer(b.bf16, reps=reps))
+        for cfg, cand, ts, err in entries:
+            if err is None and ts[0] == ts[0]:
+                with _override(fam, cand):
+                    ts.append(timer(b.plain if cfg == "plain" else b.calls, reps=reps))
+    return bf16, [(cfg, ts, err) for cfg, _, ts, err in entries]
+
+
 def run_sweep(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], candidates: list[Candidate] | None,
               fmt: str | None = None, budget_s: float = 300.0, reps: int = 20, log=print,
-              save: Callable[[dict], None] | None = None) -> dict:
+              save: Callable[[dict], None] | None = None, rounds: int = 1) -> dict:
     """Time the default and each candidate (the family's own list at each M when None) at
-    every M and shape; stops starting new shapes after ``budget_s``."""
+    every M and shape, ``rounds`` times each (:func:`time_shape`; a row's ``us`` is its fastest,
+    ``us_rounds`` all); stops starting new shapes after ``budget_s``."""
     import torch
 
     from quarl.bench.common import git_commit
-    from quarl.bench.timing import measure_ceilings, time_per_call
+    from quarl.bench.timing import measure_ceilings
 
     fam = family(fam_name)
     fmt = fmt or fam.format
@@ -628,7 +662,7 @@ def run_sweep(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], 
     ceil = measure_ceilings(dev)
     result = dict(benchmark="sweep", family=fam_name, table=fam.table, format=fmt, device=props.name,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  git_commit=git_commit(), torch=torch.__version__, ceilings=asdict(ceil), reps=reps,
+                  git_commit=git_commit(), torch=torch.__version__, ceilings=asdict(ceil), reps=reps, rounds=rounds,
                   candidates="given" if candidates is not None else "family default", budget_spent=False, rows=[])
     rows: list[dict] = result["rows"]
     t0 = time.time()
@@ -640,25 +674,17 @@ def run_sweep(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], 
                 break
             b = _build(fam, fmt, m, n, k, dev, l2)
             base = dict(family=fam_name, format=fmt, M=m, layer=label, N=n, K=k)
-            t_bf16 = time_per_call(b.bf16, reps=reps) if b.bf16 else math.nan
+            bf16s, entries = time_shape(fam, b, candidates if candidates is not None else fam.candidates(m), reps, rounds)
+            t_bf16 = min(bf16s) if bf16s else math.nan
             here: list[dict] = []
-
-            def add(cfg: str, t: float, err: str | None, **kw) -> None:
-                here.append(dict(base, cfg=cfg, us=t * 1e6, bf16_us=t_bf16 * 1e6, speedup=t_bf16 / t,
-                                 floor_us=b.bytes / ceil.bandwidth * 1e6, eff_TBps=b.bytes / t / 1e12, error=err, **kw))
+            for cfg, ts, err in entries:
+                t = min(ts)
+                here.append(dict(base, cfg=cfg, us=t * 1e6, us_rounds=[x * 1e6 for x in ts], bf16_us=t_bf16 * 1e6,
+                                 speedup=t_bf16 / t, floor_us=b.bytes / ceil.bandwidth * 1e6,
+                                 eff_TBps=b.bytes / t / 1e12, error=err,
+                                 **({"plan": _default_plan(fam, fmt, m, n, k, dev)} if cfg == "default" else {})))
                 if err:
                     log(f"M={m} {label} {cfg}: {err}")
-
-            ref = None
-            if b.plain is not None:  # gated: the plain path is the reference and a row of its own
-                ref = b.plain[0]()
-                add("plain", time_per_call(b.plain, reps=reps), None)
-            t, out, err = time_candidate(fam, b, None, ref, reps)
-            add("default", t, err, plan=_default_plan(fam, fmt, m, n, k, dev))
-            ref = ref if ref is not None else out
-            for cand in candidates if candidates is not None else fam.candidates(m):
-                t, _, err = time_candidate(fam, b, cand, ref, reps)
-                add(format_candidate(cand), t, err)
             rows += here
             log(best_line(here))
             del b

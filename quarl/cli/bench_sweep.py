@@ -31,6 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--format", help="scheme of the operands (default: the family's)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds; no new shape starts after (default 300)")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per measurement (median)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every plan this many times, in turn over the plans, and keep each one's fastest "
+                        "(a drift of the clocks then hits all plans alike; default 1)")
     p.add_argument("--once", action="store_true",
                    help="run each candidate once at each M and shape, untimed (for ncu / nsys); needs --candidates")
     p.add_argument("--list", action="store_true", help="print the candidates at each M as specs and exit (no GPU)")
@@ -103,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         for m in ms:
             print(f"M={m}:\n" + "\n".join(f"  {format_candidate(c)}" for c in (cands or fam.candidates(m))))
         return 0
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: time each plan at least once (--rounds 1 or more)")
     if args.once and cands is None:
         raise ValueError("--once runs the given candidates: pass --candidates SPEC")
     if not torch.cuda.is_available():
@@ -117,6 +122,6 @@ def run(args: argparse.Namespace) -> int:
             Path(path).write_text(json.dumps(result, indent=1))
 
     result = run_sweep(args.family, ms, shapes, cands, args.format, args.budget, args.reps,
-                       log=lambda s: print(s, flush=True), save=save)
+                       log=lambda s: print(s, flush=True), save=save, rounds=args.rounds)
     save(result)
     return 0

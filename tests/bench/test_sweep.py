@@ -101,6 +101,43 @@ def test_summarize_default_best_per_shape_and_best_single():
     assert "best single 2.83x / 1.41x (b)" in sweep.summary_lines([s])[0]
 
 
+def test_rounds_time_every_passing_plan_in_turn_and_keep_each_ones_times():
+    """``time_shape``: round one checks each plan's output and times it; later rounds time
+    bf16 and every plan that passed again, in the same order (a plan whose output differs is
+    not timed); a gated family's plain path is the reference and an entry of its own."""
+    import torch
+
+    from quarl.quant.kernels import dispatch
+
+    fam = sweep.family("swap")
+    good, bad = sweep.parse_candidates("swap", "bm=64,bn=64;bm=128,bn=64")
+    order: list[str] = []
+
+    def call():  # the op as a candidate's override sees it: bad gives other values
+        return torch.full((4,), 2.0 if dispatch._OVERRIDES.get().get(fam.table) == bad else 1.0)
+
+    def timer(calls, reps):
+        plan = dispatch._OVERRIDES.get().get(fam.table)
+        name = "bf16" if calls is bf16 else "plain" if calls is plain else sweep.format_candidate(plan) if plan else "default"
+        order.append(name)
+        return float(len(order) + 1)  # (seconds: a fake clock)
+
+    bf16, plain = [lambda: torch.ones(4)], [lambda: torch.ones(4)]
+    b = sweep.Bench([call], bf16, exact=False, bytes=1.0)
+    t_bf16, entries = sweep.time_shape(fam, b, [good, bad], reps=1, rounds=3, timer=timer)
+    per_round = ["bf16", "default", "swap:bm=64,bn=64"]
+    assert order == per_round + per_round + per_round
+    assert t_bf16 == [2, 5, 8]
+    assert [(cfg, err is None) for cfg, _, err in entries] == [("default", True), ("swap:bm=64,bn=64", True),
+                                                                ("swap:bm=128,bn=64", False)]
+    assert entries[1][1] == [4, 7, 10] and all(t != t for t in entries[2][1]) and len(entries[2][1]) == 1
+    order.clear()
+    gated = sweep.Bench([call], bf16, exact=False, bytes=1.0, plain=plain)
+    _, entries = sweep.time_shape(fam, gated, [good], reps=1, rounds=2, timer=timer)
+    assert order == ["bf16", "plain", "default", "swap:bm=64,bn=64"] * 2
+    assert [cfg for cfg, _, _ in entries] == ["plain", "default", "swap:bm=64,bn=64"]
+
+
 def _quarl(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "quarl", *args], capture_output=True, text=True, timeout=120, env=env)
@@ -115,6 +152,8 @@ def test_sweep_cli_without_a_gpu():
     assert r.returncode == 2 and "sweep fp8" in r.stderr and "needs bn" in r.stderr and "Traceback" not in r.stderr
     r = _quarl("bench", "sweep", "int8", "--format", "w4a16")
     assert r.returncode == 2 and "table w4a16" in r.stderr
+    r = _quarl("bench", "sweep", "wgmma", "--rounds", "0")
+    assert r.returncode == 2 and "--rounds 0" in r.stderr and "Traceback" not in r.stderr
     r = _quarl("bench", "sweep", "wgmma", "--m", "16", "--list")  # no GPU needed
     assert r.returncode == 0 and "wgmma:nwg=1,stages=3,tail=1\n" in r.stdout
     r = _quarl("bench", "rollout", "--profile-kernels")
