@@ -854,6 +854,7 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
             WgConfig(4, 4, 1.0, tail=True, prescale=True), WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True),
             WgConfig(1, 4, 0.1, tail=True, prescale=True), WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256),
             WgConfig(1, 3, 1.0, cluster=True, prescale=True, tile=256), WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192),
+            WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256),  # (the s47 rows at 129-256, with tma)
             WgConfig(2, 6, 1.0, tail=True, prescale=True, tile=256, halves=True),
             WgConfig(1, 7, 1.0, cluster=True, prescale=True, tile=192, halves=True)]
     post_differs = False
