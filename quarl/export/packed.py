@@ -40,6 +40,7 @@ from quarl.model.config import TransformerConfig
 from quarl.model.loading import CheckpointError, damaged_file_error
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant import QuantLinear, QuantScheme, quantize_model
+from quarl.quant.reference import bf16_scale
 
 QUANT_METHOD = "quarl-packed"
 FORMAT_VERSION = 1
@@ -147,7 +148,7 @@ def load_packed(
             if dtype is not None and name not in quantized_fields and t.is_floating_point():
                 t = t.to(dtype)
             if group_scales and name in quantized_fields and name.endswith(".scales"):
-                t = t.to(torch.bfloat16).float()
+                t = bf16_scale(t)
             state[name] = t.to(device)
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:

@@ -19,11 +19,10 @@ from typing import Callable, Iterator, NamedTuple, Union
 
 import torch
 
-from quarl.quant.kernels import cuda_w4, w8a8, weight_only
+from quarl.quant.kernels import cuda_w4, splitk, w8a8, weight_only
 from quarl.quant.kernels.act_quant import act_quant_config
 from quarl.quant.kernels.config import FragConfig, TileConfig, TileKConfig, WgConfig
 from quarl.quant.kernels.device import GENS, gpu_gen
-from quarl.quant.kernels.splitk import cdiv
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import QuantScheme
 
@@ -134,12 +133,12 @@ def wide_hidden_m64(m: int, n: int, k: int) -> bool:
 
 def swap_deep_split(m: int, n: int, k: int) -> bool:
     """Enough work per column that the swap kernel's K splits go to ~8 waves."""
-    return cdiv(n, 64) >= 256 or k >= 8192
+    return splitk.cdiv(n, 64) >= 256 or k >= 8192
 
 
 def few_64_tiles(m: int, n: int, k: int) -> bool:
     """64 x 64 tiles while ~2 fit per SM on 132 SMs."""
-    return cdiv(m, 64) * cdiv(n, 64) <= 264
+    return splitk.cdiv(m, 64) * splitk.cdiv(n, 64) <= 264
 
 
 def narrow_long_k(m: int, n: int, k: int) -> bool:
@@ -186,14 +185,18 @@ def hidden_5120_tiles(m: int, n: int, k: int) -> bool:
     return hidden_5120(m, n, k) and (m <= 256 or big_weight(m, n, k))
 
 
+HOPPER_SMS = 132  # an H100 / H200 SXM: the rows below that depend on the grid assume it
+
+
 def clusters_fit(m: int, n: int, k: int) -> bool:
-    """The 256-row tile's K split in clusters fills one wave: two warpgroups' column blocks of 128
-    (``c``) split ``s = min(132 // c, K / 256, 8)`` ways (the tail plan on the 132 SMs of an H100 /
-    H200 SXM) with ``2 <= s`` and ``c s <= 112`` (7B q/k/v, o and down, 14B q/k/v, the 1.5B's
-    down; not the 14B's o and down, 40 blocks split 3 ways, which ran two waves: NOTES session 47)."""
-    c = -(-n // 128)
-    s = min(132 // c, k // 256, 8)
-    return s >= 2 and c * s <= 112
+    """The 256-row tile's K split in clusters fills one wave: the launcher's plan
+    (:func:`~.splitk.tail` then :func:`~.splitk.clustered`, as ``cuda_w4`` makes it for two
+    warpgroups' column blocks of 128 on :data:`HOPPER_SMS` SMs) puts every block in a cluster
+    and at most 112 blocks in all (7B q/k/v, o and down, 14B q/k/v, the 1.5B's down; not the
+    14B's o and down, 40 column blocks split 3 ways, which ran two waves: NOTES session 47)."""
+    cols, groups = splitk.cdiv(n, 128), splitk.cdiv(k, 128)
+    plan = splitk.clustered(splitk.tail(cols, groups, HOPPER_SMS), cols, groups)
+    return plan.cluster > 1 and cols * plan.split <= 112
 
 
 def long_k_m769(m: int, n: int, k: int) -> bool:
