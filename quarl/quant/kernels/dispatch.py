@@ -136,9 +136,12 @@ def swap_deep_split(m: int, n: int, k: int) -> bool:
     return splitk.cdiv(n, 64) >= 256 or k >= 8192
 
 
+HOPPER_SMS = 132  # an H100 / H200 SXM: the rows that depend on the grid assume it
+
+
 def few_64_tiles(m: int, n: int, k: int) -> bool:
-    """64 x 64 tiles while ~2 fit per SM on 132 SMs."""
-    return splitk.cdiv(m, 64) * splitk.cdiv(n, 64) <= 264
+    """64 x 64 tiles while ~2 fit per SM on :data:`HOPPER_SMS` SMs."""
+    return splitk.cdiv(m, 64) * splitk.cdiv(n, 64) <= 2 * HOPPER_SMS
 
 
 def narrow_long_k(m: int, n: int, k: int) -> bool:
@@ -183,9 +186,6 @@ def hidden_5120_tiles(m: int, n: int, k: int) -> bool:
     """Both sides 5120 or more at 129-256 rows, or on a weight of 2^25 elements or more (14B
     and 32B o at 129-256 rows, q/k/v at 257-384)."""
     return hidden_5120(m, n, k) and (m <= 256 or big_weight(m, n, k))
-
-
-HOPPER_SMS = 132  # an H100 / H200 SXM: the rows below that depend on the grid assume it
 
 
 def clusters_fit(m: int, n: int, k: int) -> bool:
