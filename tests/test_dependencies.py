@@ -65,7 +65,7 @@ def test_train_extra_lists_every_imported_package():
 
 def test_test_extra_is_train_plus_test_tools():
     extras = _project()["optional-dependencies"]
-    assert sorted(extras["test"]) == sorted(extras["train"] + ["pytest", "triton"])
+    assert sorted(extras["test"]) == sorted(extras["train"] + ["pytest", "pytest-xdist", "triton"])
 
 
 def test_missing_transformers_names_the_install_command(tmp_path, monkeypatch):
