@@ -66,7 +66,9 @@ def test_tables_match_the_old_dispatch():
             # since s43 every row here feeds its loop with TMA copies: wide outputs and the 14B / 32B
             # weights (both sides >= 5120, K split in clusters) the pre-scaled loop, the rest the
             # single-tile loop
-            if n >= 16384:  # (with a producer warpgroup since s46)
+            if n >= 16384 and -(-n // 256) <= 132 < -(-n // 192):  # (s48: four warpgroups fill one wave)
+                assert got.config == dispatch.WgConfig(4, 4, 1.0, tail=True, prescale=True, tma=True), (m, n, k)
+            elif n >= 16384:  # (with a producer warpgroup since s46)
                 assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True,
                                                        producer=True), (m, n, k)
             elif n >= 5120 and k >= 5120:
@@ -88,9 +90,20 @@ def test_tables_match_the_old_dispatch():
             # >= 5120 (up to 256 rows, or a 2^25+ weight); three on wide outputs, two on the rest
             # (since s46 the 256-row tiles and the two- and three-warpgroup loops with a producer)
             # (since s47 the 256-row tiles with K split in clusters at 129-256 rows where those fill one wave)
+            # (since s48 the 7B's q/k/v and o at 257-512 rows: the loops whose tiles fill one wave)
             big = n * k >= 1 << 25
             c = -(-n // 128)
-            if m <= 256 and not (n <= 2048 and k <= 2048) and 2 <= min(132 // c, k // 256, 8) and c * min(132 // c, k // 256, 8) <= 112:
+            narrow = 256 < m and n < 16384 and k <= 4096 and not (n <= 2048 and k <= 2048)
+            if narrow and 2 * -(-n // 192) * -(-m // 128) <= 132:
+                assert got.config == dispatch.WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True,
+                                                       tma=True), (m, n, k)
+            elif narrow and c * -(-m // 128) <= 132:
+                assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True,
+                                                       producer=True), (m, n, k)
+            elif narrow and c * -(-m // 192) <= 132:
+                assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True,
+                                                       producer=True), (m, n, k)
+            elif m <= 256 and not (n <= 2048 and k <= 2048) and 2 <= min(132 // c, k // 256, 8) and c * min(132 // c, k // 256, 8) <= 112:
                 assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256,
                                                        tma=True), (m, n, k)
             elif (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and not big):
@@ -196,8 +209,11 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     # (s46: the loops without clusters, of 2-3 warpgroups, have a producer warpgroup)
     ps = dispatch.WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True, producer=True)
     psc = ps._replace(cluster=True, producer=False)
-    for n, k in ((37888, 3584), (17920, 1536), (27648, 5120)):
+    for n, k in ((37888, 3584), (17920, 1536), (55296, 5120)):
         assert dispatch.lookup("w4a16", "sm90", 128, n, k).config == ps, (n, k)
+    # s48 (sweep_mid_14b_gateup_m128_h200_s48.json): four warpgroups where their 256-column
+    # blocks fill one wave and three warpgroups' take two (the 14B's gate/up)
+    assert dispatch.lookup("w4a16", "sm90", 128, 27648, 5120).config == ps._replace(nwg=4, producer=False)
     for n, k in ((5120, 5120), (7168, 5120), (5120, 13824)):
         assert dispatch.lookup("w4a16", "sm90", 100, n, k).config == psc, (n, k)
     # 129-512 rows (sweep_pstma_7b_h200_s43.json and the 1.5B's and 14B's): cuBLAS on the
@@ -205,7 +221,7 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     # 384 rows on weights under 2^25 elements; the pre-scaled loop with TMA copies elsewhere:
     # 256-row tiles on the large weights at 129-256 and 385-512 rows, four warpgroups at 257-384,
     # three with K split in clusters on the 14B's o up to 256 rows and q/k/v at 257-384
-    for m, n, k in ((384, 3584, 3584), (384, 4608, 3584), (512, 4608, 3584), (512, 17920, 1536), (512, 1536, 8960),
+    for m, n, k in ((512, 17920, 1536), (512, 1536, 8960),
                     (512, 5120, 5120), (200, 2048, 1536), (256, 1536, 1536)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
     tile256 = dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True)
@@ -229,6 +245,15 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 384, 5120, 5120).config == ps._replace(nwg=2)
     assert dispatch.lookup("w4a16", "sm90", 256, 5120, 5120).config == psc
     assert dispatch.lookup("w4a16", "sm90", 384, 7168, 5120).config == psc
+    # s48 (sweep_mid_7b_qo_qkv_h200_s48.json, three rounds): the 7B's o and q/k/v at 257-512 rows
+    # run the loop whose tiles fill one wave instead of cuBLAS on the dequantized weight: three
+    # warpgroups with K split two ways (o up to 384 rows), two warpgroups with a producer (q/k/v
+    # up to 384, o above), 192-row tiles (q/k/v above 384)
+    for m, n, k, want in ((320, 3584, 3584, psc), (384, 3584, 3584, psc), (385, 3584, 3584, ps._replace(nwg=2)),
+                          (512, 3584, 3584, ps._replace(nwg=2)), (257, 4608, 3584, ps._replace(nwg=2)),
+                          (384, 4608, 3584, ps._replace(nwg=2)), (385, 4608, 3584, ps._replace(nwg=2, tile=192)),
+                          (512, 4608, 3584, ps._replace(nwg=2, tile=192))):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == want, (m, n, k)
     # 513-1024 rows (sweep_ws_7b_h200_s44.json): 256-row tiles on weights of 2^26 elements or more
     for m, n, k in ((513, 37888, 3584), (1024, 3584, 18944), (1024, 27648, 5120)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)

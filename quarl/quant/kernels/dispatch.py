@@ -188,6 +188,40 @@ def hidden_5120_tiles(m: int, n: int, k: int) -> bool:
     return hidden_5120(m, n, k) and (m <= 256 or big_weight(m, n, k))
 
 
+def _narrow_257(m: int, n: int, k: int) -> bool:
+    """257-512 rows on a weight of fewer than 16384 output columns and K <= 4096 (7B q/k/v and o)."""
+    return 256 < m <= 512 and n < 16384 and k <= 4096
+
+
+def narrow_3wg_split(m: int, n: int, k: int) -> bool:
+    """:func:`_narrow_257` where three warpgroups' 128-row tiles split K two ways or more in one
+    wave on :data:`HOPPER_SMS` SMs (7B o at 257-384 rows: 23.2 us against 26.0 for two
+    warpgroups and 26.4-29.7 for cuBLAS on the dequantized weight; NOTES session 48)."""
+    return _narrow_257(m, n, k) and 2 * splitk.cdiv(n, 192) * splitk.cdiv(m, 128) <= HOPPER_SMS
+
+
+def narrow_2wg_wave(m: int, n: int, k: int) -> bool:
+    """:func:`_narrow_257` where two warpgroups' 128-row tiles fill at most one wave (7B q/k/v at
+    257-384 rows, 26.3 us against 32.9-34.8 for cuBLAS on the dequantized weight; 7B o at 385-512,
+    26.3-26.5 against 28.8-30.2; NOTES session 48)."""
+    return _narrow_257(m, n, k) and splitk.cdiv(n, 128) * splitk.cdiv(m, 128) <= HOPPER_SMS
+
+
+def narrow_192_wave(m: int, n: int, k: int) -> bool:
+    """:func:`_narrow_257` where two warpgroups' 192-row tiles fill at most one wave (7B q/k/v at
+    385-512 rows, 31.9-32.7 us against 35.4-36.6 for cuBLAS on the dequantized weight; NOTES
+    session 48)."""
+    return _narrow_257(m, n, k) and splitk.cdiv(n, 128) * splitk.cdiv(m, 192) <= HOPPER_SMS
+
+
+def wide_256_wave(m: int, n: int, k: int) -> bool:
+    """A wide output (16384 columns or more) whose 256-column blocks (four warpgroups) fill one
+    wave on :data:`HOPPER_SMS` SMs where three warpgroups' 192-column blocks take two (14B
+    gate/up at 65-128 rows: 64.8 us against 73.5 for three; on the 7B's gate/up, 148 blocks, four
+    lost; NOTES sessions 47 and 48)."""
+    return n >= 16384 and splitk.cdiv(n, 256) <= HOPPER_SMS < splitk.cdiv(n, 192)
+
+
 def clusters_fit(m: int, n: int, k: int) -> bool:
     """The 256-row tile's K split in clusters fills one wave: the launcher's plan
     (:func:`~.splitk.tail` then :func:`~.splitk.clustered`, as ``cuda_w4`` makes it for two
@@ -223,10 +257,14 @@ _TMA_ONE_WG = Plan("wgmma", WgConfig(1, 4, 2.0, single=True, minb=2, tail=True, 
 _PRESCALED_TMA = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, prescale=True, tma=True, producer=True))
 _PRESCALED_TMA_2WG = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True, producer=True))
 _PRESCALED_TMA_CLUSTER = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=True, prescale=True, tma=True))
+# four warpgroups, no producer (65-128 rows on wide outputs whose 256-column blocks fill one wave)
+_PRESCALED_TMA_4WG = Plan("wgmma", WgConfig(4, 4, 1.0, tail=True, prescale=True, tma=True))
 # ... in 256-row tiles, two warpgroups and a producer (129-256 and 385-1024 rows on large weights),
 # or with K split in clusters (129-256 rows on narrow weights, NOTES session 47)
 _PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True))
 _PRESCALED_TMA_256_CLUSTER = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256, tma=True))
+# ... in 192-row tiles with a producer (385-512 rows on the 7B's q/k/v, NOTES session 48)
+_PRESCALED_TMA_192 = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True, producer=True))
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
 W4A16: tuple[Row, ...] = (
@@ -240,6 +278,7 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("wgmma", WgConfig(1, 4, 2.0, tail=True, cluster=True)), 64, n_below_16384, SM90),
     Row(Plan("wgmma", WgConfig(1, 3, 4.0, single=True, minb=4, tail=True)), 32, None, SM90),
     Row(Plan("wgmma", WgConfig(3, 5, 1.0, single=True, minb=1, tail=True, mbar=True, tma=True)), 64, None, SM90),
+    Row(_PRESCALED_TMA_4WG, 128, wide_256_wave, SM90),
     Row(_PRESCALED_TMA, 128, wide_output, SM90),
     Row(Plan("wgmma", WgConfig(1, 4, 1.0, single=True, tail=True, cluster=True, mbar=True, tma=True)), 128,
         small_weight, SM90),
@@ -255,10 +294,13 @@ W4A16: tuple[Row, ...] = (
     Row(Plan("swap", TileConfig(64, 64, waves=4)), 64),
     Row(DEQUANT, 512, small_square, SM90),
     Row(_PRESCALED_TMA_256_CLUSTER, 256, clusters_fit, SM90),
+    Row(_PRESCALED_TMA_CLUSTER, 512, narrow_3wg_split, SM90),
+    Row(_PRESCALED_TMA_2WG, 512, narrow_2wg_wave, SM90),
+    Row(_PRESCALED_TMA_192, 512, narrow_192_wave, SM90),
     Row(DEQUANT, 512, narrow_short_k_m256, SM90),
     Row(_PRESCALED_TMA_256, 512, big_weight_256_tiles, SM90),
     Row(DEQUANT, 512, above_384, SM90),
-    Row(Plan("wgmma", WgConfig(4, 4, 1.0, tail=True, prescale=True, tma=True)), 512, m257_wide_or_big, SM90),
+    Row(_PRESCALED_TMA_4WG, 512, m257_wide_or_big, SM90),
     Row(_PRESCALED_TMA_CLUSTER, 512, hidden_5120_tiles, SM90),
     Row(_PRESCALED_TMA, 512, wide_output, SM90),
     Row(_PRESCALED_TMA_2WG, 512, None, SM90),
