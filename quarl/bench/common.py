@@ -40,6 +40,20 @@ def child_env(root: Path, commit: str | None) -> dict[str, str]:
     return env
 
 
+def package_root() -> Path:
+    """The directory that holds the ``quarl`` package running now."""
+    return Path(__file__).resolve().parents[2]
+
+
+def check_baseline(baseline: Path) -> Path:
+    """``baseline`` as a directory that holds another version's ``quarl`` package (a
+    ValueError saying how to make one otherwise)."""
+    if not (baseline / "quarl" / "__init__.py").is_file():
+        raise ValueError(f"--baseline {baseline}: no quarl/ package there; make one from a commit with "
+                         f"`git archive REV quarl | tar -x -C {baseline}`")
+    return baseline
+
+
 def child_failed(proc: subprocess.CompletedProcess, out: Path, root: Path, mode: str) -> RuntimeError | None:
     """The error naming a child run that exited non-zero or wrote no result, with its last lines."""
     if proc.returncode == 0 and out.is_file():

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from quarl.bench.common import child_env, child_failed, write_json
+from quarl.bench.common import check_baseline, child_env, child_failed, package_root, write_json
 
 # mode -> the aligned (QAT) scheme of its linears (None: bf16)
 MODES: dict[str, str | None] = {"bf16": None, "aligned-w4a16": "w4a16", "aligned-w8a8-fp8": "w8a8-fp8",
@@ -183,7 +183,6 @@ def run_benchmark(modes: list[str], spec: Spec, out: Path | None = None, baselin
     under that code; ``profile``: each run's table, see :func:`measure`). The result is
     written to ``out`` after every run."""
     from quarl.bench.common import git_commit
-    from quarl.bench.train import check_baseline
 
     for m in modes:
         check_mode(m)
@@ -200,7 +199,7 @@ def run_benchmark(modes: list[str], spec: Spec, out: Path | None = None, baselin
     with tempfile.TemporaryDirectory(prefix="quarl_bench_learner_") as tmp:
         for mode in modes:
             if isolate:
-                r = result["modes"][mode] = run_child(mode, spec, _package_root(), git_commit(), Path(tmp), profile)
+                r = result["modes"][mode] = run_child(mode, spec, package_root(), git_commit(), Path(tmp), profile)
             else:
                 r = result["modes"][mode] = measure(cfg, MODES[mode], spec, device, profile)
                 r["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -213,10 +212,6 @@ def run_benchmark(modes: list[str], spec: Spec, out: Path | None = None, baselin
                 r["vs_baseline"] = {k: r["baseline"][k] / r[k] for k in ("host_ms", "wall_ms") if r[k]}
                 write_json(result, out)
     return result
-
-
-def _package_root() -> Path:
-    return Path(__file__).resolve().parents[2]
 
 
 def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path,

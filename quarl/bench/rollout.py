@@ -17,6 +17,9 @@ import datetime
 import gc
 import json
 import math
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,7 +34,7 @@ from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampling_params import SamplingParams
-from quarl.bench.common import git_commit, idle_gaps
+from quarl.bench.common import check_baseline, child_env, child_failed, git_commit, idle_gaps, package_root
 from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 
 # the released shapes of quarl.model.presets, with their tokenizers' EOS id
@@ -207,26 +210,75 @@ def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.
             "gen_len": new, "generated_tok_per_s": batch * new / total, "total_s": total}
 
 
+def child_argv(shape: str, batch: int, prompt_len: int, gen_len: int, fmt: str, kv: str, lora_rank: int,
+               engine_kw: dict | None, out: Path) -> list[str]:
+    """``quarl bench rollout`` for one format and KV-cache dtype with these settings, its JSON
+    written to ``out`` (the command a baseline comparison runs under each version)."""
+    kw = engine_kw or {}
+    return [sys.executable, "-m", "quarl", "bench", "rollout", "--shape", shape, "--batch", str(batch),
+            "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--formats", fmt, "--kv-cache-dtype", kv,
+            "--lora-rank", str(lora_rank), "--dependent-launches", "on" if kw.get("dependent_launches", True) else "off",
+            "--dense-weights", kw.get("dense_weights", "auto"), "--out", str(out.resolve())]
+
+
+def run_child(root: Path, commit: str | None, tmp: Path, shape: str, batch: int, prompt_len: int, gen_len: int,
+              fmt: str, kv: str, lora_rank: int = 0, engine_kw: dict | None = None) -> dict[str, Any]:
+    """One row measured by the ``quarl`` package in ``root`` in a fresh process (run from
+    ``root``: ``python -m`` puts the working directory first on the path), with the commit it
+    ran; an error naming the run and its last lines when it fails or reports an error."""
+    out = tmp / f"child_{abs(hash(str(root.resolve())))}_{fmt}_{kv}.json"
+    argv = child_argv(shape, batch, prompt_len, gen_len, fmt, kv, lora_rank, engine_kw, out)
+    proc = subprocess.run(argv, env=child_env(root, commit), cwd=root, capture_output=True, text=True)
+    if (err := child_failed(proc, out, root, f"{fmt} kv={kv}")) is not None:
+        raise err
+    done = json.loads(out.read_text())
+    row = done["rows"][0]
+    if "error" in row:
+        raise RuntimeError(f"the run of quarl in {root} failed on {fmt} kv={kv}: {row['error']}")
+    return {**row, "git_commit": done.get("git_commit")}
+
+
+def against_baseline(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the baseline's row and the speedups over it: generated tok/s, and the
+    median decode step (the baseline's time over this one's)."""
+    return {**row, "baseline": base,
+            "speedup_vs_baseline": row["generated_tok_per_s"] / base["generated_tok_per_s"],
+            "decode_step_vs_baseline": base["decode_step_ms_median"] / row["decode_step_ms_median"]}
+
+
 def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats: list[str],
                   hf_gen_len: int = 0, out: str | None = None, engine_kw: dict | None = None,
-                  kv_cache_dtypes: tuple[str, ...] = ("auto",), lora_rank: int = 0) -> dict[str, Any]:
+                  kv_cache_dtypes: tuple[str, ...] = ("auto",), lora_rank: int = 0, baseline: Path | None = None,
+                  baseline_commit: str | None = None, child=run_child) -> dict[str, Any]:
     """One row per weight format and KV-cache dtype; ``speedup_vs_bf16`` against the bf16
-    row with the model-dtype cache (the first bf16 row when there is none)."""
+    row with the model-dtype cache (the first bf16 row when there is none). With ``baseline``
+    (a directory holding another version's ``quarl`` package) every row runs in a fresh
+    process, this code's then the baseline's (``child``), and carries the baseline's row and
+    the speedups over it."""
+    if baseline is not None:
+        check_baseline(baseline)
     device = torch.device("cuda")
     ceil = measure_ceilings(device)
+    torch.cuda.empty_cache()  # (children size their KV caches by the memory left free)
     rows = []
-    for fmt in formats:
-        for kv in kv_cache_dtypes:
-            kw = {**(engine_kw or {}), "kv_cache_dtype": kv}
-            try:
-                rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw,
-                                       lora_rank=lora_rank))
-            except Exception as e:  # keep the other rows of a long run
-                rows.append({"shape": shape, "format": fmt, "kv_cache_dtype": kv,
-                             "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-            gc.collect()  # the failed engine's frames are gone with the exception; free its memory
-            torch.cuda.empty_cache()
-            print(json.dumps(rows[-1]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in formats:
+            for kv in kv_cache_dtypes:
+                kw = {**(engine_kw or {}), "kv_cache_dtype": kv}
+                try:
+                    if baseline is None:
+                        rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw,
+                                               lora_rank=lora_rank))
+                    else:
+                        args = (Path(tmp), shape, batch, prompt_len, gen_len, fmt, kv, lora_rank, engine_kw)
+                        row = child(package_root(), git_commit(), *args)
+                        rows.append(against_baseline(row, child(baseline, baseline_commit, *args)))
+                except Exception as e:  # keep the other rows of a long run
+                    rows.append({"shape": shape, "format": fmt, "kv_cache_dtype": kv,
+                                 "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+                gc.collect()  # the failed engine's frames are gone with the exception; free its memory
+                torch.cuda.empty_cache()
+                print(json.dumps(rows[-1]), flush=True)
     result = {
         "benchmark": "rollout", "device": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -317,6 +369,14 @@ def summary_table(result: dict[str, Any]) -> str:
             f"{r['last_step_graph_replay_ms']:7.3f}/{r['decode_step_floor_ms_last']:.3f} {r['decode_tiling']}"
             + (f"  dense copies {r['dense_weight_bytes'] / 1e9:.1f} GB" if r.get("dense_weight_bytes") else "")
         )
+    for r in result["rows"]:
+        if "baseline" in r:
+            b = r["baseline"]
+            lines.append(f"{r['format']} kv={r.get('kv_cache_dtype', 'auto')} against the baseline "
+                         f"({str(b.get('git_commit'))[:10]}): {b['generated_tok_per_s']:.0f} -> "
+                         f"{r['generated_tok_per_s']:.0f} tok/s ({r['speedup_vs_baseline']:.3f}x), median decode step "
+                         f"{b['decode_step_ms_median']:.3f} -> {r['decode_step_ms_median']:.3f} ms "
+                         f"({r['decode_step_vs_baseline']:.3f}x)")
     if "hf" in result:
         lines.append(f"HF generate: {result['hf']['generated_tok_per_s']:.0f} tok/s ({result['hf']['gen_len']} new tokens)")
     return "\n".join(lines)

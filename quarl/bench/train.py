@@ -36,7 +36,8 @@ from typing import Any, Iterator
 
 import torch
 
-from quarl.bench.common import ClockWatch, child_env, child_failed, gaps_lines, idle_gaps, write_json
+from quarl.bench.common import (ClockWatch, check_baseline, child_env, child_failed, gaps_lines, idle_gaps,
+                                package_root, write_json)
 
 # metric -> short name in the summary
 KEYS = {
@@ -333,15 +334,6 @@ def check_workload(workload: str, modes: list[str]) -> Workload:
     return WORKLOADS[workload]
 
 
-def check_baseline(baseline: Path) -> Path:
-    """``baseline`` as a directory that holds another version's ``quarl`` package (a
-    ValueError saying how to make one otherwise)."""
-    if not (baseline / "quarl" / "__init__.py").is_file():
-        raise ValueError(f"--baseline {baseline}: no quarl/ package there; make one from a commit with "
-                         f"`git archive REV quarl | tar -x -C {baseline}`")
-    return baseline
-
-
 def child_command(workload: str, mode: str, extra: list[str], root: Path, commit: str | None, out: Path,
                   profile: str | None = None, model: Path | None = None,
                   stage: str = "learner", gpus: int = 1) -> tuple[list[str], dict[str, str]]:
@@ -412,11 +404,6 @@ def print_clocks(name: str, run: dict[str, Any]) -> None:
     for line in (clock_line(name, run), stage_clock_line(name, run)):
         if line:
             print(line, flush=True)
-
-
-def package_root() -> Path:
-    """The directory that holds the ``quarl`` package running now."""
-    return Path(__file__).resolve().parents[2]
 
 
 def check_model(model: Path, workload: Workload) -> Path:

@@ -37,6 +37,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "where that wins (EngineConfig.dense_weights; auto: when they take at most 10%% of the GPU); "
                         "off times the quantized kernels at every batch")
     p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="a directory holding another version's quarl/ package (e.g. `git archive REV quarl | tar -x "
+                   "-C DIR`): every format then runs in a fresh process under this code and right after under that "
+                   "code, and the table gives the speedups over it (old and new measured in one call)")
+    p.add_argument("--baseline-commit", metavar="SHA", help="the baseline's commit, recorded in the result")
     p.add_argument("--out", default=None, help="write the JSON result here (--profile-kernels: the table, as text)")
     p.add_argument("--profile-kernels", action="store_true",
                    help="instead of throughput: per-kernel GPU time of one decode step (torch.profiler over replays "
@@ -51,6 +56,12 @@ def run(args: argparse.Namespace) -> int:
     from quarl.quant.kv import check_kv_cache_dtype
 
     kv_dtypes = tuple(check_kv_cache_dtype(k) for k in args.kv_cache_dtype.split(",") if k)
+    if args.baseline and args.profile_kernels:
+        raise ValueError("--baseline and --profile-kernels do not combine: profile one version at a time")
+    if args.baseline:
+        from quarl.bench.common import check_baseline
+
+        check_baseline(Path(args.baseline))
     if not torch.cuda.is_available():
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
     engine_kw = {"dependent_launches": args.dependent_launches == "on", "dense_weights": args.dense_weights}
@@ -66,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     result = run_benchmark(
         args.shape, args.batch, args.prompt_len, args.gen_len, [f for f in args.formats.split(",") if f],
         hf_gen_len=args.hf_gen_len, out=args.out, kv_cache_dtypes=kv_dtypes, lora_rank=args.lora_rank,
-        engine_kw=engine_kw,
+        engine_kw=engine_kw, baseline=Path(args.baseline) if args.baseline else None,
+        baseline_commit=args.baseline_commit,
     )
     print(summary_table(result))
     if not args.out:

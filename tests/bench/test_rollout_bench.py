@@ -1,5 +1,6 @@
 """The rollout benchmark's pure parts: idle time between a decode step's kernels, its summary
-table and options (the GPU run itself is tests_gpu's)."""
+table and options, and the comparison against a baseline version in child processes (the GPU
+run itself is tests_gpu's)."""
 
 import argparse
 
@@ -115,3 +116,107 @@ def test_dense_weights_is_an_engine_setting_of_the_run(value):
     assert p.parse_args([]).dense_weights == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["--dense-weights", "maybe"])
+
+
+def test_a_baseline_child_runs_the_settings_of_the_parent():
+    """The command each version runs for one row parses back, through the CLI's own parser, to
+    the settings of the run that compares them."""
+    from pathlib import Path
+
+    from quarl.bench.rollout import child_argv
+
+    argv = child_argv("qwen2.5-7b", 384, 128, 256, "w4a16", "fp8", 8,
+                      {"dependent_launches": False, "dense_weights": "off"}, Path("/tmp/x.json"))
+    assert argv[1:5] == ["-m", "quarl", "bench", "rollout"]
+    p = argparse.ArgumentParser()
+    bench_rollout._add_args(p)
+    a = p.parse_args(argv[5:])
+    assert (a.shape, a.batch, a.prompt_len, a.gen_len, a.formats, a.kv_cache_dtype, a.lora_rank) == \
+        ("qwen2.5-7b", 384, 128, 256, "w4a16", "fp8", 8)
+    assert (a.dependent_launches, a.dense_weights, a.out, a.baseline, a.hf_gen_len) == ("off", "off", "/tmp/x.json", None, 0)
+    d = p.parse_args(child_argv("qwen2.5-1.5b", 64, 16, 32, "bf16", "auto", 0, None, Path("/tmp/y.json"))[5:])
+    assert (d.dependent_launches, d.dense_weights) == ("on", "auto")
+
+
+def _timed_row(fmt: str, tok_s: float, step_ms: float) -> dict:
+    return {**_row(fmt, 0), "generated_tok_per_s": tok_s, "decode_step_ms_median": step_ms}
+
+
+def test_each_row_runs_under_this_code_then_the_baselines(tmp_path, monkeypatch):
+    """With a baseline every row runs twice in child processes, this version's first: the row
+    keeps the baseline's and the speedups over it (tok/s, and the median decode step as old
+    time over new, by hand below), a failing child leaves an error row naming it, and the table
+    prints one comparison line per compared row."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from quarl.bench import rollout
+    from quarl.bench.common import package_root
+    from quarl.bench.timing import Ceilings
+
+    base = tmp_path / "base"
+    (base / "quarl").mkdir(parents=True)
+    (base / "quarl" / "__init__.py").write_text("")
+    monkeypatch.setattr(rollout, "measure_ceilings", lambda device: Ceilings(4.0e12, 7.7e14, 1.4e15))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    calls = []
+    times = {(True, "bf16"): (25000.0, 11.5), (False, "bf16"): (24800.0, 11.6),
+             (True, "w4a16"): (23500.0, 12.35), (False, "w4a16"): (23000.0, 12.68)}
+
+    def fake_child(root, commit, tmp, shape, batch, prompt_len, gen_len, fmt, kv, lora_rank, engine_kw):
+        ours = root == package_root()
+        calls.append(("new" if ours else "base", fmt, kv, commit))
+        assert (shape, batch, prompt_len, gen_len, lora_rank, engine_kw) == ("qwen2.5-7b", 384, 128, 256, 0,
+                                                                              {"dense_weights": "off"})
+        if fmt == "nvfp4" and not ours:
+            raise RuntimeError(f"the run of quarl in {root} failed on nvfp4 kv=auto (exit 2): unknown format")
+        return {**_timed_row(fmt, *times.get((ours, fmt), (20000.0, 14.0))), "git_commit": commit}
+
+    out = tmp_path / "r.json"
+    result = rollout.run_benchmark("qwen2.5-7b", 384, 128, 256, ["bf16", "w4a16", "nvfp4"], out=str(out),
+                                   engine_kw={"dense_weights": "off"}, baseline=base, baseline_commit="0d3a7d8",
+                                   child=fake_child)
+    assert [c[:2] for c in calls] == [("new", "bf16"), ("base", "bf16"), ("new", "w4a16"), ("base", "w4a16"),
+                                      ("new", "nvfp4"), ("base", "nvfp4")]
+    assert {c[3] for c in calls if c[0] == "base"} == {"0d3a7d8"}
+    bf16, w4, bad = result["rows"]
+    assert w4["speedup_vs_baseline"] == pytest.approx(23500.0 / 23000.0)
+    assert w4["decode_step_vs_baseline"] == pytest.approx(12.68 / 12.35)
+    assert w4["baseline"]["git_commit"] == "0d3a7d8" and w4["speedup_vs_bf16"] == pytest.approx(23500.0 / 25000.0)
+    assert bf16["speedup_vs_baseline"] == pytest.approx(25000.0 / 24800.0)
+    assert "error" in bad and "unknown format" in bad["error"] and str(base) in bad["error"]
+    assert json.loads(out.read_text())["rows"][1]["baseline"]["generated_tok_per_s"] == 23000.0
+    lines = [x for x in summary_table(result).splitlines() if "against the baseline" in x]
+    assert len(lines) == 2
+    assert lines[1] == ("w4a16 kv=auto against the baseline (0d3a7d8): 23000 -> 23500 tok/s (1.022x), "
+                        "median decode step 12.680 -> 12.350 ms (1.027x)")
+    with pytest.raises(ValueError, match="no quarl/ package there"):
+        rollout.run_benchmark("qwen2.5-7b", 8, 8, 8, ["bf16"], baseline=tmp_path / "none", child=fake_child)
+
+
+def test_a_child_that_fails_is_an_error_naming_the_run_and_its_last_lines(tmp_path):
+    """A real child process: on a machine without a GPU the child's own check stops it, and
+    the parent's error names the version's directory, the row and the child's message."""
+    import shutil
+    from pathlib import Path
+
+    from quarl.bench.rollout import run_child
+
+    base = tmp_path / "base"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "quarl", base / "quarl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with pytest.raises(RuntimeError) as e:
+        run_child(base, "abc1234", tmp_path, "qwen2.5-1.5b", 8, 8, 8, "w4a16", "auto")
+    msg = str(e.value)
+    assert f"the run of quarl in {base} failed on mode 'w4a16 kv=auto' (exit 2)" in msg
+    assert "needs a CUDA GPU" in msg
+
+
+def test_baseline_settings_that_cannot_run_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="no quarl/ package there"):
+        bench_rollout.main(["--baseline", str(tmp_path)])
+    with pytest.raises(ValueError, match="--baseline and --profile-kernels do not combine"):
+        bench_rollout.main(["--baseline", str(tmp_path), "--profile-kernels"])

@@ -84,7 +84,8 @@ def test_a_baseline_runs_its_own_quarl_in_a_child_and_its_speedup_is_tabled(tmp_
     import os
     import textwrap
 
-    from quarl.bench.train import _speedups, check_baseline, run_child, summary_table
+    from quarl.bench.common import check_baseline
+    from quarl.bench.train import _speedups, run_child, summary_table
 
     with pytest.raises(ValueError, match="no quarl/ package there.*git archive REV quarl"):
         check_baseline(tmp_path)
