@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from quarl.quant.kernels import nvrtc_cache
 from quarl.quant.kernels.cuda_launch import launch
 from quarl.quant.kernels.device import nvrtc_available
 
@@ -51,7 +52,7 @@ def _source() -> str:
 @functools.lru_cache(maxsize=32)
 def _kernel(cfg: Fp8DecodeConfig, page: int, two: bool):
     name = f"decode_fp8<{cfg.warps}, {cfg.stages}, {cfg.chunks}, {page}, {'true' if two else 'false'}>"
-    kern = torch.cuda._compile_kernel(_source(), name, nvcc_options=["-std=c++17"])
+    kern = nvrtc_cache.compile_kernel(_source(), name, nvcc_options=["-std=c++17"])
     kern.set_shared_memory_config(cfg.smem_bytes())
     return kern
 

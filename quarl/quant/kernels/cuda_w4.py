@@ -7,8 +7,8 @@ is repacked once into the order in which the ``mma.sync.m16n8k16`` B fragments s
 registers (:mod:`.w4_layout`, kept by a :class:`~.w4_layout.RepackCache` that the owning
 module holds), so each thread loads its fragments with 16-byte loads and unpacks 8 codes
 with 3 shifts, 4 ``lop3`` and 4 ``fma.bf16x2`` (no shuffles). The source (``w4a16.cu``,
-package data) is compiled at first use with NVRTC (``torch.cuda._compile_kernel``), so
-nothing is built at install time.
+package data) is compiled at first use with NVRTC, so nothing is built at install time, and
+the binaries are kept on disk for later processes (:mod:`.nvrtc_cache`).
 
 Numerics are those of the Triton small-M kernel: ``(u - z)`` is exact in bf16, each group's
 products are summed by the tensor cores in fp32 and scaled by the fp32 group scale, ``acc +=
@@ -42,7 +42,7 @@ from importlib import resources
 
 import torch
 
-from quarl.quant.kernels import splitk
+from quarl.quant.kernels import nvrtc_cache, splitk
 from quarl.quant.kernels.config import FragConfig, TileKConfig, WgConfig, wgmma_tokens
 from quarl.quant.kernels.cuda_launch import launch
 from quarl.quant.kernels.device import num_sms, nvrtc_available
@@ -70,13 +70,13 @@ def _tf(v: bool) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _frag_kernel(nw: int, asym: bool, stages: int):
-    return torch.cuda._compile_kernel(source(), f"w4a16_frag<{nw}, {_tf(asym)}, {stages}>", nvcc_options=["-std=c++17"])
+    return nvrtc_cache.compile_kernel(source(), f"w4a16_frag<{nw}, {_tf(asym)}, {stages}>", nvcc_options=["-std=c++17"])
 
 
 @functools.lru_cache(maxsize=64)
 def _tile_kernel(cfg: TileKConfig, asym: bool):
     name = f"w4a16_tile<{cfg.sw}, {cfg.nt}, {cfg.mt}, {cfg.wm}, {cfg.stages}, {_tf(asym)}>"
-    kern = torch.cuda._compile_kernel(source(), name, nvcc_options=["-std=c++17"])
+    kern = nvrtc_cache.compile_kernel(source(), name, nvcc_options=["-std=c++17"])
     kern.set_shared_memory_config(cfg.smem_bytes())
     return kern
 
@@ -100,7 +100,7 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
     if producer:
         name = f"w4a16_wgmma_tma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}, {prescale}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
-    kern = torch.cuda._compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
+    kern = nvrtc_cache.compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
     return kern
 
