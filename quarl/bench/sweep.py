@@ -91,8 +91,8 @@ def _wgmma(m: int) -> list[Plan]:
     """H100 runs 18-19 (bench/NOTES.md): 1-3 warpgroups, 3-6 ring slots, 1-4 blocks per SM,
     with and without the cluster split; M > 64 (128-token tiles) single-tile shapes only. Above
     16 rows also the pre-scaled loop (``prescale``: one fp32 tile, wgmmas back to back; with TMA
-    copies, :func:`_prescaled_tma`), 1-3 warpgroups of 4-5 slots (64 tokens) or 1-4 warpgroups of 3-4 (128 tokens:
-    36-44 KB a slot); above 32 rows the TMA single-tile loop (:func:`_mbar_tma`)."""
+    copies, :func:`_prescaled_tma`), 1-3 warpgroups of 4-5 slots (64 tokens) or 1-4 of 3-4
+    (128 tokens: 36-44 KB a slot); above 32 rows the TMA single-tile loop (:func:`_mbar_tma`)."""
     shapes = [(1, 3, False, 1), (1, 4, False, 1), (2, 3, False, 1), (2, 4, False, 1), (2, 6, False, 1),
               (1, 3, True, 4), (3, 4, True, 1)]
     pre = [(1, 4, 2), (1, 5, 2), (2, 4, 1), (2, 5, 1), (3, 4, 1)]

@@ -194,23 +194,24 @@ def _narrow_257(m: int, n: int, k: int) -> bool:
 
 
 def narrow_3wg_split(m: int, n: int, k: int) -> bool:
-    """:func:`_narrow_257` where three warpgroups' 128-row tiles split K two ways or more in one
-    wave on :data:`HOPPER_SMS` SMs (7B o at 257-384 rows: 23.2 us against 26.0 for two
-    warpgroups and 26.4-29.7 for cuBLAS on the dequantized weight; NOTES session 48)."""
+    """:func:`_narrow_257` where three warpgroups' tiles (192 columns x 128 rows) split K two
+    ways or more within one wave on :data:`HOPPER_SMS` SMs (7B o at 257-384 rows: 23.2 us
+    against 26.0 for two warpgroups and 26.4-29.7 for cuBLAS on the dequantized weight; NOTES
+    session 48)."""
     return _narrow_257(m, n, k) and 2 * splitk.cdiv(n, 192) * splitk.cdiv(m, 128) <= HOPPER_SMS
 
 
 def narrow_2wg_wave(m: int, n: int, k: int) -> bool:
-    """:func:`_narrow_257` where two warpgroups' 128-row tiles fill at most one wave (7B q/k/v at
-    257-384 rows, 26.3 us against 32.9-34.8 for cuBLAS on the dequantized weight; 7B o at 385-512,
-    26.3-26.5 against 28.8-30.2; NOTES session 48)."""
+    """:func:`_narrow_257` where two warpgroups' tiles (128 columns x 128 rows) fill at most one
+    wave (7B q/k/v at 257-384 rows, 26.3 us against 32.9-34.8 for cuBLAS on the dequantized
+    weight; 7B o at 385-512, 26.3-26.5 against 28.8-30.2; NOTES session 48)."""
     return _narrow_257(m, n, k) and splitk.cdiv(n, 128) * splitk.cdiv(m, 128) <= HOPPER_SMS
 
 
 def narrow_192_wave(m: int, n: int, k: int) -> bool:
-    """:func:`_narrow_257` where two warpgroups' 192-row tiles fill at most one wave (7B q/k/v at
-    385-512 rows, 31.9-32.7 us against 35.4-36.6 for cuBLAS on the dequantized weight; NOTES
-    session 48)."""
+    """:func:`_narrow_257` where two warpgroups' 192-row tiles (128 columns x 192 rows) fill at
+    most one wave (7B q/k/v at 385-512 rows, 31.9-32.7 us against 35.4-36.6 for cuBLAS on the
+    dequantized weight; NOTES session 48)."""
     return _narrow_257(m, n, k) and splitk.cdiv(n, 128) * splitk.cdiv(m, 192) <= HOPPER_SMS
 
 
