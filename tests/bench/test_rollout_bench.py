@@ -148,7 +148,6 @@ def test_each_row_runs_under_this_code_then_the_baselines(tmp_path, monkeypatch)
     time over new, by hand below), a failing child leaves an error row naming it, and the table
     prints one comparison line per compared row."""
     import json
-    from pathlib import Path
 
     import torch
 
