@@ -622,6 +622,14 @@ __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
+// named barrier ID0 + wg over the 128 threads of warpgroup wg (< 4), with immediate IDs
+template <int ID0>
+__device__ __forceinline__ void wg_bar(int wg) {
+  if (wg == 0) asm volatile("bar.sync %0, 128;" :: "n"(ID0) : "memory");
+  else if (wg == 1) asm volatile("bar.sync %0, 128;" :: "n"(ID0 + 1) : "memory");
+  else if (wg == 2) asm volatile("bar.sync %0, 128;" :: "n"(ID0 + 2) : "memory");
+  else asm volatile("bar.sync %0, 128;" :: "n"(ID0 + 3) : "memory");
+}
 // a warpgroup's register budget (setmaxnreg, sm90: every thread of the warpgroup executes it)
 template <int R>
 __device__ __forceinline__ void regs_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R)); }
@@ -653,6 +661,21 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 __device__ __forceinline__ void tma_tile(u32 dst, const void* map, int col, int row, u32 bar) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                :: "r"(dst), "l"(map), "r"(col), "r"(row), "r"(bar) : "memory");
+}
+// The staged epilogue's pieces: four 8x8 bf16 matrices from mma fragments (thread (g, t) holds
+// row g, columns 2t, 2t + 1 of each) stored transposed, row q of matrix m at the address lane
+// 8 m + q gives; a bf16x2 of (lo, hi) rounded to nearest; a 16-byte global store
+__device__ __forceinline__ void stmatrix4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ u32 bf16x2_of(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ void stg128(void* p, const u32* v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
 }
 // CUtensorMap (cuda.h): 128 opaque bytes, passed by value (__grid_constant__)
 struct __align__(64) TmaMap { unsigned long long v[16]; };
@@ -1439,6 +1462,67 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   if constexpr (CS == 0) {
   if (nsplit == 1) {
     W4_TRACE_AT(3);
+    // Staged epilogue (tiles of 16+ tokens, 16-byte aligned output rows of whole 8-column chunks):
+    // once every computing warpgroup is past its last wgmma (named barrier 5; the ring is then
+    // free), each warpgroup writes its output tile as bf16 into the ring with stmatrix
+    // (transposed: token-major rows of OC columns, 16-byte chunks swizzled by token) and copies
+    // it out in 16-byte stores, a warp covering whole rows, instead of one 2-byte store per
+    // accumulator. The same roundings (the gated ones: silu_mul_bf16), so the same bits.
+    constexpr int OC = GATED ? 32 : 64, OQ = OC / 8;  // output columns (16-byte chunks) a warpgroup
+    if constexpr (NTOK >= 32 && NWG * NTOK * OC * 2 <= ST * STAGE) {
+      const int ocols = GATED ? N / 2 : N, oc0 = GATED ? n0 / 2 : n0;
+      if ((N & (GATED ? 15 : 7)) == 0 && (ldo & 7) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0) {
+        asm volatile("bar.sync 5, %0;" :: "n"(NTH) : "memory");
+        if (!live) return;
+        const u32 tile = ring + wg * (NTOK * OC * 2);
+        const int mq = lane >> 3, rq = lane & 7;  // this lane's matrix and row of each stmatrix
+        // chunk c of token row r at r * OC * 2 + ((c ^ sw(r)) << 4): conflict-free for 8 rows at one chunk
+        auto chunk_at = [&](int r, int c) -> u32 {
+          return tile + r * (OC * 2) + ((GATED ? (c ^ ((r >> 1) & 3)) : (c ^ (r & 7))) << 4);
+        };
+        if constexpr (GATED) {  // one matrix a token block (8 tokens x the warp's 8 gated columns)
+#pragma unroll
+          for (int j = 0; j < NTOK / 8; j += 4) {
+            u32 r[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              const int i = 4 * (j + u);
+              r[u] = (u32)silu_mul_bf16(acc[i], acc[i + 2]) | ((u32)silu_mul_bf16(acc[i + 1], acc[i + 3]) << 16);
+            }
+            stmatrix4_trans(chunk_at(8 * (j + mq) + rq, warp), r[0], r[1], r[2], r[3]);
+          }
+        } else {  // two matrices a token block: the warp's columns g and g + 8
+          float b0 = 0.f, b1 = 0.f;
+          if (has_bias) {
+            b0 = row0 < N ? from_bf16(bias[row0]) : 0.f;
+            b1 = row0 + 8 < N ? from_bf16(bias[row0 + 8]) : 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < NTOK / 8; j += 2) {
+            u32 r[4];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int i = 4 * (j + u);
+              r[2 * u] = has_bias ? bf16x2_of(acc[i] + b0, acc[i + 1] + b0) : bf16x2_of(acc[i], acc[i + 1]);
+              r[2 * u + 1] = has_bias ? bf16x2_of(acc[i + 2] + b1, acc[i + 3] + b1) : bf16x2_of(acc[i + 2], acc[i + 3]);
+            }
+            stmatrix4_trans(chunk_at(8 * (j + (mq >> 1)) + rq, 2 * warp + (mq & 1)), r[0], r[1], r[2], r[3]);
+          }
+        }
+        wg_bar<6>(wg);  // this warpgroup's tile is in place
+        const int wt = tid & 127;
+#pragma unroll 4
+        for (int c = wt; c < NTOK * OQ; c += 128) {
+          const int r = c / OQ, q = c % OQ, col = oc0 + 8 * q;
+          if (r < M && col < ocols) {
+            u32 v[4];
+            lds128(v, chunk_at(r, q));
+            stg128(out + (size_t)r * ldo + col, v);
+          }
+        }
+        return;
+      }
+    }
     if (!live) return;
     if constexpr (GATED) {  // rows row0 (gate) and row0 + 8 (up): accumulators i and i + 2
 #pragma unroll
