@@ -468,12 +468,13 @@ def test_wgmma_cluster_split_equals_global_split(name, m, shape):
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 @pytest.mark.parametrize("m", [65, 100, 128])
-@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (17920, 1536)])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (17920, 1536), (1004, 1041)])
 def test_wgmma_128_token_tiles(name, m, shape):
     """M = 65-128 in one 128-token tile (single-tile loop; 1-3 warpgroups, K split through
     global partials or a cluster): deterministic, equal to the float64 reference, and without
     a K split equal bit for bit to the same block shape run on 64-row chunks (the numerics of
-    the 64-token kernel)."""
+    the 64-token kernel). Blocks over all of K stage their output tile in shared memory and
+    store whole 16-byte chunks; N = 1004 (not a multiple of 8) takes the per-element stores."""
     from quarl.quant.kernels import cuda_w4
     from quarl.quant.kernels.config import WgConfig
 
