@@ -468,13 +468,12 @@ def test_wgmma_cluster_split_equals_global_split(name, m, shape):
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 @pytest.mark.parametrize("m", [65, 100, 128])
-@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (17920, 1536), (1004, 1041)])
+@pytest.mark.parametrize("shape", [(3584, 3584), (1000, 1041), (704, 18944), (17920, 1536)])
 def test_wgmma_128_token_tiles(name, m, shape):
     """M = 65-128 in one 128-token tile (single-tile loop; 1-3 warpgroups, K split through
     global partials or a cluster): deterministic, equal to the float64 reference, and without
     a K split equal bit for bit to the same block shape run on 64-row chunks (the numerics of
-    the 64-token kernel). Blocks over all of K stage their output tile in shared memory and
-    store whole 16-byte chunks; N = 1004 (not a multiple of 8) takes the per-element stores."""
+    the 64-token kernel)."""
     from quarl.quant.kernels import cuda_w4
     from quarl.quant.kernels.config import WgConfig
 
@@ -881,6 +880,28 @@ def test_wgmma_prescaled_loop_multiplies_the_learners_dequantized_weight(name, m
         post = cfg._replace(prescale=False, single=m > 64, tile=0, halves=False, stages=min(cfg.stages, 4))
         post_differs |= not torch.equal(cuda_w4.wgmma_gemm(two, qw, None, post, cache), want_two)
     assert post_differs or m > 128  # the check above can tell the two numerics apart
+
+
+@pytest.mark.parametrize("n", [1008, 1004])  # whole 8-column chunks; N % 8 != 0: the per-element stores
+@pytest.mark.parametrize("tile", [192, 256])
+def test_wgmma_staged_epilogue_gives_the_bits_of_the_per_element_stores(n, tile):
+    """Blocks over all of K in 192- and 256-row tiles stage their bf16 output tile in shared
+    memory and store 16-byte chunks (with the bias, plain, and the gated SiLU-and-mul): bit for
+    bit the 128-row tiles' per-element stores over the same sums (no K split, so the same
+    products in the same order), ragged rows and columns included."""
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+
+    m, k = 300, 1000
+    qw, x, bias, expect = _w4_case(n, k, m, "w4a16")
+    staged = WgConfig(2, 3, 1e-3, prescale=True, tile=tile, tma=True, producer=True)
+    per_element = WgConfig(2, 3, 1e-3, prescale=True, tma=True)
+    got = cuda_w4.wgmma_gemm(x, qw, bias, staged)
+    _check(got, expect, 4e-3)
+    assert torch.equal(got, cuda_w4.wgmma_gemm(x, qw, bias, per_element))
+    if n % 16 == 0:
+        assert torch.equal(cuda_w4.wgmma_gemm(x, qw, None, staged, gated=True),
+                           cuda_w4.wgmma_gemm(x, qw, None, per_element, gated=True))
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"])

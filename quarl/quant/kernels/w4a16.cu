@@ -1462,14 +1462,14 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   if constexpr (CS == 0) {
   if (nsplit == 1) {
     W4_TRACE_AT(3);
-    // Staged epilogue (tiles of 16+ tokens, 16-byte aligned output rows of whole 8-column chunks):
+    // Staged epilogue (the 192- and 256-token tiles, 16-byte aligned output rows of whole 8-column chunks):
     // once every computing warpgroup is past its last wgmma (named barrier 5; the ring is then
     // free), each warpgroup writes its output tile as bf16 into the ring with stmatrix
     // (transposed: token-major rows of OC columns, 16-byte chunks swizzled by token) and copies
     // it out in 16-byte stores, a warp covering whole rows, instead of one 2-byte store per
     // accumulator. The same roundings (the gated ones: silu_mul_bf16), so the same bits.
     constexpr int OC = GATED ? 32 : 64, OQ = OC / 8;  // output columns (16-byte chunks) a warpgroup
-    if constexpr (NTOK >= 32 && NWG * NTOK * OC * 2 <= ST * STAGE) {
+    if constexpr (NTOK >= 192 && NWG * NTOK * OC * 2 <= ST * STAGE) {
       const int ocols = GATED ? N / 2 : N, oc0 = GATED ? n0 / 2 : n0;
       if ((N & (GATED ? 15 : 7)) == 0 && (ldo & 7) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0) {
         asm volatile("bar.sync 5, %0;" :: "n"(NTH) : "memory");
