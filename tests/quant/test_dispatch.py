@@ -91,6 +91,7 @@ def test_tables_match_the_old_dispatch():
             # (since s46 the 256-row tiles and the two- and three-warpgroup loops with a producer)
             # (since s47 the 256-row tiles with K split in clusters at 129-256 rows where those fill one wave)
             # (since s48 the 7B's q/k/v and o at 257-512 rows: the loops whose tiles fill one wave)
+            # (since s49 the 14B's o and down at 385-512 rows: 192-row tiles, one wave)
             big = n * k >= 1 << 25
             c = -(-n // 128)
             narrow = 256 < m and n < 16384 and k <= 4096 and not (n <= 2048 and k <= 2048)
@@ -101,6 +102,9 @@ def test_tables_match_the_old_dispatch():
                 assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tma=True,
                                                        producer=True), (m, n, k)
             elif narrow and c * -(-m // 192) <= 132:
+                assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True,
+                                                       producer=True), (m, n, k)
+            elif 384 < m and 5120 <= n and 5120 <= k <= 13824 and c * -(-m // 192) <= 132:  # (s49: the 14B's o and down)
                 assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True,
                                                        producer=True), (m, n, k)
             elif m <= 256 and not (n <= 2048 and k <= 2048) and 2 <= min(132 // c, k // 256, 8) and c * min(132 // c, k // 256, 8) <= 112:
@@ -221,8 +225,7 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     # 384 rows on weights under 2^25 elements; the pre-scaled loop with TMA copies elsewhere:
     # 256-row tiles on the large weights at 129-256 and 385-512 rows, four warpgroups at 257-384,
     # three with K split in clusters on the 14B's o up to 256 rows and q/k/v at 257-384
-    for m, n, k in ((512, 17920, 1536), (512, 1536, 8960),
-                    (512, 5120, 5120), (200, 2048, 1536), (256, 1536, 1536)):
+    for m, n, k in ((512, 17920, 1536), (512, 1536, 8960), (200, 2048, 1536), (256, 1536, 1536)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
     tile256 = dispatch.WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True)
     for m, n, k in ((129, 37888, 3584), (512, 37888, 3584), (400, 3584, 18944), (256, 27648, 5120), (256, 5120, 13824)):
@@ -254,6 +257,15 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
                           (384, 4608, 3584, ps._replace(nwg=2)), (385, 4608, 3584, ps._replace(nwg=2, tile=192)),
                           (512, 4608, 3584, ps._replace(nwg=2, tile=192))):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == want, (m, n, k)
+    # s49 (sweep_mid_14b_o_down_h200_s49.json, three rounds): the 14B's o and down at 385-512 rows
+    # in 192-row tiles (one wave of 120 blocks), its o at 513-768 in 256-row tiles with K split in
+    # clusters; the 32B's down (K = 27648, not swept) keeps the 256-row tile
+    tile192 = ps._replace(nwg=2, tile=192)
+    for m, n, k, want in ((385, 5120, 5120, tile192), (512, 5120, 5120, tile192), (512, 5120, 13824, tile192),
+                          (512, 5120, 27648, tile256), (513, 5120, 5120, tile256._replace(cluster=True, producer=False)),
+                          (768, 5120, 5120, tile256._replace(cluster=True, producer=False)), (768, 5120, 13824, tile256)):
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == want, (m, n, k)
+    assert dispatch.lookup("w4a16", "sm90", 769, 5120, 5120) == dispatch.DEQUANT
     # 513-1024 rows (sweep_ws_7b_h200_s44.json): 256-row tiles on weights of 2^26 elements or more
     for m, n, k in ((513, 37888, 3584), (1024, 3584, 18944), (1024, 27648, 5120)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256, (m, n, k)

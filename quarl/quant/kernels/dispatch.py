@@ -215,6 +215,22 @@ def narrow_192_wave(m: int, n: int, k: int) -> bool:
     return _narrow_257(m, n, k) and splitk.cdiv(n, 128) * splitk.cdiv(m, 192) <= HOPPER_SMS
 
 
+def hidden_5120_192_wave(m: int, n: int, k: int) -> bool:
+    """385-512 rows, both sides 5120 or more and K <= 13824, where two warpgroups' 192-row tiles
+    fill at most one wave on :data:`HOPPER_SMS` SMs (14B and 32B o, 14B down: 14B o at 512 rows
+    44.5 us against 57.6 for cuBLAS on the dequantized weight, down 109.5 against 138 for the
+    256-row tile; NOTES session 49; the 32B's down, K = 27648, was not swept)."""
+    return (384 < m <= 512 and hidden_5120(m, n, k) and k <= 13824
+            and splitk.cdiv(n, 128) * splitk.cdiv(m, 192) <= HOPPER_SMS)
+
+
+def square_5120_m513(m: int, n: int, k: int) -> bool:
+    """513-768 rows, both sides 5120 or more on a weight under 2^25 elements (14B and 32B o): the
+    256-row tile with K split in clusters (58.9 us at 768 rows against 73.3 for cuBLAS on the
+    dequantized weight; NOTES session 49)."""
+    return 512 < m <= 768 and hidden_5120(m, n, k) and n * k < 1 << 25
+
+
 def wide_256_wave(m: int, n: int, k: int) -> bool:
     """A wide output (16384 columns or more) whose 256-column blocks (four warpgroups) fill one
     wave on :data:`HOPPER_SMS` SMs where three warpgroups' 192-column blocks take two (14B
@@ -264,7 +280,7 @@ _PRESCALED_TMA_4WG = Plan("wgmma", WgConfig(4, 4, 1.0, tail=True, prescale=True,
 # or with K split in clusters (129-256 rows on narrow weights, NOTES session 47)
 _PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True))
 _PRESCALED_TMA_256_CLUSTER = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256, tma=True))
-# ... in 192-row tiles with a producer (385-512 rows on the 7B's q/k/v, NOTES session 48)
+# ... in 192-row tiles with a producer (385-512 rows on the 7B's q/k/v, NOTES session 48; the 14B's o and down, s49)
 _PRESCALED_TMA_192 = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True, producer=True))
 
 # int4, group 128, weight-only (w4a16, w4a16-asym)
@@ -299,12 +315,14 @@ W4A16: tuple[Row, ...] = (
     Row(_PRESCALED_TMA_2WG, 512, narrow_2wg_wave, SM90),
     Row(_PRESCALED_TMA_192, 512, narrow_192_wave, SM90),
     Row(DEQUANT, 512, narrow_short_k_m256, SM90),
+    Row(_PRESCALED_TMA_192, 512, hidden_5120_192_wave, SM90),
     Row(_PRESCALED_TMA_256, 512, big_weight_256_tiles, SM90),
     Row(DEQUANT, 512, above_384, SM90),
     Row(_PRESCALED_TMA_4WG, 512, m257_wide_or_big, SM90),
     Row(_PRESCALED_TMA_CLUSTER, 512, hidden_5120_tiles, SM90),
     Row(_PRESCALED_TMA, 512, wide_output, SM90),
     Row(_PRESCALED_TMA_2WG, 512, None, SM90),
+    Row(_PRESCALED_TMA_256_CLUSTER, 768, square_5120_m513, SM90),
     Row(DEQUANT, 1024, long_k_m769, SM90),
     Row(_PRESCALED_TMA_256, 1024, big_weight, SM90),  # 513-1024 rows: the largest weights (NOTES sessions 44, 47)
     Row(DEQUANT),
