@@ -717,3 +717,96 @@ def run_once(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], c
                 log(f"ran M={m} {label} {format_candidate(cand)}")
             del b
             torch.cuda.empty_cache()
+
+
+def trace_summary(trace: list[list[int]], sms: int) -> dict:
+    """Per-block phases of one launch of the wgmma kernel's probe build (rows of 12 words,
+    :data:`~quarl.quant.kernels.cuda_w4.TRACE_POINTS`: globaltimer ns in words 0-4, the SM in
+    word 10; a point a block did not pass is 0). Phases per block: ``fill`` entry -> first group
+    landed, ``loop`` -> main loop done, ``epilogue`` -> its last probe; medians and 90th
+    percentiles in us. Per SM: blocks run and idle time (before its first block, between its
+    blocks, after its last, within the launch's span), as a fraction of the span."""
+    rows = [r for r in trace if r[0]]
+    if not rows:
+        raise ValueError("the trace holds no block: was the kernel built with W4_TRACE and launched?")
+    t0 = min(r[0] for r in rows)
+    ends = [max(r[0:5]) for r in rows]
+    span = max(ends) - t0
+
+    def stats(vals: list[float]) -> dict:
+        if not vals:
+            return dict(median_us=math.nan, p90_us=math.nan)
+        v = sorted(vals)
+        return dict(median_us=v[len(v) // 2] / 1e3, p90_us=v[min(len(v) - 1, (9 * len(v)) // 10)] / 1e3)
+
+    fill = [r[1] - r[0] for r in rows if r[1]]
+    loop = [r[2] - r[1] for r in rows if r[1] and r[2]]
+    epi = [e - r[2] for r, e in zip(rows, ends) if r[2]]
+    by_sm: dict[int, list[tuple[int, int]]] = {}
+    for r, e in zip(rows, ends):
+        by_sm.setdefault(int(r[10]), []).append((r[0], e))
+    idle = []
+    for sm in range(sms):
+        spans = sorted(by_sm.get(sm, []))
+        busy_to, gap = t0, 0
+        for start, end in spans:
+            gap += max(0, start - busy_to)
+            busy_to = max(busy_to, end)
+        idle.append((gap + (t0 + span - busy_to)) / span if span else 0.0)
+    counts = [len(by_sm.get(sm, [])) for sm in range(sms)]
+    return dict(blocks=len(rows), sms_used=len(by_sm), span_us=span / 1e3, fill=stats(fill), loop=stats(loop),
+                epilogue=stats(epi), blocks_per_sm=dict(min=min(counts), max=max(counts)),
+                sm_idle_frac=dict(median=sorted(idle)[len(idle) // 2], max=max(idle)))
+
+
+def trace_line(m: int, label: str, plan: str, s: dict) -> str:
+    return (f"M={m} {label} {plan}: {s['blocks']} blocks on {s['sms_used']} SMs ({s['blocks_per_sm']['min']}-"
+            f"{s['blocks_per_sm']['max']} each), span {s['span_us']:.1f} us; per block fill {s['fill']['median_us']:.2f}"
+            f" / loop {s['loop']['median_us']:.2f} / epilogue {s['epilogue']['median_us']:.2f} us (medians; p90 "
+            f"{s['fill']['p90_us']:.2f} / {s['loop']['p90_us']:.2f} / {s['epilogue']['p90_us']:.2f}); SM idle "
+            f"{100 * s['sm_idle_frac']['median']:.1f}% (max {100 * s['sm_idle_frac']['max']:.1f}%)")
+
+
+def run_trace(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], candidates: list[Candidate] | None,
+              fmt: str | None = None, log=print, warmup: int = 3) -> dict:
+    """Each wgmma candidate (the table's plan where None or where it is a wgmma plan) once with
+    the kernel's timing probes, after ``warmup`` launches, at every M and shape: per-block
+    phases and SM idle time (:func:`trace_summary`), and the blocks' raw probes."""
+    import torch
+
+    from quarl.bench.common import git_commit
+    from quarl.quant.kernels import cuda_w4, dispatch
+    from quarl.quant.kernels.device import num_sms
+    from quarl.quant.kernels.w4_layout import RepackCache
+    from quarl.quant.qweight import quantize_weight
+
+    fam = family(fam_name)
+    fmt = fmt or fam.format
+    dev = torch.device("cuda")
+    sms = num_sms(dev)
+    result = dict(benchmark="sweep-trace", family=fam_name, format=fmt, device=torch.cuda.get_device_name(dev),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  git_commit=git_commit(), torch=torch.__version__, points=list(cuda_w4.TRACE_POINTS), rows=[])
+    for m in ms:
+        for label, n, k in family_shapes(fam, shapes):
+            qw = quantize_weight(torch.randn(n, k, device=dev) * 0.02, fmt)
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            plans = candidates if candidates is not None else [dispatch.pick(qw, m, dev)]
+            for plan in plans:
+                name = format_candidate(plan)
+                if plan.kernel != "wgmma":
+                    log(f"M={m} {label} {name}: not a wgmma plan, no probes (skipped)")
+                    continue
+                cache = RepackCache()
+                for _ in range(warmup):
+                    cuda_w4.wgmma_trace(x, qw, None, plan.config, cache)
+                _, tr, grid = cuda_w4.wgmma_trace(x, qw, None, plan.config, cache)
+                torch.cuda.synchronize()
+                raw = tr.cpu().tolist()
+                s = trace_summary(raw, sms)
+                result["rows"].append(dict(M=m, layer=label, N=n, K=k, plan=name, grid=list(grid), summary=s,
+                                           blocks=[r[:5] + [r[10]] for r in raw]))
+                log(trace_line(m, label, name, s))
+            del qw, x
+            torch.cuda.empty_cache()
+    return result

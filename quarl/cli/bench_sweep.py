@@ -36,6 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(a drift of the clocks then hits all plans alike; default 1)")
     p.add_argument("--once", action="store_true",
                    help="run each candidate once at each M and shape, untimed (for ncu / nsys); needs --candidates")
+    p.add_argument("--trace", action="store_true",
+                   help="wgmma plans only: run each candidate (default: the table's plan) once with the kernel's "
+                        "timing probes and report per-block phases (fill, main loop, epilogue) and SM idle time")
     p.add_argument("--list", action="store_true", help="print the candidates at each M as specs and exit (no GPU)")
     p.add_argument("--out", help="write the JSON result here (rows, summary, device, commit)")
     p.add_argument("--against", metavar="FILE[,FILE]",
@@ -93,7 +96,7 @@ def _against(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from quarl.bench.sweep import family, format_candidate, parse_shapes, run_once, run_sweep
+    from quarl.bench.sweep import family, format_candidate, parse_shapes, run_once, run_sweep, run_trace
 
     if args.against:
         return _against(args)
@@ -110,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--rounds {args.rounds}: time each plan at least once (--rounds 1 or more)")
     if args.once and cands is None:
         raise ValueError("--once runs the given candidates: pass --candidates SPEC")
+    if args.trace and (args.once or fam.table != "w4a16"):
+        raise ValueError("--trace probes the w4a16 wgmma kernel: a family of table w4a16 (wgmma, mid), without --once")
     if not torch.cuda.is_available():
         raise ValueError("quarl bench sweep needs a CUDA GPU (it times the kernels); run it on a GPU machine")
     if args.once:
@@ -120,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(result, indent=1))
+
+    if args.trace:
+        save(run_trace(args.family, ms, shapes, cands, args.format, log=lambda s: print(s, flush=True)))
+        return 0
 
     result = run_sweep(args.family, ms, shapes, cands, args.format, args.budget, args.reps,
                        log=lambda s: print(s, flush=True), save=save, rounds=args.rounds)

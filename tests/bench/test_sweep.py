@@ -156,6 +156,11 @@ def test_sweep_cli_without_a_gpu():
     assert r.returncode == 2 and "--rounds 0" in r.stderr and "Traceback" not in r.stderr
     r = _quarl("bench", "sweep", "wgmma", "--m", "16", "--list")  # no GPU needed
     assert r.returncode == 0 and "wgmma:nwg=1,stages=3,tail=1\n" in r.stdout
+    for bad in (("fp8", "--trace"), ("mid", "--trace", "--once", "--candidates", "dequant:")):
+        r = _quarl("bench", "sweep", *bad)
+        assert r.returncode == 2 and "--trace probes the w4a16 wgmma kernel" in r.stderr, r.stderr
+    r = _quarl("bench", "sweep", "mid", "--trace")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
     r = _quarl("bench", "rollout", "--profile-kernels")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
     r = _quarl("bench", "rollout", "--kv-cache-dtype", "auto,fp16")
@@ -302,3 +307,55 @@ def test_the_hopper_w4a16_families_time_the_tables_own_plans(fam, ms):
             if spec.startswith("wgmma") and spec not in cands:
                 missing.append((m, n, k, spec))
     assert not missing, missing
+
+
+def _probe_row(entry, landed, loop_done, begin, written, sm, t0=7_000_000_000):
+    """A block's probes, times in ns from ``t0`` (the timer's own origin; 0: not passed)."""
+    return [t0 + t if t or i == 0 else 0 for i, t in enumerate((entry, landed, loop_done, begin, written))] + [0] * 5 + [sm, 0]
+
+
+def test_trace_summary_phases_and_idle_time_by_hand():
+    """Three blocks on two of three SMs: SM 0 runs 0-10 us then 12-20, SM 1 2-18 and SM 2 none;
+    the third block has no "landed" probe (its fill and loop are not counted), a fourth row is a
+    block that never ran. Span 20 us; idle: SM 0 2 us (10%), SM 1 2 + 2 us (20%), SM 2 all of it."""
+    trace = [_probe_row(0, 1000, 9000, 9000, 10000, 0), _probe_row(12000, 13500, 19000, 19000, 20000, 0),
+             _probe_row(2000, 0, 17000, 17000, 18000, 1), [0] * 12]
+    s = sweep.trace_summary(trace, sms=3)
+    assert s["blocks"] == 3 and s["sms_used"] == 2 and s["span_us"] == 20.0
+    assert s["fill"] == dict(median_us=1.5, p90_us=1.5)  # 1.0 and 1.5 us: the upper middle
+    assert s["loop"] == dict(median_us=8.0, p90_us=8.0)  # 8.0 and 5.5
+    assert s["epilogue"] == dict(median_us=1.0, p90_us=1.0)
+    assert s["blocks_per_sm"] == dict(min=0, max=2)
+    assert s["sm_idle_frac"] == dict(median=0.2, max=1.0)
+    line = sweep.trace_line(1024, "gate_up", "wgmma:tile=256", s)
+    assert "3 blocks on 2 SMs (0-2 each), span 20.0 us" in line and "SM idle 20.0% (max 100.0%)" in line
+    with pytest.raises(ValueError, match="W4_TRACE"):
+        sweep.trace_summary([[0] * 12], sms=1)
+
+
+def test_wgmma_trace_builds_the_probes_and_passes_their_buffer_before_the_tensor_map(monkeypatch):
+    """The host side on CPU: ``wgmma_trace`` compiles with W4_TRACE, allocates 12 zeroed words a
+    block of the launch's grid and passes them after the LoRA arguments and before the
+    activation's tensor map (the kernel's parameter order); without it, no buffer."""
+    import torch
+
+    from quarl.quant.kernels import cuda_w4
+    from quarl.quant.kernels.config import WgConfig
+    from quarl.quant.qweight import quantize_weight
+
+    built, launched = [], []
+    monkeypatch.setattr(cuda_w4, "_wgmma_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(cuda_w4, "launch", lambda kern, grid, block, args, smem: launched.append((grid, args)))
+    monkeypatch.setattr(cuda_w4, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(cuda_w4, "x_tensor_map", lambda x, rows: "tmap")
+    qw = quantize_weight(torch.randn(1024, 512) * 0.02, "w4a16")
+    x = torch.randn(300, 512, dtype=torch.bfloat16)
+    cfg = WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True)
+    out, tr, grid = cuda_w4.wgmma_trace(x, qw, None, cfg)
+    assert out.shape == (300, 1024) and "W4_TRACE" in built[-1][8]
+    (g, args), = launched
+    assert g == grid and grid[1] == 2 and tr.shape == (grid[0] * grid[1], 12) and tr.dtype == torch.int64
+    assert not tr.any() and args[-2] is tr and args[-1] == "tmap"
+    cuda_w4.wgmma_gemm(x, qw, None, cfg)
+    assert "W4_TRACE" not in built[-1][8] and launched[-1][1][-1] == "tmap"
+    assert not any(isinstance(a, torch.Tensor) and a.dtype == torch.int64 for a in launched[-1][1])

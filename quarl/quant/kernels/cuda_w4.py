@@ -192,13 +192,17 @@ def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail:
 
 def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_args: tuple, threads: int,
                     smem: int, one_d: bool, extra: tuple = (), out_cols: int | None = None,
-                    token_tiles: int = 1, tile_rows: int = 0) -> torch.Tensor:
+                    token_tiles: int = 1, tile_rows: int = 0, extra_tail: tuple = (),
+                    trace: list | None = None) -> torch.Tensor:
     """Launch a kernel whose blocks own ``slabs_per_block`` slabs and a K range (the tile and
     wgmma kernels). ``kernel_for(asym, cluster_size)`` -> the kernel. ``one_d`` (wgmma): a
     1-D grid, the ``whole`` column blocks first, and a ``whole`` argument, then ``extra``.
     ``out_cols``: the output's width when it is not ``n`` (the gated epilogue: ``n / 2``).
     ``token_tiles`` > 1 (the wgmma kernel's pre-scaled loop): grid y over ``tile_rows``-row tiles
-    of x, each with the same column blocks and K split (planned for that many times the blocks)."""
+    of x, each with the same column blocks and K split (planned for that many times the blocks).
+    ``trace`` (a list; the kernel built with ``W4_TRACE``): a zeroed int64 buffer of 12 words a
+    block is passed after ``extra`` and before ``extra_tail``, and appended to the list with the
+    grid."""
     m = x.shape[0]
     groups, np_ = fw.scales.shape
     cols = splitk.cdiv(np_ // SLAB, slabs_per_block)
@@ -215,6 +219,11 @@ def _launch_blocked(kernel_for, x, fw, bias, n: int, slabs_per_block: int, plan_
         grid = (plan.programs(cols), token_tiles, 1)
         args.append(plan.whole)
     args.extend(extra)
+    if trace is not None:
+        buf = torch.zeros(grid[0] * grid[1], 12, dtype=torch.int64, device=x.device)
+        args.append(buf)
+        trace.extend((buf, grid))
+    args.extend(extra_tail)
     launch(kernel_for(fw.negz is not None, plan.cluster), grid, (threads, 1, 1), args, smem)
     return out
 
@@ -291,7 +300,7 @@ def _lora_args(lora, x: torch.Tensor) -> tuple:
 
 def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig = WgConfig(),
                repacked: RepackCache | None = None, defines: tuple[str, ...] = (), lora=None,
-               gated: bool = False) -> torch.Tensor:
+               gated: bool = False, trace: list | None = None) -> torch.Tensor:
     """``x [M, K] (bf16, M <= 128) @ W.T + bias`` with the wgmma kernel (Hopper): same fragment
     words (reordered, :func:`~.w4_layout.wgmma_words`) and numerics as :func:`frag_gemm`; with
     ``cfg.prescale`` the learner's numerics (module docstring) and any M, in 128-row tiles.
@@ -301,8 +310,12 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
     engine's SiLU-and-mul in the epilogue: bit for bit the plain GEMM over the rows in the
     gated order (:func:`~.w4_layout.gated_rows`) then :func:`quarl.rollout.fused.silu_mul`; the
     same as over the weight as it is wherever the plan splits all column blocks alike (a tail
-    plan splits only the last wave's, which then hold other rows: the same sums in another order)."""
+    plan splits only the last wave's, which then hold other rows: the same sums in another order).
+    ``trace`` (a list): build the kernel with its timing probes (``W4_TRACE``) and append to the
+    list the probes' buffer ``[blocks, 12]`` int64 and the grid (see :func:`wgmma_trace`)."""
     m = x.shape[0]
+    if trace is not None and "W4_TRACE" not in defines:
+        defines = (*defines, "W4_TRACE")
     cfg.check(m)
     if gated and (qw.shape[0] % 16 or bias is not None or lora is not None):
         raise ValueError(f"the gated w4 epilogue takes a [gate; up] weight of 2 I rows with I % 8 == 0, "
@@ -323,8 +336,24 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
                              gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma, cfg.producer)
 
-    extra = _lora_args(lora, x) + ((x_tensor_map(x, ntok),) if cfg.tma else ())
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
-                           cfg.threads, smem, one_d=True, extra=extra,
+                           cfg.threads, smem, one_d=True, extra=_lora_args(lora, x),
                            out_cols=qw.shape[0] // 2 if gated else None,
-                           token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok)
+                           token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok,
+                           extra_tail=(x_tensor_map(x, ntok),) if cfg.tma else (), trace=trace)
+
+
+# the probes of the wgmma kernel's W4_TRACE build (w4a16.cu): words 0-4 %globaltimer (ns) at
+# entry, first group landed, main loop done, partials stored or output stores begun, output
+# written; 5-9 %clock64 at the same points; 10 the SM
+TRACE_POINTS = ("entry", "landed", "loop_done", "stores_begin", "written")
+
+
+def wgmma_trace(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: WgConfig,
+                repacked: RepackCache | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """One launch of the wgmma kernel built with its timing probes: ``(out, trace, grid)``, trace
+    ``[blocks, 12]`` int64 (block ``y * grid[0] + x``; :data:`TRACE_POINTS`, a point a block does
+    not pass left 0). The probes change the schedule a little; time with the plain build."""
+    got: list = []
+    out = wgmma_gemm(x, qw, bias, cfg, repacked, gated=gated, trace=got)
+    return out, got[0], got[1]

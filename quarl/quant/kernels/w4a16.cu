@@ -680,9 +680,11 @@ __device__ __forceinline__ void stg128(void* p, const u32* v) {
 // CUtensorMap (cuda.h): 128 opaque bytes, passed by value (__grid_constant__)
 struct __align__(64) TmaMap { unsigned long long v[16]; };
 //WGMMA_WRAPPERS//
-// Timing probes, compiled only with -DW4_TRACE: thread 0 of each block
+// Timing probes, compiled only with -DW4_TRACE (quarl bench trace): thread 0 of each block
 // stores %globaltimer and %clock64 at point i (0 entry, 1 first group landed, 2 main loop done,
-// 3 partials stored, 4 split-K finish done) and its SM in trace[block * 12 + ...].
+// 3 partials stored or, in a block over all of K, its output stores begin, 4 output written:
+// the split-K finish done or the block's stores issued) and its SM in trace[b * 12 + ...],
+// b = blockIdx.y * gridDim.x + blockIdx.x (points a block does not pass stay 0).
 #ifdef W4_TRACE
 __device__ __forceinline__ void w4_trace_at(unsigned long long* tr, int i) {
   unsigned long long gt, ck;
@@ -690,7 +692,7 @@ __device__ __forceinline__ void w4_trace_at(unsigned long long* tr, int i) {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
   asm volatile("mov.u64 %0, %%clock64;" : "=l"(ck));
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  tr += (size_t)blockIdx.x * 12;
+  tr += ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 12;
   tr[i] = gt;
   tr[5 + i] = ck;
   tr[10] = sm;
@@ -1297,6 +1299,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         const int j0 = HS ? 2 * gi : gi;
         tma_refill(j0 + LA);
         mb_wait(full0 + 8 * (j0 % ST), (j0 / ST) & 1);
+        if (gi == 0) W4_TRACE_AT(1);
         ps_half(gi, 0, h0, z0, z1, sc0, sc1);
         wg_wait1();  // retires the previous group's second half
         keep_a(h1);
@@ -1520,6 +1523,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
             stg128(out + (size_t)r * ldo + col, v);
           }
         }
+        W4_TRACE_AT(4);
         return;
       }
     }
@@ -1541,6 +1545,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         out[(size_t)r * ldo + n] = to_bf16(v);
       }
     }
+    W4_TRACE_AT(4);
     return;
   }
   if (live) {
