@@ -724,8 +724,10 @@ def trace_summary(trace: list[list[int]], sms: int) -> dict:
     :data:`~quarl.quant.kernels.cuda_w4.TRACE_POINTS`: globaltimer ns in words 0-4, the SM in
     word 10; a point a block did not pass is 0). Phases per block: ``fill`` entry -> first group
     landed, ``loop`` -> main loop done, ``epilogue`` -> its last probe; medians and 90th
-    percentiles in us. Per SM: blocks run and idle time (before its first block, between its
-    blocks, after its last, within the launch's span), as a fraction of the span."""
+    percentiles in us. ``loop_clock_mhz``: the SM clock over the main loop (clock64 cycles,
+    words 6-7, per globaltimer us), median and lowest. Per SM: blocks run and idle time (before
+    its first block, between its blocks, after its last, within the launch's span), as a
+    fraction of the span."""
     rows = [r for r in trace if r[0]]
     if not rows:
         raise ValueError("the trace holds no block: was the kernel built with W4_TRACE and launched?")
@@ -742,6 +744,7 @@ def trace_summary(trace: list[list[int]], sms: int) -> dict:
     fill = [r[1] - r[0] for r in rows if r[1]]
     loop = [r[2] - r[1] for r in rows if r[1] and r[2]]
     epi = [e - r[2] for r, e in zip(rows, ends) if r[2]]
+    mhz = sorted(1e3 * (r[7] - r[6]) / (r[2] - r[1]) for r in rows if r[1] and r[2] > r[1] and r[7] > r[6])
     by_sm: dict[int, list[tuple[int, int]]] = {}
     for r, e in zip(rows, ends):
         by_sm.setdefault(int(r[10]), []).append((r[0], e))
@@ -755,7 +758,9 @@ def trace_summary(trace: list[list[int]], sms: int) -> dict:
         idle.append((gap + (t0 + span - busy_to)) / span if span else 0.0)
     counts = [len(by_sm.get(sm, [])) for sm in range(sms)]
     return dict(blocks=len(rows), sms_used=len(by_sm), span_us=span / 1e3, fill=stats(fill), loop=stats(loop),
-                epilogue=stats(epi), blocks_per_sm=dict(min=min(counts), max=max(counts)),
+                epilogue=stats(epi),
+                loop_clock_mhz=dict(median=mhz[len(mhz) // 2], min=mhz[0]) if mhz else dict(median=math.nan, min=math.nan),
+                blocks_per_sm=dict(min=min(counts), max=max(counts)),
                 sm_idle_frac=dict(median=sorted(idle)[len(idle) // 2], max=max(idle)))
 
 
@@ -763,7 +768,8 @@ def trace_line(m: int, label: str, plan: str, s: dict) -> str:
     return (f"M={m} {label} {plan}: {s['blocks']} blocks on {s['sms_used']} SMs ({s['blocks_per_sm']['min']}-"
             f"{s['blocks_per_sm']['max']} each), span {s['span_us']:.1f} us; per block fill {s['fill']['median_us']:.2f}"
             f" / loop {s['loop']['median_us']:.2f} / epilogue {s['epilogue']['median_us']:.2f} us (medians; p90 "
-            f"{s['fill']['p90_us']:.2f} / {s['loop']['p90_us']:.2f} / {s['epilogue']['p90_us']:.2f}); SM idle "
+            f"{s['fill']['p90_us']:.2f} / {s['loop']['p90_us']:.2f} / {s['epilogue']['p90_us']:.2f}); loop at "
+            f"{s['loop_clock_mhz']['median']:.0f} MHz (min {s['loop_clock_mhz']['min']:.0f}); SM idle "
             f"{100 * s['sm_idle_frac']['median']:.1f}% (max {100 * s['sm_idle_frac']['max']:.1f}%)")
 
 

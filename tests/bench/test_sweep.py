@@ -309,26 +309,32 @@ def test_the_hopper_w4a16_families_time_the_tables_own_plans(fam, ms):
     assert not missing, missing
 
 
-def _probe_row(entry, landed, loop_done, begin, written, sm, t0=7_000_000_000):
-    """A block's probes, times in ns from ``t0`` (the timer's own origin; 0: not passed)."""
-    return [t0 + t if t or i == 0 else 0 for i, t in enumerate((entry, landed, loop_done, begin, written))] + [0] * 5 + [sm, 0]
+def _probe_row(entry, landed, loop_done, begin, written, sm, t0=7_000_000_000, mhz=0):
+    """A block's probes, times in ns from ``t0`` (the timer's own origin; 0: not passed); with
+    ``mhz``, clock64 counts at "landed" and "loop done" as an SM at that clock would read them."""
+    times = [t0 + t if t or i == 0 else 0 for i, t in enumerate((entry, landed, loop_done, begin, written))]
+    clocks = [0, 5_000, 5_000 + (loop_done - landed) * mhz // 1000, 0, 0] if mhz else [0] * 5
+    return times + clocks + [sm, 0]
 
 
 def test_trace_summary_phases_and_idle_time_by_hand():
     """Three blocks on two of three SMs: SM 0 runs 0-10 us then 12-20, SM 1 2-18 and SM 2 none;
     the third block has no "landed" probe (its fill and loop are not counted), a fourth row is a
     block that never ran. Span 20 us; idle: SM 0 2 us (10%), SM 1 2 + 2 us (20%), SM 2 all of it."""
-    trace = [_probe_row(0, 1000, 9000, 9000, 10000, 0), _probe_row(12000, 13500, 19000, 19000, 20000, 0),
-             _probe_row(2000, 0, 17000, 17000, 18000, 1), [0] * 12]
+    trace = [_probe_row(0, 1000, 9000, 9000, 10000, 0, mhz=1980), _probe_row(12000, 13500, 19000, 19000, 20000, 0, mhz=1500),
+             _probe_row(2000, 0, 17000, 17000, 18000, 1, mhz=1000), [0] * 12]
     s = sweep.trace_summary(trace, sms=3)
     assert s["blocks"] == 3 and s["sms_used"] == 2 and s["span_us"] == 20.0
     assert s["fill"] == dict(median_us=1.5, p90_us=1.5)  # 1.0 and 1.5 us: the upper middle
     assert s["loop"] == dict(median_us=8.0, p90_us=8.0)  # 8.0 and 5.5
     assert s["epilogue"] == dict(median_us=1.0, p90_us=1.0)
+    # the loops' clocks: 1980 MHz over 8 us and 1500 over 5.5 (the third block has no "landed")
+    assert s["loop_clock_mhz"]["median"] == pytest.approx(1980) and s["loop_clock_mhz"]["min"] == pytest.approx(1500)
     assert s["blocks_per_sm"] == dict(min=0, max=2)
     assert s["sm_idle_frac"] == dict(median=0.2, max=1.0)
     line = sweep.trace_line(1024, "gate_up", "wgmma:tile=256", s)
     assert "3 blocks on 2 SMs (0-2 each), span 20.0 us" in line and "SM idle 20.0% (max 100.0%)" in line
+    assert "loop at 1980 MHz (min 1500)" in line
     with pytest.raises(ValueError, match="W4_TRACE"):
         sweep.trace_summary([[0] * 12], sms=1)
 
