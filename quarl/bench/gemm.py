@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from quarl.bench.common import git_commit
-from quarl.bench.timing import Ceilings, measure_ceilings, n_sets, time_per_call
+from quarl.bench.timing import POWER_MODES, Ceilings, PowerGate, measure_ceilings, n_sets, time_per_call
 from quarl.model.presets import PRESETS
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.ops import quant_linear
@@ -147,7 +147,7 @@ def make_calls_quantized_input(fmt: str, m: int, n: int, k: int, device: torch.d
     return [lambda i=i: launch.linear_quantized_input(*xs[i], qws[i], None, torch.bfloat16) for i in range(len(qws))]
 
 
-def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torch.device, reps: int, graph: bool) -> float:
+def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torch.device, tk: dict) -> float:
     """What fusing the quantizer costs the op before the GEMM: time of the engine's fused
     ``producer`` writing codes + scales minus the same kernel writing bf16 (negative when the
     smaller write makes it faster). ``k`` is the GEMM's K (the producer's row length)."""
@@ -161,7 +161,7 @@ def producer_extra_seconds(producer: str, act: str, m: int, k: int, device: torc
             return lambda: fused.silu_mul(x[:, :k], x[:, k:], quant=quant)
         return lambda: fused.rmsnorm(x, w, 1e-6, quant=quant)
 
-    return time_per_call([run(act)], reps=reps, graph=graph) - time_per_call([run(None)], reps=reps, graph=graph)
+    return time_per_call([run(act)], **tk) - time_per_call([run(None)], **tk)
 
 
 def gated_mlp(fmt: str, m: int, hidden: int, inter: int) -> bool:
@@ -189,12 +189,12 @@ def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2:
     return [lambda i=i: call(i) for i in range(len(qws))]
 
 
-def silu_mul_seconds(m: int, inter: int, device: torch.device, reps: int, graph: bool) -> float:
+def silu_mul_seconds(m: int, inter: int, device: torch.device, tk: dict) -> float:
     """The bf16 engine's SiLU-and-mul on ``[M, 2 I]`` (what the gated GEMM saves)."""
     from quarl.rollout import fused
 
     x = torch.randn(m, 2 * inter, device=device, dtype=torch.bfloat16)
-    return time_per_call([lambda: fused.silu_mul(x[:, :inter], x[:, inter:])], reps=reps, graph=graph)
+    return time_per_call([lambda: fused.silu_mul(x[:, :inter], x[:, inter:])], **tk)
 
 
 def floor_seconds(fmt: str, m: int, n: int, k: int, ceil: Ceilings) -> float:
@@ -204,7 +204,7 @@ def floor_seconds(fmt: str, m: int, n: int, k: int, ceil: Ceilings) -> float:
     return max(nbytes / ceil.bandwidth, 2 * m * n * k / rate)
 
 
-def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict) -> tuple[float, dict]:
+def engine_row_seconds(label, fmt, m, n, k, device, l2, tk: dict, extra: dict) -> tuple[float, dict]:
     """Time of an engine-set W8A8 GEMM as the engine runs it, and what the row says about its
     input. In general: the GEMM on codes plus what the fused quantizer adds to the op before
     (``producer_extra_seconds``, cached in ``extra``). Where the MLP runs the gated gate/up
@@ -221,28 +221,35 @@ def engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra: dict
     inter, hidden = (n // 2, k) if label == "gate_up_proj (fused)" else (k, n)
     if gated_mlp(fmt, m, hidden, inter) and label in ("gate_up_proj (fused)", "down_proj"):
         if label == "down_proj":
-            t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), reps=reps, graph=graph)
+            t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), **tk)
             return t, dict(input="quantized by the gated gate/up GEMM's row quantizer (counted in that row)", producer_extra_ms=0.0)
-        norm = cached(("rmsnorm", act, m, k), lambda: producer_extra_seconds("rmsnorm", act, m, k, device, reps, graph))
-        silu = cached(("silu_bf16", m, inter), lambda: silu_mul_seconds(m, inter, device, reps, graph))
-        t = time_per_call(make_calls_gated(fmt, m, n, k, device, l2), reps=reps, graph=graph) - silu + norm
+        power = tk.get("power")
+        norm = cached(("rmsnorm", act, m, k, power), lambda: producer_extra_seconds("rmsnorm", act, m, k, device, tk))
+        silu = cached(("silu_bf16", m, inter, power), lambda: silu_mul_seconds(m, inter, device, tk))
+        t = time_per_call(make_calls_gated(fmt, m, n, k, device, l2), **tk) - silu + norm
         return t, dict(input="quantized by the fused rmsnorm; SiLU-and-mul in the GEMM epilogue, down's quantizer "
                              "included, the bf16 SiLU-and-mul subtracted", producer_extra_ms=(norm - silu) * 1e3)
     key = (ENGINE_QUANTIZED_INPUT[label], act, m, k)
-    add = cached(key, lambda: producer_extra_seconds(*key, device, reps, graph))
-    t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), reps=reps, graph=graph) + add
+    add = cached(key + (tk.get("power"),), lambda: producer_extra_seconds(*key, device, tk))
+    t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), **tk) + add
     return t, dict(input=f"quantized by the fused {ENGINE_QUANTIZED_INPUT[label]}", producer_extra_ms=add * 1e3)
 
 
 def run_benchmark(
     models: list[str], ms: list[int], formats: list[str], reps: int = 20, graph: bool = True, log=print,
-    partial_path: str | None = None, sets: tuple[str, ...] = SHAPE_SETS,
+    partial_path: str | None = None, sets: tuple[str, ...] = SHAPE_SETS, power: tuple[str | None, ...] = POWER_MODES,
 ) -> dict:
+    """Every format against bf16 at every shape and M, in each power state of ``power``
+    (:mod:`quarl.bench.timing`: ``burst``, ``sustained``; None: as found), bf16 first within
+    a state, so that each ratio compares two timings of one state."""
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-    ceil = measure_ceilings(device)
-    log(f"ceilings: {ceil.bandwidth / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops / 1e12:.0f} TFLOP/s, fp8 {ceil.fp8_flops / 1e12:.0f} TFLOP/s")
+    gate = PowerGate(gpu=nvidia_smi_index(device))
+    ceils = {p: measure_ceilings(device, p, gate) for p in power}
+    for p, ceil in ceils.items():
+        log(f"ceilings{'' if p is None else ' (' + p + ')'}: {ceil.bandwidth / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops / 1e12:.0f} "
+            f"TFLOP/s, fp8 {ceil.fp8_flops / 1e12:.0f} TFLOP/s")
     if "bf16" not in formats:
         formats = ["bf16"] + formats
     rows, engine_rows = [], []
@@ -250,49 +257,64 @@ def run_benchmark(
     for model in models:
         for label, n, k, counts in linear_shapes(MODELS[model], sets):
             for m in ms:
-                base = None
-                for fmt in formats:
-                    own, fused_in = engine_split(label, counts, fmt)
-                    fl = floor_seconds(fmt, m, n, k, ceil)
-                    for kind, cnt in (("standalone", own), ("engine", fused_in)):
-                        if kind == "engine" and not cnt:
-                            continue
-                        try:
-                            if kind == "standalone":
-                                t = time_per_call(make_calls(fmt, m, n, k, device, l2), reps=reps, graph=graph)
+                for p in power:
+                    base = None
+                    for fmt in formats:
+                        own, fused_in = engine_split(label, counts, fmt)
+                        fl = floor_seconds(fmt, m, n, k, ceils[p])
+                        for kind, cnt in (("standalone", own), ("engine", fused_in)):
+                            if kind == "engine" and not cnt:
+                                continue
+                            info: dict = {}
+                            tk = dict(reps=reps, graph=graph, power=p, gate=gate, info=info)
+                            try:
+                                if kind == "standalone":
+                                    t = time_per_call(make_calls(fmt, m, n, k, device, l2), **tk)
+                                else:
+                                    t, note = engine_row_seconds(label, fmt, m, n, k, device, l2, tk, extra)
+                                err = None
+                            except Exception as e:  # keep going; the failure is part of the result
+                                t, err = float("nan"), f"{type(e).__name__}: {e}"[:300]
+                            if fmt == "bf16":
+                                base = t
+                            reading = info.get("reading") or {}
+                            row = dict(
+                                model=model, layer=label, counts=cnt, N=n, K=k, M=m, format=fmt, power=p,
+                                ms=t * 1e3, speedup=base / t if base else float("nan"),
+                                floor_ms=fl * 1e3, floor_frac=fl / t, sm_mhz=reading.get("sm_mhz"), error=err,
+                            )
+                            if kind == "engine":
+                                row.update(note if err is None else dict(input="not timed (error)", producer_extra_ms=float("nan")))
+                                engine_rows.append(row)
                             else:
-                                t, note = engine_row_seconds(label, fmt, m, n, k, device, l2, reps, graph, extra)
-                            err = None
-                        except Exception as e:  # keep going; the failure is part of the result
-                            t, err = float("nan"), f"{type(e).__name__}: {e}"[:300]
-                        if fmt == "bf16":
-                            base = t
-                        row = dict(
-                            model=model, layer=label, counts=cnt, N=n, K=k, M=m, format=fmt,
-                            ms=t * 1e3, speedup=base / t if base else float("nan"),
-                            floor_ms=fl * 1e3, floor_frac=fl / t, error=err,
-                        )
-                        if kind == "engine":
-                            row.update(note if err is None else dict(input="not timed (error)", producer_extra_ms=float("nan")))
-                            engine_rows.append(row)
-                        else:
-                            rows.append(row)
-                    torch.cuda.empty_cache()
-                log(_row_line(rows[-len(formats):]))
-                for r in engine_rows:
-                    if r["model"] == model and r["layer"] == label and r["M"] == m:
-                        log(f"{'':>13} {'':>17} {'':<7} {r['format']} as the engine runs it (input {r['input']}): "
-                            f"{r['speedup']:.2f}x")
-                if partial_path:
-                    save(dict(device=props.name, ceilings=asdict(ceil), formats=formats, rows=rows), partial_path)
+                                rows.append(row)
+                        torch.cuda.empty_cache()
+                    log(_row_line(rows[-len(formats):]))
+                    for r in engine_rows:
+                        if r["model"] == model and r["layer"] == label and r["M"] == m and r["power"] == p:
+                            log(f"{'':>13} {'':>17} {'':<7} {r['format']} as the engine runs it (input {r['input']}): "
+                                f"{r['speedup']:.2f}x")
+                    if partial_path:
+                        save(dict(device=props.name, ceilings=asdict(ceils[power[0]]), formats=formats, rows=rows), partial_path)
     result = dict(
         device=props.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         git_commit=git_commit(), torch=torch.__version__, triton=_triton_version(), cuda_graphs=graph,
-        ceilings=asdict(ceil), formats=formats, rows=rows + engine_rows,
+        ceilings=asdict(ceils[power[0]]), ceilings_by_power={str(p): asdict(c) for p, c in ceils.items()},
+        power=list(power), formats=formats, rows=rows + engine_rows,
     )
     result["shape_sets"] = list(sets)
     summarize(result)
     return result
+
+
+def nvidia_smi_index(device: torch.device) -> int:
+    """``nvidia-smi``'s index of a CUDA device: its place in ``CUDA_VISIBLE_DEVICES`` where
+    that lists indices, else its own."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if idx < len(vis) and vis[idx].isdigit():
+        return int(vis[idx])
+    return idx
 
 
 def summarize(result: dict) -> dict:
@@ -312,48 +334,62 @@ def _triton_version() -> str:
         return "none"
 
 
+def _power_label(r: dict) -> str:
+    """A row's power state as the tables print it ('' for rows timed as found)."""
+    return r.get("power") or ""
+
+
 def _row_line(rows: list[dict]) -> str:
     r0 = rows[0]
     cells = " ".join(f"{r['format']}={r['speedup']:.2f}x" for r in rows[1:])
-    return f"{r0['model']:>13} {r0['layer']:>17} M={r0['M']:<5} bf16={r0['ms'] * 1e3:8.1f}us {cells}"
+    clock = f" {r0['sm_mhz']:.0f}MHz" if r0.get("sm_mhz") else ""
+    return f"{r0['model']:>13} {r0['layer']:>17} M={r0['M']:<5} {_power_label(r0):>9}{clock} bf16={r0['ms'] * 1e3:8.1f}us {cells}"
 
 
 def layer_speedups(rows: list[dict], shape_set: str = "modules") -> list[dict]:
-    """Per model, M and format: time of all linears of one decoder layer vs bf16, with the
-    shapes and counts of ``shape_set``."""
+    """Per model, M, power state and format: time of all linears of one decoder layer vs
+    bf16's in the same state, with the shapes and counts of ``shape_set``."""
     acc: dict[tuple, float] = {}
     for r in rows:
         count = r["counts"].get(shape_set, 0)
         if count:
-            key = (r["model"], r["M"], r["format"])
+            key = (r["model"], r["M"], r.get("power"), r["format"])
             acc[key] = acc.get(key, 0.0) + r["ms"] * count
     out = []
-    for (model, m, fmt), t in acc.items():
-        base = acc.get((model, m, "bf16"))
-        out.append(dict(model=model, shapes=shape_set, M=m, format=fmt, layer_ms=t, speedup=base / t if base else float("nan")))
+    for (model, m, power, fmt), t in acc.items():
+        base = acc.get((model, m, power, "bf16"))
+        out.append(dict(model=model, shapes=shape_set, M=m, power=power, format=fmt, layer_ms=t,
+                        speedup=base / t if base else float("nan")))
     return out
 
 
 TARGETS = (  # (format, predicate on M, min speedup) on the 7B shapes
     ("w4a16", "M<=16", lambda m: m <= 16, 2.5),
     ("w4a16", "M=64", lambda m: m == 64, 1.4),
+    ("w4a16", "M=128", lambda m: m == 128, 1.5),
+    ("w4a16", "M=256", lambda m: m == 256, 1.0),
+    ("w4a16", "M=1024", lambda m: m == 1024, 1.0),
+    ("w4a16", "M=4096", lambda m: m == 4096, 1.0),
     ("w8a8-fp8", "M>=256", lambda m: m >= 256, 1.4),
     ("w8a8-int8", "M>=256", lambda m: m >= 256, 1.3),
 )
 
 
 def check_targets(rows: list[dict], model: str = "qwen2.5-7b", shape_set: str = "modules") -> list[dict]:
-    """Each target's geomean and worst speedup over the rows of ``model`` in ``shape_set``."""
+    """Each target's geomean and worst speedup over the rows of ``model`` in ``shape_set``, per
+    power state."""
     out = []
-    for fmt, label, pred, want in TARGETS:
-        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"]) and r["counts"].get(shape_set)]
+    powers = list(dict.fromkeys(r.get("power") for r in rows))
+    for (fmt, label, pred, want), power in ((t, p) for t in TARGETS for p in powers):
+        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"]) and r["counts"].get(shape_set)
+               and r.get("power") == power]
         if not got:
             continue
         sp = [r["speedup"] for r in got]
         geo = math.exp(sum(math.log(s) for s in sp) / len(sp)) if all(s > 0 for s in sp) else float("nan")
         worst = min(got, key=lambda r: r["speedup"])
         out.append(dict(
-            format=fmt, shapes=shape_set, where=label, target=want, geomean=geo, min=worst["speedup"],
+            format=fmt, shapes=shape_set, power=power, where=label, target=want, geomean=geo, min=worst["speedup"],
             min_at=f"{worst['layer']} M={worst['M']}", met_geomean=geo >= want, met_all=worst["speedup"] >= want,
         ))
     return out
@@ -361,30 +397,34 @@ def check_targets(rows: list[dict], model: str = "qwen2.5-7b", shape_set: str = 
 
 def format_table(result: dict) -> str:
     lines = [f"# {result['device']}  {result['date']}  commit {result['git_commit'][:10]}"]
-    c = result["ceilings"]
-    lines.append(f"# ceilings: {c['bandwidth'] / 1e12:.2f} TB/s, bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
+    for p, c in (result.get("ceilings_by_power") or {"None": result["ceilings"]}).items():
+        lines.append(f"# ceilings{'' if p == 'None' else ' (' + p + ')'}: {c['bandwidth'] / 1e12:.2f} TB/s, bf16 "
+                     f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
     fmts = result["formats"]
-    lines.append(f"{'model':>13} {'layer':>17} {'M':>5} {'bf16 us':>8} " + " ".join(f"{f:>10}" for f in fmts[1:]))
+    lines.append(f"{'model':>13} {'layer':>17} {'M':>5} {'power':>9} {'bf16 us':>8} " + " ".join(f"{f:>10}" for f in fmts[1:]))
     rows = [r for r in result["rows"] if "input" not in r]
     for i in range(0, len(rows), len(fmts)):
         grp = rows[i : i + len(fmts)]
         r0 = grp[0]
         lines.append(
-            f"{r0['model']:>13} {r0['layer']:>17} {r0['M']:>5} {r0['ms'] * 1e3:>8.1f} "
+            f"{r0['model']:>13} {r0['layer']:>17} {r0['M']:>5} {_power_label(r0):>9} {r0['ms'] * 1e3:>8.1f} "
             + " ".join(f"{r['speedup']:>5.2f}x/{r['floor_frac']:.2f}" for r in grp[1:])
         )
-    lines.append("(cells: speedup over bf16 / fraction of the format's floor; shape sets: modules = the checkpoint's "
-                 "seven linears, engine = what the rollout engine runs, q/k/v and gate/up fused)")
+    lines.append("(cells: speedup over bf16 in the same power state / fraction of the format's floor at that state's "
+                 "ceilings; power: burst = timed right after a cool-down, sustained = after 0.5 s of the same load; "
+                 "shape sets: modules = the checkpoint's seven linears, engine = what the rollout engine runs, "
+                 "q/k/v and gate/up fused)")
     fused_rows = [r for r in result["rows"] if "input" in r]
     if fused_rows:
         lines.append("engine set, W8A8 GEMMs whose input the engine quantizes in the op before (time = GEMM on the codes + "
                      "what the fused quantizer adds to that op):")
         for r in fused_rows:
-            lines.append(f"{r['model']:>13} {r['layer']:>17} {r['M']:>5} {r['format']:>10} {r['speedup']:>5.2f}x "
+            lines.append(f"{r['model']:>13} {r['layer']:>17} {r['M']:>5} {_power_label(r):>9} {r['format']:>10} {r['speedup']:>5.2f}x "
                          f"(fused quantizer {r['producer_extra_ms'] * 1e3:+.1f} us; input {r['input']})")
     for t in result["targets"]:
         ok = "MET" if t["met_all"] else ("met on geomean" if t["met_geomean"] else "MISSED")
-        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x ({t['shapes']} shapes): geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
+        state = f", {t['power']}" if t.get("power") else ""
+        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x ({t['shapes']} shapes{state}): geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
     return "\n".join(lines)
 
 

@@ -20,6 +20,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "engine (q/k/v and gate/up fused, as the rollout engine runs them)")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per measurement (median)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
+    p.add_argument("--power", default="burst,sustained",
+                   help="comma list of power states to time in: burst (right after a cool-down, clocks free), "
+                        "sustained (after 0.5 s of the same load: the power cap's steady state), found (as it comes)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p
 
@@ -32,6 +35,16 @@ def _shape_sets(spec: str) -> tuple[str, ...]:
     if bad or not sets:
         raise ValueError(f"--shapes: unknown shape set(s) {bad or spec!r}; valid: {', '.join(SHAPE_SETS)}")
     return sets
+
+
+def _power_states(spec: str) -> tuple[str | None, ...]:
+    from quarl.bench.timing import POWER_MODES
+
+    states = tuple(x for x in spec.split(",") if x)
+    bad = [x for x in states if x not in POWER_MODES + ("found",)]
+    if bad or not states:
+        raise ValueError(f"--power: unknown power state(s) {bad or spec!r}; valid: {', '.join(POWER_MODES + ('found',))}")
+    return tuple(None if x == "found" else x for x in states)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -52,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         models=args.models.split(","), ms=[int(m) for m in args.m.split(",")],
         formats=args.formats.split(","), reps=args.reps, graph=not args.no_graph,
         partial_path=args.out + ".partial" if args.out else None, sets=_shape_sets(args.shapes),
+        power=_power_states(args.power),
     )
     print(format_table(result))
     if args.out:

@@ -174,9 +174,13 @@ class ModelRunner:
             blocks = min(blocks, cap)
         need = -(-self.max_model_len // self.block_size)
         if blocks < need:
+            gib = 2**30
+            others = max(0, used - torch.cuda.memory_reserved())  # (this process's CUDA context counts here too)
             raise RuntimeError(
                 f"KV cache too small: {blocks} blocks fit in memory, one sequence of max_model_len "
-                f"{self.max_model_len} needs {need}; raise gpu_memory_utilization or lower max_model_len"
+                f"{self.max_model_len} needs {need}; raise gpu_memory_utilization or lower max_model_len. The GPU "
+                f"holds {total / gib:.1f} GiB, {used / gib:.1f} GiB in use, {others / gib:.1f} GiB of it outside this "
+                f"process's tensors (other processes on this GPU take from the same budget)"
             )
         return blocks
 

@@ -106,8 +106,8 @@ def test_engine_rows_of_a_gated_mlp(monkeypatch):
     for gated in (True, False):
         monkeypatch.setattr(bench, "gated_mlp", lambda fmt, m, h, i: gated and (h, i) == (hidden, inter))
         extra = {}
-        t_gu, note_gu = bench.engine_row_seconds("gate_up_proj (fused)", "w8a8-fp8", 64, 2 * inter, hidden, None, 0, 1, True, extra)
-        t_down, note_down = bench.engine_row_seconds("down_proj", "w8a8-fp8", 64, hidden, inter, None, 0, 1, True, extra)
+        t_gu, note_gu = bench.engine_row_seconds("gate_up_proj (fused)", "w8a8-fp8", 64, 2 * inter, hidden, None, 0, {}, extra)
+        t_down, note_down = bench.engine_row_seconds("down_proj", "w8a8-fp8", 64, hidden, inter, None, 0, {}, extra)
         if gated:
             assert (t_gu, t_down) == (9.0 - 2.0 + 0.5, 5.0)
             assert "epilogue" in note_gu["input"] and note_down["producer_extra_ms"] == 0.0

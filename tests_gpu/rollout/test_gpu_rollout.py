@@ -108,6 +108,11 @@ def _small_model(dtype, seed=3, **shape):
     return model
 
 
+def test_a_kv_cache_that_does_not_fit_says_how_much_memory_is_in_use():
+    with pytest.raises(RuntimeError, match=r"KV cache too small: -?\d+ blocks fit.*GiB in use, [\d.]+ GiB of it outside"):
+        Engine(_small_model(torch.bfloat16), config=EngineConfig(max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.001))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager(dtype):
     model = _small_model(dtype)
