@@ -20,6 +20,7 @@ hand, with the measurement in bench/NOTES.md.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import math
 import time
@@ -137,7 +138,7 @@ def _mid(m: int) -> list[Plan]:
     """Above 64 rows: the wgmma kernel's pre-scaled loop fed by TMA copies (:func:`_prescaled_tma`)
     in 128-token tiles (1-4 warpgroups, 3-4 slots, K split in clusters or not) and, past 128
     rows, in 192- and 256-token tiles (two warpgroups, 4 and 3 slots of a group, or 8 and 6 of
-    half a group); up to 128 rows the TMA single-tile loop (:func:`_mbar_tma`); the swap kernel
+    half a group); the producer loop as stream-K at those tiles; up to 128 rows the TMA single-tile loop (:func:`_mbar_tma`); the swap kernel
     at large tiles (a per-chunk partial scaled into the accumulator: two tiles of accumulators,
     so at most 64 fp32 each a thread); and dequantize + cuBLAS."""
     swaps = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8)]
@@ -148,6 +149,9 @@ def _mid(m: int) -> list[Plan]:
         pre += [_prescaled_tma(2, st, cl, tile=tile, halves=hv)
                 for tile, st, hv in ((192, 4, False), (256, 3, False), (192, 8, True), (256, 6, True))
                 for cl in (False, True)]
+    # the producer loop as stream-K (session 50): 128-token tiles of 2-3 warpgroups, 192 and 256 of two
+    pre += [Plan("wgmma", WgConfig(nwg, st, 1.0, prescale=True, tile=tile, tma=True, producer=True, streamk=True))
+            for nwg, st, tile in ((2, 4, 0), (3, 4, 0), (2, 4, 192), (2, 3, 256)) if tile == 0 or m > 128]
     return pre + [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
                   for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
 
@@ -645,22 +649,25 @@ def time_shape(fam: Family, b: Bench, cands: list[Candidate], reps: int, rounds:
 
 def run_sweep(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], candidates: list[Candidate] | None,
               fmt: str | None = None, budget_s: float = 300.0, reps: int = 20, log=print,
-              save: Callable[[dict], None] | None = None, rounds: int = 1) -> dict:
+              save: Callable[[dict], None] | None = None, rounds: int = 1, power: str | None = None) -> dict:
     """Time the default and each candidate (the family's own list at each M when None) at
     every M and shape, ``rounds`` times each (:func:`time_shape`; a row's ``us`` is its fastest,
-    ``us_rounds`` all); stops starting new shapes after ``budget_s``."""
+    ``us_rounds`` all), in power state ``power`` (:mod:`quarl.bench.timing`; None: as found);
+    stops starting new shapes after ``budget_s``."""
     import torch
 
     from quarl.bench.common import git_commit
-    from quarl.bench.timing import measure_ceilings
+    from quarl.bench.timing import PowerGate, measure_ceilings, time_per_call
 
     fam = family(fam_name)
     fmt = fmt or fam.format
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-    ceil = measure_ceilings(dev)
-    result = dict(benchmark="sweep", family=fam_name, table=fam.table, format=fmt, device=props.name,
+    gate = PowerGate()
+    ceil = measure_ceilings(dev, power, gate)
+    timer = None if power is None else functools.partial(time_per_call, power=power, gate=gate)
+    result = dict(benchmark="sweep", family=fam_name, table=fam.table, format=fmt, device=props.name, power=power,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   git_commit=git_commit(), torch=torch.__version__, ceilings=asdict(ceil), reps=reps, rounds=rounds,
                   candidates="given" if candidates is not None else "family default", budget_spent=False, rows=[])
@@ -674,7 +681,8 @@ def run_sweep(fam_name: str, ms: list[int], shapes: list[tuple[str, int, int]], 
                 break
             b = _build(fam, fmt, m, n, k, dev, l2)
             base = dict(family=fam_name, format=fmt, M=m, layer=label, N=n, K=k)
-            bf16s, entries = time_shape(fam, b, candidates if candidates is not None else fam.candidates(m), reps, rounds)
+            bf16s, entries = time_shape(fam, b, candidates if candidates is not None else fam.candidates(m), reps, rounds,
+                                        timer)
             t_bf16 = min(bf16s) if bf16s else math.nan
             here: list[dict] = []
             for cfg, ts, err in entries:

@@ -34,6 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="time every plan this many times, in turn over the plans, and keep each one's fastest "
                         "(a drift of the clocks then hits all plans alike; default 1)")
+    p.add_argument("--power", choices=("burst", "sustained"),
+                   help="time every plan in this power state (burst: right after a cool-down; sustained: after "
+                        "0.5 s of the same load); default: as found")
     p.add_argument("--once", action="store_true",
                    help="run each candidate once at each M and shape, untimed (for ncu / nsys); needs --candidates")
     p.add_argument("--trace", action="store_true",
@@ -131,6 +134,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     result = run_sweep(args.family, ms, shapes, cands, args.format, args.budget, args.reps,
-                       log=lambda s: print(s, flush=True), save=save, rounds=args.rounds)
+                       log=lambda s: print(s, flush=True), save=save, rounds=args.rounds, power=args.power)
     save(result)
     return 0
