@@ -138,7 +138,7 @@ def _mid(m: int) -> list[Plan]:
     """Above 64 rows: the wgmma kernel's pre-scaled loop fed by TMA copies (:func:`_prescaled_tma`)
     in 128-token tiles (1-4 warpgroups, 3-4 slots, K split in clusters or not) and, past 128
     rows, in 192- and 256-token tiles (two warpgroups, 4 and 3 slots of a group, or 8 and 6 of
-    half a group); the producer loop as stream-K at those tiles; up to 128 rows the TMA single-tile loop (:func:`_mbar_tma`); the swap kernel
+    half a group); up to 128 rows the TMA single-tile loop (:func:`_mbar_tma`); the swap kernel
     at large tiles (a per-chunk partial scaled into the accumulator: two tiles of accumulators,
     so at most 64 fp32 each a thread); and dequantize + cuBLAS."""
     swaps = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8)]
@@ -149,9 +149,6 @@ def _mid(m: int) -> list[Plan]:
         pre += [_prescaled_tma(2, st, cl, tile=tile, halves=hv)
                 for tile, st, hv in ((192, 4, False), (256, 3, False), (192, 8, True), (256, 6, True))
                 for cl in (False, True)]
-    # the producer loop as stream-K (session 50): 128-token tiles of 2-3 warpgroups, 192 and 256 of two
-    pre += [Plan("wgmma", WgConfig(nwg, st, 1.0, prescale=True, tile=tile, tma=True, producer=True, streamk=True))
-            for nwg, st, tile in ((2, 4, 0), (3, 4, 0), (2, 4, 192), (2, 3, 256)) if tile == 0 or m > 128]
     return pre + [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
                   for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
 

@@ -239,15 +239,14 @@ def test_sweep_against_saved_files_needs_no_gpu(tmp_path):
 
 COMMITTED_MID = [("sweep_producer_1p5b_h200_s46", (128, 384)),
                                      ("sweep_bf16s_1p5b_h200_s47", (256,)),
-                                     ("sweep_mid_7b_h200_s47", (128, 256)),
                                      ("sweep_producer_7b_384_h200_s46", (384,)),
-                                     ("sweep_bf16s_7b_h200_s47", (512, 1024)),
                                      ("sweep_producer_14b_h200_s46", (128, 384)),
                                      ("sweep_bf16s_14b_h200_s47", (256, 1024)),
                                      ("sweep_ws_7b_h200_s44", (4096,)),
                                      ("sweep_mid_7b_qo_qkv_h200_s48", (320, 384, 448, 512)),
                                      ("sweep_mid_14b_gateup_m128_h200_s48", (128,)),
-                                     ("sweep_mid_14b_o_down_h200_s49", (512, 768, 1024))]
+                                     ("sweep_mid_14b_o_down_h200_s49", (512, 768, 1024)),
+                                     ("sweep_mid_7b_burst_streamk_h200_s50", (128, 256, 512, 1024))]
 
 
 def _superseded(name: str) -> set[tuple[int, int, int]]:
@@ -267,9 +266,10 @@ def _superseded(name: str) -> set[tuple[int, int, int]]:
 def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps(name, ms):
     """The sm90 rows at 65-4096 rows against the H200 sweeps they were written from (session
     46's, where the producer warpgroup came in; session 47's, with the pre-scaled loop's bf16
-    multiply, at the M where rows changed; s44's at 4096 rows; s48's, three rounds each, for the
+    multiply, at the M where rows changed (the 7B's now read in s50's); s44's at 4096 rows; s48's, three rounds each, for the
     7B's q/k/v and o at 257-512 rows and the 14B's gate/up at 128; s49's for the 14B's o and down
-    at 512-1024 rows, wgmma plans and cuBLAS on the dequantized weight only; an (M, shape) a later sweep
+    at 512-1024 rows, wgmma plans and cuBLAS on the dequantized weight only; s50's of the 7B at
+    128-1024 rows, timed in the burst power state; an (M, shape) a later sweep
     covers is read there only): where the table's plan was
     swept it is within 12% of that (M, shape)'s fastest candidate (in session 46 one plan timed
     twice in one sweep at 512+ rows moved by up to 11%), and per M the plans picked now are no

@@ -1,7 +1,5 @@
 """The split-K planner (quarl.quant.kernels.splitk), as the kernels use it, on CPU."""
 
-import pytest
-
 from quarl.quant.kernels import splitk
 from quarl.quant.kernels.cuda_w4 import _blocked_split
 from quarl.quant.kernels.w8a8 import tma_split
@@ -74,49 +72,3 @@ def test_pointer_rule_splits_only_below_one_wave():
     plan = splitk.pointer_split(10, 28, 132, 0)  # ceil(264 / 10) = 27, capped at 14 (>= 2 blocks each)
     assert plan[1:3] == (14, 2)
     assert splitk.pointer_split(200, 28, 132, 3)[1:3] == (3, 10)
-
-
-def test_stream_k_by_hand():
-    """3 tiles of 4 K blocks on 5 blocks: units 0-11, block boundaries 0, 2, 4, 7, 9, 12; tile 0
-    (units 0-3) is blocks 0 and 1, tile 1 (4-7) blocks 2 and 3, tile 2 (8-11) blocks 3 and 4."""
-    sk = splitk.stream_k(3, 4, 5)
-    assert (sk.blocks, sk.units, sk.pieces) == (5, 12, 2)
-    assert [sk.block_of(u) for u in range(12)] == [0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4]
-    # (tile, first K block, K blocks, piece, pieces)
-    assert sk.items(0, 4) == [(0, 0, 2, 0, 2)]
-    assert sk.items(2, 4) == [(1, 0, 3, 0, 2)]
-    assert sk.items(3, 4) == [(1, 3, 1, 1, 2), (2, 0, 1, 0, 2)]
-    assert sk.items(4, 4) == [(2, 1, 3, 1, 2)]
-    # as many blocks as tiles: a tile each, none cut; more blocks than units: one unit each
-    assert splitk.stream_k(3, 4, 3).pieces == 1 and splitk.stream_k(3, 4, 3).items(1, 4) == [(1, 0, 4, 0, 1)]
-    assert splitk.stream_k(2, 3, 132).blocks == 6 and splitk.stream_k(2, 3, 132).pieces == 3
-
-
-@pytest.mark.parametrize("tiles,kblocks,blocks", [(112, 148, 132), (112, 28, 132), (1184, 28, 132), (28, 148, 132),
-                                                  (7, 3, 132), (300, 40, 264)])
-def test_stream_k_covers_every_unit_once_in_k_order_with_even_shares(tiles, kblocks, blocks):
-    sk = splitk.stream_k(tiles, kblocks, blocks)
-    seen: dict[int, list[tuple[int, int, int, int, int]]] = {}
-    for b in range(sk.blocks):
-        items = sk.items(b, kblocks)
-        share = sum(ng for _, _, ng, _, _ in items)
-        assert share in (sk.units // sk.blocks, -(-sk.units // sk.blocks))  # even shares
-        for t, g0, ng, sp, ns in items:
-            assert ng > 0 and 0 <= sp < ns <= sk.pieces
-            seen.setdefault(t, []).append((sp, g0, ng, ns, b))
-    assert sorted(seen) == list(range(tiles))
-    most = 0
-    for t, pieces in seen.items():
-        pieces.sort()
-        assert [p[0] for p in pieces] == list(range(len(pieces))) and all(p[3] == len(pieces) for p in pieces)
-        # piece order is K order and the pieces tile the K range exactly; consecutive blocks
-        assert [p[1] for p in pieces] == [sum(q[2] for q in pieces[:i]) for i in range(len(pieces))]
-        assert sum(p[2] for p in pieces) == kblocks
-        assert [p[4] for p in pieces] == list(range(pieces[0][4], pieces[0][4] + len(pieces)))
-        most = max(most, len(pieces))
-    assert most == sk.pieces
-
-
-def test_stream_k_names_the_fix_where_its_32_bit_arithmetic_would_overflow():
-    with pytest.raises(ValueError, match="32-bit unit arithmetic; use a plan without streamk"):
-        splitk.stream_k(200000, 100, 132)

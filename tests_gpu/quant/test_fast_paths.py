@@ -904,68 +904,6 @@ def test_wgmma_staged_epilogue_gives_the_bits_of_the_per_element_stores(n, tile)
                            cuda_w4.wgmma_gemm(x, qw, None, per_element, gated=True))
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-@pytest.mark.parametrize("m", [100, 300, 1024])
-@pytest.mark.parametrize("shape", [(17920, 1536), (1056, 1000), (1004, 3584)])  # odd K; N % 8 != 0
-def test_wgmma_stream_k_sums_each_tile_from_its_pieces_in_k_order(name, m, shape):
-    """The stream-K producer loop (``WgConfig.streamk``: every block an equal share of the
-    (tile, group) units, tiles cut between blocks summed from fp32 partials in K order by the
-    last to arrive), at 128-, 192- and 256-row tiles, 2-3 warpgroups and 0.14-2 blocks a SM:
-    deterministic; x @ dequantize(W).T in float64 up to the order of the sums; with each row
-    of x two ones in one group of K, bit for bit ``bf16(w[:, k1] + w[:, k2])`` (the pieces
-    without that group add exact zeros); gated, bit for bit the plain stream-K GEMM over the
-    rows in the gated order then the SiLU-and-mul; with one block a tile (no tile cut), the
-    producer loop's bits."""
-    from quarl.quant.kernels import cuda_w4, splitk, weight_only
-    from quarl.quant.kernels.config import WgConfig
-    from quarl.quant.kernels.device import num_sms
-    from quarl.quant.kernels.w4_layout import RepackCache, gated_rows
-    from quarl.quant.qweight import QuantizedWeight
-    from quarl.rollout.fused import silu_mul
-
-    n, k = shape
-    qw, x, bias, _ = _w4_case(n, k, m, name)
-    w = weight_only.dequantize(qw, torch.bfloat16)
-    expect = x.double() @ w.double().T + bias.double()
-    g = torch.Generator(device="cuda").manual_seed(m)
-    grp = torch.randint(0, k // 128, (m,), device="cuda", generator=g)
-    k1 = grp * 128 + torch.randint(0, 64, (m,), device="cuda", generator=g)
-    k2 = grp * 128 + 64 + torch.randint(0, 64, (m,), device="cuda", generator=g)
-    rows = torch.arange(m, device="cuda")
-    two = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
-    two[rows, k1] = 1.0
-    two[rows, k2] = 1.0
-    want_two = (w[:, k1].float() + w[:, k2].float()).T.to(torch.bfloat16)
-    if n % 16 == 0:
-        order = gated_rows(n, "cuda")
-        qg = QuantizedWeight(qw.scheme, qw.shape, qw.qdata[order], qw.scales[order], None if qw.zeros is None else qw.zeros[order])
-        gate_pos = torch.nonzero(torch.arange(n, device="cuda") % 16 < 8).flatten()
-    sms, groups = num_sms(x.device), -(-k // 128)
-    cut = 0
-    for nwg, stages, tile in ((2, 3, 256), (2, 4, 192), (2, 4, 0), (3, 4, 0)):
-        ntok = tile or 128
-        tiles = -(-n // (64 * nwg)) * -(-m // ntok)
-        ws = WgConfig(nwg, stages, 1.0, prescale=True, tile=tile, tma=True, producer=True)
-        for bps in (1.0, 2.0, 0.5, tiles / sms):
-            cfg = ws._replace(blocks_per_sm=bps, streamk=True)
-            cfg.check(m)
-            sk = splitk.stream_k(tiles, groups, max(1, round(bps * sms)))
-            cut += sk.pieces > 1
-            cache = RepackCache()
-            a = cuda_w4.wgmma_gemm(x, qw, bias, cfg, cache)
-            assert torch.equal(a, cuda_w4.wgmma_gemm(x, qw, bias, cfg, cache)), cfg
-            _check(a, expect, 4e-3)
-            assert torch.equal(cuda_w4.wgmma_gemm(two, qw, None, cfg, cache), want_two), cfg
-            if n % 16 == 0:
-                got = cuda_w4.wgmma_gemm(x, qw, None, cfg, cache, gated=True)
-                reordered = cuda_w4.wgmma_gemm(x, qg, None, cfg)
-                assert torch.equal(got, silu_mul(reordered[:, gate_pos], reordered[:, gate_pos + 8])), cfg
-            if sk.pieces == 1 and sk.blocks == tiles:  # one block a tile: the producer loop's sums
-                whole = ws._replace(blocks_per_sm=1e-3)  # (no K split there either)
-                assert torch.equal(a, cuda_w4.wgmma_gemm(x, qw, bias, whole, cache)), cfg
-    assert cut  # some tile was cut between blocks
-
-
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "w2a16", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("shape", [(4736, 3584), (1000, 1040)])  # 1040: a partial last 128-column chunk
 def test_dequant_kernel_equals_the_reference_bit_for_bit(name, shape):

@@ -358,8 +358,12 @@ def test_fused_quantized_engine_takes_published_weights(scheme):
             ids = torch.tensor([p + c.token_ids], device=DEV)
             with torch.no_grad():
                 ref, _ = sequence_logprobs(learner, ids)
+            # the engine's w4 kernels at decode M sum (u - z) x per group in fp32, the learner
+            # multiplies by the rounded bf16 weight: single tokens part by 2-4 bf16 steps of a
+            # logit (up to 0.126 nats over seeds 3-5 and both schemes, s50; bf16 against bf16:
+            # 0-0.03), the mean stays near 0.03; a weight that failed to land moves whole nats
             diff = (torch.tensor(c.logprobs) - ref[0, len(p) - 1 :].float().cpu()).abs()
-            assert diff.max() < 0.1 and diff.mean() < 0.05, (diff.max(), diff.mean())
+            assert diff.max() < 0.2 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
     before = engine.generate(prompts, params)
     check_learner(before)

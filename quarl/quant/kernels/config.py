@@ -115,11 +115,6 @@ class WgConfig(NamedTuple):
     # warpgroup that only issues the copies, every slot in flight; the computing warpgroups take
     # its registers (setmaxnreg): that loop's output bit for bit
     producer: bool = False
-    # the producer loop as stream-K (one block a SM, every block an equal share of the (tile,
-    # group) units; tiles shared by blocks summed from fp32 partials in K order by the last to
-    # arrive): no SM idles on a tile count that falls short of a wave (needs producer=True,
-    # whole-group slots)
-    streamk: bool = False
 
     @property
     def threads(self) -> int:
@@ -158,9 +153,6 @@ class WgConfig(NamedTuple):
         if self.producer and not self.producer_fits():
             raise ValueError(f"wgmma w4 kernel: producer=True feeds the pre-scaled TMA loop (prescale=True, tma=True) "
                              f"of 2-3 warpgroups, minb=1, no cluster; got {self}")
-        if self.streamk and not (self.producer and not self.halves):
-            raise ValueError(f"wgmma w4 kernel: streamk=True runs the producer loop (producer=True) in whole-group "
-                             f"slots (halves=False); got {self}")
         if self.halves and not (self.tile and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: halves=True runs 192- or 256-token tiles (tile=192 / 256) with "
                              f">= 4 half-group slots; got {self}")

@@ -84,13 +84,12 @@ def _tile_kernel(cfg: TileKConfig, asym: bool):
 @functools.lru_cache(maxsize=64)
 def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, single: bool = False, minb: int = 1,
                   cs: int = 0, defines: tuple[str, ...] = (), mbar: bool = False, lr: int = 0, gated: bool = False,
-                  prescale: int = 0, tma: bool = False, producer: bool = False, streamk: bool = False):
+                  prescale: int = 0, tma: bool = False, producer: bool = False):
     """``defines``: extra ``-D`` macros (``W4_TRACE``: timing probes, see the source);
     ``lr``: 64-column atoms of the LoRA term (0: none); ``gated``: the SiLU-and-mul epilogue;
     ``prescale``: the pre-scaled loop (``WgConfig.prescale``; 2: in half-group slots, ``WgConfig.halves``);
     ``tma``: copies by the bulk-copy engine (``WgConfig.tma``: the mbarrier or the pre-scaled loop);
-    ``producer``: the pre-scaled TMA loop with a producer warpgroup (``WgConfig.producer``;
-    ``streamk``: that loop as stream-K, ``WgConfig.streamk``)."""
+    ``producer``: the pre-scaled TMA loop with a producer warpgroup (``WgConfig.producer``)."""
     args = f"{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(single)}, {minb}, {_tf(mbar)}"
     tail = f"{lr}, {_tf(gated)}, {prescale}"
     name = f"w4a16_wgmma_cluster<{args}, {cs}, {tail}>" if cs else f"w4a16_wgmma<{args}, {tail}>"
@@ -99,7 +98,7 @@ def _wgmma_kernel(nwg: int, ntok: int, stages: int, asym: bool, smem: int, singl
         name = (f"w4a16_wgmma_tma_cluster<{head}, {cs}, {_tf(gated)}, {prescale}>" if cs else
                 f"w4a16_wgmma_tma<{head}, {_tf(gated)}, {prescale}>")
     if producer:
-        name = f"w4a16_wgmma_tma_ws{'k' if streamk else ''}<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}, {prescale}>"
+        name = f"w4a16_wgmma_tma_ws<{nwg}, {ntok}, {stages}, {_tf(asym)}, {_tf(gated)}, {prescale}>"
     opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
     kern = nvrtc_cache.compile_kernel(source("wgmma"), name, compute_capability="90a", nvcc_options=opts)
     kern.set_shared_memory_config(smem)
@@ -335,43 +334,13 @@ def wgmma_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, 
 
     def kernel_for(asym: bool, cs: int):
         return _wgmma_kernel(cfg.nwg, ntok, cfg.stages, asym, smem, cfg.single, cfg.minb, cs, defines, cfg.mbar, lr,
-                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma, cfg.producer, cfg.streamk)
-
-    if cfg.streamk:
-        return _launch_streamk(kernel_for(fw.negz is not None, 0), x, fw, bias, qw.shape[0], cfg, ntok, smem,
-                               qw.shape[0] // 2 if gated else qw.shape[0], trace)
+                             gated, 2 if cfg.halves else int(cfg.prescale), cfg.tma, cfg.producer)
 
     return _launch_blocked(kernel_for, x, fw, bias, qw.shape[0], cfg.nwg, (cfg.blocks_per_sm, cfg.tail, cfg.cluster),
                            cfg.threads, smem, one_d=True, extra=_lora_args(lora, x),
                            out_cols=qw.shape[0] // 2 if gated else None,
                            token_tiles=splitk.cdiv(m, ntok) if cfg.prescale else 1, tile_rows=ntok,
                            extra_tail=(x_tensor_map(x, ntok),) if cfg.tma else (), trace=trace)
-
-
-def _launch_streamk(kern, x, fw, bias, n: int, cfg: WgConfig, ntok: int, smem: int, out_cols: int,
-                    trace: list | None) -> torch.Tensor:
-    """The stream-K producer loop (``cfg.streamk``): ``round(blocks_per_sm x SMs)`` blocks over
-    the (column block, token tile) tiles' groups (:func:`.splitk.stream_k`); fp32 partials of
-    ``pieces`` pieces a tile in a stretch a token tile, and the arrival counters."""
-    m = x.shape[0]
-    groups, np_ = fw.scales.shape
-    cols, tiles_m = splitk.cdiv(np_ // SLAB, cfg.nwg), splitk.cdiv(m, ntok)
-    sk = splitk.stream_k(cols * tiles_m, groups, max(1, round(cfg.blocks_per_sm * num_sms(x.device))))
-    out = torch.empty(m, out_cols, dtype=torch.bfloat16, device=x.device)
-    part = cnt = out
-    if sk.pieces > 1:
-        part = torch.empty(tiles_m * sk.pieces * ntok * n, dtype=torch.float32, device=x.device)
-        cnt = splitk.COUNTERS.get(x.device, cols * tiles_m)
-    args = _args(x, fw, bias, out, part, cnt, n, splitk.SplitPlan(0, sk.pieces, groups))
-    args.append(0)  # whole
-    args.extend(_lora_args(None, x))
-    if trace is not None:
-        buf = torch.zeros(sk.blocks, 12, dtype=torch.int64, device=x.device)
-        args.append(buf)
-        trace.extend((buf, (sk.blocks, 1, 1)))
-    args.append(x_tensor_map(x, ntok))
-    launch(kern, (sk.blocks, 1, 1), (cfg.threads, 1, 1), args, smem)
-    return out
 
 
 # the probes of the wgmma kernel's W4_TRACE build (w4a16.cu): words 0-4 %globaltimer (ns) at

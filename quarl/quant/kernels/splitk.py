@@ -10,14 +10,10 @@ launch, deterministic). Three rules, all returning a :class:`SplitPlan`:
   ``rest`` programs with the rest of the GPU idle;
 * :func:`clustered`: splits capped at the portable cluster size, for kernels that sum
   them through distributed shared memory instead of global partials.
-
-:func:`stream_k` is the other kind of plan: every block an equal share of all (tile, K block)
-units, whatever the tile count (:class:`StreamK`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -73,48 +69,6 @@ def clustered(plan: SplitPlan, tiles: int, kblocks: int) -> SplitPlan:
     per = cdiv(kblocks, min(plan.split, MAX_CLUSTER))
     split = cdiv(kblocks, per)
     return SplitPlan(0, split, per, split) if split > 1 else SplitPlan(tiles, 1, kblocks)
-
-
-class StreamK(NamedTuple):
-    """The stream-K partition (the wgmma kernel's ``WgConfig.streamk``): ``units = tiles x
-    kblocks``, block b of ``blocks`` takes units ``[b units // blocks, (b + 1) units // blocks)``
-    (tile ``u // kblocks``, K block ``u % kblocks``); a tile is cut into at most ``pieces``."""
-
-    blocks: int
-    units: int
-    pieces: int
-
-    def block_of(self, u: int) -> int:
-        """The block that holds unit ``u`` (the largest b with ``b units // blocks <= u``)."""
-        return ((u + 1) * self.blocks + self.units - 1) // self.units - 1
-
-    def items(self, b: int, kblocks: int) -> list[tuple[int, int, int, int, int]]:
-        """Block ``b``'s work in order, as the kernel walks it: ``(tile, first K block, K blocks,
-        piece, pieces of the tile)``."""
-        u, u1, out = b * self.units // self.blocks, (b + 1) * self.units // self.blocks, []
-        while u < u1:
-            t = u // kblocks
-            t0 = t * kblocks
-            g1 = min(kblocks, u1 - t0)
-            first, last = self.block_of(t0), self.block_of(t0 + kblocks - 1)
-            out.append((t, u - t0, g1 - (u - t0), b - first, last - first + 1))
-            u = t0 + g1
-        return out
-
-
-@functools.lru_cache(maxsize=256)
-def stream_k(tiles: int, kblocks: int, blocks: int) -> StreamK:
-    """The stream-K partition of ``tiles x kblocks`` units over at most ``blocks`` blocks (one a
-    unit at least). The kernel does its index arithmetic in 32 bits: ``units x blocks`` must
-    stay under 2^31."""
-    units = tiles * kblocks
-    blocks = max(1, min(blocks, units))
-    if units * blocks >= 1 << 31:
-        raise ValueError(f"stream-K: {tiles} tiles x {kblocks} K blocks on {blocks} blocks overflows the kernel's "
-                         f"32-bit unit arithmetic; use a plan without streamk")
-    plan = StreamK(blocks, units, 1)
-    pieces = max(plan.block_of(t * kblocks + kblocks - 1) - plan.block_of(t * kblocks) + 1 for t in range(tiles))
-    return plan._replace(pieces=pieces)
 
 
 def pointer_split(tiles: int, kblocks: int, sms: int, split_k: int) -> SplitPlan:

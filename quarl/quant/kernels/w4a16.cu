@@ -760,25 +760,11 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
 // its slot is released (all ST slots in flight), so no computing warp ever waits to refill; it
 // gives its registers to the computing warpgroups (setmaxnreg) and leaves. The same wgmmas in
 // the same order: the pre-scaled TMA loop's output bit for bit.
-// ROLE (the stream-K loop, w4a16_wgmma_tma_wsk): 0 = the block's one work item, every thread;
-// 1 = one item's copies, by the producer thread alone; 2 = one item's wgmmas and epilogue, by
-// the computing threads. In roles 1-2 the caller has set up the barriers and the registers and
-// `it` is the item: its column block, token tile, groups [g0, g0 + ng), piece sp of the ns
-// blocks that share its tile, and ub, the units the block's ring took before it.
-struct SkItem { int cb, tt, g0, ng, sp, ns, ub; };
-template <int ST>
-__device__ __forceinline__ unsigned long long* tma_mbar() {  // the TMA loops' "full" and "empty" barriers
-  __shared__ __align__(8) unsigned long long mbar[2 * ST];
-  return mbar;
-}
-template <int NWG> __device__ constexpr int ws_producer_regs() { return NWG == 2 ? 40 : 24; }
-template <int NWG> __device__ constexpr int ws_compute_regs() { return NWG == 2 ? 232 : 160; }
 template <int NWG, int NTOK, int ST, bool ASYM, bool SINGLE, int CS, bool MB, int LR, bool GATED, int PS, bool TMA = false,
-          bool WSP = false, int ROLE = 0>
-__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr, SkItem it = SkItem{}) {
+          bool WSP = false>
+__device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xmap = nullptr) {
   static_assert(!WSP || (TMA && PS && CS == 0 && (NWG == 2 || NWG == 3)),
                 "the producer warpgroup feeds the pre-scaled TMA loop of 2-3 warpgroups, no cluster");
-  static_assert(ROLE == 0 || (WSP && PS == 1), "roles split the producer loop over whole-group slots");
   static_assert(!GATED || LR == 0, "the gated epilogue takes no LoRA term");
   static_assert(!TMA || (LR == 0 && (MB || PS)), "TMA copies feed the mbarrier or the pre-scaled loop, no LoRA term");
   static_assert(!PS || (!SINGLE && !MB && LR == 0), "the pre-scaled loop is its own loop and takes no LoRA term");
@@ -787,7 +773,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   if constexpr (PS) {
     // PS: blockIdx.y is the token tile (rows tt NTOK .. + NTOK - 1 of x and out): the block
     // sees a tile of M <= NTOK rows, with its own stretch of the partials and the counters
-    const int tt = ROLE ? it.tt : (int)blockIdx.y;
+    const int tt = blockIdx.y;
     x += (size_t)tt * NTOK * ldx;
     out += (size_t)tt * NTOK * ldo;
     part += (size_t)tt * split * NTOK * N;
@@ -814,14 +800,13 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // each), the blocks of one split `tcols` apart (whole = 0: every column block split)
   const int tcols = (nslabs + NWG - 1) / NWG - whole, tb = (int)blockIdx.x - whole;
   const bool whole_blk = CS == 0 && tb < 0;
-  const int cb = ROLE ? it.cb : (CS ? blockIdx.x / CS : (whole_blk ? blockIdx.x : whole + tb % tcols));
-  const int sp = ROLE ? it.sp : (CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols));
-  const int nsplit = ROLE ? it.ns : (CS ? CS : (whole_blk ? 1 : split));
+  const int cb = CS ? blockIdx.x / CS : (whole_blk ? blockIdx.x : whole + tb % tcols);
+  const int sp = CS ? blockIdx.x % CS : (whole_blk ? 0 : tb / tcols);
+  const int nsplit = CS ? CS : (whole_blk ? 1 : split);
   const int slab = cb * NWG + wg;
   const bool live = slab < nslabs;
   const int n0 = slab * 64;
-  const int gb0 = ROLE ? it.g0 : sp * gpb, ngroups = ROLE ? it.ng : (whole_blk ? G : min(G, gb0 + gpb) - gb0);
-  const int ub = ROLE ? it.ub : 0;  // (the ring's units before this item: its unit j is ring unit ub + j)
+  const int gb0 = sp * gpb, ngroups = whole_blk ? G : min(G, gb0 + gpb) - gb0;
   const u32 ring = (smem_addr(dsmem) + 1023u) & ~1023u;
 
   // this thread's copies: CX activation chunks (row c / 16, chunk c % 16) and CW weight
@@ -999,7 +984,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // wgmmas accumulate straight into acc (the very first one overwrites it)
   auto ps_half = [&](int gi, int h, u32 (&a)[4][4], u32 z0, u32 z1, float s0, float s1) {
     // (HS: the half's own slot, its atom at the slot's start)
-    const u32 sbase = ring + ((ub + (HS ? 2 * gi + h : gi)) % ST) * STAGE;
+    const u32 sbase = ring + ((HS ? 2 * gi + h : gi) % ST) * STAGE;
     u32 w[4];
     lds128(w, sbase + XBYTES + (HS ? wg * 2048 + (warp * 32 + lane) * 16 : wg * 4096 + ((warp * 2 + h) * 32 + lane) * 16));
     const u32 b0 = pair_bf16(s0), b1 = pair_bf16(s1);
@@ -1068,15 +1053,14 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   // the activations and the LoRA operands after it. (The first commit group then holds all of
   // these weights: its wait covers them.)
   // TMA: slot s's "full" barrier at full0 + 8 s, "empty" at empty0 + 8 s (the MB loop's)
-  __shared__ __align__(8) unsigned long long mbar_own[ROLE ? 1 : 2 * ST];  // (roles 1-2: the kernel's, tma_mbar)
-  unsigned long long* mbar = ROLE ? tma_mbar<ST>() : mbar_own;
+  __shared__ __align__(8) unsigned long long mbar[2 * ST];
   const u32 full0 = smem_addr(&mbar[0]), empty0 = smem_addr(&mbar[ST]);
   // A TMA copy unit is what a slot holds: a group of this block's K range (unit j: group
   // gb0 + j), or with HS half of one (unit j: half j % 2 of group gb0 + j / 2); the activation
   // boxes start at the block's token tile (PS: blockIdx.y)
   const int live_slabs = max(0, min(NWG, nslabs - cb * NWG));
   const u32 slot_bytes = XBYTES + live_slabs * (HS ? 2048 : 4096);
-  const int nunits = HS ? 2 * ngroups : ngroups, trow = PS ? (ROLE ? it.tt : (int)blockIdx.y) * NTOK : 0;
+  const int nunits = HS ? 2 * ngroups : ngroups, trow = PS ? (int)blockIdx.y * NTOK : 0;
   auto tma_w = [&](int j, int slot) {  // (thread 0) the live slabs' words of unit j
     const int grp = gb0 + (HS ? j >> 1 : j);
     const unsigned char* wg = reinterpret_cast<const unsigned char*>(wq) + (size_t)grp * 4096;
@@ -1109,15 +1093,9 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
   };
   auto tma_release = [&](int j) {  // this warp is done with unit j's slot
     __syncwarp();
-    if (lane == 0) mb_arrive(empty0 + 8 * ((ub + j) % ST));
+    if (lane == 0) mb_arrive(empty0 + 8 * (j % ST));
   };
-  // the staged epilogue (below) runs where the block covers all of K in 192- or 256-token tiles
-  // and the output rows take 16-byte stores; in the stream-K loop it stages in the slot of the
-  // item's last unit, released only after the stores (the producer fills the others meanwhile)
-  constexpr int OC = GATED ? 32 : 64, OQ = OC / 8;  // output columns (16-byte chunks) a warpgroup
-  constexpr bool STAGE_FITS = CS == 0 && NTOK >= 192 && NWG * NTOK * OC * 2 <= (ROLE == 2 ? STAGE : ST * STAGE);
   if constexpr (TMA) {
-    if constexpr (ROLE == 0) {
     if (tid == 0) {
 #pragma unroll
       for (int p = 0; p < ST; ++p) {
@@ -1127,12 +1105,12 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    }
-    if constexpr (WSP && ROLE == 0) {
+    if constexpr (WSP) {
       // 384 threads (2 + 1 warpgroups) start with 168 registers each, 512 (3 + 1) with 128: the
       // producer keeps 40 / 24, the computing warpgroups take 232 / 160 (the 256-token tile needs 207)
+      constexpr int PREG = NWG == 2 ? 40 : 24, CREG = NWG == 2 ? 232 : 160;
       if (wg == NWG) {
-        regs_down<ws_producer_regs<NWG>()>();
+        regs_down<PREG>();
         if (tid == NTH) {
           const int first = min(ST, nunits);
           for (int p = 0; p < first; ++p) {
@@ -1151,32 +1129,8 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         }
         return;
       }
-      regs_up<ws_compute_regs<NWG>()>();
+      regs_up<CREG>();
       wait_ahead();
-    } else if constexpr (ROLE == 1) {
-      // the stream-K producer: unit j of this item is ring unit ub + j, refilled once its slot's
-      // last reader released it; the block's first item streams its weights before the wait for
-      // the kernel ahead
-      int j = 0;
-      if (ub == 0) {
-        j = min(ST, nunits);
-        for (int p = 0; p < j; ++p) {
-          mb_expect_tx(full0 + 8 * p, slot_bytes);
-          tma_w(p, p);
-        }
-        wait_ahead();
-        for (int p = 0; p < j; ++p) tma_x(p, p);
-      }
-      for (; j < nunits; ++j) {
-        const int u = ub + j, slot = u % ST;
-        if (u >= ST) mb_wait(empty0 + 8 * slot, (u / ST - 1) & 1);
-        mb_expect_tx(full0 + 8 * slot, slot_bytes);
-        tma_w(j, slot);
-        tma_x(j, slot);
-      }
-      return;
-    } else if constexpr (ROLE == 2) {
-      // (the stream-K computing warpgroups: registers and the wait for the kernel ahead in the caller)
     } else {
     if (tid == 0) {
 #pragma unroll
@@ -1344,7 +1298,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         if (gi + 1 < ngroups) ld_scales(gi + 1, sn0, sn1);
         const int j0 = HS ? 2 * gi : gi;
         tma_refill(j0 + LA);
-        mb_wait(full0 + 8 * ((ub + j0) % ST), ((ub + j0) / ST) & 1);
+        mb_wait(full0 + 8 * (j0 % ST), (j0 / ST) & 1);
         if (gi == 0) W4_TRACE_AT(1);
         ps_half(gi, 0, h0, z0, z1, sc0, sc1);
         wg_wait1();  // retires the previous group's second half
@@ -1352,7 +1306,7 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
         if (gi > 0) tma_release(HS ? j0 - 1 : gi - 1);
         if constexpr (HS) {
           tma_refill(j0 + 1 + LA);
-          mb_wait(full0 + 8 * ((ub + j0 + 1) % ST), ((ub + j0 + 1) / ST) & 1);
+          mb_wait(full0 + 8 * ((j0 + 1) % ST), ((j0 + 1) / ST) & 1);
         }
         ps_half(gi, 1, h1, z0, z1, sc0, sc1);
         wg_wait1();  // retires this group's first half
@@ -1397,12 +1351,6 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     }
     wg_wait0();
     keep_a(h1);
-    if constexpr (ROLE == 2) {  // the item's last unit: the producer refills it for a later item
-      // (staged, as the epilogue below decides: once the output left it)
-      if (!(STAGE_FITS && nsplit == 1 && (N & (GATED ? 15 : 7)) == 0 && (ldo & 7) == 0 &&
-            (reinterpret_cast<size_t>(out) & 15) == 0))
-        tma_release(nunits - 1);
-    }
 #pragma unroll
     for (int i = 0; i < NACC; ++i) keep_f(acc[i]);  // read only after the last wait
   } else if (SINGLE) {
@@ -1523,15 +1471,13 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
     // (transposed: token-major rows of OC columns, 16-byte chunks swizzled by token) and copies
     // it out in 16-byte stores, a warp covering whole rows, instead of one 2-byte store per
     // accumulator. The same roundings (the gated ones: silu_mul_bf16), so the same bits.
-    if constexpr (STAGE_FITS) {
+    constexpr int OC = GATED ? 32 : 64, OQ = OC / 8;  // output columns (16-byte chunks) a warpgroup
+    if constexpr (NTOK >= 192 && NWG * NTOK * OC * 2 <= ST * STAGE) {
       const int ocols = GATED ? N / 2 : N, oc0 = GATED ? n0 / 2 : n0;
       if ((N & (GATED ? 15 : 7)) == 0 && (ldo & 7) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0) {
         asm volatile("bar.sync 5, %0;" :: "n"(NTH) : "memory");
-        if (!live) {
-          if constexpr (ROLE == 2) tma_release(nunits - 1);
-          return;
-        }
-        const u32 tile = (ROLE == 2 ? ring + ((ub + nunits - 1) % ST) * STAGE : ring) + wg * (NTOK * OC * 2);
+        if (!live) return;
+        const u32 tile = ring + wg * (NTOK * OC * 2);
         const int mq = lane >> 3, rq = lane & 7;  // this lane's matrix and row of each stmatrix
         // chunk c of token row r at r * OC * 2 + ((c ^ sw(r)) << 4): conflict-free for 8 rows at one chunk
         auto chunk_at = [&](int r, int c) -> u32 {
@@ -1576,10 +1522,6 @@ __device__ __forceinline__ void w4a16_wgmma_body(W4_WGMMA_PARAMS, const void* xm
             lds128(v, chunk_at(r, q));
             stg128(out + (size_t)r * ldo + col, v);
           }
-        }
-        if constexpr (ROLE == 2) {  // (the stmatrix stores, generic proxy, before the next TMA writes there)
-          proxy_fence();
-          tma_release(nunits - 1);
         }
         W4_TRACE_AT(4);
         return;
@@ -1641,52 +1583,4 @@ __global__ void __launch_bounds__(NWG * 128, MINB) __cluster_dims__(CS, 1, 1) w4
 template <int NWG, int NTOK, int ST, bool ASYM, bool GATED, int PS>
 __global__ void __launch_bounds__((NWG + 1) * 128, 1) w4a16_wgmma_tma_ws(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
   w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, PS, true, true>(W4_WGMMA_ARGS, &xmap);
-}
-// Stream-K (WgConfig.streamk): the work is U = tiles x G units, tile t = (column block t % ncb,
-// token tile t / ncb) and unit (t, g) its group g; block b of B takes units [b U / B, (b + 1) U / B)
-// in order (the end of one tile, whole tiles, the start of another), so every SM gets the same
-// share however the tiles fall on the SMs. A tile held by one block is stored as the producer
-// loop stores it; a tile shared by ns blocks (piece sp = b - the first of them) is summed from
-// their fp32 partials in piece order (K order) by the last to arrive. One block a SM: the
-// producer thread's copies run on into the next item while the computing warpgroups finish
-// this one. The ring's units are counted across items (ub), so both sides agree on slots and
-// barrier phases. Block of unit u: the largest b with floor(b U / B) <= u, ceil((u + 1) B / U) - 1.
-template <int NWG, int NTOK, int ST, bool ASYM, bool GATED, int PS, int ROLE>
-__device__ __forceinline__ void sk_walk(W4_WGMMA_PARAMS, const void* xmap) {
-  // (32-bit: the launch checks U B < 2^31)
-  const int ncb = ((Np >> 6) + NWG - 1) / NWG, tiles = ncb * ((M + NTOK - 1) / NTOK);
-  const int U = tiles * G, B = gridDim.x, b = blockIdx.x;
-  const int u1 = (b + 1) * U / B;
-  auto block_of = [&](int u) { return ((u + 1) * B + U - 1) / U - 1; };
-  int ub = 0;
-  for (int u = b * U / B; u < u1;) {
-    const int t = u / G, t0 = t * G;
-    const int g0 = u - t0, g1 = min(G, u1 - t0);
-    const int first = block_of(t0), last = block_of(t0 + G - 1);
-    const SkItem item{t % ncb, t / ncb, g0, g1 - g0, b - first, last - first + 1, ub};
-    w4a16_wgmma_body<NWG, NTOK, ST, ASYM, false, 0, false, 0, GATED, PS, true, true, ROLE>(W4_WGMMA_ARGS, xmap, item);
-    ub += g1 - g0;
-    u = t0 + g1;
-  }
-}
-template <int NWG, int NTOK, int ST, bool ASYM, bool GATED, int PS>
-__global__ void __launch_bounds__((NWG + 1) * 128, 1) w4a16_wgmma_tma_wsk(W4_WGMMA_PARAMS, const __grid_constant__ TmaMap xmap) {
-  constexpr int NTH = NWG * 128;
-  unsigned long long* mbar = tma_mbar<ST>();
-  if (threadIdx.x == 0) {
-    for (int p = 0; p < ST; ++p) {
-      mb_init(smem_addr(&mbar[p]), 1);
-      mb_init(smem_addr(&mbar[ST + p]), NWG * 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (threadIdx.x >= NTH) {
-    regs_down<ws_producer_regs<NWG>()>();
-    if (threadIdx.x == NTH) sk_walk<NWG, NTOK, ST, ASYM, GATED, PS, 1>(W4_WGMMA_ARGS, &xmap);
-    return;
-  }
-  regs_up<ws_compute_regs<NWG>()>();
-  wait_ahead();
-  sk_walk<NWG, NTOK, ST, ASYM, GATED, PS, 2>(W4_WGMMA_ARGS, &xmap);
 }
