@@ -107,7 +107,7 @@ class PowerGate:
     def time(self, replay: Callable[[], object], power: str, reps: int, info: dict | None = None) -> float:
         """Median seconds of ``replay()`` in state ``power`` (one of :data:`POWER_MODES`): a
         burst is ``bursts`` cool-downs, each followed by one untimed replay and timed ones up to
-        ``burst_s`` of load (at least one, ``reps`` in all at most); sustained is ``settle_s``
+        ``burst_s`` of load (at least one, ``ceil(reps / bursts)`` at most); sustained is ``settle_s``
         of replays, then ``reps`` timed ones. ``info`` gets the state's reading (before a burst's
         first replay, after the sustained timing) and the replays timed."""
         timer = self.timer or _event_seconds
