@@ -245,7 +245,7 @@ def run_benchmark(
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-    gate = PowerGate(gpu=nvidia_smi_index(device))
+    gate = PowerGate()
     ceils = {p: measure_ceilings(device, p, gate) for p in power}
     for p, ceil in ceils.items():
         log(f"ceilings{'' if p is None else ' (' + p + ')'}: {ceil.bandwidth / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops / 1e12:.0f} "
@@ -305,16 +305,6 @@ def run_benchmark(
     result["shape_sets"] = list(sets)
     summarize(result)
     return result
-
-
-def nvidia_smi_index(device: torch.device) -> int:
-    """``nvidia-smi``'s index of a CUDA device: its place in ``CUDA_VISIBLE_DEVICES`` where
-    that lists indices, else its own."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if idx < len(vis) and vis[idx].isdigit():
-        return int(vis[idx])
-    return idx
 
 
 def summarize(result: dict) -> dict:

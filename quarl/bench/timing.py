@@ -61,12 +61,13 @@ SLOWDOWN_REASONS = ~0x1  # every clock-event reason but idle (ClockWatch's bitma
 @dataclass
 class PowerGate:
     """Brings the GPU to a known power state before a timing, from ``nvidia-smi`` readings
-    (:class:`~quarl.bench.common.ClockWatch`'s, of GPU ``gpu``). ``burst_s``: seconds of load
+    (:class:`~quarl.bench.common.ClockWatch`'s, of GPU ``gpu``: nvidia-smi's index; None, that
+    of the current CUDA device, :func:`nvidia_smi_index`). ``burst_s``: seconds of load
     a burst times (under the 50-80 ms an H200 ran unclamped); ``settle_s``: load before a
     sustained timing; ``rest_s`` / ``timeout_s``: the shortest and longest cool-down (without
     ``nvidia-smi``, a cool-down is ``fallback_s`` of sleep)."""
 
-    gpu: int = 0
+    gpu: int | None = None
     burst_s: float = 0.03
     bursts: int = 3
     settle_s: float = 0.5
@@ -86,6 +87,8 @@ class PowerGate:
             self.watch = ClockWatch()
         if self.watch.command is None:
             return None
+        if self.gpu is None:
+            self.gpu = nvidia_smi_index(torch.device("cuda", torch.cuda.current_device()))
         rows = [r for r in self.watch.sample() if r["gpu"] == self.gpu]
         return rows[0] if rows else None
 
@@ -135,6 +138,18 @@ class PowerGate:
         if info is not None:
             info.update(power=power, replays=len(times))
         return median(times)
+
+
+def nvidia_smi_index(device: torch.device) -> int:
+    """``nvidia-smi``'s index of a CUDA device: its place in ``CUDA_VISIBLE_DEVICES`` where
+    that lists indices, else its own."""
+    import os
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if idx < len(vis) and vis[idx].isdigit():
+        return int(vis[idx])
+    return idx
 
 
 def _event_seconds(fn: Callable[[], object]) -> float:

@@ -34,7 +34,7 @@ def gate(readings, **kw):
         log.append(("sleep", round(s, 3)))
         t[0] += s
 
-    g = PowerGate(watch=FakeWatch(readings), sleep=sleep, clock=lambda: t[0], **kw)
+    g = PowerGate(gpu=0, watch=FakeWatch(readings), sleep=sleep, clock=lambda: t[0], **kw)
     return g, log, t
 
 
@@ -52,7 +52,7 @@ def test_a_cool_down_waits_until_no_reason_but_idle_is_active():
 
 def test_without_nvidia_smi_a_cool_down_is_a_fixed_sleep():
     log = []
-    g = PowerGate(watch=FakeWatch([], command=None), sleep=lambda s: log.append(s), rest_s=0.6, fallback_s=1.5)
+    g = PowerGate(gpu=0, watch=FakeWatch([], command=None), sleep=lambda s: log.append(s), rest_s=0.6, fallback_s=1.5)
     assert g.cool_down() is None and sum(log) == pytest.approx(1.5)
 
 
@@ -110,6 +110,17 @@ def test_targets_and_layer_ratios_compare_timings_of_one_power_state():
     assert sp[("burst", "w4a16")] == pytest.approx(0.9) and sp[("sustained", "w4a16")] == pytest.approx(1.0)
     t = {x["power"]: x for x in check_targets(rows, shape_set="engine") if x["where"] == "M=1024"}
     assert not t["burst"]["met_all"] and t["sustained"]["met_all"] and t["sustained"]["target"] == 1.0
+
+
+def test_the_nvidia_smi_index_follows_cuda_visible_devices(monkeypatch):
+    import torch
+
+    from quarl.bench.timing import nvidia_smi_index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert nvidia_smi_index(torch.device("cuda", 0)) == 3 and nvidia_smi_index(torch.device("cuda", 1)) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")  # a UUID: the CUDA index stands
+    assert nvidia_smi_index(torch.device("cuda", 0)) == 0
 
 
 def test_the_cli_reads_power_states_and_names_the_valid_ones():
