@@ -33,8 +33,22 @@ BAD = [
     ("--optim.state_dtype=float16", r"optim.state_dtype.*float32.*bfloat16"),
     ("--quant.scheme=w5a5", r"quant.scheme: unknown quantization scheme 'w5a5' \(did you mean 'w4a16'\?\); schemes: bf16, w8a8-int8"),
     ("--algo.correction=tiss", r"unknown algo.correction 'tiss' \(did you mean 'tis'\?\); corrections: none, tis"),
-    ("--algo.correction=tis", r"algo.loss=tbpo takes no correction; set algo.correction=none"),
+    ("--algo.correction=tis", r"algo.correction=tis does not apply to algo.loss=tbpo; it takes none, seq-tis, mis"),
+    ("--algo.loss=sapo --algo.correction=acr", r"does not apply to algo.loss=sapo; it takes none, tis, decoupled, icepop"),
+    ("--algo.correction=icepop --algo.loss=ppo --algo.reject=sequence", r"already rejects at the token level"),
+    ("--algo.weight_high=1.5 --algo.loss=ppo", r"algo correction fields: weight_low / weight_high bound importance"),
+    ("--algo.weights=token", r"algo.loss=tbpo weighs whole responses: set algo.weights to sequence or geometric"),
+    ("--algo.veto=3", r"veto must lie in \(0, 1\)"),
+    ("--algo.reject=token --algo.reject_low=2", r"0 <= low <= 1 <= high"),
     ("--algo.loss=gspo --algo.correction=tis", r"does not apply to algo.loss=gspo; it takes none, seq-tis, mis"),
+    ("--algo.error_surprise=-1", r"algo.error_surprise must be >= 0 \(nats\), got -1.0: set --algo.error_surprise to 0"),
+    ("--algo.error_gap=nan", r"algo.error_gap must be >= 0 \(nats\), got nan"),
+    ("--algo.error_window=0 --algo.error_min_bad=0", r"algo.error_window must be >= 1, got 0"),
+    ("--algo.error_min_bad=0", r"algo.error_min_bad must be in \[1, algo.error_window=8\], got 0: set "
+                               r"--algo.error_min_bad between 1 \(any single bad token\) and 8"),
+    ("--algo.error_window=2", r"algo.error_min_bad must be in \[1, algo.error_window=2\], got 3.*raise "
+                              r"--algo.error_window"),
+    ("--algo.truncate_at_error=maybe", r"algo.truncate_at_error: expected true/false"),
 ]
 
 
@@ -50,9 +64,26 @@ def test_out_of_range_values_are_refused(flags, message):
     "--quant.mode=bf16 --quant.scheme=nvfp4",  # the scheme is unused in bf16 mode: no complaint
     "--algo.loss=ppo --algo.correction=acr",
     "--algo.loss=gspo --algo.correction=mis",
+    "--algo.truncate_at_error=true --algo.error_surprise=0 --algo.error_gap=0 --algo.error_window=1 "
+    "--algo.error_min_bad=1",
+    "--algo.error_window=3 --algo.error_min_bad=3",
 ])
 def test_edge_values_are_accepted(flags):
     load_run_config(None, flags.split())
+
+
+def test_error_threshold_defaults_are_the_detectors():
+    """The algo.error_* defaults are quarl.algos.errors' own (the two must not drift apart)."""
+    import inspect
+
+    from quarl.algos.errors import garbled_starts
+
+    algo = load_run_config(None, []).algo
+    defaults = {k: p.default for k, p in inspect.signature(garbled_starts).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    assert defaults == {"surprise": algo.error_surprise, "gap": algo.error_gap, "window": algo.error_window,
+                        "min_bad": algo.error_min_bad}
+    assert algo.truncate_at_error is False
 
 
 def test_dry_run_fails_on_a_bad_value():

@@ -8,6 +8,9 @@
 - reduction:    :func:`agg_loss`, :func:`masked_mean`, :func:`masked_sum`, :func:`seq_mean`
 - KL:           :func:`kl_penalty` (k1, k2, k3)
 - metrics:      :func:`mismatch_metrics`, :func:`is_repetitive`, :func:`repeat_fraction`
+- error tokens: :func:`loop_starts`, :func:`garbled_starts`, :func:`error_starts` (where a
+                response first goes wrong), :func:`before_error` (the mask before it),
+                :func:`error_metrics`
 
 Nothing here takes a config object; every name is found in a small registry whose keys
 are exported as the tuples below.
@@ -21,6 +24,7 @@ from quarl.algos.advantages import (
     whiten,
 )
 from quarl.algos.aggregation import AGG_MODES, agg_loss, masked_mean, masked_sum, seq_mean
+from quarl.algos.errors import before_error, error_metrics, error_starts, garbled_starts, loop_starts
 from quarl.algos.filters import drop_rows, informative_groups
 from quarl.algos.corrections import SEQ_CORRECTIONS, TOKEN_CORRECTIONS
 from quarl.algos.kl import KL_ESTIMATORS, kl_penalty
@@ -42,14 +46,19 @@ __all__ = [
     "SEQ_CORRECTIONS",
     "TOKEN_CORRECTIONS",
     "agg_loss",
+    "before_error",
     "compute_advantages",
     "compute_gae",
     "compute_policy_loss",
     "drop_rows",
+    "error_metrics",
+    "error_starts",
+    "garbled_starts",
     "informative_groups",
     "is_repetitive",
     "kl_penalty",
     "last_token_rewards",
+    "loop_starts",
     "masked_mean",
     "masked_sum",
     "mismatch_metrics",

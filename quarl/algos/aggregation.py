@@ -9,11 +9,14 @@ The aggregation modes decide how per-token losses become one scalar; the choice 
 separate from the loss itself (as in verl's ``agg_loss``):
 
 - ``token-mean``: sum over all response tokens / number of response tokens (DAPO).
-- ``seq-mean-token-mean``: mean over the B rows of each row's token mean (GRPO, eq. 1
-  of QuRL). Rows with no response tokens add 0 but still count in B, so dropping a
-  response never renormalises the others (the same rule the sequence losses follow).
-- ``seq-mean-token-sum-norm``: mean over the B rows of each row's token sum divided by
+- ``seq-mean-token-mean``: mean over the rows of each row's token mean (GRPO, eq. 1
+  of QuRL).
+- ``seq-mean-token-sum-norm``: mean over the rows of each row's token sum divided by
   a constant ``max_len`` (default T): Dr. GRPO's length-unbiased normalisation.
+
+What the mask removes leaves the denominators: tokens leave the token count, and a row
+with no response token left leaves the row count of the sequence means (the rule the
+sequence losses follow too).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean(x, mask, dim=-1)
 
 
+def response_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Number of rows with at least one response token (0-d long tensor; no host sync)."""
+    return (mask.bool().any(-1)).sum()
+
+
 def check_agg(agg: str) -> None:
     if agg not in AGG_MODES:
         raise ValueError(f"unknown agg {agg!r}; valid: {', '.join(AGG_MODES)}")
@@ -77,12 +85,13 @@ def agg_loss(
             f"loss_mat and mask must both be [B, T]; got {tuple(loss_mat.shape)} "
             f"and {tuple(mask.shape)}"
         )
-    batch, seq_len = loss_mat.shape
+    seq_len = loss_mat.shape[1]
     if agg == "token-mean":
         return masked_mean(loss_mat, mask)
+    rows = response_rows(mask).to(loss_mat.dtype).clamp(min=1.0)
     if agg == "seq-mean-token-mean":
-        return seq_mean(loss_mat, mask).sum() / max(batch, 1)
+        return seq_mean(loss_mat, mask).sum() / rows
     norm = seq_len if max_len is None else max_len
     if norm <= 0:
         raise ValueError(f"max_len must be positive, got {norm}")
-    return masked_sum(loss_mat, mask, dim=-1).sum() / (norm * max(batch, 1))
+    return masked_sum(loss_mat, mask, dim=-1).sum() / (norm * rows)

@@ -47,18 +47,22 @@ from typing import Callable
 
 import torch
 
-from quarl.algos.aggregation import _masked, agg_loss, check_agg, masked_max, masked_mean, seq_mean
+from quarl.algos.aggregation import _masked, agg_loss, check_agg, masked_max, masked_mean, response_rows, seq_mean
 from quarl.algos.corrections import (
+    LEVELS,
+    SEQ_CORRECTIONS,
     TOKEN_CORRECTIONS,
-    check_cap,
-    seq_correction,
-    seq_tis_weight,
-    token_correction,
+    Correction,
+    CorrectionSpec,
+    mismatch_correction,
+    preset,
 )
 
 # log-ratios are clamped before exp so that a wild token cannot overflow to inf (whose
 # gradient would be NaN); e^20 is far outside every clip range used here.
 _MAX_LOG_RATIO = 20.0
+# the importance-weight levels a sequence-level loss takes (one weight per response)
+ROW_WEIGHTS: tuple[str, ...] = ("none", "sequence", "geometric")
 
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
@@ -145,21 +149,38 @@ def _check_eps(**eps: float) -> None:
         raise ValueError("the lower clip distance must be < 1")
 
 
-def _check_token_correction(correction: str, valid: tuple[str, ...]) -> None:
-    if correction not in valid:
-        raise ValueError(f"unknown correction {correction!r}; valid: {', '.join(valid)}")
+Corrections = str | CorrectionSpec
 
 
-def _token_metrics(loss, clip_frac, ratio, corr, mask) -> dict[str, torch.Tensor]:
-    """The metrics every token-level loss reports (values still on the device)."""
+def _correction(correction: Corrections, cap: float, presets: tuple[str, ...], weights: tuple[str, ...],
+                adaptive_clip: bool, old_logp, sampler_logp, mask) -> tuple[Correction, torch.Tensor]:
+    """The correction (a preset name among ``presets`` or a :class:`CorrectionSpec` whose
+    weights level is among ``weights``) and the mask of the tokens it keeps (``mask``'s dtype)."""
+    if isinstance(correction, str):
+        if correction not in presets:
+            raise ValueError(f"unknown correction {correction!r}; valid: {', '.join(presets)}")
+        spec = preset(correction, cap)
+    else:
+        spec = correction
+    if spec.weights not in weights:
+        raise ValueError(f"this loss takes {', '.join(weights)} importance weights, got {spec.weights!r}")
+    if spec.adaptive_clip and not adaptive_clip:
+        raise ValueError("the adaptive clip (acr) needs a loss with a hard clip (ppo, positive_only)")
+    corr = mismatch_correction(spec, old_logp, sampler_logp, mask)
+    return corr, corr.keep.to(mask.dtype)
+
+
+def _token_metrics(loss, clip_frac, ratio, corr, mask, kept) -> dict[str, torch.Tensor]:
+    """The metrics every token-level loss reports (values still on the device): the ratio
+    and weight statistics over the kept tokens, the share removed over ``mask``."""
     return {
         "loss/policy": loss,
         "loss/clip_frac": clip_frac,
-        "loss/ratio_mean": masked_mean(ratio, mask),
-        "loss/ratio_max": masked_max(ratio, mask),
-        "correction/w_mean": masked_mean(corr.weight, mask),
-        "correction/w_max": masked_max(corr.weight, mask),
-        "correction/drop_frac": _frac(corr.dropped, mask),
+        "loss/ratio_mean": masked_mean(ratio, kept),
+        "loss/ratio_max": masked_max(ratio, kept),
+        "correction/w_mean": masked_mean(corr.weight, kept),
+        "correction/w_max": masked_max(corr.weight, kept),
+        "correction/drop_frac": _frac(kept == 0, mask),
     }
 
 
@@ -176,7 +197,7 @@ def ppo_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip_c: float | None = None,
-    correction: str = "none",
+    correction: Corrections = "none",
     cap: float = 2.0,
     agg: str = "token-mean",
     max_len: int | None = None,
@@ -186,23 +207,23 @@ def ppo_loss(
     Per token: ``c_t * max(-R A, -clip(R, 1-eps_low, hi_t) A)`` where ``c_t`` is the
     correction weight and ``hi_t = 1+eps_high`` except under ``acr``, where
     ``hi_t = (1+eps_high) / min(1, cap / w)`` (QuRL eq. 9). With ``dual_clip_c = c > 1``
-    the loss of A < 0 tokens is ``min(that, -c A)``. Shapes: module docstring;
-    ``agg``/``max_len``: :func:`agg_loss`.
+    the loss of A < 0 tokens is ``min(that, -c A)``. ``correction``: a token-level preset
+    or any :class:`CorrectionSpec`; the tokens it removes leave the loss and its
+    denominators. Shapes: module docstring; ``agg``/``max_len``: :func:`agg_loss`.
     """
     _check_eps(eps_low=eps_low, eps_high=eps_high)
-    _check_token_correction(correction, TOKEN_CORRECTIONS)
     check_agg(agg)
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
     mask = _float_mask(mask, logp)
-    adv = _token_advantages(advantages, logp, mask)
-    corr = token_correction(correction, old_logp, sampler_logp, mask, cap)
-    ratio = _token_ratio(logp, old_logp, mask)
+    corr, kept = _correction(correction, cap, TOKEN_CORRECTIONS, LEVELS, True, old_logp, sampler_logp, mask)
+    adv = _token_advantages(advantages, logp, kept)
+    ratio = _token_ratio(logp, old_logp, kept)
     high = (1.0 + eps_high) * corr.upper_scale
     surrogate, cut = _clipped_surrogate(ratio, adv, 1.0 - eps_low, high, dual_clip_c)
-    loss = agg_loss(corr.weight * surrogate, mask, agg, max_len)
+    loss = agg_loss(corr.weight * surrogate, kept, agg, max_len)
     with torch.no_grad():
-        metrics = _token_metrics(loss, _frac(cut, mask), ratio, corr, mask)
+        metrics = _token_metrics(loss, _frac(cut, kept), ratio, corr, mask, kept)
     return loss, _scalars(metrics)
 
 
@@ -216,9 +237,9 @@ def positive_only_loss(
 ) -> LossOutput:
     """``ppo`` with every A < 0 response (token, for ``[B, T]`` advantages) masked out.
 
-    The dropped tokens leave the ``token-mean`` denominator; under the ``seq-mean-*``
-    modes their rows still count in B. Reports ``positive_only/drop_frac``, the share
-    of response tokens removed. Hyperparameters: those of :func:`ppo_loss`.
+    The dropped tokens leave the loss and its denominators (under the ``seq-mean-*`` modes
+    their rows leave the row count). Reports ``positive_only/drop_frac``, the share of
+    response tokens removed. Hyperparameters: those of :func:`ppo_loss`.
     """
     mask = _float_mask(mask, logp)
     adv = _token_advantages(advantages, logp, mask)
@@ -238,7 +259,7 @@ def sapo_loss(
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
-    correction: str = "none",
+    correction: Corrections = "none",
     cap: float = 2.0,
     agg: str = "token-mean",
     max_len: int | None = None,
@@ -249,22 +270,23 @@ def sapo_loss(
     ``s = sigmoid(tau (R - 1))``, i.e. exactly the policy gradient ``-A`` at R = 1 and
     smoothly fading away from it (faster for A < 0, tau_neg > tau_pos). Nothing is cut,
     so ``loss/clip_frac`` is 0; ``sapo/gate_mean`` is the mean of ``4 s (1 - s)``.
-    ``correction`` in none | tis | decoupled | icepop (ACR needs a hard clip).
+    ``correction``: none | tis | decoupled | icepop or a :class:`CorrectionSpec` without the
+    adaptive clip (ACR needs a hard clip).
     """
-    _check_token_correction(correction, ("none", "tis", "decoupled", "icepop"))
     check_agg(agg)
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
     mask = _float_mask(mask, logp)
-    adv = _token_advantages(advantages, logp, mask)
-    corr = token_correction(correction, old_logp, sampler_logp, mask, cap)
-    ratio = _token_ratio(logp, old_logp, mask)
+    presets = tuple(p for p in TOKEN_CORRECTIONS if p != "acr")
+    corr, kept = _correction(correction, cap, presets, LEVELS, False, old_logp, sampler_logp, mask)
+    adv = _token_advantages(advantages, logp, kept)
+    ratio = _token_ratio(logp, old_logp, kept)
     tau = torch.where(adv < 0, torch.full_like(adv, tau_neg), torch.full_like(adv, tau_pos))
     gate = torch.sigmoid(tau * (ratio - 1.0))
-    loss = agg_loss(corr.weight * (-(4.0 / tau) * gate * adv), mask, agg, max_len)
+    loss = agg_loss(corr.weight * (-(4.0 / tau) * gate * adv), kept, agg, max_len)
     with torch.no_grad():
-        metrics = _token_metrics(loss, logp.new_zeros(()), ratio, corr, mask)
-        metrics["sapo/gate_mean"] = masked_mean(4.0 * gate * (1.0 - gate), mask)
+        metrics = _token_metrics(loss, logp.new_zeros(()), ratio, corr, mask, kept)
+        metrics["sapo/gate_mean"] = masked_mean(4.0 * gate * (1.0 - gate), kept)
     return loss, _scalars(metrics)
 
 
@@ -299,33 +321,34 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
-    correction: str = "none",
+    correction: Corrections = "none",
     cap: float = 2.0,
 ) -> LossOutput:
     """Group sequence policy optimization (Zheng et al. 2025) with a sequence correction.
 
     ``s_i = exp(mean_t(logp - old_logp))``; loss
-    ``(1/B) sum_i v_i * max(-s_i A_i, -clip(s_i, 1-eps_low, 1+eps_high) A_i)`` with
-    ``v_i`` from ``correction`` in none | seq-tis | mis (:mod:`quarl.algos.corrections`).
-    ``advantages``: ``[B]``. ``loss/clip_frac`` is the share of non-empty responses
-    clipped; ``correction/drop_frac`` the share MIS dropped.
+    ``(1/N) sum_i v_i * max(-s_i A_i, -clip(s_i, 1-eps_low, 1+eps_high) A_i)`` with
+    ``v_i`` from ``correction`` (none | seq-tis | mis, or a :class:`CorrectionSpec` with
+    sequence or geometric weights, :mod:`quarl.algos.corrections`) and N the responses
+    with tokens left after the correction's removals (which leave ``mean_t`` too).
+    ``advantages``: ``[B]``. ``loss/clip_frac`` is the share of those responses clipped;
+    ``correction/drop_frac`` the share of response tokens removed.
     """
     _check_eps(eps_low=eps_low, eps_high=eps_high)
-    check_cap(cap)
     adv = _seq_advantages(advantages, logp)
     mask = _float_mask(mask, logp)
-    valid = mask.sum(-1) > 0
-    corr = seq_correction(correction, old_logp, sampler_logp, mask, cap)
-    ratio = _seq_ratio(logp, old_logp, mask)
+    corr, kept = _correction(correction, cap, SEQ_CORRECTIONS, ROW_WEIGHTS, False, old_logp, sampler_logp, mask)
+    valid = kept.sum(-1) > 0
+    ratio = _seq_ratio(logp, old_logp, kept)
     surrogate, cut = _clipped_surrogate(ratio, adv, 1.0 - eps_low, 1.0 + eps_high)
-    per_response = _masked(corr.weight * surrogate, valid)
-    loss = per_response.sum() / max(logp.shape[0], 1)
+    per_response = _masked(corr.row_weight * surrogate, valid)
+    loss = per_response.sum() / response_rows(kept).to(logp.dtype).clamp(min=1.0)
     with torch.no_grad():
         metrics = {
             "loss/policy": loss,
             "loss/clip_frac": _frac(cut, valid),
-            **_seq_stats(ratio, corr.weight, valid),
-            "correction/drop_frac": _frac(corr.dropped, valid),
+            **_seq_stats(ratio, corr.row_weight, valid),
+            "correction/drop_frac": _frac(kept == 0, mask),
         }
     return loss, _scalars(metrics)
 
@@ -340,38 +363,43 @@ def tbpo_loss(
     eps_high: float = 4e-4,
     delta_low: float = 3e-4,
     delta_high: float = 7e-4,
+    correction: Corrections = "seq-tis",
     cap: float = 2.0,
 ) -> LossOutput:
     """Trust-band policy optimization (QaRL section 3.2, eqs. 5-6).
 
     ``r_i = exp(mean_t(logp - old_logp))`` carries the gradient;
-    ``v_i = exp(clamp(mean_t(old_logp - sampler_logp), -log cap, log cap))`` (detached);
+    ``v_i = exp(clamp(mean_t(old_logp - sampler_logp), -log cap, log cap))`` (detached; the
+    ``seq-tis`` correction, or another sequence-level one, e.g. asymmetric bounds or a
+    rejection, as a :class:`CorrectionSpec`);
     ``keep_i = r_i <= 1 + eps_high`` if A_i > 0, ``1 - delta_low <= r_i <= 1 + delta_high``
     if A_i < 0 (the dual band that stops low-probability error tokens of negative
-    responses from dominating); loss ``= -(1/B) sum_i keep_i v_i r_i A_i``. A dropped
-    response contributes neither value nor gradient. ``advantages``: ``[B]``.
-    Reports ``tbpo/drop_frac_pos`` / ``tbpo/drop_frac_neg`` (dropped share of the A > 0 /
-    A < 0 responses) and ``loss/clip_frac`` (dropped share of all non-empty responses).
+    responses from dominating); loss ``= -(1/N) sum_i keep_i v_i r_i A_i`` with N the
+    responses with tokens (a band-dropped response counts in N; one the correction removed
+    does not). A dropped response contributes neither value nor gradient. ``advantages``: ``[B]``.
+    Reports ``tbpo/drop_frac_pos`` / ``tbpo/drop_frac_neg`` (band-dropped share of the A > 0 /
+    A < 0 responses) and ``loss/clip_frac`` (band-dropped share of all of them).
     """
     _check_eps(eps_high=eps_high, delta_low=delta_low, delta_high=delta_high)
     adv = _seq_advantages(advantages, logp)
     mask = _float_mask(mask, logp)
-    valid = mask.sum(-1) > 0
-    v = seq_tis_weight(old_logp, sampler_logp, mask, cap)
-    ratio = _seq_ratio(logp, old_logp, mask)
+    corr, kept = _correction(correction, cap, SEQ_CORRECTIONS, ROW_WEIGHTS, False, old_logp, sampler_logp, mask)
+    valid = kept.sum(-1) > 0
+    v = corr.row_weight
+    ratio = _seq_ratio(logp, old_logp, kept)
     with torch.no_grad():
         r = ratio.detach()
         in_neg_band = (r >= 1.0 - delta_low) & (r <= 1.0 + delta_high)
         keep = torch.where(adv > 0, r <= 1.0 + eps_high, torch.where(adv < 0, in_neg_band, True))
         keep = keep & valid
-    loss = _masked(-v * ratio * adv, keep).sum() / max(logp.shape[0], 1)
+    loss = _masked(-v * ratio * adv, keep).sum() / response_rows(kept).to(logp.dtype).clamp(min=1.0)
     with torch.no_grad():
         dropped = valid & ~keep
         metrics = {
             "loss/policy": loss,
             "loss/clip_frac": _frac(dropped, valid),
             **_seq_stats(ratio, v, valid),
-            "correction/drop_frac": logp.new_zeros(()),
+            "correction/drop_frac": _frac(kept == 0, mask),
             "tbpo/drop_frac_pos": _frac(dropped, valid & (adv > 0)),
             "tbpo/drop_frac_neg": _frac(dropped, valid & (adv < 0)),
         }

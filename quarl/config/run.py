@@ -169,7 +169,15 @@ class QuantConfig:
 class AlgoConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
     loss: Literal["ppo", "positive_only", "sapo", "gspo", "tbpo"] = "tbpo"
-    correction: str = "none"
+    correction: str = "none"  # a preset (quarl.algos.corrections); tbpo's "none" is its own seq-tis
+    # importance weights, rejection and veto as separate choices on top of the preset:
+    weights: Literal["none", "token", "sequence", "geometric"] = "none"
+    weight_low: float | None = None  # truncation bounds of the weights (None: 0 / cap, or the preset's)
+    weight_high: float | None = None
+    reject: Literal["none", "token", "sequence", "geometric"] = "none"
+    reject_low: float | None = None  # kept band (None: 1 / reject_high, cap)
+    reject_high: float | None = None
+    veto: float | None = None  # a response with a token whose ratio leaves [veto, 1/veto] is removed
     eps_low: float | None = None  # None = the loss's own default
     eps_high: float | None = None
     delta_low: float | None = None
@@ -184,23 +192,60 @@ class AlgoConfig:
     gamma: float = 1.0
     lam: float = 1.0
     value_coef: float = 0.5
+    # error tokens (quarl.algos.errors): train on each response's prefix before its first
+    # error token, a loop or a garbled stretch (errors/* metrics are logged either way)
+    truncate_at_error: bool = False
+    error_surprise: float = 8.0  # a token is bad when -learner_logp > this (nats) ...
+    error_gap: float = 2.0  # ... and sampler_logp - learner_logp > this (nats)
+    error_window: int = 8  # a garbled stretch: error_min_bad bad tokens within error_window
+    error_min_bad: int = 3  # (1 = any single bad token)
+
+    def _check_error_fields(self) -> None:
+        for name in ("error_surprise", "error_gap"):
+            value = getattr(self, name)
+            if not value >= 0:  # (NaN too)
+                raise ConfigError(f"algo.{name} must be >= 0 (nats), got {value}: set --algo.{name} to 0 or more")
+        _at_least("algo", self, 1, "error_window")
+        if not 1 <= self.error_min_bad <= self.error_window:
+            raise ConfigError(
+                f"algo.error_min_bad must be in [1, algo.error_window={self.error_window}], got {self.error_min_bad}: "
+                f"set --algo.error_min_bad between 1 (any single bad token) and {self.error_window}, or raise "
+                "--algo.error_window"
+            )
+
+    def correction_spec(self):
+        """The :class:`~quarl.algos.corrections.CorrectionSpec` these fields describe (raises
+        ``ValueError`` on a conflict; :meth:`validate` turns it into a ConfigError)."""
+        from quarl.algos.corrections import build_spec
+
+        own = self.correction == "none" and self.loss == "tbpo" and self.weights == "none"
+        base = "seq-tis" if own else self.correction
+        return build_spec(base, self.cap, weights=self.weights, weight_low=self.weight_low,
+                          weight_high=self.weight_high, reject=self.reject, reject_low=self.reject_low,
+                          reject_high=self.reject_high, veto=self.veto)
 
     def validate(self) -> None:
-        from quarl.algos.corrections import SEQ_CORRECTIONS, TOKEN_CORRECTIONS
-        from quarl.algos.losses import SEQUENCE_LOSSES, policy_loss_defaults
+        self._check_error_fields()
+        from quarl.algos.corrections import PRESETS, SEQ_CORRECTIONS, TOKEN_CORRECTIONS
+        from quarl.algos.losses import ROW_WEIGHTS, SEQUENCE_LOSSES
 
-        known = list(dict.fromkeys(TOKEN_CORRECTIONS + SEQ_CORRECTIONS))
-        if self.correction not in known:
-            raise ConfigError(f"unknown algo.correction {self.correction!r}{closest(self.correction, known)}; "
-                              f"corrections: {', '.join(known)}")
-        if self.correction == "none":
-            return
-        if "correction" not in policy_loss_defaults(self.loss):
-            raise ConfigError(f"algo.loss={self.loss} takes no correction; set algo.correction=none")
+        if self.correction not in PRESETS:
+            raise ConfigError(f"unknown algo.correction {self.correction!r}{closest(self.correction, PRESETS)}; "
+                              f"corrections: {', '.join(PRESETS)}")
         fits = SEQ_CORRECTIONS if self.loss in SEQUENCE_LOSSES else TOKEN_CORRECTIONS
+        if self.loss == "sapo":
+            fits = tuple(c for c in fits if c != "acr")
         if self.correction not in fits:
             raise ConfigError(f"algo.correction={self.correction} does not apply to algo.loss={self.loss}; "
                               f"it takes {', '.join(fits)}")
+        try:
+            spec = self.correction_spec()
+        except ValueError as e:
+            raise ConfigError(f"algo correction fields: {e} (fields algo.correction, algo.weights, "
+                              "algo.weight_low/high, algo.reject, algo.reject_low/high, algo.veto)") from None
+        if self.loss in SEQUENCE_LOSSES and spec.weights not in ROW_WEIGHTS:
+            raise ConfigError(f"algo.loss={self.loss} weighs whole responses: set algo.weights to sequence or "
+                              f"geometric, not {spec.weights}")
 
 
 @dataclass

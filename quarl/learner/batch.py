@@ -107,7 +107,8 @@ def build_batch(
 class MicroBatch(NamedTuple):
     """Rows ``lo:hi`` of a batch, ``width`` its longest row (prompt + response tokens),
     ``response_tokens`` its response-token count, ``longest_response`` its longest
-    response and ``tokens`` its real (unpadded) tokens: known on the host, so slicing it
+    response, ``tokens`` its real (unpadded) tokens and ``response_rows`` its rows with a
+    response token: known on the host, so slicing it
     (:meth:`RolloutBatch.rows`) and weighting its loss need no device sync."""
 
     lo: int
@@ -116,6 +117,7 @@ class MicroBatch(NamedTuple):
     response_tokens: int
     longest_response: int
     tokens: int
+    response_rows: int  # rows with at least one response token (the sequence means' count)
 
     @property
     def size(self) -> int:
@@ -198,7 +200,7 @@ def micro_batches(batch: RolloutBatch, token_budget: int) -> list[MicroBatch]:
     lengths, responses = counts.tolist()
     lengths, responses = [int(n) for n in lengths], [int(n) for n in responses]
     return [MicroBatch(lo, hi, max(max(lengths[lo:hi]), 1), sum(responses[lo:hi]), max(responses[lo:hi]),
-                       sum(lengths[lo:hi]))
+                       sum(lengths[lo:hi]), sum(n > 0 for n in responses[lo:hi]))
             for lo, hi in budget_ranges(lengths, token_budget)]
 
 

@@ -242,8 +242,10 @@ class Learner:
         packing = Packing.of(parts, s.token_budget)
         self.last_packing = packing if self.last_packing is None else self.last_packing.merged(packing)
         # the mini-batch is the union of every rank's rows: its totals are summed over the ranks
-        tokens, total_rows = self.dist.sum([sum(mb.response_tokens for mb in parts), mini.size])
-        total_tokens = max(tokens, 1)
+        # (rows with no response token, e.g. removed by a correction, leave the sequence means' count)
+        tokens, rows_with_tokens = self.dist.sum([sum(mb.response_tokens for mb in parts),
+                                                  sum(mb.response_rows for mb in parts)])
+        total_tokens, total_rows = max(tokens, 1), max(rows_with_tokens, 1)
         hparams = dict(s.loss_hparams)
         if s.loss_hparams.get("agg") == "seq-mean-token-sum-norm":
             hparams.setdefault("max_len", self.dist.max(max([mb.longest_response for mb in parts] + [1])))
@@ -260,7 +262,7 @@ class Learner:
             for part in parts:
                 # Weight of this micro-batch in the mini-batch's mean (exact for token-mean and
                 # the sequence means, since each micro-batch normalises by its own count).
-                weight = part.response_tokens / total_tokens if token_mean else part.size / total_rows
+                weight = part.response_tokens / total_tokens if token_mean else part.response_rows / total_rows
                 m = self._micro_batch_backward(mini, part, rows[part.lo : part.hi], s, hparams, ret, weight)
                 names = list(m)  # (every micro-batch reports the same names)
                 term = torch.stack([v.double().reshape(()) for v in m.values()]) * weight

@@ -53,20 +53,30 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
-    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+    def log_samples(self, step: int, samples: list[dict[str, Any]], tag: str = "samples") -> None:
+        """Append ``samples`` to ``samples.jsonl`` (and TensorBoard's text ``tag``). A row holds
+        ``prompt``, ``completion``, ``answer``, ``reward``, ``error_kind`` / ``error_pos`` (the
+        first error token, :mod:`quarl.trainer.error_tokens`) and, for a flagged training
+        response, ``flagged``, ``response_tokens`` and ``error_text``."""
         with open(self.samples_path, "a") as f:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}) + "\n")
         if self.tb is not None and samples:
             text = "\n\n".join(f"**prompt** `{s['prompt']}`  \n**completion** `{s['completion']}`  \n"
-                               f"reward {s['reward']}" for s in samples)
-            self.tb.add_text("samples", text, step)
+                               f"reward {s['reward']}{_error_note(s)}" for s in samples)
+            self.tb.add_text(tag, text, step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _error_note(sample: dict[str, Any]) -> str:
+    if sample.get("error_pos") is None:
+        return ""
+    return f" · {sample.get('error_kind')} from response token {sample['error_pos']}"
 
 
 def _jsonable(v: Any) -> Any:

@@ -41,12 +41,18 @@ from quarl.algos import (
     compute_advantages,
     compute_gae,
     drop_rows,
+    before_error,
+    error_metrics,
+    error_starts,
+    garbled_starts,
     informative_groups,
     last_token_rewards,
+    loop_starts,
     mismatch_metrics,
     repeat_fraction,
     whiten,
 )
+from quarl.algos.corrections import CorrectionSpec, mismatch_correction
 from quarl.algos.losses import policy_loss_defaults
 from quarl.config import RunConfig
 from quarl.config.run import upgrade
@@ -60,6 +66,7 @@ from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
 from quarl.trainer import oom
+from quarl.trainer.error_tokens import FLAGGED_PER_STEP, flagged_rows, flagged_sample, loop_fields, response_columns
 from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
@@ -160,6 +167,7 @@ class Trainer:
         self._preempted = 0  # this rank's engine preemptions in this step (a KV cache too small for its rollouts)
         self._warned_preemption = False
         self._warned_packing = False
+        self._flagged_samples: list[dict] = []  # the last step's flagged responses, for samples.jsonl
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
@@ -279,6 +287,8 @@ class Trainer:
         t = self.cfg.trainer
         metrics = self.train_step()
         self.step += 1
+        if self.logger is not None and self._flagged_samples:
+            self.logger.log_samples(self.step, self._flagged_samples, tag="flagged")
         if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
             metrics.update(self.evaluate())
             metrics["mismatch/engine_check"] = self._check_engine_sync()
@@ -314,7 +324,9 @@ class Trainer:
         if self._dense_base is None:
             self._dense_base = self._dense_base_fits(clock.peak_gb["learner"], kv_counted=not release)
         self._check_finite(update)
-        return self._step_metrics(self._union(rollout), update, quant_metrics, clock, int(preempted))
+        union = self._union(rollout)
+        errors = self.find_errors(batch, rollout, union)
+        return self._step_metrics(union, update, errors, quant_metrics, clock, int(preempted))
 
     @contextlib.contextmanager
     def _naming_out_of_memory(self, clock: StageClock):
@@ -398,21 +410,55 @@ class Trainer:
         cfg = self.cfg
         settings = self._update_settings()
         budget, temp = cfg.trainer.token_budget, cfg.rollout.temperature
-        if (settings.ppo_epochs, settings.mini_batches) != (1, 1):  # else the update's own forward is it
+        spec = cfg.algo.correction_spec()
+        removes = spec.rejects or cfg.algo.truncate_at_error
+        # else the update's own forward gives old_logp; what the update removes is known before
+        # it (from old_logp), so that every micro-batch's share of the loss counts kept tokens
+        if (settings.ppo_epochs, settings.mini_batches) != (1, 1) or removes:
             batch.old_logp = self.learner.logprobs(batch, budget, temp)
         if cfg.algo.kl_coef > 0:
             batch.ref_logp = self.learner.logprobs(batch, budget, temp, ref=True)
         returns = self._gae(batch) if cfg.algo.advantage == "gae" else None
         extra = (batch.old_logp is not None) + (batch.ref_logp is not None) + (returns is not None)
+        full_mask = batch.response_mask
+        removed: dict[str, float] = {}
+        if removes:
+            batch.response_mask, removed = self._removals(batch, spec)
         metrics = self.learner.update(batch, settings, returns)
+        batch.response_mask = full_mask
+        metrics.update(removed)
         old_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
         rows = _rows_of_all_ranks(self.dist, old_logp, batch.sampler_logp, batch.response_mask)
         (tokens,) = self.dist.sum([int(batch.attention_mask.sum())])
         return UpdateResult(metrics, mismatch_metrics(*rows), tokens=int(tokens), extra_forwards=int(extra))
 
-    def _step_metrics(self, rollout: Rollout, update: UpdateResult, quant_metrics: dict[str, float],
-                      clock: StageClock, preempted: int) -> dict[str, float]:
-        """``preempted``: the engines' preemptions of this step, summed over the ranks."""
+    def _removals(self, batch: RolloutBatch, spec: CorrectionSpec) -> tuple[torch.Tensor, dict[str, float]]:
+        """The response mask less the tokens the correction's rejection and veto remove and,
+        with ``algo.truncate_at_error``, less every token from a response's first error token
+        on; with the shares removed over every rank (``correction/drop_frac``: tokens the
+        correction removed, ``correction/row_drop_frac``: responses it emptied,
+        ``errors/truncated_frac``: tokens the truncation removed besides)."""
+        a, mask = self.cfg.algo, batch.response_mask
+        kept = mismatch_correction(spec, batch.old_logp, batch.sampler_logp, mask).keep.to(mask.dtype)
+        truncated = kept
+        if a.truncate_at_error:
+            starts = error_starts(batch.input_ids[:, 1:], batch.old_logp, batch.sampler_logp, mask,
+                                  surprise=a.error_surprise, gap=a.error_gap, window=a.error_window,
+                                  min_bad=a.error_min_bad)
+            truncated = before_error(kept, starts)
+        rows = mask.sum(-1) > 0
+        counts = torch.stack([mask.sum(), kept.sum(), truncated.sum(), rows.sum(), (rows & (kept.sum(-1) > 0)).sum()])
+        tokens, n_kept, n_truncated, n_rows, n_kept_rows = self.dist.sum(counts.double().tolist())
+        return truncated, {
+            "correction/drop_frac": 1.0 - n_kept / max(tokens, 1.0),
+            "correction/row_drop_frac": 1.0 - n_kept_rows / max(n_rows, 1.0),
+            "errors/truncated_frac": (n_kept - n_truncated) / max(tokens, 1.0),
+        }
+
+    def _step_metrics(self, rollout: Rollout, update: UpdateResult, errors: dict[str, float],
+                      quant_metrics: dict[str, float], clock: StageClock, preempted: int) -> dict[str, float]:
+        """``errors``: :meth:`find_errors`' metrics; ``preempted``: the engines' preemptions of
+        this step, summed over the ranks."""
         m = update.metrics
         timing = clock.metrics()
         # per GPU: the ranks' tokens over their GPUs
@@ -440,6 +486,7 @@ class Trainer:
             **rollout.reward_metrics,
             **_rollout_metrics(rollout.completions, rollout.rewards),
             **update.mismatch,
+            **errors,
             **m,
             **quant_metrics,
             **timing,
@@ -451,6 +498,37 @@ class Trainer:
             "rollout/tokens_per_s": rollout.generated_tokens / max(timing["time/rollout"], 1e-9),
             "rollout/preemptions": float(preempted),
         }
+
+    def find_errors(self, batch: RolloutBatch, rollout: Rollout, union: Rollout) -> dict[str, float]:
+        """The ``errors/*`` metrics (:func:`~quarl.algos.error_metrics`) of every rank's responses,
+        from the learner's log-probs of the update (``old_logp``, else those of its own forward);
+        on the logging rank also keeps up to :data:`FLAGGED_PER_STEP` flagged responses of
+        ``union`` (every rank's ``rollout``, in row order) for ``samples.jsonl``."""
+        a = self.cfg.algo
+        learner_logp = batch.old_logp if batch.old_logp is not None else self.learner.last_logp
+        mask = batch.response_mask
+        if self.cfg.trainer.overlong_filter:  # its dropped responses count too (their loops: no log-probs)
+            mask = response_columns(batch.attention_mask, [len(rollout.prompts[c.prompt_index])
+                                                           for c in rollout.completions])
+        loops = loop_starts(batch.input_ids[:, 1:], mask)  # (token t + 1 beside the log-probs of column t)
+        garbled = garbled_starts(learner_logp, batch.sampler_logp, mask, surprise=a.error_surprise,
+                                 gap=a.error_gap, window=a.error_window, min_bad=a.error_min_bad)
+        (mask,) = _rows_of_all_ranks(self.dist, mask)
+        loops, garbled = _cat_of_all_ranks(self.dist, loops), _cat_of_all_ranks(self.dist, garbled)
+        metrics = error_metrics(loops, garbled, mask)
+        values = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))
+        self._flagged_samples = []
+        limit = min(FLAGGED_PER_STEP, self.cfg.trainer.log_samples)
+        if self.logger is None or limit <= 0 or values["errors/response_frac"] == 0:
+            return values
+        first = (mask > 0).float().argmax(-1)  # (a response's columns are contiguous)
+        end = first + (mask > 0).sum(-1)
+        for row, pos, kind in flagged_rows(loops.tolist(), garbled.tolist(), first.tolist(), end.tolist(), limit):
+            comp = union.completions[row]
+            self._flagged_samples.append(flagged_sample(
+                self.tokenizer, union.prompts[comp.prompt_index], comp.token_ids,
+                union.examples[comp.prompt_index].answer, float(union.rewards[row]), pos, kind))
+        return values
 
     def _next_prompts(self, count: int):
         """The next ``count`` examples of a seeded, per-epoch shuffle (resumable by position)."""
@@ -546,11 +624,10 @@ class Trainer:
         wanted = {
             "eps_low": a.eps_low, "eps_high": a.eps_high, "delta_low": a.delta_low, "delta_high": a.delta_high,
             "dual_clip_c": a.dual_clip_c, "cap": a.cap, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg,
-            "agg": a.agg, "correction": a.correction if a.correction != "none" else None,
+            # what the correction removes leaves the batch's mask before the update (update_policy)
+            "agg": a.agg, "correction": a.correction_spec().without_rejection(),
         }
         hp = {k: v for k, v in wanted.items() if v is not None and k in valid}
-        if a.correction != "none" and "correction" not in valid:
-            raise ValueError(f"loss {a.loss!r} takes no correction; set algo.correction=none")
         ppo_epochs, mini_batches = (1, 1) if t.on_policy else (t.ppo_epochs, t.mini_batches)
         return UpdateSettings(
             loss_type=a.loss, loss_hparams=hp, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
@@ -589,10 +666,11 @@ class Trainer:
         texts = [t for part in self.dist.gather([self.tokenizer.decode(c.token_ids) for c in comps]) for t in part]
         metrics = self.task.evaluate(texts, exs)
         k = self.cfg.trainer.log_samples
+        loops = [f for part in self.dist.gather(loop_fields([c.token_ids for c in comps])) for f in part]
         samples = [
             {"prompt": self.tokenizer.decode(p), "completion": t, "answer": e.answer,
-             "reward": self.task.reward(t, e)}
-            for p, t, e in list(zip(prompts, texts, exs))[:k]
+             "reward": self.task.reward(t, e), **f}
+            for p, t, e, f in list(zip(prompts, texts, exs, loops))[:k]
         ]
         if log and self.logger is not None:
             self.logger.log_samples(self.step, samples)
@@ -735,6 +813,13 @@ def _rows_of_all_ranks(dist: Dist, *tensors: torch.Tensor) -> tuple[torch.Tensor
         rows = [torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts]
         out.append(torch.cat(rows).to(t.device))
     return tuple(out)
+
+
+def _cat_of_all_ranks(dist: Dist, values: torch.Tensor) -> torch.Tensor:
+    """``[B]`` tensors of every rank concatenated in rank order, on this rank's device."""
+    if dist.world == 1:
+        return values
+    return torch.cat(dist.gather(values.detach().cpu())).to(values.device)
 
 
 def _write_atomic(path: Path, text: str) -> None:

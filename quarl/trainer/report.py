@@ -3,9 +3,11 @@
 ``render_report([RUN_DIR, ...])`` reads each run's ``metrics.jsonl`` (DESIGN.md metric
 names), ``samples.jsonl`` and ``config.yaml`` and writes:
 
-* ``<name>.html``: a summary table per run, one figure per panel below, and the last
-  sample completions of each run. Figures are embedded as base64 PNGs, so the HTML
-  file alone is the whole report (it can be mailed or moved).
+* ``<name>.html``: a summary table per run, one figure per panel below, the last
+  sample completions of each run and its last flagged responses (error tokens,
+  :mod:`quarl.trainer.error_tokens`) with the first bad token marked. Figures are
+  embedded as base64 PNGs, so the HTML file alone is the whole report (it can be mailed
+  or moved).
 * ``<name>_files/<panel>.png``: the same figures as files, for slides and papers.
 
 Where it goes: for one run ``RUN_DIR/report.html``; for several runs
@@ -26,6 +28,7 @@ import html
 import io
 import json
 import math
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward and accuracy", ("reward/mean", "acc/mean", "eval/acc")),
     Panel("length", "Responses", ("response/len_mean", "response/len_max", "response/clip_frac",
                                   "response/repeat_frac")),
+    Panel("errors", "Error tokens", ("errors/response_frac", "errors/loop_frac", "errors/garbled_frac",
+                                     "errors/first_pos", "errors/token_frac_after")),
     Panel("mismatch", "Sampler / learner mismatch", ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/ppl_ratio"),
           log=True),
     Panel("clipping", "Clipped and dropped", ("loss/clip_frac", "tbpo/drop_frac_pos", "tbpo/drop_frac_neg")),
@@ -66,6 +71,7 @@ THROUGHPUT = "rollout/tokens_per_s"
 SUMMARY_CONFIG_KEYS = (("mode", "quant", "mode"), ("scheme", "quant", "scheme"), ("loss", "algo", "loss"),
                        ("correction", "algo", "correction"), ("uaq", "quant", "uaq_scale"))
 NUM_SAMPLES = 4
+NUM_FLAGGED = 4  # flagged responses shown per run
 SMOOTH_ABOVE = 50  # points per series beyond which a smoothed line is drawn over the raw one
 
 
@@ -76,6 +82,7 @@ class RunData:
     rows: list[dict[str, Any]]
     config: dict[str, Any] | None
     samples: list[dict[str, Any]]
+    flagged: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def series(self, metric: str) -> Series:
         """The finite values of ``metric`` and their steps (missing and null skipped)."""
@@ -122,7 +129,13 @@ def load_runs(run_dirs: list[Path]) -> list[RunData]:
         if not (d / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{d} has no metrics.jsonl: is it a quarl run directory (trainer.run_dir)?")
     labels = _labels(run_dirs)
-    return [RunData(d, label, read_metrics(d), _read_config(d), _read_samples(d)) for d, label in zip(run_dirs, labels)]
+    runs = []
+    for d, label in zip(run_dirs, labels):
+        rows = _read_samples(d)
+        samples = [r for r in rows if not r.get("flagged")][-NUM_SAMPLES:]
+        flagged = [r for r in rows if r.get("flagged")][-NUM_FLAGGED:]
+        runs.append(RunData(d, label, read_metrics(d), _read_config(d), samples, flagged))
+    return runs
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
@@ -150,7 +163,7 @@ def _read_config(run_dir: Path) -> dict[str, Any] | None:
     return cfg if isinstance(cfg, dict) else None
 
 
-def _read_samples(run_dir: Path, keep: int = NUM_SAMPLES) -> list[dict[str, Any]]:
+def _read_samples(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "samples.jsonl"
     if not path.is_file():
         return []
@@ -162,7 +175,7 @@ def _read_samples(run_dir: Path, keep: int = NUM_SAMPLES) -> list[dict[str, Any]
             continue  # a line cut by a crash
         if isinstance(row, dict):
             rows.append(row)
-    return rows[-keep:]
+    return rows
 
 
 # ---------------------------------------------------------------------- figures
@@ -316,6 +329,21 @@ pre { background: #f7f7f7; padding: 0.6em; white-space: pre-wrap; word-break: br
 """
 
 
+def _flagged_html(s: dict[str, Any]) -> str:
+    """A flagged response: its error (kind, place) and its text with the first bad token in ``<mark>``."""
+    e = html.escape
+    meta = (f"step {s.get('step', '?')} · {s.get('error_kind', '?')} from response token {s.get('error_pos', '?')} "
+            f"of {s.get('response_tokens', '?')} · reward {s.get('reward', '?')} · answer {s.get('answer', '?')}")
+    split = s.get("error_text")
+    if isinstance(split, list) and len(split) == 3:
+        before, bad, after = (str(x) for x in split)
+        text = f"{e(before)}<mark>{e(bad) or '&#9647;'}</mark>{e(after)}"  # (an empty token shows as a box)
+    else:
+        text = e(str(s.get("completion", "")))
+    return (f'<p class="meta">{e(meta)}</p><pre><b>prompt</b>\n{e(str(s.get("prompt", "")))}\n'
+            f"<b>completion</b>\n{text}</pre>")
+
+
 def _html_page(runs: list[RunData], figures: list[tuple[str, str, bytes]], empty: list[str]) -> str:
     e = html.escape
     rows = [summarize(run) for run in runs]
@@ -340,8 +368,19 @@ def _html_page(runs: list[RunData], figures: list[tuple[str, str, bytes]], empty
             parts.append('<p class="meta">no samples.jsonl</p>')
         for s in run.samples:
             meta = f"step {s.get('step', '?')} · reward {s.get('reward', '?')} · answer {s.get('answer', '?')}"
+            if s.get("error_pos") is not None:
+                meta += f" · {s.get('error_kind')} from response token {s['error_pos']}"
             parts.append(f'<p class="meta">{e(str(meta))}</p>')
             parts.append(f"<pre><b>prompt</b>\n{e(str(s.get('prompt', '')))}\n<b>completion</b>\n"
                          f"{e(str(s.get('completion', '')))}</pre>")
+    if any(run.flagged for run in runs):
+        parts.append("<h2>Flagged responses (error tokens)</h2>")
+        parts.append('<p class="meta">Training responses with a looping tail or a garbled stretch; the first bad '
+                     "token is marked.</p>")
+        for run in runs:
+            parts.append(f"<h3>{e(run.label)}</h3>")
+            if not run.flagged:
+                parts.append('<p class="meta">none flagged</p>')
+            parts += [_flagged_html(s) for s in run.flagged]
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -22,14 +22,14 @@ def test_token_mean():
 
 
 def test_seq_mean_token_mean():
-    # row means (2, 2, 0 for the empty row), averaged over B = 3 rows: 4 / 3
-    assert math.isclose(agg_loss(LOSS, MASK, "seq-mean-token-mean").item(), 4 / 3)
+    # row means (2, 2); the empty row leaves the row count: 4 / 2
+    assert math.isclose(agg_loss(LOSS, MASK, "seq-mean-token-mean").item(), 2.0)
 
 
 def test_seq_mean_token_sum_norm():
-    # row sums (2, 6, 0) / max_len, mean over B = 3: default max_len = T = 3 -> 8 / 9 ; max_len 4 -> 8 / 12
-    assert math.isclose(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item(), 8 / 9)
-    assert math.isclose(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", max_len=4).item(), 8 / 12)
+    # row sums (2, 6) / max_len, mean over the 2 rows with tokens: max_len = T = 3 -> 8 / 6 ; max_len 4 -> 8 / 8
+    assert math.isclose(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item(), 8 / 6)
+    assert math.isclose(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", max_len=4).item(), 8 / 8)
 
 
 def test_gradients_are_finite_and_zero_on_padding():

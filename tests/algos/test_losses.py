@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quarl.algos import AGG_MODES, POLICY_LOSSES, compute_policy_loss, policy_loss_defaults
+from quarl.algos.corrections import CorrectionSpec, build_spec, preset
 
 F64 = torch.float64
 COMMON_METRICS = {
@@ -141,15 +142,44 @@ def test_acr_equals_tis_when_w_within_cap():
     assert out["acr"][2] == out["tis"][2]
 
 
-def test_icepop_zeroes_out_of_band_tokens():
-    # cap 2, band [0.5, 2]: w = [0.4, e^0.3, 2.5] -> weights [0, e^0.3, 0] (IcePop: M(w) = w in band)
-    # A = +1, R = 1: losses [0, -e^0.3, 0], token-mean -e^0.3 / 3, grads [0, -e^0.3 / 3, 0]
+def test_icepop_removes_out_of_band_tokens_from_the_loss_and_its_denominator():
+    # cap 2, band [0.5, 2]: w = [0.4, e^0.3, 2.5] -> only the middle token stays, weighted by w
+    # A = +1, R = 1: token-mean over the one kept token -e^0.3, grads [0, -e^0.3, 0]
     e = math.exp(0.3)
     loss, grad, m = run("ppo", ratio=[[1.0, 1.0, 1.0]], adv=[1.0], w=[[0.4, e, 2.5]], correction="icepop")
-    assert math.isclose(loss, -e / 3, abs_tol=1e-12)
-    assert close(grad, t([[0.0, -e / 3, 0.0]]))
+    assert math.isclose(loss, -e, abs_tol=1e-12)
+    assert close(grad, t([[0.0, -e, 0.0]]))
     assert math.isclose(m["correction/drop_frac"], 2 / 3)
-    assert math.isclose(m["correction/w_max"], e) and math.isclose(m["correction/w_mean"], e / 3)
+    assert math.isclose(m["correction/w_max"], e) and math.isclose(m["correction/w_mean"], e)
+    # a second row with every token in band: token-mean over 1 + 2 kept tokens = (-e - 2) / 3
+    loss, grad, _ = run("ppo", ratio=[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], adv=[1.0, 1.0],
+                        w=[[0.4, e, 2.5], [1.0, 1.0, 1.0]], mask=[[1, 1, 1], [1, 1, 0]], correction="icepop")
+    assert math.isclose(loss, (-e - 2.0) / 3, abs_tol=1e-12)
+    assert close(grad, t([[0.0, -e, 0.0], [-1.0, -1.0, 0.0]]) / 3)
+
+
+def test_token_rejection_geometric_rejection_and_veto_in_a_token_loss():
+    # ppo, A = +1, R = 1, tis weights (cap 2). rows of w:
+    #  0: (1, 3.9)     geometric mean 1.975 -> kept by geometric rejection in [0.5, 2]; tis weights (1, 2)
+    #  1: (9, 1)       geometric mean 3 -> removed
+    #  2: (1, 1e-5)    geometric mean 0.00316 -> removed (and vetoed at 1e-4)
+    # token-mean over row 0's 2 tokens: -(1 + 2) / 2; seq-mean-token-mean over the 1 row left: the same
+    w = [[1.0, 3.9], [9.0, 1.0], [1.0, 1e-5]]
+    kw = dict(ratio=[[1.0, 1.0]] * 3, adv=[1.0, 1.0, 1.0], w=w)
+    spec = build_spec("tis", 2.0, reject="geometric")
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        loss, grad, m = run("ppo", correction=spec, agg=agg, **kw)
+        assert math.isclose(loss, -1.5, abs_tol=1e-12)
+        assert close(grad, t([[-0.5, -1.0], [0.0, 0.0], [0.0, 0.0]]))
+        assert math.isclose(m["correction/drop_frac"], 4 / 6)
+    # veto alone (1e-4): only row 2 leaves; token-mean over 4 tokens of tis weights (1, 2, 2, 1)
+    loss, grad, m = run("ppo", correction=build_spec("tis", 2.0, veto=1e-4), **kw)
+    assert math.isclose(loss, -6.0 / 4, abs_tol=1e-12)
+    assert close(grad, t([[-1.0, -2.0], [-2.0, -1.0], [0.0, 0.0]]) / 4)
+    # sequence-level weights for a token loss: products (3.9 -> 3, 9 -> 3, 1e-5 -> 0.5) in [0.5, 3]
+    loss, grad, _ = run("ppo", correction=build_spec("none", 3.0, weights="sequence", weight_low=0.5), **kw)
+    assert math.isclose(loss, -(2 * 3 + 2 * 3 + 2 * 0.5) / 6, abs_tol=1e-12)
+    assert close(grad, t([[-3.0, -3.0], [-3.0, -3.0], [-0.5, -0.5]]) / 6)
 
 
 def test_positive_only_masks_negative_responses():
@@ -158,9 +188,9 @@ def test_positive_only_masks_negative_responses():
     assert math.isclose(loss, -1.1, abs_tol=1e-12)
     assert close(grad, t([[-1.1], [0.0]]))
     assert m["positive_only/drop_frac"] == 0.5
-    # under seq-mean-token-mean the dropped row still counts in B = 2: -1.1 / 2
+    # under seq-mean-token-mean the dropped row leaves the row count too: -1.1 / 1
     loss, _, _ = run("positive_only", ratio=[[1.1], [1.1]], adv=[1.0, -1.0], agg="seq-mean-token-mean")
-    assert math.isclose(loss, -0.55, abs_tol=1e-12)
+    assert math.isclose(loss, -1.1, abs_tol=1e-12)
 
 
 def test_sapo_hand_values():
@@ -195,17 +225,29 @@ def test_gspo_hand_values():
 
 def test_gspo_seq_tis_and_mis():
     # per-row mean_t(old - sampler): row 0 log 3 (w = 3 on both tokens), row 1 log 0.8
-    # seq-tis: v = exp(clamp(., -log 2, log 2)) = [2, 0.8]; mis: v = [3 -> dropped, 0.8]
-    # R = 1, A = [+1, +1], B = 2: seq-tis loss = -(2 + 0.8) / 2 = -1.4 ; mis loss = -0.8 / 2 = -0.4
+    # seq-tis: v = exp(clamp(., -log 2, log 2)) = [2, 0.8]; mis: v = [3 -> removed, 0.8]
+    # R = 1, A = [+1, +1]: seq-tis loss = -(2 + 0.8) / 2 = -1.4 ; mis loss = -0.8 / 1 (the removed
+    # response leaves N)
     kw = dict(ratio=[[1.0, 1.0], [1.0, 1.0]], adv=[1.0, 1.0], w=[[3.0, 3.0], [0.8, 0.8]])
     loss, grad, m = run("gspo", correction="seq-tis", **kw)
     assert math.isclose(loss, -1.4, abs_tol=1e-12)
     assert close(grad, t([[-2.0, -2.0], [-0.8, -0.8]]) / 2 / 2)
     assert math.isclose(m["correction/w_max"], 2.0) and math.isclose(m["correction/w_mean"], 1.4)
     loss, grad, m = run("gspo", correction="mis", **kw)
-    assert math.isclose(loss, -0.4, abs_tol=1e-12)
-    assert close(grad, t([[0.0, 0.0], [-0.8, -0.8]]) / 2 / 2)
+    assert math.isclose(loss, -0.8, abs_tol=1e-12)
+    assert close(grad, t([[0.0, 0.0], [-0.8, -0.8]]) / 2)
     assert m["correction/drop_frac"] == 0.5
+
+
+def test_tbpo_with_asymmetric_weight_bounds_and_token_rejection():
+    # one token per row, r = R = 1, A = +1; w = (3, 0.6, 1.1, 1e-3)
+    # weights geometric in [0.8, 1.25]: (1.25, 0.8, 1.1, .); token rejection in [0.5, 2] removes rows 0, 3
+    # loss = -(0.8 + 1.1) / 2 (N = the 2 rows left)
+    spec = build_spec("seq-tis", 2.0, weight_low=0.8, weight_high=1.25, reject="token")
+    loss, grad, m = run("tbpo", ratio=[[1.0]] * 4, adv=[1.0] * 4, w=[[3.0], [0.6], [1.1], [1e-3]], correction=spec)
+    assert math.isclose(loss, -1.9 / 2, abs_tol=1e-12)
+    assert close(grad, t([[0.0], [-0.8], [-1.1], [0.0]]) / 2)
+    assert m["correction/drop_frac"] == 0.5 and m["tbpo/drop_frac_pos"] == 0.0
 
 
 def test_tbpo_trust_band():
@@ -253,55 +295,76 @@ def test_seq_mean_token_sum_norm_uses_max_len():
 # ---------------------------------------------------------------- naive reference
 
 
-def _correction(name, w, cap):
-    """(weight, upper bound multiplier, ...) for one token, written out per the papers."""
-    if name == "none":
-        return 1.0, 1.0
-    if name == "tis":
-        return min(w, cap), 1.0
-    if name == "decoupled":
-        return w, 1.0
-    if name == "acr":
-        rho = min(1.0, cap / w)
-        return min(w, cap), 1.0 / rho
-    if name == "icepop":
-        return (w if 1.0 / cap <= w <= cap else 0.0), 1.0
-    raise AssertionError(name)
+def naive_correction(spec, old, sampler, mask):
+    """(weight, upper bound multiplier, kept) per token as nested lists, and the row weights:
+    the spec written out with python floats (statistics over each row's masked tokens)."""
+    batch, seq_len = mask.shape
+    weight = [[1.0] * seq_len for _ in range(batch)]
+    upper = [[1.0] * seq_len for _ in range(batch)]
+    kept = [[False] * seq_len for _ in range(batch)]
+    rows = [1.0] * batch
+    for i in range(batch):
+        idx = [j for j in range(seq_len) if mask[i, j] > 0]
+        lw = {j: float(old[i, j] - sampler[i, j]) for j in idx}
+        stats = {"sequence": math.exp(sum(lw.values())),
+                 "geometric": math.exp(sum(lw.values()) / max(len(idx), 1))}
+        vetoed = spec.veto is not None and any(not spec.veto <= math.exp(x) <= 1 / spec.veto for x in lw.values())
+        if spec.weights in stats:
+            rows[i] = min(max(stats[spec.weights], spec.weight_low), spec.weight_high)
+        for j in idx:
+            w = math.exp(lw[j])
+            if spec.weights == "token":
+                weight[i][j] = min(max(w, spec.weight_low), spec.weight_high)
+            elif spec.weights != "none":
+                weight[i][j] = rows[i]
+            if spec.adaptive_clip:
+                upper[i][j] = max(1.0, w / spec.weight_high)  # 1 / rho, rho = min(1, C / w)
+            stat = w if spec.reject == "token" else stats.get(spec.reject)
+            kept[i][j] = (stat is None or spec.reject_low <= stat <= spec.reject_high) and not vetoed
+    return weight, upper, kept, rows
 
 
-def _agg_coefs(mask, agg, max_len):
-    """d(aggregate)/d(loss_it) for every token, as a python nested list."""
-    rows = mask.tolist()
-    batch, seq_len = len(rows), len(rows[0])
+def _spec(hp, default="none"):
+    c = hp.get("correction", default)
+    return preset(c, hp.get("cap", 2.0)) if isinstance(c, str) else c
+
+
+def _agg_coefs(kept, agg, max_len):
+    """d(aggregate)/d(loss_it) for every token (``kept``: nested lists or a [B, T] tensor)."""
+    rows = kept.tolist() if isinstance(kept, torch.Tensor) else kept
+    seq_len = len(rows[0])
     total = sum(sum(r) for r in rows)
+    n_rows = max(sum(1 for r in rows if sum(r) > 0), 1)  # rows with no token leave the count
     coefs = []
     for r in rows:
         length = sum(r)
         if agg == "token-mean":
             c = 1.0 / max(total, 1)
         elif agg == "seq-mean-token-mean":
-            c = 1.0 / (batch * max(length, 1))
+            c = 1.0 / (n_rows * max(length, 1))
         else:
-            c = 1.0 / (batch * (max_len or seq_len))
-        coefs.append([c * m for m in r])
+            c = 1.0 / (n_rows * (max_len or seq_len))
+        coefs.append([c * float(m) for m in r])
     return coefs
 
 
 def naive_token_loss(loss_type, logp, old, sampler, adv, mask, hp):
     """Per-token python loop: returns (loss value, gradient w.r.t. logp as nested lists)."""
     agg = hp.get("agg", "token-mean")
-    coefs = _agg_coefs(mask, agg, hp.get("max_len"))
-    cap = hp.get("cap", 2.0)
+    if loss_type == "positive_only":
+        mask = mask * (adv >= 0).to(mask.dtype)[:, None]
+    weights, upper, kept, _ = naive_correction(_spec(hp), old, sampler, mask)
+    coefs = _agg_coefs(kept, agg, hp.get("max_len"))
     value, grad = 0.0, []
     for i in range(logp.shape[0]):
         a = float(adv[i])
         grow = []
         for j in range(logp.shape[1]):
-            if mask[i, j] == 0 or (loss_type == "positive_only" and a < 0):
+            if not kept[i][j]:
                 grow.append(0.0)
                 continue
             r = math.exp(float(logp[i, j] - old[i, j]))
-            weight, hi_scale = _correction(hp.get("correction", "none"), math.exp(float(old[i, j] - sampler[i, j])), cap)
+            weight, hi_scale = weights[i][j], upper[i][j]
             if loss_type == "sapo":
                 tau = hp.get("tau_neg", 1.05) if a < 0 else hp.get("tau_pos", 1.0)
                 s = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
@@ -316,35 +379,22 @@ def naive_token_loss(loss_type, logp, old, sampler, adv, mask, hp):
             value += coefs[i][j] * weight * loss_t
             grow.append(coefs[i][j] * weight * g)
         grad.append(grow)
-    if loss_type == "positive_only" and agg == "token-mean":
-        kept = sum(sum(mask[i].tolist()) for i in range(len(adv)) if adv[i] >= 0)
-        total = float(mask.sum())
-        scale = total / max(kept, 1)
-        value, grad = value * scale, [[g * scale for g in row] for row in grad]
     return value, grad
 
 
 def naive_seq_loss(loss_type, logp, old, sampler, adv, mask, hp):
     """Per-response python loop for gspo / tbpo."""
     batch = logp.shape[0]
-    cap = hp.get("cap", 2.0)
+    _, _, kept, v_rows = naive_correction(_spec(hp, "seq-tis" if loss_type == "tbpo" else "none"), old, sampler, mask)
+    n_rows = max(sum(1 for r in kept if any(r)), 1)  # responses the correction emptied leave N
     value, grad = 0.0, []
     for i in range(batch):
-        idx = [j for j in range(logp.shape[1]) if mask[i, j] > 0]
+        idx = [j for j in range(logp.shape[1]) if kept[i][j]]
         if not idx:
             grad.append([0.0] * logp.shape[1])
             continue
-        length, a = len(idx), float(adv[i])
+        length, a, v = len(idx), float(adv[i]), v_rows[i]
         s = math.exp(sum(float(logp[i, j] - old[i, j]) for j in idx) / length)
-        log_v = sum(float(old[i, j] - sampler[i, j]) for j in idx) / length
-        corr = hp.get("correction", "seq-tis" if loss_type == "tbpo" else "none")
-        if corr == "none":
-            v = 1.0
-        elif corr == "seq-tis":
-            v = math.exp(min(max(log_v, -math.log(cap)), math.log(cap)))
-        else:
-            v = math.exp(log_v)
-            v = v if 1.0 / cap <= v <= cap else 0.0
         if loss_type == "gspo":
             lo, hi = 1.0 - hp.get("eps_low", 3e-4), 1.0 + hp.get("eps_high", 4e-4)
             unclipped, clipped = -a * s, -a * min(max(s, lo), hi)
@@ -357,9 +407,9 @@ def naive_seq_loss(loss_type, logp, old, sampler, adv, mask, hp):
             else:
                 keep = True
             loss_i, ds = (-a * s, -a) if keep else (0.0, 0.0)
-        value += v * loss_i / batch
-        # d s / d logp_t = s / L on each response token
-        grad.append([v * ds * s / length / batch if mask[i, j] > 0 else 0.0 for j in range(logp.shape[1])])
+        value += v * loss_i / n_rows
+        # d s / d logp_t = s / L on each kept response token
+        grad.append([v * ds * s / length / n_rows if kept[i][j] else 0.0 for j in range(logp.shape[1])])
     return value, grad
 
 
@@ -376,6 +426,17 @@ def random_batch(seed, lengths=(1, 7, 3, 0, 5, 7, 2, 7, 1, 4, 6, 7), seq_len=7, 
     return logp, old, sampler, adv, mask
 
 
+# asymmetric bounds, rejection at each level, veto, sequence-level weights for a token loss
+TOKEN_SPECS = (
+    CorrectionSpec("token", 0.8, 1.3, reject="token", reject_low=0.55, reject_high=1.6),
+    CorrectionSpec("geometric", 0.9, 1.2, reject="sequence", reject_low=0.3, reject_high=2.5, veto=0.35),
+    CorrectionSpec("sequence", 0.5, 2.0, reject="geometric", reject_low=0.8, reject_high=1.25),
+    CorrectionSpec("token", 0.0, 1.5, veto=0.4, adaptive_clip=True),
+)
+SEQ_SPECS = (
+    CorrectionSpec("geometric", 0.7, 1.5, reject="token", reject_low=0.4, reject_high=2.2),
+    CorrectionSpec("sequence", 0.4, 2.5, reject="geometric", reject_low=0.75, reject_high=1.3, veto=0.2),
+)
 TOKEN_CASES = (
     [("ppo", dict(correction=c, agg=a)) for c in ("none", "tis", "decoupled", "acr", "icepop") for a in AGG_MODES]
     + [("ppo", dict(dual_clip_c=1.5, eps_high=0.28, agg=a)) for a in AGG_MODES]
@@ -383,6 +444,9 @@ TOKEN_CASES = (
     + [("positive_only", dict(agg=a, correction="tis")) for a in AGG_MODES]
     + [("sapo", dict(correction=c, agg=a)) for c in ("none", "tis", "decoupled", "icepop") for a in AGG_MODES]
     + [("sapo", dict(tau_pos=0.5, tau_neg=2.0))]
+    + [("ppo", dict(correction=spec, agg=a)) for spec in TOKEN_SPECS for a in AGG_MODES]
+    + [("sapo", dict(correction=TOKEN_SPECS[1], agg="seq-mean-token-mean"))]
+    + [("positive_only", dict(correction=TOKEN_SPECS[0]))]
 )
 SEQ_CASES = [
     ("gspo", dict(correction=c, eps_low=0.05, eps_high=0.08)) for c in ("none", "seq-tis", "mis")
@@ -390,6 +454,8 @@ SEQ_CASES = [
     ("gspo", dict()),
     ("tbpo", dict()),
     ("tbpo", dict(eps_high=0.05, delta_low=0.03, delta_high=0.07, cap=1.5)),
+] + [("gspo", dict(correction=spec, eps_low=0.05, eps_high=0.08)) for spec in SEQ_SPECS] + [
+    ("tbpo", dict(correction=spec, eps_high=0.05, delta_low=0.03, delta_high=0.07)) for spec in SEQ_SPECS
 ]
 
 
@@ -532,7 +598,8 @@ def test_defaults_are_the_documented_ones():
         tau_pos=1.0, tau_neg=1.05, correction="none", cap=2.0, agg="token-mean", max_len=None
     )
     assert policy_loss_defaults("gspo") == dict(eps_low=3e-4, eps_high=4e-4, correction="none", cap=2.0)
-    assert policy_loss_defaults("tbpo") == dict(eps_high=4e-4, delta_low=3e-4, delta_high=7e-4, cap=2.0)
+    assert policy_loss_defaults("tbpo") == dict(eps_high=4e-4, delta_low=3e-4, delta_high=7e-4,
+                                                correction="seq-tis", cap=2.0)
 
 
 @pytest.mark.parametrize("loss_type", POLICY_LOSSES)

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from quarl.algos.corrections import CorrectionSpec, mismatch_correction
 from quarl.learner.batch import Packing, budget_ranges, build_batch, micro_batches, split_by_token_budget
 from quarl.learner.learner import Learner, UpdateSettings
 from quarl.model.presets import build_random_model
@@ -139,6 +140,40 @@ def test_gradient_accumulation_matches_single_batch(loss_type, agg):
         # run the accumulation without stepping: lr=0 leaves weights unchanged but grads are computed
         learner.optimizer.zero_grad = lambda set_to_none=True: None  # keep grads for inspection
         learner.update(batch, s)
+        grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]))
+    assert len(split_by_token_budget(batch, 12)) > 2
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+    assert grads[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("loss_type,agg,spec", [
+    ("ppo", "token-mean", CorrectionSpec("token", 0.0, 2.0, reject="token", reject_low=0.8, reject_high=1.25)),
+    ("ppo", "seq-mean-token-mean", CorrectionSpec("token", 0.0, 2.0, reject="geometric", reject_low=0.9,
+                                                  reject_high=1.1, veto=0.5)),
+    ("tbpo", None, CorrectionSpec("geometric", 0.5, 2.0, reject="sequence", reject_low=0.7, reject_high=1.4)),
+])
+def test_removed_tokens_leave_the_denominators_of_a_micro_batched_update(loss_type, agg, spec):
+    """The trainer's path (the correction's removals taken out of the mask before the update,
+    many micro-batches) gives the gradient of the loss that removes them itself in one batch."""
+    model = build_random_model("tiny", seed=3, dtype=torch.float64, std=0.1)
+    batch = _batch()
+    with torch.no_grad():
+        batch.old_logp = Learner(copy.deepcopy(model)).logprobs(batch, 1 << 20)
+    g = torch.Generator().manual_seed(1)
+    batch.sampler_logp = batch.old_logp - 0.3 * torch.randn(batch.old_logp.shape, generator=g)
+    keep = mismatch_correction(spec, batch.old_logp, batch.sampler_logp, batch.response_mask).keep
+    emptied = (batch.response_mask.sum(-1) > 0) & ~keep.any(-1)
+    assert 0 < keep.sum() < batch.response_mask.sum() and emptied.any() and keep.any(-1).sum() > 1
+    hp = {} if agg is None else {"agg": agg}
+    grads = []
+    for mask, correction, budget in ((batch.response_mask, spec, 1 << 20),
+                                     (batch.response_mask * keep, spec.without_rejection(), 12)):
+        learner = Learner(copy.deepcopy(model), lr=0.0)
+        learner.optimizer.zero_grad = lambda set_to_none=True: None  # keep grads for inspection
+        b = copy.deepcopy(batch)
+        b.response_mask = mask
+        learner.update(b, UpdateSettings(loss_type=loss_type, loss_hparams={**hp, "correction": correction},
+                                         token_budget=budget, grad_clip=1e9))
         grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]))
     assert len(split_by_token_budget(batch, 12)) > 2
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)

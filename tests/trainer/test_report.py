@@ -54,6 +54,30 @@ def test_single_run_report(tmp_path):
     assert "0.22" in page and "0.5" in page
 
 
+def test_flagged_responses_get_their_own_section_with_the_bad_token_marked(tmp_path):
+    evaluated = {"step": 4, "prompt": "1+1=", "completion": "2", "answer": "2", "reward": 1.0,
+                 "error_kind": None, "error_pos": None}
+    looping = {"step": 5, "prompt": "3+3=", "completion": "6 6 6", "answer": "6", "reward": 0.0,
+               "error_kind": "loop", "error_pos": 7}
+    flagged = [{"step": s, "prompt": "2+2=", "completion": "4 <b>x</b>zz", "answer": "4", "reward": 0.0,
+                "flagged": True, "error_kind": "garbled", "error_pos": 2, "response_tokens": 5,
+                "error_text": ["4 ", "<b>", "x</b>zz"]} for s in range(1, 7)]
+    run = _write_run(tmp_path / "r", 6, ["reward/mean", "errors/response_frac", "errors/first_pos"],
+                     samples=[evaluated, *flagged[:3], looping, *flagged[3:]])
+    page = render_report([run]).read_text()
+    assert "Error tokens" in page  # the errors panel
+    assert "Flagged responses (error tokens)" in page
+    # the last 4 flagged (steps 3-6), each with its bad token in <mark> and escaped
+    assert page.count("4 <mark>&lt;b&gt;</mark>x&lt;/b&gt;zz") == 4
+    assert "step 3 · garbled from response token 2 of 5" in page and "step 2 · garbled" not in page
+    # the last samples are the evaluated ones, with an eval loop's place named
+    last = page[page.index("Last samples"):page.index("Flagged responses")]
+    assert "1+1=" in last and "step 5 · reward 0.0 · answer 6 · loop from response token 7" in last
+    assert "2+2=" not in last
+    plain = _write_run(tmp_path / "p", 3, ["reward/mean"], samples=[evaluated])
+    assert "Flagged responses" not in render_report([plain]).read_text()  # no section without flagged rows
+
+
 def test_two_runs_overlaid_one_with_missing_metrics(tmp_path):
     full = _write_run(tmp_path / "runs" / "full", 30, ALL_METRICS)
     sparse = _write_run(tmp_path / "runs" / "sparse", 8, ["reward/mean", "entropy"], offset=0.3)  # no config/samples

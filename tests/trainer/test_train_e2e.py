@@ -61,7 +61,8 @@ def test_every_mode_trains_and_changes_weights(mode_runs):
         assert len(rows) == 2
         for key in ("reward/mean", "mismatch/kl_k3", "loss/policy", "entropy", "grad_norm", "time/rollout",
                     "time/learner", "time/publish", "time/step", "rollout/tokens_per_s", "response/len_mean",
-                    "response/repeat_frac", "tbpo/drop_frac_pos", "acc/mean", "perf/micro_batches"):
+                    "response/repeat_frac", "tbpo/drop_frac_pos", "acc/mean", "perf/micro_batches",
+                    "errors/response_frac", "errors/first_pos", "errors/token_frac_after"):
             assert key in rows[-1], (mode, key)
         last = rows[-1]
         assert last["perf/micro_batches"] >= 1 and 0 < last["perf/micro_batch_fill"] <= 1
