@@ -69,6 +69,19 @@ def test_example_configs_load():
         assert cfg.data.task == "file" and cfg.optim.lr == (1e-5 if cfg.model.lora_rank else 1e-6), f
 
 
+def test_the_base_model_recipe_loads_and_its_solutions_are_long():
+    from pathlib import Path
+
+    from quarl.tasks.synthetic import ArithmeticTask
+
+    cfg = load_run_config(str(Path(__file__).resolve().parent.parent / "experiments" / "base.yaml"), [])
+    assert cfg.model.builtin == "100m" and cfg.data.task == "arith" and cfg.trainer.sft_warmup_steps > 0
+    task = ArithmeticTask(difficulty=cfg.data.difficulty, num_train=50, num_eval=1)
+    lengths = [len(ex.solution) for ex in task.train_examples()]
+    # several hundred characters (= tokens of the built-in tokenizer), within the rollout's budget
+    assert 200 < min(lengths) and max(lengths) + 1 <= cfg.rollout.max_new_tokens
+
+
 def test_quant_mode_and_scheme_are_resolved_once():
     from quarl.config import load_run_config
     from quarl.quant import SCHEMES, QuantMode
