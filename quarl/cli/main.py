@@ -11,7 +11,7 @@ import signal
 import sys
 
 # Subcommands live in their own modules, each with add_parser(subparsers) and run(args).
-COMMANDS = ("train", "eval", "generate", "bench", "export", "report")
+COMMANDS = ("train", "eval", "generate", "bench", "export", "report", "suite")
 # Import name -> package of the optional dependencies in the "train" extra (pyproject.toml).
 OPTIONAL = {
     "transformers": "transformers", "rich": "rich", "tensorboard": "tensorboard", "math_verify": "math-verify",

@@ -291,6 +291,7 @@ class TrainerConfig:
     device: str = "auto"
     run_dir: str = "runs/default"
     eval_every: int = 20
+    eval_before_train: bool = False  # evaluate the step-0 policy first (logged as step 0)
     save_every: int = 20
     keep_last: int = 2
     max_bad_steps: int = 5

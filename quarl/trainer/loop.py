@@ -263,6 +263,10 @@ class Trainer:
         try:
             with GracefulStop(lambda: self._in_flight) as stop, \
                     StepProgress(t.steps, self.step, self.console) as progress:
+                if t.eval_before_train and self.step == 0 and self.eval_examples:
+                    start = self.evaluate()
+                    if self.logger is not None:
+                        self.logger.log(0, start)
                 while self.step < t.steps and not self._stop_requested(stop):
                     self._in_flight = self.step + 1
                     last = self._step_and_log()

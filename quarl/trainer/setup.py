@@ -90,7 +90,7 @@ def build_base_model(
         key = {
             "model": m.path or m.builtin, "task": cfg.data.task, "difficulty": cfg.data.difficulty,
             "data_seed": cfg.data.seed, "steps": t.sft_warmup_steps, "lr": t.sft_lr, "seed": t.seed,
-            "tokenizer": getattr(tokenizer, "name", "?"),
+            "tokenizer": getattr(tokenizer, "name", "?"), "amp": "bf16" if device.type == "cuda" else "none",
         }
 
         def train(mdl: Transformer) -> list[float]:

@@ -8,6 +8,7 @@ under a key of everything that shaped it, so reruns and ``--resume`` skip it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -43,7 +44,10 @@ def supervised_finetune(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """AdamW on the targets' negative log-likelihood; returns the loss of each step."""
+    """AdamW on the targets' negative log-likelihood; returns the loss of each step.
+
+    On CUDA the forward and backward run under bf16 autocast (float32 weights and optimizer
+    state, bf16 matrix products): several times the float32 speed on a Hopper GPU."""
     device = model.embed_tokens.weight.device
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -61,7 +65,8 @@ def supervised_finetune(
             attn[i, : len(p) + len(r)] = 1
             mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1
         ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-        logp, _ = sequence_logprobs(model, ids, attn)
+        with amp_context(device):
+            logp, _ = sequence_logprobs(model, ids, attn)
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -73,6 +78,13 @@ def supervised_finetune(
             on_step(step, losses[-1])
     model.eval()
     return losses
+
+
+def amp_context(device: torch.device):
+    """bf16 autocast on CUDA, nothing elsewhere (CPU autocast is slower than float32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def cached_warmstart(

@@ -1,0 +1,1 @@
+"""Experiment suites: run configs over seeds on one machine, summarised into docs/results/."""

@@ -1,0 +1,315 @@
+"""A suite's results directory: its summary JSON and its page (markdown tables, PNG plots).
+
+The directory (:func:`quarl.experiments.suite.collect`) holds ``suite.yaml``,
+``meta.json``, ``base.json``, ``runs.json`` and ``runs/<name>/seed<k>/metrics.jsonl``.
+:func:`summarize` reduces every run's series to the suite's table columns, per seed,
+and over the seeds (mean, sample standard deviation, min, max); a ratio column divides
+each seed's value by the baseline run's value of the same seed, so a seed's noise
+shared by both runs cancels. :func:`render` writes ``summary.json``, ``README.md`` and
+one PNG per plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from quarl.experiments.suite import SUITE_FILE, Column, Plot, Suite, load_suite
+
+Series = list[tuple[int, float]]  # (step, value), in step order
+
+
+def read_series(metrics_file: Path) -> dict[str, Series]:
+    """Every numeric metric of a ``metrics.jsonl`` as (step, value) pairs; nulls and
+    non-finite values are left out (the logger writes NaN and inf as null)."""
+    out: dict[str, Series] = {}
+    for line in Path(metrics_file).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        step = int(row.get("step", 0))
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                out.setdefault(k, []).append((step, float(v)))
+    for s in out.values():
+        s.sort(key=lambda p: p[0])
+    return out
+
+
+def reduce_series(series: Series, at: str, tail: int = 5) -> float | None:
+    """One number from a series: its ``last`` / ``first`` value, its ``mean`` / ``max`` /
+    ``min``, or the mean of its last ``tail`` values; None for an empty series."""
+    values = [v for _, v in series]
+    if not values:
+        return None
+    if at == "last":
+        return values[-1]
+    if at == "first":
+        return values[0]
+    if at == "mean":
+        return sum(values) / len(values)
+    if at == "max":
+        return max(values)
+    if at == "min":
+        return min(values)
+    if at == "tail":
+        last = values[-tail:]
+        return sum(last) / len(last)
+    raise ValueError(f"unknown reduction {at!r}")
+
+
+def spread(values: list[float]) -> dict[str, float | int | None]:
+    """mean, sample standard deviation (0 for one value), min, max and count."""
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": sum(values) / len(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def load_runs(out: Path, names: list[str], seeds: list[int]) -> dict[str, dict[int, dict[str, Series]]]:
+    """run name -> seed -> metric -> series, for the runs whose metrics exist."""
+    runs: dict[str, dict[int, dict[str, Series]]] = {}
+    for name in names:
+        for seed in seeds:
+            f = out / "runs" / name / f"seed{seed}" / "metrics.jsonl"
+            if f.is_file():
+                runs.setdefault(name, {})[seed] = read_series(f)
+    return runs
+
+
+def column_values(col: Column, runs: dict[str, dict[int, dict[str, Series]]], name: str,
+                  baseline: str | None) -> dict[int, float]:
+    """seed -> the column's value for run ``name`` (seeds where it, or the baseline a ratio
+    needs, has no value are left out)."""
+    values = {}
+    for seed, series in runs.get(name, {}).items():
+        v = reduce_series(series.get(col.metric, []), col.at, col.tail)
+        if v is None:
+            continue
+        if col.ratio:
+            base = reduce_series(runs.get(baseline, {}).get(seed, {}).get(col.metric, []), col.at, col.tail)
+            if base is None or base == 0:
+                continue
+            v = v / base
+        values[seed] = v
+    return values
+
+
+def summarize(suite: Suite, out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The summary of a results directory (also written to ``out/summary.json``)."""
+    meta = meta if meta is not None else _read_json(out / "meta.json") or {}
+    runs = load_runs(out, list(suite.runs), suite.seeds)
+    table = {}
+    for name in suite.runs:
+        row = {}
+        for col in suite.table:
+            per_seed = column_values(col, runs, name, suite.baseline)
+            row[col.name] = {"seeds": {str(k): v for k, v in per_seed.items()}, **spread(list(per_seed.values()))}
+        table[name] = row
+    status = _read_json(out / "runs.json") or []
+    summary = {
+        "suite": suite.name, "title": suite.title, "device": meta.get("device"), "date": meta.get("date"),
+        "git_commit": meta.get("git_commit"), "seeds": suite.seeds, "baseline": suite.baseline,
+        "columns": [{"name": c.name, "metric": c.metric, "at": c.at, "ratio": c.ratio, "tail": c.tail}
+                    for c in suite.table],
+        "base": _read_json(out / "base.json"), "runs": table,
+        "failed": [r for r in status if r.get("status") == "failed"],
+        "missing": [f"{n} seed {s}" for n in suite.runs for s in suite.seeds if s not in runs.get(n, {})],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _read_json(f: Path) -> Any:
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    a = abs(v)
+    if a != 0 and (a < 1e-2 or a >= 1e4):
+        return f"{v:.2e}"
+    return f"{v:.3g}" if a < 100 else f"{v:.0f}"
+
+
+def cell(s: dict[str, Any], seeds: int) -> str:
+    if not s["n"]:
+        return "-"
+    text = fmt(s["mean"]) + (f" ± {fmt(s['std'])}" if s["n"] > 1 else "")
+    return text + (f" (n={s['n']})" if s["n"] < seeds else "")
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    cols = [c["name"] for c in summary["columns"]]
+    lines = ["| run | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for name, row in summary["runs"].items():
+        lines.append(f"| {name} | " + " | ".join(cell(row[c], len(summary["seeds"])) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- plots
+
+
+def _figure(n: int, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.3 * rows), squeeze=False)
+    fig.suptitle(title)
+    return fig, [ax for row in axes for ax in row]
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def mean_curve(per_seed: list[Series]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """steps, mean, min and max over the seeds that logged each step."""
+    at: dict[int, list[float]] = {}
+    for series in per_seed:
+        for step, v in series:
+            at.setdefault(step, []).append(v)
+    steps = sorted(at)
+    return (steps, [sum(at[s]) / len(at[s]) for s in steps], [min(at[s]) for s in steps],
+            [max(at[s]) for s in steps])
+
+
+def plot_lines(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: Path) -> bool:
+    metrics = [m for m in plot.metrics if any(m in s for r in runs.values() for s in r.values())]
+    if not metrics:
+        return False
+    fig, axes = _figure(len(metrics), plot.title)
+    for ax, metric in zip(axes, metrics):
+        positive = True
+        for i, (name, seeds) in enumerate(runs.items()):
+            curves = [s[metric] for s in seeds.values() if metric in s]
+            if not curves:
+                continue
+            steps, mean, lo, hi = mean_curve(curves)
+            positive = positive and min(lo) > 0
+            color = f"C{i % 10}"
+            ax.plot(steps, mean, color=color, label=name, lw=1.4, marker="o" if len(steps) < 12 else None, ms=3)
+            if len(curves) > 1:
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
+        ax.set_title(metric, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if plot.log and positive:
+            ax.set_yscale("log")
+    for ax in axes[len(metrics):]:
+        ax.axis("off")
+    axes[0].legend(fontsize=7)
+    _save(fig, path)
+    return True
+
+
+def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: Path) -> bool:
+    names = list(runs)
+    if not names:
+        return False
+    fig, axes = _figure(1, plot.title)
+    ax = axes[0]
+    width = 0.8 / len(names)
+    drawn = False
+    for i, name in enumerate(names):
+        means, lo, hi = [], [], []
+        for metric in plot.metrics:
+            vals = [v for s in runs[name].values() if (v := reduce_series(s.get(metric, []), plot.at)) is not None]
+            m = sum(vals) / len(vals) if vals else float("nan")
+            means.append(m)
+            lo.append(m - min(vals) if vals else 0.0)
+            hi.append(max(vals) - m if vals else 0.0)
+            drawn = drawn or bool(vals)
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(plot.metrics))]
+        ax.bar(xs, means, width, yerr=[lo, hi], capsize=2, color=f"C{i % 10}", label=name)
+    if not drawn:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return False
+    ax.set_xticks(range(len(plot.metrics)))
+    ax.set_xticklabels(plot.metrics, fontsize=7, rotation=15)
+    ax.tick_params(labelsize=7)
+    if plot.log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path)
+    return True
+
+
+def _slug(title: str) -> str:
+    s = "".join(c.lower() if c.isalnum() else "-" for c in title)
+    return "-".join(p for p in s.split("-") if p)[:60] or "plot"
+
+
+# ---------------------------------------------------------------------- the page
+
+
+def render(out: str | Path, suite_dir: str | Path | None = None) -> Path:
+    """Summarise the results directory ``out`` and write its page ``out/README.md`` with its
+    plots; the suite's spec is ``out/suite.yaml`` (the copy taken when it ran) unless
+    ``suite_dir`` names another. Returns the page's path."""
+    out = Path(out)
+    meta = _read_json(out / "meta.json")
+    if meta is None:
+        raise ValueError(f"{out} has no meta.json: is it the results directory of a suite (quarl suite run)?")
+    suite = load_suite(suite_dir, None) if suite_dir else load_suite(out, meta.get("runs") or [])
+    suite.seeds = meta.get("seeds") or suite.seeds
+    suite.name = meta.get("suite") or suite.name
+    summary = summarize(suite, out, meta)
+    runs = load_runs(out, list(suite.runs), suite.seeds)
+    lines = [f"# {suite.title}", ""]
+    if suite.about:
+        lines += [suite.about, ""]
+    lines += [_setup_line(summary, meta), ""]
+    if suite.table:
+        lines += ["Values: mean ± sample standard deviation over the seeds (each seed's value, min and max in "
+                  "[summary.json](summary.json)); a ratio column divides each seed's value by the baseline "
+                  f"run's (`{suite.baseline}`) of the same seed.", "", markdown_table(summary), ""]
+    for plot in suite.plots:
+        name = _slug(plot.title) + ".png"
+        drawn = (plot_bars if plot.kind == "bars" else plot_lines)(plot, runs, out / name)
+        if drawn:
+            lines += [f"![{plot.title}]({name})", ""]
+    if summary["failed"]:
+        lines += ["Failed runs:", ""]
+        for r in summary["failed"]:
+            tail = r.get("tail", "").strip().splitlines()[-1:] or [""]
+            lines.append(f"- {r['name']} seed {r['seed']}: {tail[0]}")
+        lines.append("")
+    if summary["missing"]:
+        lines += [f"Not run (or no metrics): {', '.join(summary['missing'])}.", ""]
+    lines += [f"Run configs: `experiments/{suite.name}/`; every run's metrics: [runs/](runs/). "
+              f"Rendered by `quarl suite report {out}`.", ""]
+    page = out / "README.md"
+    page.write_text("\n".join(lines))
+    return page
+
+
+def _setup_line(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    commit = (summary.get("git_commit") or "unknown")[:7]
+    date = (summary.get("date") or "")[:10]
+    text = (f"Measured on {summary.get('device')} at {commit} ({date}); seeds {', '.join(map(str, summary['seeds']))}; "
+            f"{len(summary['runs'])} configurations.")
+    base = summary.get("base")
+    if base:
+        acc = (base.get("eval") or {}).get("eval/acc")
+        text += (f" Base model: {base.get('steps')} supervised warm-start steps (loss {fmt(base.get('loss_first'))} -> "
+                 f"{fmt(base.get('loss_last'))}, {base.get('warmstart_s')} s), held-out accuracy {fmt(acc)} "
+                 "(bf16, greedy).")
+    return text
+
+
+__all__ = ["read_series", "reduce_series", "spread", "summarize", "render", "markdown_table", "SUITE_FILE"]

@@ -1,0 +1,466 @@
+"""A suite: a directory of run configs, trained over several seeds on one machine.
+
+``experiments/<suite>/suite.yaml`` describes it::
+
+    title: Mismatch by mode            # the results page's heading
+    about: what claim the suite tests  # markdown, printed under the heading
+    base: ../base.yaml                 # the base model's recipe (optional): warm-started once
+    seeds: [0, 1, 2]                   # trainer.seed of each repeat
+    parallel: 4                        # runs at once (processes sharing the GPU)
+    common: [../rl.yaml, {trainer: {steps: 40}}]  # config every run shares (files and mappings)
+    baseline: bf16                     # the run the ratio columns divide by
+    table:                             # the summary columns
+      - {metric: eval/acc, at: last}
+      - {metric: time/step, at: mean, ratio: true}
+    plots:                             # one figure per entry: a title and its metrics
+      - {title: Reward and accuracy, metrics: [reward/mean, eval/acc]}
+
+and every other ``*.yaml`` beside it is one run's config (its name is the file's stem).
+A run's config is, in order of precedence: the command line's flags, the run's file,
+``common``, the base recipe (its model, data and rollout sections), so that every run
+decodes the same task with the same base model. With a base recipe the base is built
+first (its warm-start cached in ``WORK/base/warmstart``, evaluated greedily in bf16 on
+the eval split) and every run starts from it (``model.path``; no warm-start of its own).
+
+Runs live in ``WORK/runs/<name>/seed<k>``. A finished run is not run again, an
+interrupted one is resumed, so a suite cut short continues where it stopped; a failed
+run is recorded (its log's last lines) and the rest go on. ``collect`` copies each run's
+``metrics.jsonl`` and ``config.yaml`` into the results directory, which
+:mod:`quarl.experiments.results` summarises and renders.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quarl.config.typed import merge, parse_overrides, read_yaml
+
+SUITE_FILE = "suite.yaml"
+AT = ("last", "first", "mean", "max", "min", "tail")  # how a column reduces a run's series
+_SUITE_KEYS = {"title", "about", "base", "seeds", "parallel", "common", "baseline", "table", "plots"}
+_BASE_SECTIONS = ("model", "data", "rollout")  # what every run takes from the base recipe
+
+
+@dataclass(frozen=True)
+class Column:
+    """One summary column: ``metric`` reduced over a run's steps by ``at`` (``tail``: the
+    mean of the last ``tail`` values), and with ``ratio`` divided by the baseline's value
+    of the same seed."""
+
+    metric: str
+    at: str = "last"
+    ratio: bool = False
+    tail: int = 5
+    label: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.metric} ({self.at}{' / baseline' if self.ratio else ''})"
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One figure. ``lines``: a subplot per metric, each run's mean over seeds along the
+    steps with its seeds' range shaded. ``bars``: the metrics side by side, a bar per run
+    (the metric reduced by ``at``, averaged over seeds; whiskers: the seeds' range)."""
+
+    title: str
+    metrics: tuple[str, ...]
+    kind: str = "lines"
+    at: str = "mean"
+    log: bool = False
+
+
+@dataclass
+class Suite:
+    name: str
+    root: Path
+    title: str
+    about: str
+    base: Path | None
+    seeds: list[int]
+    parallel: int
+    common: dict[str, Any]
+    baseline: str | None
+    table: list[Column]
+    plots: list[Plot]
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _fail(where: Path, message: str):
+    raise ValueError(f"{where}: {message}")
+
+
+def load_suite(root: str | Path, run_names: list[str] | None = None) -> Suite:
+    """The suite in directory ``root`` (a ValueError names the file and the fix for bad input).
+    ``run_names``: the runs' names without their configs (a results directory's copy of
+    ``suite.yaml``, which is only rendered)."""
+    root = Path(root)
+    spec_file = root / SUITE_FILE
+    if not spec_file.is_file():
+        raise ValueError(f"{root} is not a suite: it has no {SUITE_FILE} (see quarl.experiments.suite)")
+    spec = read_yaml(spec_file)
+    unknown = sorted(set(spec) - _SUITE_KEYS)
+    if unknown:
+        _fail(spec_file, f"unknown key(s) {', '.join(unknown)}; a suite has {', '.join(sorted(_SUITE_KEYS))}")
+    seeds = spec.get("seeds", [0])
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)) or len(set(seeds)) != len(seeds):
+        _fail(spec_file, f"seeds must be a non-empty list of distinct integers, got {seeds!r}")
+    parallel = spec.get("parallel", 1)
+    if not isinstance(parallel, int) or parallel < 1:
+        _fail(spec_file, f"parallel must be an integer >= 1, got {parallel!r}")
+    base = spec.get("base")
+    base_path = (root / base).resolve() if base else None
+    if base_path is not None and not base_path.is_file() and run_names is None:
+        _fail(spec_file, f"base recipe {base} does not exist (a path relative to the suite's directory)")
+    common = _common(spec_file, spec.get("common") or {}, check_files=run_names is None)
+    if run_names is not None:
+        runs = {n: {} for n in run_names}
+    else:
+        runs = {f.stem: read_yaml(f) for f in sorted(root.glob("*.yaml")) if f.name != SUITE_FILE}
+    if not runs:
+        _fail(root, "a suite needs at least one run config (*.yaml) beside suite.yaml")
+    baseline = spec.get("baseline")
+    if baseline is not None and baseline not in runs:
+        _fail(spec_file, f"baseline {baseline!r} is not one of the runs ({', '.join(runs)})")
+    table = [_column(spec_file, c) for c in spec.get("table") or []]
+    if any(c.ratio for c in table) and baseline is None:
+        _fail(spec_file, "a ratio column needs a baseline run: set baseline to one of the runs")
+    plots = [_plot(spec_file, p) for p in spec.get("plots") or []]
+    return Suite(root.resolve().name, root, spec.get("title") or root.name, (spec.get("about") or "").strip(),
+                 base_path, seeds, parallel, common, baseline, table, plots, runs)
+
+
+def _common(where: Path, common: Any, check_files: bool = True) -> dict[str, Any]:
+    """``common``: a mapping of config sections, a YAML file's path (relative to the suite),
+    or a list of these merged in order (later ones win)."""
+    parts = common if isinstance(common, list) else [common]
+    out: dict[str, Any] = {}
+    for part in parts:
+        if isinstance(part, str):
+            f = where.parent / part
+            if not f.is_file():
+                if check_files:
+                    _fail(where, f"common: {part} does not exist (a path relative to the suite's directory)")
+                continue
+            part = read_yaml(f)
+        if not isinstance(part, dict):
+            _fail(where, f"common must be a mapping of config sections, a YAML file or a list of these, got {part!r}")
+        out = merge(out, part)
+    return out
+
+
+def _column(where: Path, c: Any) -> Column:
+    if isinstance(c, str):
+        c = {"metric": c}
+    if not isinstance(c, dict) or "metric" not in c:
+        _fail(where, f"a table column is a metric name or a mapping with 'metric', got {c!r}")
+    unknown = sorted(set(c) - {"metric", "at", "ratio", "tail", "label"})
+    if unknown:
+        _fail(where, f"table column {c['metric']}: unknown key(s) {', '.join(unknown)}")
+    col = Column(**c)
+    if col.at not in AT:
+        _fail(where, f"table column {col.metric}: at must be one of {', '.join(AT)}, got {col.at!r}")
+    if not isinstance(col.tail, int) or col.tail < 1:
+        _fail(where, f"table column {col.metric}: tail must be an integer >= 1")
+    return col
+
+
+def _plot(where: Path, p: Any) -> Plot:
+    if not isinstance(p, dict) or not isinstance(p.get("metrics"), list) or not p["metrics"]:
+        _fail(where, f"a plot is a mapping with a title and a non-empty list of metrics, got {p!r}")
+    unknown = sorted(set(p) - {"title", "metrics", "kind", "at", "log"})
+    if unknown:
+        _fail(where, f"plot {p.get('title')!r}: unknown key(s) {', '.join(unknown)}")
+    plot = Plot(str(p.get("title") or ", ".join(p["metrics"])), tuple(p["metrics"]), p.get("kind", "lines"),
+                p.get("at", "mean"), bool(p.get("log", False)))
+    if plot.kind not in ("lines", "bars"):
+        _fail(where, f"plot {plot.title!r}: kind must be lines or bars, got {plot.kind!r}")
+    if plot.at not in AT:
+        _fail(where, f"plot {plot.title!r}: at must be one of {', '.join(AT)}, got {plot.at!r}")
+    return plot
+
+
+# ---------------------------------------------------------------------- configs
+
+
+def run_config(suite: Suite, name: str, seed: int, run_dir: Path, base_model: Path | None,
+               overrides: list[str] = ()) -> dict[str, Any]:
+    """The whole config of one run of the suite (see the module's docstring for the order)."""
+    cfg: dict[str, Any] = {}
+    if suite.base is not None:
+        recipe = read_yaml(suite.base)
+        cfg = {k: v for k, v in recipe.items() if k in _BASE_SECTIONS}
+    cfg = merge(cfg, suite.common)
+    cfg = merge(cfg, suite.runs[name])
+    cfg = merge(cfg, parse_overrides(list(overrides)))
+    pinned: dict[str, Any] = {"trainer": {"seed": seed, "run_dir": str(run_dir)}}
+    if base_model is not None:
+        pinned["model"] = {"path": str(base_model), "tokenizer": "builtin"}
+        pinned["trainer"]["sft_warmup_steps"] = 0
+    return merge(cfg, pinned)
+
+
+# ---------------------------------------------------------------------- the base
+
+
+def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -> tuple[Path, dict[str, Any]]:
+    """Warm-start the suite's base model into ``work/base`` (cached), evaluate it greedily
+    in bf16 on the eval split; returns its directory and ``base.json``'s contents."""
+    import torch
+
+    from quarl.config.run import RunConfig
+    from quarl.config.typed import from_dict
+    from quarl.trainer.loop import Trainer
+
+    base_dir = work / "base"
+    info_file = base_dir / "base.json"
+    model_dir = base_dir / "warmstart"
+    cfg = from_dict(RunConfig, merge(read_yaml(suite.base), base_overrides(overrides, base_dir)))
+    if info_file.is_file() and model_dir.is_dir():
+        info = json.loads(info_file.read_text())
+        if info.get("recipe") == _recipe(cfg):
+            log(f"base: {model_dir} (built earlier)")
+            return model_dir, info
+    if cfg.trainer.sft_warmup_steps == 0:
+        raise ValueError(f"{suite.base}: the base recipe must warm-start (trainer.sft_warmup_steps > 0)")
+    t0 = time.perf_counter()
+    log(f"base: warm-starting {cfg.model.builtin or cfg.model.path} for {cfg.trainer.sft_warmup_steps} steps")
+    trainer = Trainer(cfg, evaluation_only=True)
+    try:
+        built = time.perf_counter() - t0
+        metrics = trainer.evaluate(log=False)
+    finally:
+        trainer.rewards.close()
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    warm = json.loads((model_dir / "warmstart.json").read_text())
+    losses = warm.get("losses") or []
+    info = {"recipe": _recipe(cfg), "eval": metrics, "warmstart_s": round(built, 1),
+            "eval_s": round(time.perf_counter() - t0 - built, 1), "steps": cfg.trainer.sft_warmup_steps,
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "loss_every_100": losses[::100]}
+    info_file.write_text(json.dumps(info, indent=2))
+    log(f"base: warm start {info['warmstart_s']} s, loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, "
+        f"eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
+    return model_dir, info
+
+
+def base_overrides(overrides: list[str], base_dir: Path) -> dict[str, Any]:
+    """What of the suite's command-line flags shapes the base: the model and data sections,
+    the warm-start's own fields (``trainer.sft_*``) and the device; evaluated in bf16."""
+    given = parse_overrides(list(overrides))
+    keep = {k: v for k, v in given.items() if k in ("model", "data")}
+    trainer = {k: v for k, v in (given.get("trainer") or {}).items() if k.startswith("sft_") or k == "device"}
+    return merge(keep, {"trainer": {**trainer, "run_dir": str(base_dir), "tensorboard": False},
+                        "quant": {"mode": "bf16"}})
+
+
+def _recipe(cfg) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    d = asdict(cfg)
+    return {"model": d["model"], "data": d["data"], "sft": [d["trainer"]["sft_warmup_steps"], d["trainer"]["sft_lr"],
+                                                             d["trainer"]["seed"]]}
+
+
+# ---------------------------------------------------------------------- running
+
+
+@dataclass
+class RunState:
+    name: str
+    seed: int
+    run_dir: Path
+    config_file: Path
+    log_file: Path
+    steps: int
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+    status: str = "pending"  # pending | running | done | failed | skipped | interrupted
+    tail: str = ""
+
+
+def _steps_done(run_dir: Path) -> int:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return 0
+    last = 0
+    for line in f.read_text().splitlines():
+        try:
+            last = max(last, int(json.loads(line).get("step", 0)))
+        except (ValueError, AttributeError):
+            continue
+    return last
+
+
+def plan_runs(suite: Suite, work: Path, base_model: Path | None, overrides: list[str] = (),
+              only: list[str] | None = None) -> list[RunState]:
+    """One :class:`RunState` per (run, seed), seeds outermost (every run's first seed comes
+    first); each run's whole config written to ``work/configs``."""
+    from quarl.config import load_run_config
+
+    names = list(suite.runs)
+    if only:
+        missing = [n for n in only if n not in suite.runs]
+        if missing:
+            raise ValueError(f"--only: no run named {', '.join(missing)} in {suite.root}; runs: {', '.join(names)}")
+        names = [n for n in names if n in only]
+    (work / "configs").mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    plan = []
+    for seed in suite.seeds:
+        for name in names:
+            run_dir = work / "runs" / name / f"seed{seed}"
+            cfg = run_config(suite, name, seed, run_dir, base_model, overrides)
+            config_file = work / "configs" / f"{name}-seed{seed}.yaml"
+            config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            try:
+                steps = load_run_config(str(config_file)).trainer.steps  # a bad run config fails before any run
+            except ValueError as e:
+                raise ValueError(f"run {name} of {suite.root}: {e}") from e
+            plan.append(RunState(name, seed, run_dir, config_file, work / "logs" / f"{name}-seed{seed}.log", steps))
+    return plan
+
+
+def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), parallel: int | None = None,
+              only: list[str] | None = None, keep_checkpoints: bool = False, log=print) -> list[RunState]:
+    """Build the base (if any), then every (run, seed) of ``suite`` with ``parallel`` at once.
+    A finished run's checkpoints are deleted unless ``keep_checkpoints`` (a 100M model's
+    weights and optimizer take ~1.2 GB; a suite runs dozens)."""
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    base_model = None
+    if suite.base is not None:
+        base_model, _ = build_base(suite, work, overrides, log)
+    plan = plan_runs(suite, work, base_model, overrides, only)
+    width = parallel or suite.parallel
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    queue = list(plan)
+    running: list[RunState] = []
+    total, finished = len(plan), 0
+    t_suite = time.perf_counter()
+    log(f"suite {suite.name}: {total} runs ({len(plan) // len(suite.seeds)} configs x {len(suite.seeds)} seeds), "
+        f"{width} at once, in {work}")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a SIGTERM (a timeout) stops it as Ctrl-C does
+    try:
+        while queue or running:
+            while queue and len(running) < width:
+                r = queue.pop(0)
+                done = _steps_done(r.run_dir)
+                if done >= r.steps:
+                    r.status = "skipped"
+                    finished += 1
+                    log(f"[{finished}/{total}] {r.name} seed {r.seed}: finished earlier")
+                    continue
+                resume = ["--resume"] if (r.run_dir / "checkpoints").is_dir() else []
+                if not resume and r.run_dir.exists():
+                    shutil.rmtree(r.run_dir)  # started, but cut before its first checkpoint
+                cmd = [sys.executable, "-m", "quarl", "train", "--config", str(r.config_file), "--quiet", *resume]
+                r.started = time.perf_counter()
+                r.status = "running"
+                with open(r.log_file, "ab") as f:
+                    # its own session: a Ctrl-C here reaches the suite alone, which passes one SIGTERM on
+                    r.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True)
+                running.append(r)
+            time.sleep(0.2)
+            for r in list(running):
+                code = r.proc.poll()
+                if code is None:
+                    continue
+                running.remove(r)
+                finished += 1
+                r.seconds = time.perf_counter() - r.started
+                r.status = "done" if code == 0 else "failed"
+                if code == 0 and not keep_checkpoints:
+                    shutil.rmtree(r.run_dir / "checkpoints", ignore_errors=True)
+                if code != 0:
+                    r.tail = "\n".join(r.log_file.read_text(errors="replace").splitlines()[-15:])
+                log(f"[{finished}/{total}] {r.name} seed {r.seed}: {r.status} in {r.seconds:.0f} s"
+                    + (f" (exit {code}; log {r.log_file})" if code else _headline(r.run_dir)))
+    except KeyboardInterrupt:
+        log(f"suite {suite.name}: interrupted; stopping {len(running)} run(s) after their current step")
+        for r in running:
+            r.proc.terminate()  # the trainer saves a checkpoint on SIGTERM; a rerun resumes it
+        for r in running:
+            r.proc.wait()
+            r.status = "interrupted"
+        _write_status(work, suite, plan)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log(f"suite {suite.name}: {sum(r.status in ('done', 'skipped') for r in plan)} of {total} runs complete in "
+        f"{time.perf_counter() - t_suite:.0f} s")
+    _write_status(work, suite, plan)
+    return plan
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _write_status(work: Path, suite: Suite, plan: list[RunState]) -> None:
+    (work / f"runs-{suite.name}.json").write_text(json.dumps(
+        [{"name": r.name, "seed": r.seed, "status": r.status, "seconds": round(r.seconds, 1), "tail": r.tail}
+         for r in plan], indent=2))
+
+
+def _headline(run_dir: Path) -> str:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return ""
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    acc = next((r["eval/acc"] for r in reversed(rows) if r.get("eval/acc") is not None), None)
+    return f" (eval/acc {acc:.3f})" if acc is not None else ""
+
+
+def collect(suite: Suite, work: str | Path, out: str | Path) -> Path:
+    """Copy every run's ``metrics.jsonl`` and ``config.yaml`` (and the base's ``base.json``
+    and the runs' status) into ``out``; returns ``out``."""
+    from quarl.bench.common import git_commit
+
+    work, out = Path(work), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in suite.runs:
+        for seed in suite.seeds:
+            src = work / "runs" / name / f"seed{seed}"
+            if not (src / "metrics.jsonl").is_file():
+                continue
+            dst = out / "runs" / name / f"seed{seed}"
+            dst.mkdir(parents=True, exist_ok=True)
+            for f in ("metrics.jsonl", "config.yaml"):
+                if (src / f).is_file():
+                    shutil.copyfile(src / f, dst / f)
+    for f, name in (("base/base.json", "base.json"), (f"runs-{suite.name}.json", "runs.json")):
+        if (work / f).is_file():
+            shutil.copyfile(work / f, out / name)
+    shutil.copyfile(suite.root / SUITE_FILE, out / SUITE_FILE)
+    meta = {"suite": suite.name, "git_commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": _device_name(), "seeds": suite.seeds, "runs": list(suite.runs)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "unknown"
