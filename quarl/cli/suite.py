@@ -50,11 +50,11 @@ def _ints(text: str) -> list[int]:
 
 def run_suite_cmd(args: argparse.Namespace) -> int:
     from quarl.experiments.results import render
-    from quarl.experiments.suite import collect, load_suite, run_suite
+    from quarl.experiments.suite import check_seeds, collect, load_suite, run_suite
 
     suite = load_suite(args.suite_dir)
-    if args.seeds:
-        suite.seeds = _ints(args.seeds)
+    if args.seeds is not None:
+        suite.seeds = check_seeds(_ints(args.seeds))
     if args.parallel is not None and args.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
     work = args.work or Path("runs/suites") / suite.name
@@ -74,6 +74,7 @@ def run_suite_cmd(args: argparse.Namespace) -> int:
 
 def base_cmd(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from quarl.experiments.suite import build_base, load_suite
 
@@ -81,7 +82,7 @@ def base_cmd(args: argparse.Namespace) -> int:
     if suite.base is None:
         raise ValueError(f"{args.suite_dir}/suite.yaml names no base recipe (base: path/to/recipe.yaml)")
     work = args.work or Path("runs/suites") / suite.name
-    _, info = build_base(suite, work, args.overrides, log=lambda m: print(m, flush=True))
+    _, info = build_base(suite, work, args.overrides, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in info.items() if k != "recipe"}, indent=2))
     return 0
 

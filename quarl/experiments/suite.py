@@ -67,7 +67,8 @@ class Column:
 
     @property
     def name(self) -> str:
-        return self.label or f"{self.metric} ({self.at}{' / baseline' if self.ratio else ''})"
+        at = f"last {self.tail}" if self.at == "tail" else self.at
+        return self.label or f"{self.metric} ({at}{' / baseline' if self.ratio else ''})"
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,12 @@ def load_suite(root: str | Path, run_names: list[str] | None = None) -> Suite:
     if unknown:
         _fail(spec_file, f"unknown key(s) {', '.join(unknown)}; a suite has {', '.join(sorted(_SUITE_KEYS))}")
     seeds = spec.get("seeds", [0])
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)) or len(set(seeds)) != len(seeds):
-        _fail(spec_file, f"seeds must be a non-empty list of distinct integers, got {seeds!r}")
+    try:
+        check_seeds(seeds)
+    except ValueError as e:
+        _fail(spec_file, str(e))
     parallel = spec.get("parallel", 1)
-    if not isinstance(parallel, int) or parallel < 1:
+    if not _is_int(parallel) or parallel < 1:
         _fail(spec_file, f"parallel must be an integer >= 1, got {parallel!r}")
     base = spec.get("base")
     base_path = (root / base).resolve() if base else None
@@ -129,7 +132,10 @@ def load_suite(root: str | Path, run_names: list[str] | None = None) -> Suite:
     if run_names is not None:
         runs = {n: {} for n in run_names}
     else:
-        runs = {f.stem: read_yaml(f) for f in sorted(root.glob("*.yaml")) if f.name != SUITE_FILE}
+        # a base recipe or common file kept beside suite.yaml is not a run
+        shared = {p.resolve() for p in [base_path, *_common_files(spec_file, spec.get("common"))] if p is not None}
+        runs = {f.stem: read_yaml(f) for f in sorted(root.glob("*.yaml"))
+                if f.name != SUITE_FILE and f.resolve() not in shared}
     if not runs:
         _fail(root, "a suite needs at least one run config (*.yaml) beside suite.yaml")
     baseline = spec.get("baseline")
@@ -141,6 +147,17 @@ def load_suite(root: str | Path, run_names: list[str] | None = None) -> Suite:
     plots = [_plot(spec_file, p) for p in spec.get("plots") or []]
     return Suite(root.resolve().name, root, spec.get("title") or root.name, (spec.get("about") or "").strip(),
                  base_path, seeds, parallel, common, baseline, table, plots, runs)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_seeds(seeds: Any) -> list[int]:
+    """``seeds`` if it is a non-empty list of distinct integers, else a ValueError."""
+    if not (isinstance(seeds, list) and seeds and all(_is_int(s) for s in seeds)) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be a non-empty list of distinct integers, got {seeds!r}")
+    return seeds
 
 
 def _common(where: Path, common: Any, check_files: bool = True) -> dict[str, Any]:
@@ -162,6 +179,11 @@ def _common(where: Path, common: Any, check_files: bool = True) -> dict[str, Any
     return out
 
 
+def _common_files(where: Path, common: Any) -> list[Path]:
+    parts = common if isinstance(common, list) else [common]
+    return [where.parent / p for p in parts if isinstance(p, str)]
+
+
 def _column(where: Path, c: Any) -> Column:
     if isinstance(c, str):
         c = {"metric": c}
@@ -173,8 +195,10 @@ def _column(where: Path, c: Any) -> Column:
     col = Column(**c)
     if col.at not in AT:
         _fail(where, f"table column {col.metric}: at must be one of {', '.join(AT)}, got {col.at!r}")
-    if not isinstance(col.tail, int) or col.tail < 1:
+    if not _is_int(col.tail) or col.tail < 1:
         _fail(where, f"table column {col.metric}: tail must be an integer >= 1")
+    if not isinstance(col.ratio, bool):
+        _fail(where, f"table column {col.metric}: ratio must be true or false, got {col.ratio!r}")
     return col
 
 
@@ -252,7 +276,7 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
     info = {"recipe": _recipe(cfg), "eval": metrics, "warmstart_s": round(built, 1),
             "eval_s": round(time.perf_counter() - t0 - built, 1), "steps": cfg.trainer.sft_warmup_steps,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "loss_every_100": losses[::100]}
+            "loss_every_100": losses[::100], "heldout": warm.get("heldout") or []}
     info_file.write_text(json.dumps(info, indent=2))
     log(f"base: warm start {info['warmstart_s']} s, loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, "
         f"eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
@@ -273,8 +297,8 @@ def _recipe(cfg) -> dict[str, Any]:
     from dataclasses import asdict
 
     d = asdict(cfg)
-    return {"model": d["model"], "data": d["data"], "sft": [d["trainer"]["sft_warmup_steps"], d["trainer"]["sft_lr"],
-                                                             d["trainer"]["seed"]]}
+    return {"model": d["model"], "data": d["data"], "rollout": d["rollout"],
+            "sft": [d["trainer"]["sft_warmup_steps"], d["trainer"]["sft_lr"], d["trainer"]["seed"]]}
 
 
 # ---------------------------------------------------------------------- running

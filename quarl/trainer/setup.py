@@ -91,19 +91,29 @@ def build_base_model(
             "model": m.path or m.builtin, "task": cfg.data.task, "difficulty": cfg.data.difficulty,
             "data_seed": cfg.data.seed, "steps": t.sft_warmup_steps, "lr": t.sft_lr, "seed": t.seed,
             "tokenizer": getattr(tokenizer, "name", "?"), "amp": "bf16" if device.type == "cuda" else "none",
+            "schedule": "wsd",
         }
+        heldout = _try_pairs(task, tokenizer)[:256]  # (teacher-forced: one forward a check)
+        curve: list[dict] = []
 
         def train(mdl: Transformer) -> list[float]:
             say(f"supervised warm-start: {t.sft_warmup_steps} steps on {len(pairs)} worked solutions")
+
+            def on_eval(step: int, m: dict) -> None:
+                curve.append({"step": step, **m})
+                say(f"supervised warm-start: step {step}, held-out exact {m['exact']:.3f}, loss {m['loss']:.4f}")
+
             with StepProgress(t.sft_warmup_steps, 0, console, label="warm-start", describe=describe_loss) as bar:
                 losses = supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed,
-                                             on_step=lambda i, loss: bar.update(i + 1, {"loss": loss}))
+                                             on_step=lambda i, loss: bar.update(i + 1, {"loss": loss}),
+                                             heldout=heldout, eval_every=max(50, t.sft_warmup_steps // 10),
+                                             on_eval=on_eval)
             say(f"supervised warm-start: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             return losses
 
         # the warm-start trains in float32; the base model is only built when the cache misses
         model, cached = cached_warmstart(
-            run_dir / "warmstart", key, lambda: build(torch.float32), train, dtype, device
+            run_dir / "warmstart", key, lambda: build(torch.float32), train, dtype, device, extra=lambda: {"heldout": curve}
         )
         if cached:
             say(f"supervised warm-start: loaded from {run_dir / 'warmstart'}")
@@ -115,3 +125,13 @@ def build_base_model(
 
         apply_uaq(model, cfg.quant.uaq_scale)
     return model
+
+
+def _try_pairs(task, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """The eval split's worked solutions as (prompt, target) pairs; none where it has none."""
+    from quarl.trainer.warmstart import sft_pairs
+
+    try:
+        return sft_pairs(task, tokenizer, task.eval_examples())
+    except ValueError:
+        return []

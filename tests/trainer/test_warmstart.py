@@ -1,0 +1,74 @@
+"""The warm start's schedule and its teacher-forced held-out check."""
+
+import pytest
+import torch
+
+from quarl.model.presets import build_random_model
+from quarl.trainer.warmstart import heldout_metrics, supervised_finetune, wsd_factor
+
+
+def test_wsd_factor_by_hand():
+    # 100 steps, warmup 10, decay over the last 20 to 0.1
+    assert wsd_factor(0, 100) == pytest.approx(0.1)
+    assert wsd_factor(4, 100) == pytest.approx(0.5)
+    assert wsd_factor(9, 100) == 1.0 and wsd_factor(79, 100) == 1.0
+    assert wsd_factor(80, 100) == pytest.approx(1.0)
+    assert wsd_factor(90, 100) == pytest.approx(1 - 0.9 * 10 / 20)  # 0.55
+    assert wsd_factor(99, 100) == pytest.approx(1 - 0.9 * 19 / 20)
+    assert wsd_factor(150, 100) == pytest.approx(0.1)  # never below the floor
+
+
+@torch.no_grad()
+def _reference(model, pairs):
+    """Per pair, one unpadded forward in float64: exact = every target token is the argmax."""
+    from quarl.model.transformer import batch_attention
+
+    exact, nll, n = 0, 0.0, 0
+    for p, r in pairs:
+        ids = torch.tensor([p + r])
+        pos, attn = batch_attention(ids, torch.ones_like(ids))
+        logits = (model.hidden_states(ids, pos, attn)[0, :-1] @ model.lm_head_weight.T).double()
+        target = ids[0, 1:]
+        span = slice(len(p) - 1, len(p) + len(r) - 1)
+        exact += int((logits.argmax(-1)[span] == target[span]).all())
+        nll -= float(torch.log_softmax(logits, -1)[span].gather(-1, target[span, None]).sum())
+        n += len(r)
+    return exact / len(pairs), nll / n
+
+
+@torch.no_grad()
+def test_heldout_metrics_match_one_forward_per_pair():
+    torch.manual_seed(0)
+    model = build_random_model("tiny", seed=1, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    pairs = [(torch.randint(0, 100, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist(),
+              torch.randint(0, 100, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist())
+             for _ in range(9)]
+    # make some pairs' targets the model's own greedy continuation, so exact is neither 0 nor 1
+    from quarl.model.transformer import batch_attention
+
+    for i in range(0, 9, 2):
+        p, r = pairs[i]
+        seq = list(p)
+        for _ in range(len(r)):
+            ids = torch.tensor([seq])
+            pos, attn = batch_attention(ids, torch.ones_like(ids))
+            h = model.hidden_states(ids, pos, attn)[0, -1]
+            seq.append(int((h @ model.lm_head_weight.T).argmax()))
+        pairs[i] = (p, seq[len(p):])
+    got = heldout_metrics(model, pairs, batch_size=4)  # padded batches of mixed lengths
+    exact, loss = _reference(model, pairs)
+    assert 0 < exact < 1
+    assert got["exact"] == pytest.approx(exact)
+    assert got["loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_supervised_finetune_reports_heldout_every_k_steps():
+    model = build_random_model("tiny", seed=0, dtype=torch.float32)
+    pairs = [([1, 2, 3], [4, 5, 6, 7])] * 4
+    seen = []
+    losses = supervised_finetune(model, pairs, 25, 3e-3, batch_size=4, heldout=pairs, eval_every=10,
+                                 on_eval=lambda step, m: seen.append((step, m)))
+    assert len(losses) == 25
+    assert [s for s, _ in seen] == [10, 20, 25]
+    assert seen[-1][1]["loss"] < seen[0][1]["loss"]  # it learns the one pair it sees
