@@ -69,14 +69,38 @@ def spread(values: list[float]) -> dict[str, float | int | None]:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-def load_runs(out: Path, names: list[str], seeds: list[int]) -> dict[str, dict[int, dict[str, Series]]]:
-    """run name -> seed -> metric -> series, for the runs whose metrics exist."""
+def run_progress(run_dir: Path) -> tuple[int, int | None]:
+    """(the last step a run logged, the steps its config.yaml asks for; None if it has none)."""
+    import yaml
+
+    last = 0
+    f = run_dir / "metrics.jsonl"
+    if f.is_file():
+        for line in f.read_text().splitlines():
+            if line.strip():
+                last = max(last, int(json.loads(line).get("step", 0)))
+    cfg = run_dir / "config.yaml"
+    steps = (yaml.safe_load(cfg.read_text()) or {}).get("trainer", {}).get("steps") if cfg.is_file() else None
+    return last, steps
+
+
+def load_runs(out: Path, names: list[str], seeds: list[int], incomplete: list[str] | None = None
+              ) -> dict[str, dict[int, dict[str, Series]]]:
+    """run name -> seed -> metric -> series, for the runs whose metrics exist and that ran
+    all their steps (a run cut short would mix an earlier step into "last"); those cut
+    short are named in ``incomplete`` ("name seed k (step i of n)")."""
     runs: dict[str, dict[int, dict[str, Series]]] = {}
     for name in names:
         for seed in seeds:
-            f = out / "runs" / name / f"seed{seed}" / "metrics.jsonl"
-            if f.is_file():
-                runs.setdefault(name, {})[seed] = read_series(f)
+            d = out / "runs" / name / f"seed{seed}"
+            if not (d / "metrics.jsonl").is_file():
+                continue
+            last, steps = run_progress(d)
+            if steps is not None and last < steps:
+                if incomplete is not None:
+                    incomplete.append(f"{name} seed {seed} (step {last} of {steps})")
+                continue
+            runs.setdefault(name, {})[seed] = read_series(d / "metrics.jsonl")
     return runs
 
 
@@ -101,7 +125,8 @@ def column_values(col: Column, runs: dict[str, dict[int, dict[str, Series]]], na
 def summarize(suite: Suite, out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The summary of a results directory (also written to ``out/summary.json``)."""
     meta = meta if meta is not None else _read_json(out / "meta.json") or {}
-    runs = load_runs(out, list(suite.runs), suite.seeds)
+    incomplete: list[str] = []
+    runs = load_runs(out, list(suite.runs), suite.seeds, incomplete)
     table = {}
     for name in suite.runs:
         row = {}
@@ -117,7 +142,9 @@ def summarize(suite: Suite, out: Path, meta: dict[str, Any] | None = None) -> di
                     for c in suite.table],
         "base": _read_json(out / "base.json"), "runs": table,
         "failed": [r for r in status if r.get("status") == "failed"],
-        "missing": [f"{n} seed {s}" for n in suite.runs for s in suite.seeds if s not in runs.get(n, {})],
+        "incomplete": incomplete,
+        "missing": [f"{n} seed {s}" for n in suite.runs for s in suite.seeds if s not in runs.get(n, {})
+                    and not any(i.startswith(f"{n} seed {s} ") for i in incomplete)],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -289,6 +316,9 @@ def render(out: str | Path, suite_dir: str | Path | None = None) -> Path:
             tail = r.get("tail", "").strip().splitlines()[-1:] or [""]
             lines.append(f"- {r['name']} seed {r['seed']}: {tail[0]}")
         lines.append("")
+    if summary["incomplete"]:
+        lines += [f"Cut short (left out of the table and plots; its metrics are under runs/): "
+                  f"{', '.join(summary['incomplete'])}.", ""]
     if summary["missing"]:
         lines += [f"Not run (or no metrics): {', '.join(summary['missing'])}.", ""]
     lines += [f"Run configs: `experiments/{suite.name}/`; every run's metrics: [runs/](runs/). "

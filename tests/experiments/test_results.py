@@ -226,3 +226,16 @@ def test_render_writes_the_page_and_its_plots(results_dir):
 def test_render_refuses_a_directory_without_meta(tmp_path):
     with pytest.raises(ValueError, match="no meta.json"):
         render(tmp_path)
+
+
+def test_a_run_cut_short_is_left_out_and_named(results_dir):
+    # a run's config asks for 3 steps but it logged 2: "last" would read an earlier step
+    (results_dir / "runs/a/seed1/config.yaml").write_text(yaml.safe_dump({"trainer": {"steps": 3}}))
+    (results_dir / "runs/a/seed0/config.yaml").write_text(yaml.safe_dump({"trainer": {"steps": 2}}))
+    suite = load_suite(results_dir, ["a", "b"])
+    summary = summarize(suite, results_dir)
+    assert summary["incomplete"] == ["a seed 1 (step 2 of 3)"]
+    assert "a seed 1" not in " ".join(summary["missing"])
+    assert summary["runs"]["a"]["acc (last)"]["seeds"] == {"0": 0.5}  # seed 1 (0.75) is out
+    page = render(results_dir).read_text()
+    assert "Cut short" in page and "a seed 1 (step 2 of 3)" in page
