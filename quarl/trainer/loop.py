@@ -33,6 +33,7 @@ import math
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -264,7 +265,9 @@ class Trainer:
             with GracefulStop(lambda: self._in_flight) as stop, \
                     StepProgress(t.steps, self.step, self.console) as progress:
                 if t.eval_before_train and self.step == 0 and self.eval_examples:
+                    began = time.perf_counter()
                     start = self.evaluate()
+                    start["perf/eval_s"] = time.perf_counter() - began
                     if self.logger is not None:
                         self.logger.log(0, start)
                 while self.step < t.steps and not self._stop_requested(stop):
@@ -294,8 +297,10 @@ class Trainer:
         if self.logger is not None and self._flagged_samples:
             self.logger.log_samples(self.step, self._flagged_samples, tag="flagged")
         if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
+            start = time.perf_counter()
             metrics.update(self.evaluate())
             metrics["mismatch/engine_check"] = self._check_engine_sync()
+            metrics["perf/eval_s"] = time.perf_counter() - start  # (outside the step: not a time/ part)
         if self.logger is not None:
             self.logger.log(self.step, metrics)
         return metrics

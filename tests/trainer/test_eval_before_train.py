@@ -23,6 +23,7 @@ def test_eval_before_train_logs_the_step_zero_policy(tmp_path):
     first = rows[0]
     assert 0.0 <= first["eval/acc"] <= 1.0 and "eval/reward_mean" in first
     assert "reward/mean" not in first and not any(k.startswith(("time/", "mismatch/")) for k in first)
+    assert first["perf/eval_s"] > 0  # the evaluation's own seconds
     assert "reward/mean" in rows[1] and "eval/acc" not in rows[1]  # eval_every=0: no evaluation after the step
     rows = _train(tmp_path / "off")
     assert [r["step"] for r in rows] == [1]
