@@ -227,6 +227,14 @@ def ppo_loss(
     return loss, _scalars(metrics)
 
 
+def positive_advantage_mask(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` less every token whose advantage is negative (``[B]`` advantages: whole
+    responses); what ``positive_only`` trains on."""
+    adv = advantages.detach()
+    adv = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
+    return mask * (adv >= 0).to(mask.dtype)
+
+
 def positive_only_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -242,8 +250,7 @@ def positive_only_loss(
     response tokens removed. Hyperparameters: those of :func:`ppo_loss`.
     """
     mask = _float_mask(mask, logp)
-    adv = _token_advantages(advantages, logp, mask)
-    kept = mask * (adv >= 0).to(mask.dtype)  # adv is 0 off the mask
+    kept = positive_advantage_mask(advantages, mask)
     loss, metrics = ppo_loss(logp, old_logp, sampler_logp, advantages, kept, **ppo_hparams)
     with torch.no_grad():
         metrics["positive_only/drop_frac"] = _frac(kept == 0, mask)

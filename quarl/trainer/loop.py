@@ -54,7 +54,7 @@ from quarl.algos import (
     whiten,
 )
 from quarl.algos.corrections import CorrectionSpec, mismatch_correction
-from quarl.algos.losses import policy_loss_defaults
+from quarl.algos.losses import policy_loss_defaults, positive_advantage_mask
 from quarl.config import RunConfig
 from quarl.config.run import upgrade
 from quarl.config.typed import dump_yaml, to_dict
@@ -433,6 +433,13 @@ class Trainer:
         removed: dict[str, float] = {}
         if removes:
             batch.response_mask, removed = self._removals(batch, spec)
+        if cfg.algo.loss == "positive_only" and returns is None:
+            # its A < 0 responses leave the mask up front too, so that the micro-batches' shares of the
+            # loss count the responses it trains on (with GAE the critic needs every token: the loss drops them)
+            kept = positive_advantage_mask(batch.advantages, batch.response_mask)
+            tokens, n_kept = self.dist.sum([float(batch.response_mask.sum()), float(kept.sum())])
+            batch.response_mask = kept
+            removed["positive_only/drop_frac"] = 1.0 - n_kept / max(tokens, 1.0)
         metrics = self.learner.update(batch, settings, returns)
         batch.response_mask = full_mask
         metrics.update(removed)

@@ -180,6 +180,44 @@ def test_removed_tokens_leave_the_denominators_of_a_micro_batched_update(loss_ty
     assert grads[0].abs().max() > 0
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_positive_only_on_the_pre_removed_mask_matches_one_batch(agg):
+    """positive_only's A < 0 responses taken out of the mask before a micro-batched update (the
+    trainer's path) give the gradient of one batch whose loss drops them itself."""
+    from quarl.algos.losses import positive_advantage_mask
+
+    model = build_random_model("tiny", seed=3, dtype=torch.float64, std=0.1)
+    batch = _batch()
+    with torch.no_grad():
+        batch.old_logp = Learner(copy.deepcopy(model)).logprobs(batch, 1 << 20)
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.0, 0.7])[: batch.advantages.shape[0]].to(batch.advantages)
+    kept = positive_advantage_mask(batch.advantages, batch.response_mask)
+    assert 0 < kept.sum() < batch.response_mask.sum()
+    grads = []
+    for mask, budget in ((batch.response_mask, 1 << 20), (kept, 12)):
+        learner = Learner(copy.deepcopy(model), lr=0.0)
+        learner.optimizer.zero_grad = lambda set_to_none=True: None  # keep grads for inspection
+        b = copy.deepcopy(batch)
+        b.response_mask = mask
+        learner.update(b, UpdateSettings(loss_type="positive_only", loss_hparams={"agg": agg},
+                                         token_budget=budget, grad_clip=1e9))
+        grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]))
+    assert len(split_by_token_budget(batch, 12)) > 2
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+    assert grads[0].abs().max() > 0
+
+
+def test_positive_advantage_mask_by_hand():
+    from quarl.algos.losses import positive_advantage_mask
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    assert torch.equal(positive_advantage_mask(torch.tensor([0.5, -1.0, 0.0]), mask),
+                       torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+    token_adv = torch.tensor([[1.0, -1.0, 5.0], [2.0, -3.0, 0.0], [-0.1, 0.0, 0.1]])
+    assert torch.equal(positive_advantage_mask(token_adv, mask),
+                       torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]))
+
+
 def test_nonfinite_loss_skips_update():
     model = build_random_model("tiny", seed=3, dtype=torch.float32, std=0.1)
     learner = Learner(model, lr=1e-2)

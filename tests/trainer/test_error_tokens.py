@@ -163,3 +163,10 @@ def test_truncate_at_error_and_rejection_take_tokens_out_of_the_update(tmp_path)
                    "--algo.reject_high=1.01", "--algo.veto=0.01", "--trainer.log_samples=0")
     assert 0 < last["correction/drop_frac"] < 1 and 0 <= last["correction/row_drop_frac"] <= 1
     assert last["errors/truncated_frac"] == 0 and math.isfinite(last["loss/policy"])
+
+
+def test_positive_only_takes_its_negative_responses_out_before_the_update(tmp_path):
+    last, _ = _run(tmp_path / "p", "--algo.loss=positive_only", "--trainer.log_samples=0")
+    # digit_one's rewards differ within the groups: some responses have A < 0, not all
+    assert 0 < last["positive_only/drop_frac"] < 1
+    assert math.isfinite(last["loss/policy"])
