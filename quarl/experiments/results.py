@@ -253,7 +253,7 @@ def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: P
     for i, name in enumerate(names):
         means, lo, hi = [], [], []
         for metric in plot.metrics:
-            vals = [v for s in runs[name].values() if (v := reduce_series(s.get(metric, []), plot.at)) is not None]
+            vals = [v for s in runs[name].values() if (v := reduce_series(s.get(metric, []), plot.at, plot.tail)) is not None]
             m = sum(vals) / len(vals) if vals else float("nan")
             means.append(m)
             lo.append(m - min(vals) if vals else 0.0)
@@ -333,6 +333,14 @@ def _setup_line(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     date = (summary.get("date") or "")[:10]
     text = (f"Measured on {summary.get('device')} at {commit} ({date}); seeds {', '.join(map(str, summary['seeds']))}; "
             f"{len(summary['runs'])} configurations.")
+    calls = meta.get("calls") or []
+    if len(calls) > 1:
+        parts = [f"{c['date'][:16]} at {(c.get('git_commit') or '?')[:7]} (seeds {', '.join(map(str, c['seeds']))}, "
+                 f"{len(c['runs'])} runs, base {c.get('base_sha256') or '?'})" for c in calls]
+        digests = {c.get("base_sha256") for c in calls}
+        text += (f" Run in {len(calls)} calls: {'; '.join(parts)}; "
+                 + ("the same base weights in each." if len(digests) == 1 and None not in digests else
+                    "**the base weights differ between calls** (rebuilt on each machine; each call's digest and base accuracy are in meta.json)."))
     base = summary.get("base")
     if base:
         acc = (base.get("eval") or {}).get("eval/acc")

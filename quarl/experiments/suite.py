@@ -82,6 +82,7 @@ class Plot:
     kind: str = "lines"
     at: str = "mean"
     log: bool = False
+    tail: int = 5
 
 
 @dataclass
@@ -205,15 +206,17 @@ def _column(where: Path, c: Any) -> Column:
 def _plot(where: Path, p: Any) -> Plot:
     if not isinstance(p, dict) or not isinstance(p.get("metrics"), list) or not p["metrics"]:
         _fail(where, f"a plot is a mapping with a title and a non-empty list of metrics, got {p!r}")
-    unknown = sorted(set(p) - {"title", "metrics", "kind", "at", "log"})
+    unknown = sorted(set(p) - {"title", "metrics", "kind", "at", "log", "tail"})
     if unknown:
         _fail(where, f"plot {p.get('title')!r}: unknown key(s) {', '.join(unknown)}")
     plot = Plot(str(p.get("title") or ", ".join(p["metrics"])), tuple(p["metrics"]), p.get("kind", "lines"),
-                p.get("at", "mean"), bool(p.get("log", False)))
+                p.get("at", "mean"), bool(p.get("log", False)), p.get("tail", 5))
     if plot.kind not in ("lines", "bars"):
         _fail(where, f"plot {plot.title!r}: kind must be lines or bars, got {plot.kind!r}")
     if plot.at not in AT:
         _fail(where, f"plot {plot.title!r}: at must be one of {', '.join(AT)}, got {plot.at!r}")
+    if not _is_int(plot.tail) or plot.tail < 1:
+        _fail(where, f"plot {plot.title!r}: tail must be an integer >= 1, got {plot.tail!r}")
     return plot
 
 
@@ -276,7 +279,8 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
     info = {"recipe": _recipe(cfg), "eval": metrics, "warmstart_s": round(built, 1),
             "eval_s": round(time.perf_counter() - t0 - built, 1), "steps": cfg.trainer.sft_warmup_steps,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "loss_every_100": losses[::100], "heldout": warm.get("heldout") or []}
+            "loss_every_100": losses[::100], "heldout": warm.get("heldout") or [],
+            "weights_sha256": weights_digest(model_dir)}
     info_file.write_text(json.dumps(info, indent=2))
     log(f"base: warm start {info['warmstart_s']} s, loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, "
         f"eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
@@ -460,6 +464,11 @@ def collect(suite: Suite, work: str | Path, out: str | Path) -> Path:
 
     work, out = Path(work), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    before = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
+    if before is not None and before.get("suite") != suite.name:
+        raise ValueError(f"{out} holds the results of suite {before.get('suite')!r}, not {suite.name!r}: "
+                         "choose another --out")
+    copied = []
     for name in suite.runs:
         for seed in suite.seeds:
             src = work / "runs" / name / f"seed{seed}"
@@ -470,15 +479,43 @@ def collect(suite: Suite, work: str | Path, out: str | Path) -> Path:
             for f in ("metrics.jsonl", "config.yaml"):
                 if (src / f).is_file():
                     shutil.copyfile(src / f, dst / f)
-    for f, name in (("base/base.json", "base.json"), (f"runs-{suite.name}.json", "runs.json")):
-        if (work / f).is_file():
-            shutil.copyfile(work / f, out / name)
+            copied.append(f"{name} seed {seed}")
+    base = json.loads((work / "base/base.json").read_text()) if (work / "base/base.json").is_file() else None
+    if base is not None:
+        (out / "base.json").write_text(json.dumps(base, indent=2))
+    status_file = work / f"runs-{suite.name}.json"
+    if status_file.is_file():  # merged with an earlier call's: this call's entries win
+        old = json.loads((out / "runs.json").read_text()) if (out / "runs.json").is_file() else []
+        new = json.loads(status_file.read_text())
+        fresh = {(r["name"], r["seed"]) for r in new}
+        (out / "runs.json").write_text(json.dumps([r for r in old if (r["name"], r["seed"]) not in fresh] + new,
+                                                  indent=2))
     shutil.copyfile(suite.root / SUITE_FILE, out / SUITE_FILE)
-    meta = {"suite": suite.name, "git_commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": _device_name(), "seeds": suite.seeds, "runs": list(suite.runs)}
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    call = {"date": date, "git_commit": git_commit(), "device": _device_name(), "seeds": suite.seeds,
+            "runs": copied, "base_sha256": (base or {}).get("weights_sha256"),
+            "base_eval_acc": ((base or {}).get("eval") or {}).get("eval/acc")}
+    seeds = list((before or {}).get("seeds") or [])
+    seeds += [k for k in suite.seeds if k not in seeds]
+    names = list((before or {}).get("runs") or [])
+    names += [n for n in suite.runs if n not in names]
+    meta = {"suite": suite.name, "git_commit": call["git_commit"], "date": date, "device": call["device"],
+            "seeds": seeds, "runs": names, "calls": [*(before or {}).get("calls", []), call]}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def weights_digest(model_dir: Path) -> str:
+    """The first 16 hex digits of the sha256 of a saved model's safetensors files (in name
+    order): the same digest, the same base weights, also across machines."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _device_name() -> str:

@@ -365,3 +365,84 @@ def test_suite_cli_errors_are_one_line(tmp_path, capsys):
     assert "quarl suite: error:" in capsys.readouterr().err
     assert main(["suite", "base", str(_suite(tmp_path, {}, name="nobase"))]) == 2
     assert "names no base recipe" in capsys.readouterr().err
+
+
+def _fake_call(work: Path, suite_name: str, seeds: list[int], sha: str, acc: float) -> None:
+    """A work directory as one device call leaves it: every run's metrics for ``seeds``, a base, a status."""
+    for name in ("bf16", "w4"):
+        for k in seeds:
+            d = work / "runs" / name / f"seed{k}"
+            d.mkdir(parents=True)
+            (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "acc": acc + k}) + "\n")
+    (work / "base").mkdir(parents=True)
+    (work / "base/base.json").write_text(json.dumps({"weights_sha256": sha, "eval": {"eval/acc": acc}}))
+    (work / f"runs-{suite_name}.json").write_text(json.dumps(
+        [{"name": n, "seed": k, "status": "done"} for n in ("bf16", "w4") for k in seeds]))
+
+
+def test_collect_merges_the_seeds_of_several_calls(tmp_path):
+    from quarl.experiments.results import render
+    from quarl.experiments.suite import collect
+
+    suite = load_suite(_suite(tmp_path, {"seeds": [0], "table": ["acc"]}))
+    out = tmp_path / "out"
+    _fake_call(tmp_path / "w1", suite.name, [0], "aaaa", 0.5)
+    collect(suite, tmp_path / "w1", out)
+    suite.seeds = [1, 2]  # the next call runs the other seeds (quarl suite run --seeds 1,2)
+    _fake_call(tmp_path / "w2", suite.name, [1, 2], "bbbb", 0.25)
+    collect(suite, tmp_path / "w2", out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["seeds"] == [0, 1, 2] and meta["runs"] == ["bf16", "w4"]
+    assert [c["seeds"] for c in meta["calls"]] == [[0], [1, 2]]
+    assert [c["base_sha256"] for c in meta["calls"]] == ["aaaa", "bbbb"]
+    assert [c["base_eval_acc"] for c in meta["calls"]] == [0.5, 0.25]
+    assert meta["calls"][1]["runs"] == ["bf16 seed 1", "bf16 seed 2", "w4 seed 1", "w4 seed 2"]
+    status = json.loads((out / "runs.json").read_text())
+    assert sorted((r["name"], r["seed"]) for r in status) == [(n, k) for n in ("bf16", "w4") for k in (0, 1, 2)]
+    assert json.loads((out / "base.json").read_text())["weights_sha256"] == "bbbb"  # the latest call's
+    page = render(out).read_text()
+    assert "Run in 2 calls" in page and "the base weights differ between calls" in page
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"]["w4"]["acc (last)"]["seeds"] == {"0": 0.5, "1": 1.25, "2": 2.25}
+    # another suite's results directory is refused
+    other = load_suite(_suite(tmp_path, {"seeds": [0]}, name="other"))
+    with pytest.raises(ValueError, match="holds the results of suite 's'"):
+        collect(other, tmp_path / "w2", out)
+
+
+def test_weights_digest_follows_the_bytes(tmp_path):
+    from quarl.experiments.suite import weights_digest
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b/model.safetensors").write_bytes(b"x" * 100)
+    assert weights_digest(tmp_path / "a") == weights_digest(tmp_path / "b")
+    import hashlib
+
+    assert weights_digest(tmp_path / "a") == hashlib.sha256(b"x" * 100).hexdigest()[:16]
+    (tmp_path / "b/model.safetensors").write_bytes(b"x" * 99 + b"y")
+    assert weights_digest(tmp_path / "a") != weights_digest(tmp_path / "b")
+
+
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+
+
+@pytest.mark.parametrize("suite_dir", sorted(p.parent.name for p in EXPERIMENTS.glob("*/suite.yaml")))
+def test_the_repository_suites_load_and_every_run_config_is_valid(suite_dir, tmp_path):
+    from quarl.config import load_run_config
+
+    suite = load_suite(EXPERIMENTS / suite_dir)
+    assert suite.base == (EXPERIMENTS / "base.yaml").resolve() and len(suite.seeds) >= 3
+    plan = plan_runs(suite, tmp_path, tmp_path / "base")
+    assert len(plan) == len(suite.runs) * len(suite.seeds)
+    for r in plan:
+        cfg = load_run_config(str(r.config_file))
+        mode = cfg.quant.mode.value
+        # bf16 runs are named so; a quantized run names its mode and its scheme, or its suite's title does
+        assert (mode == "bf16") == r.name.startswith("bf16"), r.name
+        if mode != "bf16":
+            assert mode in r.name or mode in suite.title.lower(), r.name
+            assert cfg.quant.scheme.name.removeprefix("w8a8-") in r.name + suite.title, r.name
+        assert cfg.model.path == str(tmp_path / "base") and cfg.trainer.sft_warmup_steps == 0
+        assert cfg.rollout.max_new_tokens == 384 and cfg.data.task == "arith"  # the base recipe's sections
