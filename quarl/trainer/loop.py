@@ -44,7 +44,6 @@ from quarl.algos import (
     drop_rows,
     before_error,
     error_metrics,
-    error_starts,
     garbled_starts,
     informative_groups,
     last_token_rewards,
@@ -169,6 +168,7 @@ class Trainer:
         self._warned_preemption = False
         self._warned_packing = False
         self._flagged_samples: list[dict] = []  # the last step's flagged responses, for samples.jsonl
+        self._found_errors: tuple | None = None  # (mask, loops, garbled) the update's truncation found
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
@@ -458,10 +458,9 @@ class Trainer:
         kept = mismatch_correction(spec, batch.old_logp, batch.sampler_logp, mask).keep.to(mask.dtype)
         truncated = kept
         if a.truncate_at_error:
-            starts = error_starts(batch.input_ids[:, 1:], batch.old_logp, batch.sampler_logp, mask,
-                                  surprise=a.error_surprise, gap=a.error_gap, window=a.error_window,
-                                  min_bad=a.error_min_bad)
-            truncated = before_error(kept, starts)
+            loops, garbled = self._error_rows(batch, batch.old_logp, mask)
+            self._found_errors = (mask, loops, garbled)  # find_errors reads them again after the update
+            truncated = before_error(kept, torch.minimum(loops, garbled))
         rows = mask.sum(-1) > 0
         counts = torch.stack([mask.sum(), kept.sum(), truncated.sum(), rows.sum(), (rows & (kept.sum(-1) > 0)).sum()])
         tokens, n_kept, n_truncated, n_rows, n_kept_rows = self.dist.sum(counts.double().tolist())
@@ -526,9 +525,11 @@ class Trainer:
         if self.cfg.trainer.overlong_filter:  # its dropped responses count too (their loops: no log-probs)
             mask = response_columns(batch.attention_mask, [len(rollout.prompts[c.prompt_index])
                                                            for c in rollout.completions])
-        loops = loop_starts(batch.input_ids[:, 1:], mask)  # (token t + 1 beside the log-probs of column t)
-        garbled = garbled_starts(learner_logp, batch.sampler_logp, mask, surprise=a.error_surprise,
-                                 gap=a.error_gap, window=a.error_window, min_bad=a.error_min_bad)
+        found, self._found_errors = self._found_errors, None
+        if found is not None and found[0] is mask:  # the same rows the update's truncation scanned
+            _, loops, garbled = found
+        else:
+            loops, garbled = self._error_rows(batch, learner_logp, mask)
         (mask,) = _rows_of_all_ranks(self.dist, mask)
         loops, garbled = _cat_of_all_ranks(self.dist, loops), _cat_of_all_ranks(self.dist, garbled)
         metrics = error_metrics(loops, garbled, mask)
@@ -545,6 +546,15 @@ class Trainer:
                 self.tokenizer, union.prompts[comp.prompt_index], comp.token_ids,
                 union.examples[comp.prompt_index].answer, float(union.rewards[row]), pos, kind))
         return values
+
+    def _error_rows(self, batch: RolloutBatch, learner_logp: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each response's first loop token and first garbled token (``[B]``, ``T`` where none)."""
+        a = self.cfg.algo
+        loops = loop_starts(batch.input_ids[:, 1:], mask)  # (token t + 1 beside the log-probs of column t)
+        garbled = garbled_starts(learner_logp, batch.sampler_logp, mask, surprise=a.error_surprise,
+                                 gap=a.error_gap, window=a.error_window, min_bad=a.error_min_bad)
+        return loops, garbled
 
     def _next_prompts(self, count: int):
         """The next ``count`` examples of a seeded, per-epoch shuffle (resumable by position)."""

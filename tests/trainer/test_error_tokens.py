@@ -170,3 +170,18 @@ def test_positive_only_takes_its_negative_responses_out_before_the_update(tmp_pa
     # digit_one's rewards differ within the groups: some responses have A < 0, not all
     assert 0 < last["positive_only/drop_frac"] < 1
     assert math.isfinite(last["loss/policy"])
+
+
+@pytest.mark.parametrize("overlong", [False, True])
+def test_truncation_and_the_error_metrics_scan_the_responses_once(tmp_path, monkeypatch, overlong):
+    """With algo.truncate_at_error the update's scan is reused for the errors/* metrics; with the
+    overlong filter the metrics' rows differ (its dropped responses count), so they scan again."""
+    import quarl.trainer.loop as loop
+
+    calls = []
+    real = loop.garbled_starts
+    monkeypatch.setattr(loop, "garbled_starts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    last, _ = _run(tmp_path / "t", *PERMISSIVE, "--algo.truncate_at_error=true", "--trainer.log_samples=0",
+                   f"--trainer.overlong_filter={str(overlong).lower()}")
+    assert len(calls) == (2 if overlong else 1)
+    assert last["errors/truncated_frac"] > 0 and last["errors/response_frac"] > 0
