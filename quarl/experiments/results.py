@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from quarl.experiments.suite import SUITE_FILE, Column, Plot, Suite, load_suite
+from quarl.experiments.suite import SUITE_FILE, Column, Plot, Suite, load_suite, steps_done
 
 Series = list[tuple[int, float]]  # (step, value), in step order
 
@@ -73,12 +73,7 @@ def run_progress(run_dir: Path) -> tuple[int, int | None]:
     """(the last step a run logged, the steps its config.yaml asks for; None if it has none)."""
     import yaml
 
-    last = 0
-    f = run_dir / "metrics.jsonl"
-    if f.is_file():
-        for line in f.read_text().splitlines():
-            if line.strip():
-                last = max(last, int(json.loads(line).get("step", 0)))
+    last = steps_done(run_dir)
     cfg = run_dir / "config.yaml"
     steps = (yaml.safe_load(cfg.read_text()) or {}).get("trainer", {}).get("steps") if cfg.is_file() else None
     return last, steps

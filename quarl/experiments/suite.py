@@ -323,7 +323,8 @@ class RunState:
     tail: str = ""
 
 
-def _steps_done(run_dir: Path) -> int:
+def steps_done(run_dir: Path) -> int:
+    """The last step a run's ``metrics.jsonl`` logged (0 for none)."""
     f = run_dir / "metrics.jsonl"
     if not f.is_file():
         return 0
@@ -372,10 +373,17 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
     weights and optimizer take ~1.2 GB; a suite runs dozens)."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    base_model = None
+    base_model = base_digest = None
     if suite.base is not None:
-        base_model, _ = build_base(suite, work, overrides, log)
+        base_model, info = build_base(suite, work, overrides, log)
+        base_digest = info.get("weights_sha256")
     plan = plan_runs(suite, work, base_model, overrides, only)
+    for r in plan:  # a run trained from an earlier base (the recipe changed since) starts again
+        marker = r.config_file.with_suffix(".base")
+        if r.run_dir.exists() and marker.is_file() and marker.read_text() != str(base_digest):
+            log(f"{r.name} seed {r.seed}: trained from another base ({marker.read_text()}); starting it again")
+            shutil.rmtree(r.run_dir)
+        marker.write_text(str(base_digest))
     width = parallel or suite.parallel
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     queue = list(plan)
@@ -389,7 +397,7 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
         while queue or running:
             while queue and len(running) < width:
                 r = queue.pop(0)
-                done = _steps_done(r.run_dir)
+                done = steps_done(r.run_dir)
                 if done >= r.steps:
                     r.status = "skipped"
                     finished += 1

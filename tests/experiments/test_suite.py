@@ -446,3 +446,21 @@ def test_the_repository_suites_load_and_every_run_config_is_valid(suite_dir, tmp
             assert cfg.quant.scheme.name.removeprefix("w8a8-") in r.name + suite.title, r.name
         assert cfg.model.path == str(tmp_path / "base") and cfg.trainer.sft_warmup_steps == 0
         assert cfg.rollout.max_new_tokens == 384 and cfg.data.task == "arith"  # the base recipe's sections
+
+
+def test_runs_from_an_earlier_base_start_again(tmp_path):
+    """A changed base recipe rebuilds the base; the runs trained from the old one are run again,
+    not reported as finished."""
+    suite_dir = _tiny_suite(tmp_path)
+    work, out = tmp_path / "work", tmp_path / "out"
+    args = ("suite", "run", str(suite_dir), "--work", str(work), "--out", str(out), "--seeds", "0", "--only", "bf16",
+            "--trainer.steps=1")
+    code, first = _main(*args)
+    assert code == 0 and "1 of 1 runs complete" in first, first
+    code, again = _main(*args)
+    assert code == 0 and "finished earlier" in again and "another base" not in again
+    code, changed = _main(*args, "--trainer.sft_warmup_steps=6")
+    assert code == 0, changed
+    assert "base: warm-starting tiny for 6 steps" in changed
+    assert "bf16 seed 0: trained from another base" in changed and "finished earlier" not in changed
+    assert json.loads((out / "base.json").read_text())["steps"] == 6
