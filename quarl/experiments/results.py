@@ -32,7 +32,7 @@ def read_series(metrics_file: Path) -> dict[str, Series]:
         row = json.loads(line)
         step = int(row.get("step", 0))
         for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            if k not in ("step", "wall") and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 out.setdefault(k, []).append((step, float(v)))
     for s in out.values():
         s.sort(key=lambda p: p[0])
@@ -271,6 +271,19 @@ def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: P
     return True
 
 
+def phase_table(runs: dict[str, Any], status: list[dict[str, Any]]) -> str:
+    """A markdown table of each run's mean start / steps / end seconds ("" when none was timed)."""
+    rows = []
+    for name in runs:
+        timed = [r["phases"] for r in status if r.get("name") == name and r.get("status") == "done" and r.get("phases")]
+        if timed:
+            mean = {k: sum(p[k] for p in timed) / len(timed) for k in ("start", "steps", "end")}
+            rows.append(f"| {name} | {mean['start']:.0f} | {mean['steps']:.0f} | {mean['end']:.0f} | {len(timed)} |")
+    if not rows:
+        return ""
+    return "\n".join(["| run | start | steps | end | seeds |", "|---|---|---|---|---|", *rows])
+
+
 def _slug(title: str) -> str:
     s = "".join(c.lower() if c.isalnum() else "-" for c in title)
     return "-".join(p for p in s.split("-") if p)[:60] or "plot"
@@ -300,6 +313,10 @@ def render(out: str | Path, suite_dir: str | Path | None = None) -> Path:
         lines += ["Values: mean ± sample standard deviation over the seeds (each seed's value, min and max in "
                   "[summary.json](summary.json)); a ratio column divides each seed's value by the baseline "
                   f"run's (`{suite.baseline}`) of the same seed.", "", markdown_table(summary), ""]
+    timing = phase_table(summary["runs"], _read_json(out / "runs.json") or [])
+    if timing:
+        lines += ["Where a run's wall time went (seconds, mean over its finished seeds; start: launch to the "
+                  "first logged row, steps: first row to last, end: last row to exit):", "", timing, ""]
     for plot in suite.plots:
         name = _slug(plot.title) + ".png"
         drawn = (plot_bars if plot.kind == "bars" else plot_lines)(plot, runs, out / name)

@@ -318,7 +318,9 @@ class RunState:
     steps: int
     proc: subprocess.Popen | None = None
     started: float = 0.0
+    started_wall: float = 0.0
     seconds: float = 0.0
+    phases: dict[str, float] | None = None  # start-up, steps, the end (seconds; from the rows' wall times)
     status: str = "pending"  # pending | running | done | failed | skipped | interrupted
     tail: str = ""
 
@@ -407,7 +409,7 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
                 if not resume and r.run_dir.exists():
                     shutil.rmtree(r.run_dir)  # started, but cut before its first checkpoint
                 cmd = [sys.executable, "-m", "quarl", "train", "--config", str(r.config_file), "--quiet", *resume]
-                r.started = time.perf_counter()
+                r.started, r.started_wall = time.perf_counter(), time.time()
                 r.status = "running"
                 with open(r.log_file, "ab") as f:
                     # its own session: a Ctrl-C here reaches the suite alone, which passes one SIGTERM on
@@ -422,12 +424,15 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
                 running.remove(r)
                 finished += 1
                 r.seconds = time.perf_counter() - r.started
+                r.phases = run_phases(r.run_dir / "metrics.jsonl", r.started_wall, time.time())
                 r.status = "done" if code == 0 else "failed"
                 if code == 0 and not keep_checkpoints:
                     shutil.rmtree(r.run_dir / "checkpoints", ignore_errors=True)
                 if code != 0:
                     r.tail = "\n".join(r.log_file.read_text(errors="replace").splitlines()[-15:])
-                log(f"[{finished}/{total}] {r.name} seed {r.seed}: {r.status} in {r.seconds:.0f} s"
+                phases = (f" [start {r.phases['start']:.0f} s, steps {r.phases['steps']:.0f} s, "
+                          f"end {r.phases['end']:.0f} s]") if r.phases else ""
+                log(f"[{finished}/{total}] {r.name} seed {r.seed}: {r.status} in {r.seconds:.0f} s{phases}"
                     + (f" (exit {code}; log {r.log_file})" if code else _headline(r.run_dir)))
     except KeyboardInterrupt:
         log(f"suite {suite.name}: interrupted; stopping {len(running)} run(s) after their current step")
@@ -452,8 +457,28 @@ def _raise_interrupt(signum, frame):
 
 def _write_status(work: Path, suite: Suite, plan: list[RunState]) -> None:
     (work / f"runs-{suite.name}.json").write_text(json.dumps(
-        [{"name": r.name, "seed": r.seed, "status": r.status, "seconds": round(r.seconds, 1), "tail": r.tail}
-         for r in plan], indent=2))
+        [{"name": r.name, "seed": r.seed, "status": r.status, "seconds": round(r.seconds, 1), "phases": r.phases,
+          "tail": r.tail} for r in plan], indent=2))
+
+
+def run_phases(metrics_file: Path, started: float, ended: float) -> dict[str, float] | None:
+    """Where a run's wall time went, from its rows' ``wall`` times: ``start`` (launch to the
+    first row: imports, the engine's start, the step-0 evaluation if any, the first step),
+    ``steps`` (first row to last) and ``end`` (the last row to the process's exit: the final
+    checkpoint and report). None without timed rows; a resumed run's earlier rows are left out."""
+    walls = []
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            try:
+                w = json.loads(line).get("wall")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(w, (int, float)) and w >= started:
+                walls.append(float(w))
+    if not walls:
+        return None
+    return {"start": round(walls[0] - started, 1), "steps": round(walls[-1] - walls[0], 1),
+            "end": round(ended - walls[-1], 1)}
 
 
 def _headline(run_dir: Path) -> str:

@@ -1,6 +1,7 @@
 """Where metrics go: ``metrics.jsonl`` always, TensorBoard and wandb when enabled.
 
-``metrics.jsonl`` holds one JSON object per step with the metric names of DESIGN.md;
+``metrics.jsonl`` holds one JSON object per step with the metric names of DESIGN.md (and
+``wall``, the Unix time the row was written);
 on resume, lines of steps past the checkpoint are dropped so the file reads as one
 uninterrupted run. A crash can leave the last line cut short: readers skip such a
 torn last line with a warning naming the file; a bad line anywhere else is an error.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +45,8 @@ class MetricsLogger:
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir), resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+        # "wall": when the row was written (Unix seconds; metrics.jsonl alone): where a run's time went
+        row = {"step": step, "wall": round(time.time(), 3), **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:

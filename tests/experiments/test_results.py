@@ -239,3 +239,15 @@ def test_a_run_cut_short_is_left_out_and_named(results_dir):
     assert summary["runs"]["a"]["acc (last)"]["seeds"] == {"0": 0.5}  # seed 1 (0.75) is out
     page = render(results_dir).read_text()
     assert "Cut short" in page and "a seed 1 (step 2 of 3)" in page
+
+
+def test_phase_table_averages_the_finished_seeds():
+    from quarl.experiments.results import phase_table
+
+    status = [{"name": "a", "seed": 0, "status": "done", "phases": {"start": 10.0, "steps": 100.0, "end": 4.0}},
+              {"name": "a", "seed": 1, "status": "done", "phases": {"start": 20.0, "steps": 110.0, "end": 6.0}},
+              {"name": "a", "seed": 2, "status": "failed", "phases": {"start": 99.0, "steps": 1.0, "end": 1.0}},
+              {"name": "b", "seed": 0, "status": "done", "phases": None}]
+    assert phase_table({"a": {}, "b": {}}, status).splitlines() == [
+        "| run | start | steps | end | seeds |", "|---|---|---|---|---|", "| a | 15 | 105 | 5 | 2 |"]
+    assert phase_table({"b": {}}, status) == ""

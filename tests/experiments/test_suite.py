@@ -288,6 +288,11 @@ def test_suite_run_end_to_end(tiny_suite):
         assert not (run_dir / "warmstart").exists()  # no warm start of its own
     status = json.loads((t.out / "runs.json").read_text())
     assert sorted((r["name"], r["seed"], r["status"]) for r in status) == sorted((n, s, "done") for n, s in RUNS)
+    for r in status:  # each run's wall time split at its first and last logged rows
+        p = r["phases"]
+        assert p["start"] > 0 and p["steps"] > 0 and p["end"] >= 0
+        assert p["start"] + p["steps"] + p["end"] <= r["seconds"] + 1.0
+    assert "| run | start | steps | end | seeds |" in (t.out / "README.md").read_text()
 
     summary = json.loads((t.out / "summary.json").read_text())
     assert summary["missing"] == [] and summary["failed"] == [] and summary["seeds"] == [0, 1]
@@ -464,3 +469,15 @@ def test_runs_from_an_earlier_base_start_again(tmp_path):
     assert "base: warm-starting tiny for 6 steps" in changed
     assert "bf16 seed 0: trained from another base" in changed and "finished earlier" not in changed
     assert json.loads((out / "base.json").read_text())["steps"] == 6
+
+
+def test_run_phases_from_the_rows_wall_times(tmp_path):
+    from quarl.experiments.suite import run_phases
+
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "wall": 90.0}, {"step": 2, "wall": 112.5}, {"step": 3, "wall": 130.0}, {"step": 4}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    # launched at 100: the row at 90 is an earlier run's (resumed), left out
+    assert run_phases(f, 100.0, 141.0) == {"start": 12.5, "steps": 17.5, "end": 11.0}
+    assert run_phases(f, 200.0, 210.0) is None
+    assert run_phases(tmp_path / "none.jsonl", 0.0, 1.0) is None
