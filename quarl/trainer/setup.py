@@ -111,10 +111,10 @@ def build_base_model(
             say(f"supervised warm-start: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             return losses
 
-        # the warm-start trains in float32; the base model is only built when the cache misses
-        model, cached = cached_warmstart(
-            run_dir / "warmstart", key, lambda: build(torch.float32), train, dtype, device, extra=lambda: {"heldout": curve}
-        )
+        # the warm-start steps float32 weights (bf16 autocast on CUDA); the base model is only
+        # built when the cache misses
+        model, cached = cached_warmstart(run_dir / "warmstart", key, lambda: build(torch.float32), train, dtype,
+                                         device, extra=lambda: {"heldout": curve})
         if cached:
             say(f"supervised warm-start: loaded from {run_dir / 'warmstart'}")
     else:
