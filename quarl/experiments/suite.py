@@ -387,7 +387,7 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
             shutil.rmtree(r.run_dir)
         marker.write_text(str(base_digest))
     width = parallel or suite.parallel
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = run_env(width)
     queue = list(plan)
     running: list[RunState] = []
     total, finished = len(plan), 0
@@ -449,6 +449,17 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
         f"{time.perf_counter() - t_suite:.0f} s")
     _write_status(work, suite, plan)
     return plan
+
+
+def run_env(width: int, environ: dict[str, str] | None = None, cpus: int | None = None) -> dict[str, str]:
+    """The environment of a suite's ``quarl train`` processes: ``width`` of them at once share
+    the host's cores, so each one's CPU thread pools (torch's, OpenMP's) get an equal share,
+    as torchrun does, unless the caller set ``OMP_NUM_THREADS`` itself."""
+    env = dict(os.environ if environ is None else environ, PYTHONUNBUFFERED="1")
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, width))))
+    return env
 
 
 def _raise_interrupt(signum, frame):

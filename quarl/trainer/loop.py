@@ -94,6 +94,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, resume: bool = False, console=None, evaluation_only: bool = False,
                  allow_config_change: bool = False) -> None:
+        began = time.perf_counter()
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
         self.dist = from_env(cfg.trainer.device)
@@ -180,6 +181,8 @@ class Trainer:
                                         to_dict(cfg), resume_step=start_step)
         self.publisher.publish()  # the engine starts from exactly the learner's weights
         self.sync_error = self._check_engine_sync()
+        # building the run (data, base, engine, learner) in this process: the first row logged reports it
+        self._setup_s: float | None = time.perf_counter() - began
 
     # ------------------------------------------------------------------ setup helpers
     def _say(self, msg: str) -> None:
@@ -268,8 +271,7 @@ class Trainer:
                     began = time.perf_counter()
                     start = self.evaluate()
                     start["perf/eval_s"] = time.perf_counter() - began
-                    if self.logger is not None:
-                        self.logger.log(0, start)
+                    self._log(0, start)
                 while self.step < t.steps and not self._stop_requested(stop):
                     self._in_flight = self.step + 1
                     last = self._step_and_log()
@@ -301,9 +303,14 @@ class Trainer:
             metrics.update(self.evaluate())
             metrics["mismatch/engine_check"] = self._check_engine_sync()
             metrics["perf/eval_s"] = time.perf_counter() - start  # (outside the step: not a time/ part)
-        if self.logger is not None:
-            self.logger.log(self.step, metrics)
+        self._log(self.step, metrics)
         return metrics
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._setup_s is not None:
+            metrics["perf/setup_s"], self._setup_s = self._setup_s, None
+        if self.logger is not None:
+            self.logger.log(step, metrics)
 
     def train_step(self) -> dict[str, float]:
         """One step: rollout -> advantages -> update -> publish; returns its metrics."""

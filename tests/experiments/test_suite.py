@@ -13,7 +13,7 @@ import yaml
 
 from quarl.cli.main import main
 from quarl.config import load_run_config
-from quarl.experiments.suite import Column, Plot, base_overrides, load_suite, plan_runs, run_config
+from quarl.experiments.suite import Column, Plot, base_overrides, load_suite, plan_runs, run_config, run_env
 
 BF16 = {"quant": {"mode": "bf16"}}
 W4 = {"quant": {"mode": "rollout", "scheme": "w4a16"}}
@@ -223,6 +223,14 @@ def test_plan_runs_rejects_a_bad_run_config_naming_the_run(tmp_path):
 
 
 # ---------------------------------------------------------------------- end to end
+
+
+def test_run_env_shares_the_cores_among_the_runs_at_once():
+    env = run_env(7, {"PATH": "/bin"}, cpus=16)
+    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONUNBUFFERED"] == "1" and env["PATH"] == "/bin"
+    assert run_env(32, {}, cpus=16)["OMP_NUM_THREADS"] == "1"  # never below one thread
+    assert run_env(1, {}, cpus=16)["OMP_NUM_THREADS"] == "16"
+    assert run_env(7, {"OMP_NUM_THREADS": "5"}, cpus=16)["OMP_NUM_THREADS"] == "5"  # the caller's setting stands
 
 
 def _main(*argv) -> tuple[int, str]:

@@ -24,7 +24,9 @@ def test_eval_before_train_logs_the_step_zero_policy(tmp_path):
     assert 0.0 <= first["eval/acc"] <= 1.0 and "eval/reward_mean" in first
     assert "reward/mean" not in first and not any(k.startswith(("time/", "mismatch/")) for k in first)
     assert first["perf/eval_s"] > 0  # the evaluation's own seconds
+    assert first["perf/setup_s"] > 0 and "perf/setup_s" not in rows[1]  # the run's set-up, in the first row alone
     assert "reward/mean" in rows[1] and "eval/acc" not in rows[1]  # eval_every=0: no evaluation after the step
     rows = _train(tmp_path / "off")
     assert [r["step"] for r in rows] == [1]
+    assert rows[0]["perf/setup_s"] > 0  # no step-0 row: the first step's row carries it
     assert not any(k.startswith("eval/") for k in rows[0])

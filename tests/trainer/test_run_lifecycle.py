@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LIFE = [*TINY, "--trainer.sft_warmup_steps=0"]  # a random policy is enough here, and no warm-start is faster
 STEPS = 5
 VOLATILE = ("time/", "rollout/tokens_per_s", "memory/", "perf/learner_tflops", "perf/learner_mfu", "perf/compiles",
-            "perf/compile_s", "perf/gc_", "perf/eval_s", "wall")  # wall-clock
+            "perf/compile_s", "perf/gc_", "perf/eval_s", "perf/setup_s", "wall")  # wall-clock
 
 
 def _cli(run_dir, *args, quiet=True, wrapper=None):
