@@ -91,7 +91,7 @@ def build_base_model(
             "model": m.path or m.builtin, "task": cfg.data.task, "difficulty": cfg.data.difficulty,
             "data_seed": cfg.data.seed, "steps": t.sft_warmup_steps, "lr": t.sft_lr, "seed": t.seed,
             "tokenizer": getattr(tokenizer, "name", "?"), "amp": "bf16" if device.type == "cuda" else "none",
-            "schedule": "wsd",
+            "schedule": "wsd", "deterministic": True,
         }
         heldout = _try_pairs(task, tokenizer)[:256]  # (teacher-forced: one forward a check)
         curve: list[dict] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 from typing import Callable
@@ -110,26 +111,50 @@ def supervised_finetune(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: wsd_factor(s, steps))
     losses = []
     model.train()
-    for step in range(steps):
-        batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
-        ids, attn, mask = _collate(batch, device)
-        with amp_context(device):
-            logp, _ = sequence_logprobs(model, ids, attn)
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, losses[-1])
-        if heldout and eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            metrics = heldout_metrics(model, heldout)
-            if on_eval is not None:
-                on_eval(step + 1, metrics)
+    with deterministic():
+        for step in range(steps):
+            batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
+            losses.append(_sft_step(model, opt, sched, batch, device))
+            if on_step is not None:
+                on_step(step, losses[-1])
+            if heldout and eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                metrics = heldout_metrics(model, heldout)
+                if on_eval is not None:
+                    on_eval(step + 1, metrics)
     model.eval()
     return losses
+
+
+def _sft_step(model: Transformer, opt, sched, batch, device: torch.device) -> float:
+    """One clipped AdamW step on a batch of (prompt, target) pairs; returns its loss."""
+    ids, attn, mask = _collate(batch, device)
+    with amp_context(device):
+        logp, _ = sequence_logprobs(model, ids, attn)
+    loss = -(logp * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
+@contextlib.contextmanager
+def deterministic():
+    """PyTorch's deterministic algorithms for the block, then the caller's setting again: the
+    same warm-start recipe on the same GPU model and software gives the same weights (a
+    suite's runs all start from them, and the task's accuracy switches on within a few dozen
+    steps, so the order of a kernel's atomic adds would change the base). An operation
+    without a deterministic algorithm raises instead of running."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    # torch refuses cuBLAS under deterministic algorithms unless its workspace is fixed
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def amp_context(device: torch.device):

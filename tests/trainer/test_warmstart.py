@@ -72,3 +72,40 @@ def test_supervised_finetune_reports_heldout_every_k_steps():
     assert len(losses) == 25
     assert [s for s, _ in seen] == [10, 20, 25]
     assert seen[-1][1]["loss"] < seen[0][1]["loss"]  # it learns the one pair it sees
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_supervised_finetune_steps_under_deterministic_algorithms(before):
+    """Every step and held-out check runs with torch's deterministic algorithms on; the
+    caller's setting (and its warn-only flag) is back afterwards, also after an error."""
+    model = build_random_model("tiny", seed=0, dtype=torch.float32)
+    pairs = [([1, 2, 3], [4, 5, 6, 7])] * 4
+    torch.use_deterministic_algorithms(before, warn_only=before)
+    try:
+        inside = []
+        supervised_finetune(model, pairs, 3, 1e-3, batch_size=2, heldout=pairs, eval_every=2,
+                            on_step=lambda i, loss: inside.append(torch.are_deterministic_algorithms_enabled()),
+                            on_eval=lambda i, m: inside.append(torch.is_deterministic_algorithms_warn_only_enabled()))
+        assert inside == [True, True, False, True, False]  # strict: nothing falls back to a warning
+        assert torch.are_deterministic_algorithms_enabled() is before
+        assert torch.is_deterministic_algorithms_warn_only_enabled() is before
+
+        def fail(i, loss):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            supervised_finetune(model, pairs, 3, 1e-3, batch_size=2, on_step=fail)
+        assert torch.are_deterministic_algorithms_enabled() is before
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_warm_start_on_the_cpu_repeats_bit_for_bit():
+    def run():
+        model = build_random_model("tiny", seed=0, dtype=torch.float32)
+        pairs = [([1, 2, 3, 4], [5, 6, 7, 8, 9]), ([2, 3], [9, 8, 7])] * 3
+        supervised_finetune(model, pairs, 6, 3e-3, batch_size=3, seed=1)
+        return model.state_dict()
+
+    a, b = run(), run()
+    assert all(torch.equal(a[k], b[k]) for k in a)
