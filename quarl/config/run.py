@@ -292,6 +292,7 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     eval_every: int = 20
     eval_before_train: bool = False  # evaluate the step-0 policy first (logged as step 0)
+    eval_teacher_forced: bool = True  # also score the eval split's worked solutions under the learner (eval/learner_*)
     save_every: int = 20
     keep_last: int = 2
     max_bad_steps: int = 5

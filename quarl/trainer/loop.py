@@ -60,6 +60,7 @@ from quarl.config.typed import dump_yaml, to_dict
 from quarl.distributed import Dist, from_env
 from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
+from quarl.learner.sharded import reshard
 from quarl.quant import QuantMode
 from quarl.quant.linear import dense_bytes, frozen_bases, keep_frozen_bases_dense
 from quarl.rollout import EngineConfig, SamplingParams
@@ -72,8 +73,9 @@ from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.resume import check_config_change, existing_run
 from quarl.runtime import DTYPES, matmul_rate, process_totals
-from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime
+from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime, solution_pairs
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
+from quarl.trainer.warmstart import heldout_metrics
 from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
 
 
@@ -110,6 +112,8 @@ class Trainer:
         self.task, self.rewards = build_task_and_rewards(cfg.data)
         self.train_examples = self.task.train_examples()
         self.eval_examples = self.task.eval_examples()
+        # the eval split's worked solutions, scored teacher-forced under the learner at each evaluation
+        self._solution_pairs = solution_pairs(self.task, self.tokenizer) if cfg.trainer.eval_teacher_forced else []
         # where the base is cached on disk (a warm-start, a packed low-bit base) rank 0 makes it
         # first and the others load it; otherwise every rank makes its own at once
         serial = cfg.trainer.sft_warmup_steps > 0 or cfg.model.packed_cache is not None
@@ -698,6 +702,13 @@ class Trainer:
         comps = self.engine.generate(prompts[lo:hi], params)
         texts = [t for part in self.dist.gather([self.tokenizer.decode(c.token_ids) for c in comps]) for t in part]
         metrics = self.task.evaluate(texts, exs)
+        if self._solution_pairs:
+            # the learner's own weights (in rollout mode the bf16 policy, where eval/acc is the engine's)
+            scores = heldout_metrics(self.learner.model, self._solution_pairs)
+            if self.learner.sharded:
+                reshard(self.learner.model)
+            self.learner.release_caches()
+            metrics["eval/learner_exact"], metrics["eval/learner_nll"] = scores["exact"], scores["loss"]
         k = self.cfg.trainer.log_samples
         loops = [f for part in self.dist.gather(loop_fields([c.token_ids for c in comps])) for f in part]
         samples = [

@@ -93,7 +93,7 @@ def build_base_model(
             "tokenizer": getattr(tokenizer, "name", "?"), "amp": "bf16" if device.type == "cuda" else "none",
             "schedule": "wsd", "deterministic": True,
         }
-        heldout = _try_pairs(task, tokenizer)[:256]  # (teacher-forced: one forward a check)
+        heldout = solution_pairs(task, tokenizer)[:256]  # (teacher-forced: one forward a check)
         curve: list[dict] = []
 
         def train(mdl: Transformer) -> list[float]:
@@ -127,7 +127,7 @@ def build_base_model(
     return model
 
 
-def _try_pairs(task, tokenizer) -> list[tuple[list[int], list[int]]]:
+def solution_pairs(task, tokenizer) -> list[tuple[list[int], list[int]]]:
     """The eval split's worked solutions as (prompt, target) pairs; none where it has none."""
     from quarl.trainer.warmstart import sft_pairs
 

@@ -61,11 +61,13 @@ def wsd_factor(step: int, steps: int, warmup: int = 10, decay_frac: float = 0.2,
 
 
 @torch.no_grad()
-def heldout_metrics(model: Transformer, pairs: list[tuple[list[int], list[int]]], batch_size: int = 64
-                    ) -> dict[str, float]:
+def heldout_metrics(model: Transformer, pairs: list[tuple[list[int], list[int]]], batch_size: int = 64,
+                    max_logits: int = 1 << 28) -> dict[str, float]:
     """Teacher-forced scores of held-out worked solutions: ``exact`` is the share whose every
     target token is the model's most likely next token (for a task whose solution is unique
-    this is its greedy accuracy, without decoding), ``loss`` the mean target-token NLL."""
+    this is its greedy accuracy, without decoding), ``loss`` the mean target-token NLL.
+    At most ``max_logits`` float32 logits exist at once (1 GiB; a 152k vocabulary's rows are
+    scored a few at a time)."""
     device = model.embed_tokens.weight.device
     was_training = model.training
     model.eval()
@@ -75,13 +77,16 @@ def heldout_metrics(model: Transformer, pairs: list[tuple[list[int], list[int]]]
         positions, causal = batch_attention(ids, attn, kv_quant=model.kv_quant)
         with amp_context(device):
             hidden = model.hidden_states(ids, positions, causal, max_position=ids.shape[1])[:, :-1]
-            logits = torch.nn.functional.linear(hidden, model.lm_head_weight).float()
-        logp = torch.log_softmax(logits, -1)
-        target = ids[:, 1:]
-        hit = (logits.argmax(-1) == target) | (mask == 0)
-        exact += int(hit.all(-1).sum())
-        nll -= float((logp.gather(-1, target[..., None])[..., 0] * mask).sum())
-        tokens += float(mask.sum())
+        rows = max(1, max_logits // (hidden.shape[1] * model.lm_head_weight.shape[0]))
+        for r in range(0, hidden.shape[0], rows):
+            with amp_context(device):
+                logits = torch.nn.functional.linear(hidden[r: r + rows], model.lm_head_weight).float()
+            target, m = ids[r: r + rows, 1:], mask[r: r + rows]
+            hit = (logits.argmax(-1) == target) | (m == 0)
+            exact += int(hit.all(-1).sum())
+            logp = logits.gather(-1, target[..., None])[..., 0] - torch.logsumexp(logits, -1)
+            nll -= float((logp * m).sum())
+            tokens += float(m.sum())
     model.train(was_training)
     return {"exact": exact / max(len(pairs), 1), "loss": nll / max(tokens, 1.0)}
 

@@ -61,6 +61,9 @@ def test_heldout_metrics_match_one_forward_per_pair():
     assert 0 < exact < 1
     assert got["exact"] == pytest.approx(exact)
     assert got["loss"] == pytest.approx(loss, rel=1e-4)
+    # logits bounded to one row at a time (a large vocabulary): the same scores
+    one_row = heldout_metrics(model, pairs, batch_size=4, max_logits=1)
+    assert one_row["exact"] == got["exact"] and one_row["loss"] == pytest.approx(got["loss"], rel=1e-6)
 
 
 def test_supervised_finetune_reports_heldout_every_k_steps():
