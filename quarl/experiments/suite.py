@@ -261,6 +261,11 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
         if info.get("recipe") == _recipe(cfg):
             log(f"base: {model_dir} (built earlier)")
             return model_dir, info
+    shared = sibling_base(work, _recipe(cfg))
+    if shared is not None:  # another suite beside this one built the same recipe: the same weights
+        link_tree(shared, base_dir)
+        log(f"base: {model_dir} (the same recipe as {shared}; linked, not trained again)")
+        return model_dir, json.loads(info_file.read_text())
     if cfg.trainer.sft_warmup_steps == 0:
         raise ValueError(f"{suite.base}: the base recipe must warm-start (trainer.sft_warmup_steps > 0)")
     t0 = time.perf_counter()
@@ -285,6 +290,44 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
     log(f"base: warm start {info['warmstart_s']} s, loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, "
         f"eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
     return model_dir, info
+
+
+def sibling_base(work: Path, recipe: dict[str, Any]) -> Path | None:
+    """A base built from ``recipe`` by another suite whose work directory is beside ``work``
+    (``runs/suites/<suite>/base``), or None."""
+    own = (work / "base").resolve()
+    for info_file in sorted(work.parent.glob("*/base/base.json")):
+        base_dir = info_file.parent
+        if base_dir.resolve() == own or not (base_dir / "warmstart").is_dir():
+            continue
+        try:
+            if json.loads(info_file.read_text()).get("recipe") == recipe:
+                return base_dir
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """``dst`` becomes a copy of ``src``, written beside it and renamed into place. Its weight
+    files are hard links where the filesystem allows (a 100M base is ~0.6 GB): a rebuild of
+    ``src`` writes a new directory and leaves them intact. Small files (``base.json``, which a
+    rebuild rewrites in place) are copied."""
+    def link(a: str, b: str) -> None:
+        try:
+            if os.path.getsize(a) >= 1 << 20:
+                os.link(a, b)
+                return
+        except OSError:
+            pass
+        shutil.copy2(a, b)
+
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=link)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
 
 
 def base_overrides(overrides: list[str], base_dir: Path) -> dict[str, Any]:

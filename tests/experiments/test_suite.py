@@ -380,6 +380,60 @@ def test_suite_cli_errors_are_one_line(tmp_path, capsys):
     assert "names no base recipe" in capsys.readouterr().err
 
 
+def _one_run_suite(root: Path, name: str) -> Path:
+    """A suite of one bf16 run on the tiny suite's base recipe (``root/base.yaml``)."""
+    return _suite(root, {"title": name, "base": "../base.yaml", "seeds": [0], "parallel": 1,
+                         "common": {"trainer": {"steps": 1, "prompts_per_step": 2, "eval_every": 0,
+                                                "tensorboard": False, "save_every": 0}}},
+                  runs={"bf16": BF16}, name=name)
+
+
+def test_several_suites_run_in_turn_on_one_base(tmp_path):
+    """`quarl suite run A B`: WORK/<suite> and OUT/<suite> each; B finds A's base (the same
+    recipe, beside its own work directory) and links it instead of training it again."""
+    _tiny_suite(tmp_path)  # writes tmp_path/base.yaml
+    a, b = _one_run_suite(tmp_path, "first"), _one_run_suite(tmp_path, "second")
+    work, out = tmp_path / "work", tmp_path / "out"
+    code, stdout = _main("suite", "run", str(a), str(b), "--work", str(work), "--out", str(out))
+    assert code == 0, stdout
+    assert stdout.count("base: warm-starting tiny") == 1 and "linked, not trained again" in stdout
+    for name in ("first", "second"):
+        assert (out / name / "runs" / "bf16" / "seed0" / "metrics.jsonl").is_file()
+        assert json.loads((out / name / "meta.json").read_text())["suite"] == name
+    weights = sorted((work / "first" / "base" / "warmstart").glob("*.safetensors"))
+    assert weights
+    for f in weights:  # the same bytes, as hard links
+        twin = work / "second" / "base" / "warmstart" / f.name
+        assert twin.stat().st_ino == f.stat().st_ino
+    first_info = json.loads((work / "first" / "base" / "base.json").read_text())
+    assert json.loads((work / "second" / "base" / "base.json").read_text()) == first_info
+    assert not (work / "second" / "base" / "base.json").samefile(work / "first" / "base" / "base.json")
+    cfg = yaml.safe_load((out / "second" / "runs" / "bf16" / "seed0" / "config.yaml").read_text())
+    assert cfg["model"]["path"] == str(work / "second" / "base" / "warmstart")
+
+
+def test_a_sibling_base_of_another_recipe_is_not_taken(tmp_path):
+    _tiny_suite(tmp_path)
+    a, b = _one_run_suite(tmp_path, "first"), _one_run_suite(tmp_path, "second")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _main("suite", "base", str(a), "--work", str(tmp_path / "w" / "first"))[0] == 0
+        code, _ = _main("suite", "base", str(b), "--work", str(tmp_path / "w" / "second"),
+                        "--trainer.sft_warmup_steps=6")
+    assert code == 0
+    assert err.getvalue().count("base: warm-starting tiny") == 2 and "linked" not in err.getvalue()
+
+
+def test_several_suites_refuse_only_and_twin_names(tmp_path, capsys):
+    _tiny_suite(tmp_path)
+    a, b = _one_run_suite(tmp_path, "first"), _one_run_suite(tmp_path, "second")
+    assert main(["suite", "run", str(a), str(b), "--only", "bf16", "--work", str(tmp_path / "w")]) == 2
+    assert "--only names the runs of one suite" in capsys.readouterr().err
+    assert main(["suite", "run", str(a), str(a), "--work", str(tmp_path / "w")]) == 2
+    assert "two suites are named 'first'" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before anything ran
+
+
 def _fake_call(work: Path, suite_name: str, seeds: list[int], sha: str, acc: float) -> None:
     """A work directory as one device call leaves it: every run's metrics for ``seeds``, a base, a status."""
     for name in ("bf16", "w4"):
