@@ -310,16 +310,16 @@ def sibling_base(work: Path, recipe: dict[str, Any]) -> Path | None:
 
 def link_tree(src: Path, dst: Path) -> None:
     """``dst`` becomes a copy of ``src``, written beside it and renamed into place. Its weight
-    files are hard links where the filesystem allows (a 100M base is ~0.6 GB): a rebuild of
-    ``src`` writes a new directory and leaves them intact. Small files (``base.json``, which a
-    rebuild rewrites in place) are copied."""
+    files (``*.safetensors``) are hard links where the filesystem allows (a 100M base is
+    ~0.6 GB): a rebuild of ``src`` writes a new directory and leaves them intact. The rest
+    (``base.json``, which a rebuild rewrites in place) is copied."""
     def link(a: str, b: str) -> None:
-        try:
-            if os.path.getsize(a) >= 1 << 20:
+        if a.endswith(".safetensors"):
+            try:
                 os.link(a, b)
                 return
-        except OSError:
-            pass
+            except OSError:
+                pass
         shutil.copy2(a, b)
 
     tmp = dst.with_name(dst.name + ".tmp")
