@@ -704,7 +704,9 @@ class Trainer:
         metrics = self.task.evaluate(texts, exs)
         if self._solution_pairs:
             # the learner's own weights (in rollout mode the bf16 policy, where eval/acc is the engine's)
-            scores = heldout_metrics(self.learner.model, self._solution_pairs)
+            longest = max(len(p) + len(r) for p, r in self._solution_pairs)  # rows of the learner's token budget
+            scores = heldout_metrics(self.learner.model, self._solution_pairs,
+                                     batch_size=max(1, min(64, self.cfg.trainer.token_budget // longest)))
             if self.learner.sharded:
                 reshard(self.learner.model)
             self.learner.release_caches()
