@@ -287,6 +287,9 @@ class TrainerConfig:
     overlong_filter: bool = False
     sft_warmup_steps: int = 200
     sft_lr: float = 3e-3
+    # > 0: the warm start ends at the first held-out check (every 10 steps) whose teacher-forced
+    # exact share reaches this, at a constant rate; sft_warmup_steps is then the cap
+    sft_target_exact: float = 0.0
     seed: int = 0
     device: str = "auto"
     run_dir: str = "runs/default"
@@ -304,6 +307,9 @@ class TrainerConfig:
         _at_least("trainer", self, 1, "steps", "prompts_per_step", "token_budget", "ppo_epochs", "mini_batches",
                   "keep_last", "max_bad_steps")
         _at_least("trainer", self, 0, "save_every", "eval_every")  # 0 = never
+        if not 0 <= self.sft_target_exact <= 1:
+            raise ConfigError(f"trainer.sft_target_exact is a share of the held-out solutions (0 = off), got "
+                              f"{self.sft_target_exact}: set --trainer.sft_target_exact between 0 and 1")
 
 
 @dataclass

@@ -269,7 +269,10 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
     if cfg.trainer.sft_warmup_steps == 0:
         raise ValueError(f"{suite.base}: the base recipe must warm-start (trainer.sft_warmup_steps > 0)")
     t0 = time.perf_counter()
-    log(f"base: warm-starting {cfg.model.builtin or cfg.model.path} for {cfg.trainer.sft_warmup_steps} steps")
+    steps = cfg.trainer.sft_warmup_steps
+    span = (f"up to {steps} steps (until held-out exact >= {cfg.trainer.sft_target_exact})"
+            if cfg.trainer.sft_target_exact > 0 else f"{steps} steps")
+    log(f"base: warm-starting {cfg.model.builtin or cfg.model.path} for {span}")
     trainer = Trainer(cfg, evaluation_only=True)
     try:
         built = time.perf_counter() - t0
@@ -282,13 +285,17 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
     warm = json.loads((model_dir / "warmstart.json").read_text())
     losses = warm.get("losses") or []
     info = {"recipe": _recipe(cfg), "eval": metrics, "warmstart_s": round(built, 1),
-            "eval_s": round(time.perf_counter() - t0 - built, 1), "steps": cfg.trainer.sft_warmup_steps,
+            "eval_s": round(time.perf_counter() - t0 - built, 1), "steps": len(losses),
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "loss_every_100": losses[::100], "heldout": warm.get("heldout") or [],
             "weights_sha256": weights_digest(model_dir)}
     info_file.write_text(json.dumps(info, indent=2))
-    log(f"base: warm start {info['warmstart_s']} s, loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, "
-        f"eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
+    log(f"base: warm start {info['warmstart_s']} s, {len(losses)} steps, "
+        f"loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
+    target = cfg.trainer.sft_target_exact
+    if target > 0 and info["heldout"] and info["heldout"][-1]["exact"] < target:
+        log(f"base: warning: held-out exact {info['heldout'][-1]['exact']:.3f} after the cap of {len(losses)} steps, "
+            f"short of the target {target}: raise trainer.sft_warmup_steps in {suite.base}")
     return model_dir, info
 
 
@@ -345,7 +352,8 @@ def _recipe(cfg) -> dict[str, Any]:
 
     d = asdict(cfg)
     return {"model": d["model"], "data": d["data"], "rollout": d["rollout"],
-            "sft": [d["trainer"]["sft_warmup_steps"], d["trainer"]["sft_lr"], d["trainer"]["seed"]]}
+            "sft": [d["trainer"]["sft_warmup_steps"], d["trainer"]["sft_lr"], d["trainer"]["seed"]]
+            + ([d["trainer"]["sft_target_exact"]] if d["trainer"]["sft_target_exact"] > 0 else [])}
 
 
 # ---------------------------------------------------------------------- running

@@ -21,7 +21,8 @@ run out of the same step counter, so they are refused unless the user passes
 * ``optim.name``, ``optim.fp32_master``, ``optim.state_dtype`` -- the optimizer state's layout
 * ``trainer.seed``, ``trainer.prompts_per_step``, ``rollout.n`` -- the per-step
   randomness and how far a step moves the data position
-* ``trainer.sft_warmup_steps``, ``trainer.sft_lr`` -- the step-0 policy (the KL reference)
+* ``trainer.sft_warmup_steps``, ``trainer.sft_lr``, ``trainer.sft_target_exact`` -- the step-0
+  policy (the KL reference)
 * ``algo.advantage`` when it adds or removes the critic (``gae``)
 
 Everything else (``trainer.steps``, ``eval_every``, ``save_every``, ``keep_last``,
@@ -42,7 +43,7 @@ FIXED_EXCEPT = ("data.reward_workers", "data.reward_timeout_s")
 FIXED = (
     "quant.mode", "quant.scheme", "quant.uaq_scale", "quant.include", "quant.exclude",
     "optim.name", "optim.fp32_master", "optim.state_dtype", "trainer.seed", "trainer.prompts_per_step", "rollout.n",
-    "trainer.sft_warmup_steps", "trainer.sft_lr",
+    "trainer.sft_warmup_steps", "trainer.sft_lr", "trainer.sft_target_exact",
 )
 IGNORED = ("trainer.run_dir",)  # the directory may have been moved; it is where we resume from
 RUN_FILES = ("metrics.jsonl", "samples.jsonl")

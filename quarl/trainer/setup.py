@@ -93,22 +93,34 @@ def build_base_model(
             "tokenizer": getattr(tokenizer, "name", "?"), "amp": "bf16" if device.type == "cuda" else "none",
             "schedule": "wsd", "deterministic": True,
         }
+        if t.sft_target_exact > 0:  # (the key of a fixed-length warm start stays what it was)
+            key.update(schedule="constant", target_exact=t.sft_target_exact)
         heldout = solution_pairs(task, tokenizer)[:256]  # (teacher-forced: one forward a check)
         curve: list[dict] = []
 
+        target = t.sft_target_exact
+        if target > 0 and not heldout:
+            raise ValueError(f"trainer.sft_target_exact={target} needs worked solutions in the eval split; "
+                             f"task {cfg.data.task!r} has none: set trainer.sft_target_exact=0")
+        every = 10 if target > 0 else max(50, t.sft_warmup_steps // 10)
+
         def train(mdl: Transformer) -> list[float]:
-            say(f"supervised warm-start: {t.sft_warmup_steps} steps on {len(pairs)} worked solutions")
+            until = f" (or until {target:.0%} of held-out solutions are exact)" if target > 0 else ""
+            say(f"supervised warm-start: {t.sft_warmup_steps} steps{until} on {len(pairs)} worked solutions")
 
             def on_eval(step: int, m: dict) -> None:
                 curve.append({"step": step, **m})
-                say(f"supervised warm-start: step {step}, held-out exact {m['exact']:.3f}, loss {m['loss']:.4f}")
+                if step % 50 == 0 or step == t.sft_warmup_steps or (target > 0 and m["exact"] >= target):
+                    say(f"supervised warm-start: step {step}, held-out exact {m['exact']:.3f}, loss {m['loss']:.4f}")
 
             with StepProgress(t.sft_warmup_steps, 0, console, label="warm-start", describe=describe_loss) as bar:
                 losses = supervised_finetune(mdl, pairs, t.sft_warmup_steps, t.sft_lr, seed=t.seed,
                                              on_step=lambda i, loss: bar.update(i + 1, {"loss": loss}),
-                                             heldout=heldout, eval_every=max(50, t.sft_warmup_steps // 10),
-                                             on_eval=on_eval)
-            say(f"supervised warm-start: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+                                             heldout=heldout, eval_every=every, on_eval=on_eval, target_exact=target)
+            if target > 0 and curve[-1]["exact"] < target:
+                say(f"supervised warm-start: held-out exact {curve[-1]['exact']:.3f} after the cap of "
+                    f"{t.sft_warmup_steps} steps, short of the target {target}: raise trainer.sft_warmup_steps")
+            say(f"supervised warm-start: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             return losses
 
         # the warm-start steps float32 weights (bf16 autocast on CUDA); the base model is only

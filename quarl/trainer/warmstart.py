@@ -102,18 +102,29 @@ def supervised_finetune(
     heldout: list[tuple[list[int], list[int]]] | None = None,
     eval_every: int = 0,
     on_eval: Callable[[int, dict[str, float]], None] | None = None,
+    target_exact: float = 0.0,
 ) -> list[float]:
     """AdamW on the targets' negative log-likelihood under a warmup-stable-decay schedule
     (:func:`wsd_factor`); returns the loss of each step. With ``heldout`` pairs and
     ``eval_every`` > 0, :func:`heldout_metrics` runs every ``eval_every`` steps and after
     the last, reported to ``on_eval(step, metrics)``.
 
+    ``target_exact`` > 0 (with ``heldout`` and ``eval_every``): the rate stays at its full
+    value after the warmup (no decay), and training ends at the first check whose
+    ``exact`` share reaches it; ``steps`` is then a cap. A task's accuracy switches on
+    within a few dozen steps at a point no fixed step count predicts (builds of one recipe
+    ended anywhere from 0.1 to 0.8), so a base that must start RL from partial accuracy
+    stops on the measurement instead.
+
     On CUDA the forward and backward run under bf16 autocast (float32 weights and optimizer
     state, bf16 matrix products)."""
     device = model.embed_tokens.weight.device
+    if target_exact > 0 and not (heldout and eval_every > 0):
+        raise ValueError("a warm start that stops at a held-out exact share needs held-out pairs and eval_every > 0")
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: wsd_factor(s, steps))
+    decay_frac = 0.0 if target_exact > 0 else 0.2
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: wsd_factor(s, steps, decay_frac=decay_frac))
     losses = []
     model.train()
     with deterministic():
@@ -126,6 +137,8 @@ def supervised_finetune(
                 metrics = heldout_metrics(model, heldout)
                 if on_eval is not None:
                     on_eval(step + 1, metrics)
+                if target_exact > 0 and metrics["exact"] >= target_exact:
+                    break
     model.eval()
     return losses
 

@@ -372,6 +372,28 @@ def test_suite_base_prints_its_evaluation(tiny_suite, tmp_path):
     assert json.loads(again) == info
 
 
+def test_a_base_with_a_target_exact_share_checks_every_10_steps_up_to_its_cap(tmp_path):
+    """trainer.sft_target_exact: the base is a different recipe (built again, its own digest),
+    held-out checks every 10 steps; short of the target, it ends at the cap and says so."""
+    from quarl.experiments.suite import build_base
+
+    root = tmp_path / "t"
+    suite_dir = _tiny_suite(root)
+    plain = load_suite(suite_dir)
+    logs: list[str] = []
+    _, info = build_base(plain, root / "w0", log=logs.append)
+    recipe = yaml.safe_load((root / "base.yaml").read_text())
+    recipe["trainer"].update(sft_warmup_steps=25, sft_target_exact=0.9)  # a tiny model never gets there
+    _write(root / "base.yaml", recipe)
+    model_dir, target = build_base(load_suite(suite_dir), root / "w1", log=logs.append)
+    assert "for up to 25 steps (until held-out exact >= 0.9)" in logs[-3]
+    assert [h["step"] for h in target["heldout"]] == [10, 20, 25] and target["steps"] == 25
+    assert target["recipe"]["sft"][-1] == 0.9 and info["recipe"]["sft"] == [5, 3e-3, 0]
+    warm = json.loads((model_dir / "warmstart.json").read_text())
+    assert warm["key"]["target_exact"] == 0.9 and warm["key"]["schedule"] == "constant"
+    assert logs[-1].startswith("base: warning: held-out exact 0.000 after the cap of 25 steps, short of the target 0.9")
+
+
 def test_suite_cli_errors_are_one_line(tmp_path, capsys):
     root = _suite(tmp_path, {"seeds": [0, 0]})
     assert main(["suite", "run", str(root), "--work", str(tmp_path / "w")]) == 2

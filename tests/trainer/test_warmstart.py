@@ -112,3 +112,40 @@ def test_a_warm_start_on_the_cpu_repeats_bit_for_bit():
 
     a, b = run(), run()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_supervised_finetune_stops_at_the_target_exact_share():
+    """With a target, the rate holds after the warmup and training ends at the first
+    check whose exact share reaches it; the same check without a target runs every step."""
+    torch.manual_seed(0)
+    pairs = [([1, 2, 3], [4, 5, 6, 7]), ([7, 3], [9, 8])] * 2
+    seen, rates = [], []
+    model = build_random_model("tiny", seed=0, dtype=torch.float32)
+    losses = supervised_finetune(model, pairs, 200, 3e-3, batch_size=4, heldout=pairs, eval_every=5,
+                                 on_eval=lambda step, m: seen.append((step, m["exact"])), target_exact=1.0)
+    assert seen[-1][1] == 1.0 and all(e < 1.0 for _, e in seen[:-1])  # it stopped at the first hit
+    assert len(losses) == seen[-1][0] < 200
+    assert heldout_metrics(model, pairs)["exact"] == 1.0
+
+    # the schedule: full rate from step 10 on (no decay) when a target is set
+    model = build_random_model("tiny", seed=0, dtype=torch.float32)
+    orig = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        rates.append(self.param_groups[0]["lr"])
+        return orig(self, *a, **k)
+
+    torch.optim.AdamW.step = spy
+    try:
+        supervised_finetune(model, pairs, 30, 1e-3, batch_size=2, heldout=pairs, eval_every=100,
+                            target_exact=1.0)  # (checks only after the last step)
+    finally:
+        torch.optim.AdamW.step = orig
+    assert rates[:10] == pytest.approx([1e-3 * (i + 1) / 10 for i in range(10)])
+    assert rates[10:] == pytest.approx([1e-3] * 20)
+
+
+def test_a_target_exact_share_needs_heldout_pairs():
+    model = build_random_model("tiny", seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="held-out pairs"):
+        supervised_finetune(model, [([1], [2])], 5, 1e-3, target_exact=0.5)
