@@ -41,7 +41,8 @@ def read_series(metrics_file: Path) -> dict[str, Series]:
 
 def reduce_series(series: Series, at: str, tail: int = 5) -> float | None:
     """One number from a series: its ``last`` / ``first`` value, its ``mean`` / ``max`` /
-    ``min``, or the mean of its last ``tail`` values; None for an empty series."""
+    ``min``, or the mean (``tail``) or median (``median``) of its last ``tail`` values; None
+    for an empty series."""
     values = [v for _, v in series]
     if not values:
         return None
@@ -58,6 +59,8 @@ def reduce_series(series: Series, at: str, tail: int = 5) -> float | None:
     if at == "tail":
         last = values[-tail:]
         return sum(last) / len(last)
+    if at == "median":
+        return statistics.median(values[-tail:])
     raise ValueError(f"unknown reduction {at!r}")
 
 

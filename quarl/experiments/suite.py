@@ -48,16 +48,16 @@ import yaml
 from quarl.config.typed import merge, parse_overrides, read_yaml
 
 SUITE_FILE = "suite.yaml"
-AT = ("last", "first", "mean", "max", "min", "tail")  # how a column reduces a run's series
+AT = ("last", "first", "mean", "max", "min", "tail", "median")  # how a column reduces a run's series
 _SUITE_KEYS = {"title", "about", "base", "seeds", "parallel", "common", "baseline", "table", "plots"}
 _BASE_SECTIONS = ("model", "data", "rollout")  # what every run takes from the base recipe
 
 
 @dataclass(frozen=True)
 class Column:
-    """One summary column: ``metric`` reduced over a run's steps by ``at`` (``tail``: the
-    mean of the last ``tail`` values), and with ``ratio`` divided by the baseline's value
-    of the same seed."""
+    """One summary column: ``metric`` reduced over a run's steps by ``at`` (``tail`` /
+    ``median``: the mean / median of the last ``tail`` values), and with ``ratio`` divided by
+    the baseline's value of the same seed."""
 
     metric: str
     at: str = "last"
@@ -67,7 +67,7 @@ class Column:
 
     @property
     def name(self) -> str:
-        at = f"last {self.tail}" if self.at == "tail" else self.at
+        at = {"tail": f"last {self.tail}", "median": f"median of last {self.tail}"}.get(self.at, self.at)
         return self.label or f"{self.metric} ({at}{' / baseline' if self.ratio else ''})"
 
 

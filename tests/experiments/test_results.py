@@ -38,10 +38,20 @@ def test_reduce_series_tail_longer_than_the_series_and_empty_and_unknown():
     assert reduce_series(SERIES, "tail", tail=10) == 4.5  # all four values
     assert reduce_series(SERIES, "tail", tail=1) == 5.0
     assert reduce_series(SERIES, "tail") == 4.5  # default tail 5 > 4 values
-    for at in ("last", "first", "mean", "max", "min", "tail"):
+    for at in ("last", "first", "mean", "max", "min", "tail", "median"):
         assert reduce_series([], at, tail=2) is None
-    with pytest.raises(ValueError, match="median"):
-        reduce_series(SERIES, "median")
+    with pytest.raises(ValueError, match="p90"):
+        reduce_series(SERIES, "p90")
+
+
+def test_reduce_series_median_of_the_tail_ignores_one_slow_step():
+    """A timing series with a slow last step (a recompile): the median of the last 4 is the
+    middle of 9, 1, 5, 100 ((5 + 9) / 2), where their mean is pulled to 28.75."""
+    timed = [*SERIES, (5, 100.0)]
+    assert reduce_series(timed, "median", tail=4) == 7.0
+    assert reduce_series(timed, "tail", tail=4) == 28.75
+    assert reduce_series(timed, "median", tail=1) == 100.0
+    assert reduce_series(timed, "median", tail=10) == 5.0  # all five: 1, 3, 5, 9, 100
 
 
 def test_spread_sample_std_by_hand():

@@ -70,13 +70,13 @@ def test_load_suite_defaults(tmp_path):
     ({"parallel": 0}, "parallel must be an integer >= 1, got 0"),
     ({"baseline": "fp8"}, "baseline 'fp8' is not one of the runs (bf16, w4)"),
     ({"table": [{"metric": "t", "ratio": True}]}, "a ratio column needs a baseline run"),
-    ({"table": [{"metric": "t", "at": "median"}]}, "table column t: at must be one of last, first, mean, max, min, "
-                                                   "tail, got 'median'"),
+    ({"table": [{"metric": "t", "at": "p90"}]}, "table column t: at must be one of last, first, mean, max, min, "
+                                                "tail, median, got 'p90'"),
     ({"table": [{"metric": "t", "at": "tail", "tail": 0}]}, "table column t: tail must be an integer >= 1"),
     ({"table": [{"metric": "t", "how": "last"}]}, "table column t: unknown key(s) how"),
     ({"table": [{"at": "last"}]}, "a table column is a metric name or a mapping with 'metric'"),
     ({"plots": [{"title": "P", "metrics": ["a"], "kind": "pie"}]}, "plot 'P': kind must be lines or bars, got 'pie'"),
-    ({"plots": [{"title": "P", "metrics": ["a"], "at": "median"}]}, "plot 'P': at must be one of"),
+    ({"plots": [{"title": "P", "metrics": ["a"], "at": "p90"}]}, "plot 'P': at must be one of"),
     ({"plots": [{"title": "P", "metrics": []}]}, "a non-empty list of metrics"),
     ({"plots": [{"title": "P", "metrics": ["a"], "colour": "red"}]}, "plot 'P': unknown key(s) colour"),
     ({"base": "../nope.yaml"}, "base recipe ../nope.yaml does not exist"),
