@@ -437,6 +437,10 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
             log(f"{r.name} seed {r.seed}: trained from another base ({marker.read_text()}); starting it again")
             shutil.rmtree(r.run_dir)
         marker.write_text(str(base_digest))
+    for r in plan:  # a run another suite beside this one has already finished, as this one would run it
+        if not r.run_dir.exists() and (src := sibling_run(work, r, base_digest)) is not None:
+            copy_run(src, r.run_dir, src.parents[2], work)
+            log(f"{r.name} seed {r.seed}: the same run as {src} (the same config and base); copied, not run again")
     width = parallel or suite.parallel
     env = run_env(width)
     queue = list(plan)
@@ -500,6 +504,36 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
         f"{time.perf_counter() - t_suite:.0f} s")
     _write_status(work, suite, plan)
     return plan
+
+
+def sibling_run(work: Path, r: RunState, base_digest: str | None) -> Path | None:
+    """The finished run directory of another suite beside ``work`` (``<parent>/<suite>/runs/
+    <name>/seed<k>``) whose run config is ``r``'s but for the work directory in its paths, and
+    which trained from the same base; or None."""
+    own = work.resolve()
+    mine = yaml.safe_load(r.config_file.read_text())
+    for other in sorted(p for p in work.parent.iterdir() if p.is_dir() and p.resolve() != own):
+        config_file = other / "configs" / r.config_file.name
+        marker = config_file.with_suffix(".base")
+        src = other / "runs" / r.name / f"seed{r.seed}"
+        if not (config_file.is_file() and marker.is_file()) or marker.read_text() != str(base_digest):
+            continue
+        try:
+            theirs = yaml.safe_load(config_file.read_text().replace(str(other), str(work)))
+        except (OSError, yaml.YAMLError):
+            continue
+        if theirs == mine and steps_done(src) >= r.steps:
+            return src
+    return None
+
+
+def copy_run(src: Path, dst: Path, src_work: Path, dst_work: Path) -> None:
+    """``dst`` becomes a copy of the finished run ``src`` (written beside it, renamed into
+    place), its ``config.yaml`` naming ``dst_work``'s paths where it named ``src_work``'s."""
+    link_tree(src, dst)
+    config = dst / "config.yaml"
+    if config.is_file():
+        config.write_text(config.read_text().replace(str(src_work), str(dst_work)))
 
 
 def run_env(width: int, environ: dict[str, str] | None = None, cpus: int | None = None) -> dict[str, str]:

@@ -430,8 +430,32 @@ def test_several_suites_run_in_turn_on_one_base(tmp_path):
     first_info = json.loads((work / "first" / "base" / "base.json").read_text())
     assert json.loads((work / "second" / "base" / "base.json").read_text()) == first_info
     assert not (work / "second" / "base" / "base.json").samefile(work / "first" / "base" / "base.json")
+    # B's bf16 run is A's (the same config but for the work directory, the same base): copied
+    assert "bf16 seed 0: the same run as" in stdout and "copied, not run again" in stdout
+    assert not (work / "second" / "logs" / "bf16-seed0.log").exists()  # never launched
+    assert ((out / "second" / "runs" / "bf16" / "seed0" / "metrics.jsonl").read_bytes()
+            == (out / "first" / "runs" / "bf16" / "seed0" / "metrics.jsonl").read_bytes())
     cfg = yaml.safe_load((out / "second" / "runs" / "bf16" / "seed0" / "config.yaml").read_text())
     assert cfg["model"]["path"] == str(work / "second" / "base" / "warmstart")
+    assert cfg["trainer"]["run_dir"] == str(work / "second" / "runs" / "bf16" / "seed0")
+
+
+def test_a_sibling_run_of_another_config_or_base_is_run_again(tmp_path):
+    """A sibling suite's finished run is taken only for the same config and the same base."""
+    _tiny_suite(tmp_path)
+    a = _one_run_suite(tmp_path, "first")
+    work = tmp_path / "work"
+    assert _main("suite", "run", str(a), "--work", str(work / "first"), "--out", str(tmp_path / "o1"))[0] == 0
+    b = _one_run_suite(tmp_path, "second")
+    spec = yaml.safe_load((b / "suite.yaml").read_text())
+    spec["common"]["trainer"]["prompts_per_step"] = 3  # another config
+    _write(b / "suite.yaml", spec)
+    code, stdout = _main("suite", "run", str(b), "--work", str(work / "second"), "--out", str(tmp_path / "o2"))
+    assert code == 0 and "copied" not in stdout and (work / "second" / "logs" / "bf16-seed0.log").is_file()
+    c = _one_run_suite(tmp_path, "third")  # A's config, but its marker names another base
+    (work / "first" / "configs" / "bf16-seed0.base").write_text("0123456789abcdef")
+    code, stdout = _main("suite", "run", str(c), "--work", str(work / "third"), "--out", str(tmp_path / "o3"))
+    assert code == 0 and "copied" not in stdout and (work / "third" / "logs" / "bf16-seed0.log").is_file()
 
 
 def test_a_sibling_base_of_another_recipe_is_not_taken(tmp_path):
