@@ -111,10 +111,9 @@ def supervised_finetune(
 
     ``target_exact`` > 0 (with ``heldout`` and ``eval_every``): the rate stays at its full
     value after the warmup (no decay), and training ends at the first check whose
-    ``exact`` share reaches it; ``steps`` is then a cap. A task's accuracy switches on
-    within a few dozen steps at a point no fixed step count predicts (builds of one recipe
-    ended anywhere from 0.1 to 0.8), so a base that must start RL from partial accuracy
-    stops on the measurement instead.
+    ``exact`` share reaches it; ``steps`` is then a cap. A task's accuracy can switch on
+    within a few dozen steps at a point no fixed step count predicts, so a base that must
+    start RL from partial accuracy stops on the measurement instead.
 
     On CUDA the forward and backward run under bf16 autocast (float32 weights and optimizer
     state, bf16 matrix products)."""
