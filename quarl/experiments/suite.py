@@ -291,7 +291,8 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
             "weights_sha256": weights_digest(model_dir)}
     info_file.write_text(json.dumps(info, indent=2))
     log(f"base: warm start {info['warmstart_s']} s, {len(losses)} steps, "
-        f"loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
+        f"loss {info['loss_first']:.3f} -> {info['loss_last']:.4f}, "
+        f"eval/acc {metrics.get('eval/acc', float('nan')):.3f} (bf16, greedy)")
     target = cfg.trainer.sft_target_exact
     if target > 0 and info["heldout"] and info["heldout"][-1]["exact"] < target:
         log(f"base: warning: held-out exact {info['heldout'][-1]['exact']:.3f} after the cap of {len(losses)} steps, "

@@ -122,8 +122,8 @@ def supervised_finetune(
         raise ValueError("a warm start that stops at a held-out exact share needs held-out pairs and eval_every > 0")
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=device.type == "cuda")
-    decay_frac = 0.0 if target_exact > 0 else 0.2
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: wsd_factor(s, steps, decay_frac=decay_frac))
+    schedule = {"decay_frac": 0.0} if target_exact > 0 else {}  # (no decay: the stop is not known ahead)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: wsd_factor(s, steps, **schedule))
     losses = []
     model.train()
     with deterministic():
