@@ -64,6 +64,16 @@ def reduce_series(series: Series, at: str, tail: int = 5) -> float | None:
     raise ValueError(f"unknown reduction {at!r}")
 
 
+def without_steps(series: dict[str, Series], metric: str, without: str | None) -> Series:
+    """``metric``'s series less the steps where ``without``'s value is nonzero (all of it
+    without ``without``, or where the run never logged it)."""
+    kept = series.get(metric, [])
+    if without is None:
+        return kept
+    dropped = {step for step, v in series.get(without, []) if v != 0}
+    return [(step, v) for step, v in kept if step not in dropped]
+
+
 def spread(values: list[float]) -> dict[str, float | int | None]:
     """mean, sample standard deviation (0 for one value), min, max and count."""
     if not values:
@@ -108,11 +118,12 @@ def column_values(col: Column, runs: dict[str, dict[int, dict[str, Series]]], na
     needs, has no value are left out)."""
     values = {}
     for seed, series in runs.get(name, {}).items():
-        v = reduce_series(series.get(col.metric, []), col.at, col.tail)
+        v = reduce_series(without_steps(series, col.metric, col.without), col.at, col.tail)
         if v is None:
             continue
         if col.ratio:
-            base = reduce_series(runs.get(baseline, {}).get(seed, {}).get(col.metric, []), col.at, col.tail)
+            base = reduce_series(without_steps(runs.get(baseline, {}).get(seed, {}), col.metric, col.without),
+                                 col.at, col.tail)
             if base is None or base == 0:
                 continue
             v = v / base
@@ -136,7 +147,8 @@ def summarize(suite: Suite, out: Path, meta: dict[str, Any] | None = None) -> di
     summary = {
         "suite": suite.name, "title": suite.title, "device": meta.get("device"), "date": meta.get("date"),
         "git_commit": meta.get("git_commit"), "seeds": suite.seeds, "baseline": suite.baseline,
-        "columns": [{"name": c.name, "metric": c.metric, "at": c.at, "ratio": c.ratio, "tail": c.tail}
+        "columns": [{"name": c.name, "metric": c.metric, "at": c.at, "ratio": c.ratio, "tail": c.tail,
+                     "without": c.without}
                     for c in suite.table],
         "base": _read_json(out / "base.json"), "runs": table,
         "failed": [r for r in status if r.get("status") == "failed"],
@@ -251,7 +263,8 @@ def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: P
     for i, name in enumerate(names):
         means, lo, hi = [], [], []
         for metric in plot.metrics:
-            vals = [v for s in runs[name].values() if (v := reduce_series(s.get(metric, []), plot.at, plot.tail)) is not None]
+            vals = [v for s in runs[name].values()
+                    if (v := reduce_series(without_steps(s, metric, plot.without), plot.at, plot.tail)) is not None]
             m = sum(vals) / len(vals) if vals else float("nan")
             means.append(m)
             lo.append(m - min(vals) if vals else 0.0)
@@ -365,4 +378,4 @@ def _setup_line(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return text
 
 
-__all__ = ["read_series", "reduce_series", "spread", "summarize", "render", "markdown_table", "SUITE_FILE"]
+__all__ = ["read_series", "reduce_series", "without_steps", "spread", "summarize", "render", "markdown_table", "SUITE_FILE"]

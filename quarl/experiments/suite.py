@@ -57,17 +57,20 @@ _BASE_SECTIONS = ("model", "data", "rollout")  # what every run takes from the b
 class Column:
     """One summary column: ``metric`` reduced over a run's steps by ``at`` (``tail`` /
     ``median``: the mean / median of the last ``tail`` values), and with ``ratio`` divided by
-    the baseline's value of the same seed."""
+    the baseline's value of the same seed. ``without``: a metric whose nonzero steps are left
+    out first (``perf/compiles``: the steps that compiled, for a steady-state time)."""
 
     metric: str
     at: str = "last"
     ratio: bool = False
     tail: int = 5
     label: str | None = None
+    without: str | None = None
 
     @property
     def name(self) -> str:
         at = {"tail": f"last {self.tail}", "median": f"median of last {self.tail}"}.get(self.at, self.at)
+        at += f" where {self.without} = 0" if self.without else ""
         return self.label or f"{self.metric} ({at}{' / baseline' if self.ratio else ''})"
 
 
@@ -75,7 +78,8 @@ class Column:
 class Plot:
     """One figure. ``lines``: a subplot per metric, each run's mean over seeds along the
     steps with its seeds' range shaded. ``bars``: the metrics side by side, a bar per run
-    (the metric reduced by ``at``, averaged over seeds; whiskers: the seeds' range)."""
+    (the metric reduced by ``at``, averaged over seeds; whiskers: the seeds' range; ``without``
+    as for :class:`Column`)."""
 
     title: str
     metrics: tuple[str, ...]
@@ -83,6 +87,7 @@ class Plot:
     at: str = "mean"
     log: bool = False
     tail: int = 5
+    without: str | None = None
 
 
 @dataclass
@@ -190,7 +195,7 @@ def _column(where: Path, c: Any) -> Column:
         c = {"metric": c}
     if not isinstance(c, dict) or "metric" not in c:
         _fail(where, f"a table column is a metric name or a mapping with 'metric', got {c!r}")
-    unknown = sorted(set(c) - {"metric", "at", "ratio", "tail", "label"})
+    unknown = sorted(set(c) - {"metric", "at", "ratio", "tail", "label", "without"})
     if unknown:
         _fail(where, f"table column {c['metric']}: unknown key(s) {', '.join(unknown)}")
     col = Column(**c)
@@ -200,23 +205,27 @@ def _column(where: Path, c: Any) -> Column:
         _fail(where, f"table column {col.metric}: tail must be an integer >= 1")
     if not isinstance(col.ratio, bool):
         _fail(where, f"table column {col.metric}: ratio must be true or false, got {col.ratio!r}")
+    if col.without is not None and not isinstance(col.without, str):
+        _fail(where, f"table column {col.metric}: without names a metric, got {col.without!r}")
     return col
 
 
 def _plot(where: Path, p: Any) -> Plot:
     if not isinstance(p, dict) or not isinstance(p.get("metrics"), list) or not p["metrics"]:
         _fail(where, f"a plot is a mapping with a title and a non-empty list of metrics, got {p!r}")
-    unknown = sorted(set(p) - {"title", "metrics", "kind", "at", "log", "tail"})
+    unknown = sorted(set(p) - {"title", "metrics", "kind", "at", "log", "tail", "without"})
     if unknown:
         _fail(where, f"plot {p.get('title')!r}: unknown key(s) {', '.join(unknown)}")
     plot = Plot(str(p.get("title") or ", ".join(p["metrics"])), tuple(p["metrics"]), p.get("kind", "lines"),
-                p.get("at", "mean"), bool(p.get("log", False)), p.get("tail", 5))
+                p.get("at", "mean"), bool(p.get("log", False)), p.get("tail", 5), p.get("without"))
     if plot.kind not in ("lines", "bars"):
         _fail(where, f"plot {plot.title!r}: kind must be lines or bars, got {plot.kind!r}")
     if plot.at not in AT:
         _fail(where, f"plot {plot.title!r}: at must be one of {', '.join(AT)}, got {plot.at!r}")
     if not _is_int(plot.tail) or plot.tail < 1:
         _fail(where, f"plot {plot.title!r}: tail must be an integer >= 1, got {plot.tail!r}")
+    if plot.without is not None and not isinstance(plot.without, str):
+        _fail(where, f"plot {plot.title!r}: without names a metric, got {plot.without!r}")
     return plot
 
 

@@ -20,6 +20,7 @@ from quarl.experiments.results import (
     render,
     spread,
     summarize,
+    without_steps,
 )
 from quarl.experiments.suite import Column, load_suite
 
@@ -52,6 +53,25 @@ def test_reduce_series_median_of_the_tail_ignores_one_slow_step():
     assert reduce_series(timed, "tail", tail=4) == 28.75
     assert reduce_series(timed, "median", tail=1) == 100.0
     assert reduce_series(timed, "median", tail=10) == 5.0  # all five: 1, 3, 5, 9, 100
+
+
+def test_without_leaves_out_the_steps_that_compiled_in_the_run_and_its_baseline():
+    """Step times with compiles at steps 1 and 4 (x) and 1 and 3 (the baseline): each run's
+    median over its own steps that compiled nothing, then the ratio of the two medians."""
+    x = {"time/step": [(1, 30.0), (2, 2.0), (3, 4.0), (4, 11.0), (5, 3.0)],
+         "perf/compiles": [(1, 3.0), (2, 0.0), (3, 0.0), (4, 1.0), (5, 0.0)]}
+    base = {"time/step": [(1, 20.0), (2, 1.0), (3, 9.0), (4, 2.0), (5, 4.0)],
+            "perf/compiles": [(1, 3.0), (2, 0.0), (3, 1.0), (4, 0.0), (5, 0.0)]}
+    assert without_steps(x, "time/step", "perf/compiles") == [(2, 2.0), (3, 4.0), (5, 3.0)]
+    assert without_steps(x, "time/step", None) == x["time/step"]
+    assert without_steps({"time/step": x["time/step"]}, "time/step", "perf/compiles") == x["time/step"]  # never logged
+    runs = {"x": {0: x}, "base": {0: base}}
+    col = Column("time/step", "median", tail=4, without="perf/compiles")
+    assert column_values(col, runs, "x", "base") == {0: 3.0}  # the median of 2, 4, 3
+    ratio = Column("time/step", "median", tail=4, ratio=True, without="perf/compiles")
+    assert column_values(ratio, runs, "x", "base") == {0: pytest.approx(3.0 / 2.0)}  # base: 1, 2, 4 -> 2
+    assert column_values(Column("time/step", "median", tail=4), runs, "x", "base") == {0: 3.5}  # 2, 4, 11, 3
+    assert col.name == "time/step (median of last 4 where perf/compiles = 0)"
 
 
 def test_spread_sample_std_by_hand():

@@ -75,6 +75,8 @@ def test_load_suite_defaults(tmp_path):
     ({"table": [{"metric": "t", "at": "tail", "tail": 0}]}, "table column t: tail must be an integer >= 1"),
     ({"table": [{"metric": "t", "how": "last"}]}, "table column t: unknown key(s) how"),
     ({"table": [{"at": "last"}]}, "a table column is a metric name or a mapping with 'metric'"),
+    ({"table": [{"metric": "t", "without": ["perf/compiles"]}]}, "table column t: without names a metric"),
+    ({"plots": [{"title": "P", "metrics": ["a"], "without": 0}]}, "plot 'P': without names a metric, got 0"),
     ({"plots": [{"title": "P", "metrics": ["a"], "kind": "pie"}]}, "plot 'P': kind must be lines or bars, got 'pie'"),
     ({"plots": [{"title": "P", "metrics": ["a"], "at": "p90"}]}, "plot 'P': at must be one of"),
     ({"plots": [{"title": "P", "metrics": []}]}, "a non-empty list of metrics"),
