@@ -258,6 +258,32 @@ def test_checkpointed_compiled_regions_give_the_same_values_and_less_memory(sche
     assert peak2 < 0.7 * peak0
 
 
+def test_a_one_row_micro_batch_after_wider_ones_does_not_recompile_the_regions():
+    """The learner's micro-batches vary in rows and length, a one-row one now and then: the
+    compiled regions must serve every shape with the graphs the first micro-batch made. On
+    the GPU the attention output entering the region after attention is a view (SDPA's
+    kernels write [B, T, H, D] and return it transposed); a base whose batch size is
+    specialised to >= 2 recompiles at the first one-row micro-batch (session 57's speed
+    runs: 0.2-1.4 s once per run)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = build_random_model("100m", dtype=torch.bfloat16).to(DEV)
+
+    def step(rows: int, t: int) -> None:
+        ids = torch.randint(3, model.config.vocab_size, (rows, t), device=DEV)
+        mask = torch.ones_like(ids)
+        mask[0, t - 3:] = 0
+        lp, _ = sequence_logprobs(model, ids, mask, ops=COMPILED_OPS, right_padded=True)
+        lp.float().sum().backward()
+
+    step(3, 120)
+    graphs = counters["stats"]["unique_graphs"]
+    for rows, t in ((2, 97), (1, 140), (4, 64), (1, 33)):
+        step(rows, t)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_lean_learner_steps_on_the_gpu():
     """bf16 weights stepped directly with stochastic rounding, bf16 moments, checkpointed
     compiled regions: an update runs, moves the weights and keeps the moments in bf16."""
