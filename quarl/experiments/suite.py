@@ -11,7 +11,7 @@
     baseline: bf16                     # the run the ratio columns divide by
     table:                             # the summary columns
       - {metric: eval/acc, at: last}
-      - {metric: time/step, at: mean, ratio: true}
+      - {metric: time/step, at: median, tail: 4, ratio: true, without: perf/compiles}
     plots:                             # one figure per entry: a title and its metrics
       - {title: Reward and accuracy, metrics: [reward/mean, eval/acc]}
 
