@@ -83,11 +83,29 @@ def compiled(fn):
     def call(*args):
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() >= 3:  # activations [B, T, ...], not weights
-                torch._dynamo.decorators.mark_unbacked(a, 0)
-                torch._dynamo.decorators.mark_unbacked(a, 1)
+                _mark_batch_and_time(a)
         return traced(*args)
 
     return call
+
+
+def _mark_batch_and_time(a: torch.Tensor) -> None:
+    """Mark an activation's batch and time dimensions unbacked, and so too those of its base
+    (a view's: the compiler traces a view from its base): the base's dimensions with the
+    size and stride of the view's batch, its time, or the two flattened into rows. A base
+    left backed has its batch size specialised to "at least 2" once a graph is made for a
+    gradient after one without, and the first one-row call compiles that graph again (SDPA's
+    output entering the region after attention: ``[B, T, H, D]`` written, a transpose
+    returned). The base's other dimensions, the widths, stay static."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    mark(a, 0)
+    mark(a, 1)
+    base = a._base
+    if base is not None:
+        rows = {(a.size(0), a.stride(0)), (a.size(1), a.stride(1)), (a.size(0) * a.size(1), a.stride(1))}
+        for j in range(base.dim()):
+            if (base.size(j), base.stride(j)) in rows:
+                mark(base, j)
 
 
 class GcClock:

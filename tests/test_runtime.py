@@ -1,5 +1,6 @@
-"""quarl.runtime: the count of frames torch.compile compiled (perf/compiles), the time it took
-(perf/compile_s), and the garbage collector's time (perf/gc_s, perf/gc_full)."""
+"""quarl.runtime: the compiled steps' dynamic batch and time, the count of frames torch.compile
+compiled (perf/compiles), the time it took (perf/compile_s), and the garbage collector's time
+(perf/gc_s, perf/gc_full)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,40 @@ import gc
 
 import torch
 
-from quarl.runtime import compile_seconds, compiled_frames, gc_clock, process_totals
+from quarl.runtime import compile_seconds, compiled, compiled_frames, gc_clock, process_totals
+
+
+def _heads_out(x, w):
+    """As the region after attention starts: ``[B, T, H, D]`` flattened to rows, projected."""
+    return (x.reshape(-1, x.shape[2] * x.shape[3]) @ w).relu()
+
+
+def test_a_view_of_a_computed_base_does_not_recompile_at_one_row():
+    """The attention output the learner passes on is a view (a transpose of SDPA's output) of
+    a base computed under autograd. A graph without gradients, then one with, then a first
+    call of one row: without the base's batch dimension marked the second graph guards on
+    ``2 <= x._base.size()[0]`` and the one-row call compiles it again (seen on the GPU as one
+    0.2-1.4 s recompile a run, on torch 2.11 and 2.13 alike)."""
+    step = compiled(_heads_out)
+    w = torch.randn(24, 8, requires_grad=True)
+    p = torch.randn(12, 12, requires_grad=True)
+
+    def call(rows: int, t: int, grad: bool) -> None:
+        with torch.set_grad_enabled(grad):
+            base = torch.randn(rows, t, 2, 12) @ p  # [B, T, H, D]: what the kernel writes
+            x = base.transpose(1, 2).transpose(1, 2)  # its [B, H, T, D] output, transposed back
+            assert x._base is base
+            y = step(x, w)
+            torch.testing.assert_close(y, (base.reshape(-1, 24) @ w).relu())
+            if grad:
+                y.sum().backward()
+
+    call(3, 9, False)
+    call(4, 11, True)
+    frames = compiled_frames()
+    for rows, t, grad in ((2, 7, True), (1, 13, True), (4, 6, True), (1, 5, False)):
+        call(rows, t, grad)
+    assert compiled_frames() == frames
 
 
 def test_compiled_frames_counts_compilations_and_recompilations():

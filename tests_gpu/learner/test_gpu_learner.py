@@ -263,8 +263,8 @@ def test_a_one_row_micro_batch_after_wider_ones_does_not_recompile_the_regions()
     compiled regions must serve every shape with the graphs the first micro-batch made. On
     the GPU the attention output entering the region after attention is a view (SDPA's
     kernels write [B, T, H, D] and return it transposed); a base whose batch size is
-    specialised to >= 2 recompiles at the first one-row micro-batch (session 57's speed
-    runs: 0.2-1.4 s once per run)."""
+    specialised to >= 2 recompiles at the first one-row micro-batch (0.2-1.4 s once a run
+    before :func:`quarl.runtime.compiled` marked the base's batch too)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
