@@ -270,17 +270,20 @@ def test_a_one_row_micro_batch_after_wider_ones_does_not_recompile_the_regions()
     torch.manual_seed(0)
     model = build_random_model("100m", dtype=torch.bfloat16).to(DEV)
 
-    def step(rows: int, t: int) -> None:
+    def step(rows: int, t: int, grad: bool = True) -> None:
         ids = torch.randint(3, model.config.vocab_size, (rows, t), device=DEV)
         mask = torch.ones_like(ids)
         mask[0, t - 3:] = 0
-        lp, _ = sequence_logprobs(model, ids, mask, ops=COMPILED_OPS, right_padded=True)
-        lp.float().sum().backward()
+        with torch.set_grad_enabled(grad):
+            lp, _ = sequence_logprobs(model, ids, mask, ops=COMPILED_OPS, right_padded=True)
+            if grad:
+                lp.float().sum().backward()
 
-    step(3, 120)
+    step(3, 120, grad=False)  # as a run starts: log-probs without gradients, then the update's
+    step(4, 90)
     graphs = counters["stats"]["unique_graphs"]
-    for rows, t in ((2, 97), (1, 140), (4, 64), (1, 33)):
-        step(rows, t)
+    for rows, t, grad in ((2, 97, True), (1, 140, True), (4, 64, True), (1, 33, False)):
+        step(rows, t, grad)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
