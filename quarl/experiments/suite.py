@@ -226,6 +226,9 @@ def _plot(where: Path, p: Any) -> Plot:
         _fail(where, f"plot {plot.title!r}: tail must be an integer >= 1, got {plot.tail!r}")
     if plot.without is not None and not isinstance(plot.without, str):
         _fail(where, f"plot {plot.title!r}: without names a metric, got {plot.without!r}")
+    if plot.without is not None and plot.kind != "bars":
+        _fail(where, f"plot {plot.title!r}: without leaves steps out of a bars plot's reduction; "
+                     "a lines plot draws every step")
     return plot
 
 

@@ -76,7 +76,10 @@ def test_load_suite_defaults(tmp_path):
     ({"table": [{"metric": "t", "how": "last"}]}, "table column t: unknown key(s) how"),
     ({"table": [{"at": "last"}]}, "a table column is a metric name or a mapping with 'metric'"),
     ({"table": [{"metric": "t", "without": ["perf/compiles"]}]}, "table column t: without names a metric"),
-    ({"plots": [{"title": "P", "metrics": ["a"], "without": 0}]}, "plot 'P': without names a metric, got 0"),
+    ({"plots": [{"title": "P", "kind": "bars", "metrics": ["a"], "without": 0}]},
+     "plot 'P': without names a metric, got 0"),
+    ({"plots": [{"title": "P", "metrics": ["a"], "without": "perf/compiles"}]}, "plot 'P': without leaves steps out "
+                                                                                  "of a bars plot's reduction"),
     ({"plots": [{"title": "P", "metrics": ["a"], "kind": "pie"}]}, "plot 'P': kind must be lines or bars, got 'pie'"),
     ({"plots": [{"title": "P", "metrics": ["a"], "at": "p90"}]}, "plot 'P': at must be one of"),
     ({"plots": [{"title": "P", "metrics": []}]}, "a non-empty list of metrics"),
