@@ -20,8 +20,8 @@ def test_a_view_of_a_computed_base_does_not_recompile_at_one_row():
     """The attention output the learner passes on is a view (a transpose of SDPA's output) of
     a base computed under autograd. A graph without gradients, then one with, then a first
     call of one row: without the base's batch dimension marked the second graph guards on
-    ``2 <= x._base.size()[0]`` and the one-row call compiles it again (seen on the GPU as one
-    0.2-1.4 s recompile a run, on torch 2.11 and 2.13 alike)."""
+    ``2 <= x._base.size()[0]`` and the one-row call compiles it again (on the GPU: one 0.2-1.4 s
+    recompile a run). Without the base marked this fails on torch 2.11 and 2.13 alike."""
     step = compiled(_heads_out)
     w = torch.randn(24, 8, requires_grad=True)
     p = torch.randn(12, 12, requires_grad=True)
