@@ -2,7 +2,7 @@
 
 The learner runs the same low-bit kernels as the rollout engine (QaRL), uses
 objectives made for that regime (TBPO, ACR, TIS, ...) and reports the
-sampler/learner mismatch at every step. See DESIGN.md for the architecture.
+sampler/learner mismatch at every step. See docs/design.md for the architecture.
 """
 
 from __future__ import annotations

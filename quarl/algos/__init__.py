@@ -1,4 +1,4 @@
-"""Algorithms as pure functions of tensors and scalars (DESIGN.md, "Algorithms").
+"""Algorithms as pure functions of tensors and scalars (docs/design.md, "Algorithms").
 
 - advantages:   :func:`compute_advantages` (grpo, dr_grpo, rloo), :func:`compute_gae`,
                 :func:`last_token_rewards`, :func:`whiten`

@@ -56,7 +56,7 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-response token mean ``mean_t`` of DESIGN.md: ``[B, T] -> [B]``; 0 for empty rows."""
+    """Per-response token mean ``mean_t`` of docs/design.md: ``[B, T] -> [B]``; 0 for empty rows."""
     return masked_mean(x, mask, dim=-1)
 
 

@@ -1,4 +1,4 @@
-"""Policy losses: pure functions of ``[B, T]`` log-prob tensors (DESIGN.md "Algorithms").
+"""Policy losses: pure functions of ``[B, T]`` log-prob tensors (docs/design.md, "Algorithms").
 
 Inputs shared by every loss (their names say whose numbers they are):
 

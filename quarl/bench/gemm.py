@@ -1,6 +1,6 @@
 """GEMM benchmark of every format against bf16 on the linear shapes of real models.
 
-Method (shared/GPU.md): the two ceilings are measured first (device-to-device copy for
+Method (docs/performance.md): the two ceilings are measured first (device-to-device copy for
 bandwidth, 8192^3 bf16 and fp8 products for the matrix rates) and each timing is
 compared with its floor ``max(bytes / bandwidth, flops / rate)``, where bytes count the
 weight once at the format's storage cost (scales included) plus x and y in bf16, and

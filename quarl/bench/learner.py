@@ -8,7 +8,7 @@ reports the host's time (until the backward call returns), the wall time (CUDA e
 GPU's kernel time, launches and idle time between kernels (torch.profiler over one more
 repeat), and the host's time over the kernels'. The idle time is the direct measure: a host
 whose launches fill the queue is throttled to the GPU's pace, so host ~ kernels alone does not
-say the host is slow (NOTES, session 46); a host that falls behind leaves long gaps. The
+say the host is slow (docs/performance.md); a host that falls behind leaves long gaps. The
 optimizer step and fp32 master weights are not in it (``quarl bench train`` times the whole
 step). Random weights of a preset shape, optionally fewer layers; each mode, and with a
 baseline each mode under that code too, in a process of its own.
@@ -97,7 +97,7 @@ def measure(cfg, scheme: str | None, spec: Spec, device: torch.device, profile: 
     kernels and launches (CUDA), the host's time over the kernels', and the peak memory.
     ``profile`` (``kernels`` | ``host``): also that table of one more repeat
     (:func:`quarl.bench.train.profile_call`), as ``profile`` lines."""
-    from quarl.model.compiled_ops import COMPILED_OPS
+    from quarl.learner.compiled_ops import COMPILED_OPS
     from quarl.model.transformer import TORCH_OPS
 
     model, ids, mask, weights = build(cfg, scheme, spec, device)

@@ -1,6 +1,6 @@
 """Rollout throughput benchmark on random weights, against its floor and HF ``generate``.
 
-Method (shared/GPU.md): the memory bandwidth (device-to-device copy, read + write) and
+Method (docs/performance.md): the memory bandwidth (device-to-device copy, read + write) and
 the bf16 matrix rate (8192^3 product) are measured first. A decode step of a batch
 whose sequences hold ``c_i`` tokens must read every weight the step uses once (all
 decoder linears at their stored size, norms, the LM head; the embedding lookup is

@@ -13,8 +13,8 @@ Candidates are written as specs (``parse_candidates``): ``[kernel:]values`` wher
 are the config's fields in order and/or ``field=value``, and any value may be a grid
 ``a|b|c``; ``;`` or newlines separate candidates. E.g. for ``wgmma``:
 ``2,4,blocks_per_sm=1|2,cluster=1`` is ``WgConfig(2, 4, 1.0, cluster=True)`` and the same
-at 2 blocks per SM. The winners go into the rows of ``quarl/quant/kernels/dispatch.py`` by
-hand, with the measurement in bench/NOTES.md.
+at 2 blocks per SM. The winners go into the rows of ``quarl/quant/kernels/tables.py`` by
+hand, with the evidence in docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from quarl.quant.kernels.config import FragConfig, TileConfig, TileKConfig, WgConfig
-from quarl.quant.kernels.dispatch import Plan
+
+if TYPE_CHECKING:
+    from quarl.quant.kernels.dispatch import Plan
 
 REL_TOL = 1e-2  # GEMM candidates: relative error against the default's output (bf16 outputs)
 
@@ -48,6 +50,14 @@ KERNEL_CONFIGS: dict[str, type | None] = {
 }
 
 Candidate = Any  # a Plan, or an ActQuantConfig for the act-quant family
+
+
+def _plan(kernel: str, config=None) -> Plan:
+    # dispatch imports the Triton kernels: imported here, on first use, so that building the
+    # CLI's parser (the families and their docs) works on a machine without triton
+    from quarl.quant.kernels.dispatch import Plan
+
+    return Plan(kernel, config)
 M_DEFAULT_W4 = (8, 16, 32, 64)
 
 
@@ -69,27 +79,27 @@ def _tiles(kernel: str, rows: list[tuple], **fixed) -> list[Plan]:
     """Plans of ``kernel`` from ``(bm, bn, bk, warps, stages, waves[, split_k])`` rows."""
     out = []
     for bm, bn, bk, w, st, wv, *sk in rows:
-        out.append(Plan(kernel, TileConfig(bm, bn, bk, split_k=sk[0] if sk else 0, num_warps=w, num_stages=st,
+        out.append(_plan(kernel, TileConfig(bm, bn, bk, split_k=sk[0] if sk else 0, num_warps=w, num_stages=st,
                                            waves=wv, **fixed)))
     return out
 
 
 def _prescaled_tma(nwg: int, st: int, cl: bool, bps: float = 1.0, minb: int = 1, **kw) -> Plan:
-    """The pre-scaled loop fed by TMA copies (the tables' since session 43), with a producer
-    warpgroup wherever one fits (2-3 computing warpgroups, one block a SM, no cluster: session 46)."""
+    """The pre-scaled loop fed by TMA copies (the tables' plan at 65-1024 rows), with a producer
+    warpgroup wherever one fits (2-3 computing warpgroups, one block a SM, no cluster; docs/kernels.md)."""
     cfg = WgConfig(nwg, st, bps, minb=minb, tail=True, cluster=cl, prescale=True, tma=True, **kw)
-    return Plan("wgmma", cfg._replace(producer=cfg.producer_fits()))
+    return _plan("wgmma", cfg._replace(producer=cfg.producer_fits()))
 
 
 def _mbar_tma() -> list[Plan]:
     """The single-tile loop with per-slot mbarriers fed by TMA copies (the tables' at 33-128 rows
-    since session 42): 1-3 warpgroups, 1-2 blocks a SM, with and without the cluster split."""
-    return [Plan("wgmma", WgConfig(nwg, st, float(bps), True, minb, tail=True, cluster=cl, mbar=True, tma=True))
+    on Hopper): 1-3 warpgroups, 1-2 blocks a SM, with and without the cluster split."""
+    return [_plan("wgmma", WgConfig(nwg, st, float(bps), True, minb, tail=True, cluster=cl, mbar=True, tma=True))
             for nwg, st, bps, minb in ((1, 4, 1, 1), (1, 4, 2, 2), (2, 4, 1, 1), (3, 5, 1, 1)) for cl in (False, True)]
 
 
 def _wgmma(m: int) -> list[Plan]:
-    """H100 runs 18-19 (bench/NOTES.md): 1-3 warpgroups, 3-6 ring slots, 1-4 blocks per SM,
+    """The wgmma kernel (docs/kernels.md): 1-3 warpgroups, 3-6 ring slots, 1-4 blocks per SM,
     with and without the cluster split; M > 64 (128-token tiles) single-tile shapes only. Above
     16 rows also the pre-scaled loop (``prescale``: one fp32 tile, wgmmas back to back; with TMA
     copies, :func:`_prescaled_tma`), 1-3 warpgroups of 4-5 slots (64 tokens) or 1-4 of 3-4
@@ -100,7 +110,7 @@ def _wgmma(m: int) -> list[Plan]:
     if m > 64:  # 128 tokens: one fp32 tile only, 36-41 KB a ring slot
         shapes = [(1, 3, True, 2), (1, 4, True, 1), (2, 3, True, 1), (2, 4, True, 1), (3, 3, True, 1)]
         pre = [(1, 4, 1), (2, 3, 1), (2, 4, 1), (3, 3, 1), (3, 4, 1), (4, 4, 1)]
-    plans = [Plan("wgmma", WgConfig(nwg, st, float(bps), single, minb, tail=True, cluster=cl))
+    plans = [_plan("wgmma", WgConfig(nwg, st, float(bps), single, minb, tail=True, cluster=cl))
              for nwg, st, single, minb in shapes for bps in (1, 2, 4) for cl in (False, True)]
     if m > 16:
         plans += [_prescaled_tma(nwg, st, cl, float(bps), minb) for nwg, st, minb in pre for bps in (1, 2) for cl in (False, True)]
@@ -110,7 +120,7 @@ def _wgmma(m: int) -> list[Plan]:
 
 
 def _tile(m: int) -> list[Plan]:
-    """The block-tiled CUDA kernel (H200 run 11): (slabs, NT, MT, WM, stages) by M bucket."""
+    """The block-tiled CUDA kernel (docs/kernels.md): (slabs, NT, MT, WM, stages) by M bucket."""
     by_m = {
         16: [(4, 4, 1, 1, 4), (4, 4, 1, 1, 6), (4, 8, 1, 1, 4), (8, 4, 1, 1, 4), (2, 4, 1, 1, 6)],
         32: [(4, 4, 2, 1, 4), (4, 4, 2, 1, 6), (2, 4, 2, 1, 6), (8, 4, 2, 1, 4)],
@@ -118,20 +128,20 @@ def _tile(m: int) -> list[Plan]:
              (4, 8, 2, 2, 4)],
     }
     rows = by_m[16 if m <= 16 else 32 if m <= 32 else 64]
-    return [Plan("tile", TileKConfig(*c, float(bps))) for c in rows for bps in (1, 2, 4)]
+    return [_plan("tile", TileKConfig(*c, float(bps))) for c in rows for bps in (1, 2, 4)]
 
 
 def _frag(m: int) -> list[Plan]:
     """The CUDA fragment kernel (M <= 16): warps x ring slots x blocks per SM."""
-    return [Plan("frag", FragConfig(nw=nw, blocks_per_sm=float(bps), stages=st)) for nw in (1, 2, 4, 8) for st in (2, 4, 8) if nw * st <= 32
+    return [_plan("frag", FragConfig(nw=nw, blocks_per_sm=float(bps), stages=st)) for nw in (1, 2, 4, 8) for st in (2, 4, 8) if nw * st <= 32
             for bps in (2, 4, 8)]
 
 
 def _swap(m: int) -> list[Plan]:
-    """The Triton swap kernel (H200 run 10) and dequantize + cuBLAS."""
+    """The Triton swap kernel (docs/kernels.md) and dequantize + cuBLAS."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    return [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st, waves=wv))
-            for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0, 0.5, 1, 2, 4, 8)] + [Plan("dequant")]
+    return [_plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st, waves=wv))
+            for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for wv in (0, 0.5, 1, 2, 4, 8)] + [_plan("dequant")]
 
 
 def _mid(m: int) -> list[Plan]:
@@ -149,18 +159,18 @@ def _mid(m: int) -> list[Plan]:
         pre += [_prescaled_tma(2, st, cl, tile=tile, halves=hv)
                 for tile, st, hv in ((192, 4, False), (256, 3, False), (192, 8, True), (256, 6, True))
                 for cl in (False, True)]
-    return pre + [Plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
-                  for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [Plan("dequant")]
+    return pre + [_plan("swap", TileConfig(bm, bn, num_warps=w, num_stages=st))
+                  for bm, bn, w in swaps if bm <= max(64, m) for st in (3, 4) if bm * st < 1024] + [_plan("dequant")]
 
 
 def _weight_only(m: int) -> list[Plan]:
     """``wo_gemm_kernel`` tiles of the other weight-only formats, and dequantize + cuBLAS."""
-    return [Plan("tiled", TileConfig(bm, bn, num_stages=st, post_scale=ps))
+    return [_plan("tiled", TileConfig(bm, bn, num_stages=st, post_scale=ps))
             for bm in (16, 32, 64) if bm >= min(m, 64) for bn in (32, 64, 128) for st in (3, 4)
-            for ps in (True, False)] + [Plan("dequant")]
+            for ps in (True, False)] + [_plan("dequant")]
 
 
-# W8A8 TMA tiles (H200 runs 12-13, H100 run 17): (bm, bn, bk, warps, stages, programs per SM[, K splits])
+# W8A8 TMA tiles (docs/kernels.md, "W8A8"): (bm, bn, bk, warps, stages, programs per SM[, K splits])
 _TMA = [(128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1), (64, 128, 128, 4, 4, 2),
         (64, 64, 128, 4, 5, 3), (128, 64, 128, 4, 4, 2), (256, 128, 128, 8, 3, 1), (128, 128, 256, 8, 3, 1)]
 _TMA_SPLIT = [(128, 128, 128, 8, 4, 1, 2), (128, 128, 128, 8, 4, 1, 3), (128, 128, 128, 8, 4, 1, 4),
@@ -174,7 +184,7 @@ _POINTER = [(16, 64, 256, 4, 3, 0), (64, 64, 128, 4, 4, 0), (64, 128, 128, 4, 4,
 
 def _w8a8(cublas: bool) -> Callable[[int], list[Plan]]:
     def candidates(m: int) -> list[Plan]:
-        out = [Plan("cublas")] if cublas else []
+        out = [_plan("cublas")] if cublas else []
         out += _tiles("pointer", [r for r in _POINTER if m > 16 or r[0] == 16])
         out += _tiles("tma", [r for r in _TMA if m > 64 or r[0] <= 64])
         if 128 <= m <= 512:  # too few 128 x 128 tiles to fill the GPU: split K
@@ -187,13 +197,13 @@ def _w8a8(cublas: bool) -> Callable[[int], list[Plan]]:
 
 
 def _w4a8(m: int) -> list[Plan]:
-    return [Plan("w4a8", TileConfig(bm, bn, split_k=sk, num_warps=w))
+    return [_plan("w4a8", TileConfig(bm, bn, split_k=sk, num_warps=w))
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8))
             if bm <= max(16, 2 * m) for sk in (0, 1)]
 
 
 def _gated(m: int) -> list[Plan]:
-    """Gated W8A8 tiles (H200 run 13)."""
+    """Gated W8A8 tiles (docs/kernels.md, "Gated gate/up")."""
     rows = [(64, 64, 128, 4, 4, 2), (64, 64, 128, 4, 3, 3), (64, 32, 128, 4, 4, 3), (64, 32, 128, 4, 6, 3),
             (64, 64, 64, 4, 6, 2), (64, 64, 128, 8, 4, 2), (64, 128, 128, 8, 3, 1), (128, 64, 128, 8, 3, 1),
             (128, 128, 128, 8, 3, 1)]
@@ -201,7 +211,7 @@ def _gated(m: int) -> list[Plan]:
 
 
 def _act_quant(m: int) -> list[ActQuantConfig]:
-    """Columns per block x warps (H200 run 12): one pass up to the row, or several blocks."""
+    """Columns per block x warps (docs/kernels.md): one pass up to the row, or several blocks."""
     return [ActQuantConfig(b, w) for b, w in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 16), (8192, 8),
                                               (8192, 16), (32768, 32))]
 
@@ -264,7 +274,7 @@ def _expand(fam_name: str, kernel: str, body: str, item: str) -> list[Candidate]
     if cls is None:
         if body:
             raise ValueError(f"{where}: kernel {kernel} takes no config")
-        return [Plan(kernel)]
+        return [_plan(kernel)]
     fields = cls._fields
     kinds = {f: _type_name(t) for f, t in cls.__annotations__.items()}
     given: dict[str, list[Any]] = {}
@@ -289,7 +299,7 @@ def _expand(fam_name: str, kernel: str, body: str, item: str) -> list[Candidate]
         raise ValueError(f"{where}: {cls.__name__} needs {', '.join(missing)} (fields: {', '.join(fields)})")
     names = list(given)
     configs = [cls(**dict(zip(names, combo))) for combo in itertools.product(*(given[n] for n in names))]
-    return configs if kernel == "act_quant" else [Plan(kernel, c) for c in configs]
+    return configs if kernel == "act_quant" else [_plan(kernel, c) for c in configs]
 
 
 def parse_candidates(fam_name: str, spec: str) -> list[Candidate]:

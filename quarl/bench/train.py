@@ -74,14 +74,14 @@ WORKLOADS: dict[str, Workload] = {
     # W1-long: ~256k generated tokens per step; a budget that holds two rows of prompt + 4096 tokens
     # (8192 held one: two are ~8300)
     "w1-long": Workload("qwen2.5-1.5b", prompts=8, n=8, gen=4096, token_budget=8448, steps=4),
-    # [L]: LoRA rank 64 on a Qwen2.5-7B-shape base, 64 rollouts x 1024 tokens (compare bf16 and aligned-w4a16)
+    # LoRA rank 64 on a Qwen2.5-7B-shape base, 64 rollouts x 1024 tokens (compare bf16 and aligned-w4a16)
     "lora-7b": Workload("qwen2.5-7b", prompts=8, n=8, gen=1024, token_budget=4096, steps=5, warmup=2,
                         extra=("--model.lora_rank=64",)),
-    # [L]: a Qwen2.5-32B-shape w4a16 base + LoRA 64 on one GPU (its bf16 weights alone are 65 GB)
+    # a Qwen2.5-32B-shape w4a16 base + LoRA 64 on one GPU (its bf16 weights alone are 65 GB)
     "lora-32b": Workload("qwen2.5-32b", prompts=8, n=8, gen=1024, token_budget=4096, steps=2, random_base=True,
                          extra=("--model.lora_rank=64", "--trainer.activation_checkpointing=true",
                                 "--rollout.engine.gpu_memory_utilization=0.65")),
-    # [L]: a full fine-tune of the 7B shape in the lean settings (activation checkpointing, bf16 weights and
+    # a full fine-tune of the 7B shape in the lean settings (activation checkpointing, bf16 weights and
     # Adam moments with stochastic rounding: 8 bytes a parameter); run it with --modes aligned-w4a16
     # (the KV cache released through each update, micro-batches of 2048 tokens: 80 GB holds the 8 bytes a
     # parameter, the engine's w4a16 copy and little else; the engine's share of the GPU raised from the
@@ -91,7 +91,7 @@ WORKLOADS: dict[str, Workload] = {
                              extra=("--trainer.activation_checkpointing=true", "--optim.fp32_master=false",
                                     "--optim.state_dtype=bfloat16", "--rollout.kv_cache_in_update=release",
                                     "--rollout.engine.gpu_memory_utilization=0.4")),
-    # [D2]: a full fine-tune too big for one GPU, its learner sharded over the ranks (14B in the lean
+    # a full fine-tune too big for one GPU, its learner sharded over the ranks (14B in the lean
     # settings: bf16 weights and Adam moments, 8 bytes a parameter with the gradients, 118 GB); run it
     # with --gpus 4 (prompts per GPU: 12 a step on 4 GPUs, which 2, 3 and 6 GPUs divide too)
     "full-14b-sharded": Workload("qwen2.5-14b", prompts=3, n=8, gen=1024, token_budget=4096, steps=3,

@@ -1,7 +1,7 @@
 """``quarl bench gemm``: bf16 vs every quantized format on real models' linear shapes.
 
 Wired by the CLI as a ``bench`` subcommand through :func:`add_parser` / :func:`run`;
-also runnable alone: ``python3 -m quarl.cli.bench_gemm --out bench/results/gemm.json``.
+also runnable alone: ``python3 -m quarl.cli.bench_gemm --out bench/baselines/gemm_h100.json``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "parallel) with the workload's prompts per GPU, e.g. --gpus 1,2,4; reports each count's step "
                    "breakdown and its efficiency against one GPU. Sharding the learner: add "
                    "--trainer.shard_learner=true")
-    p.add_argument("--out", help="write the JSON result here (e.g. bench/results/train_w1_h100.json); it is "
+    p.add_argument("--out", help="write the JSON result here (e.g. bench/baselines/train_w1_h100.json); it is "
                    "saved after every run")
     p.add_argument("--resume", action="store_true",
                    help="continue the result at --out (a call cut short): keep the runs it has, run the missing "

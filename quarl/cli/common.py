@@ -25,6 +25,7 @@ def load_model_and_tokenizer(args: argparse.Namespace, scheme=None):
     from quarl.model.presets import build_random_model
     from quarl.tasks.tokenizer import load_tokenizer
 
+    _check_dirs(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.model and scheme is not None and scheme.quantizes_weights:
@@ -47,6 +48,35 @@ def load_model_and_tokenizer(args: argparse.Namespace, scheme=None):
     return model, tok, device
 
 
+def _check_dirs(args: argparse.Namespace) -> None:
+    """``--model`` and ``--tokenizer`` exist and hold what they name, in this command's flags (the
+    loaders' own messages name the run config's settings)."""
+    if args.model and not Path(args.model).exists():
+        raise FileNotFoundError(f"--model {args.model} does not exist: pass a local Hugging Face model directory "
+                                "(config.json + *.safetensors), or leave --model out for the built-in random model")
+    if args.tokenizer in (None, "builtin"):
+        return
+    if not Path(args.tokenizer).exists():
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer} does not exist: pass a local tokenizer (or model) "
+                                "directory, or leave --tokenizer out for the model's own")
+    if not _has_tokenizer(args.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer} has no tokenizer files (tokenizer.json / "
+                                "tokenizer_config.json): pass the model's tokenizer directory, or --tokenizer builtin "
+                                "for the built-in character tokenizer")
+
+
 def _has_tokenizer(path: str) -> bool:
     p = Path(path)
     return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def os_error(e: OSError, writes_under: Path, what: str, fix: str) -> ValueError:
+    """A one-line error for an ``OSError`` that the OS raised on ``e.filename`` (a read-only or
+    full disk, a file where a directory should be, no permission): a failed write when the path
+    lies under ``writes_under`` (``fix`` then says where else to write), else a failed read."""
+    path = Path(e.filename).resolve()
+    reason = e.strerror or type(e).__name__
+    root = writes_under.resolve()
+    if path == root or root in path.parents:
+        return ValueError(f"cannot write {what}: {reason}: {e.filename}; {fix}")
+    return ValueError(f"cannot read {e.filename}: {reason}")

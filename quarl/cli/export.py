@@ -30,9 +30,20 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from quarl.cli.common import os_error
     from quarl.export.run import export_checkpoint
 
-    res = export_checkpoint(args.source, args.out, args.format, args.step, args.scheme, force=args.force)
+    try:
+        res = export_checkpoint(args.source, args.out, args.format, args.step, args.scheme, force=args.force)
+    except OSError as e:
+        if e.filename is None:  # the export's own messages (no such run, no checkpoint): as they are
+            raise
+        # the export is written beside --out, then renamed into place: a failure there is a write
+        out = Path(args.out)
+        raise os_error(e, out.absolute().parent, f"the export to {out}",
+                       "pick a writable directory for --out") from None
     print(f"exported step {res.step} ({res.checkpoint}) as {res.format} to {res.out}")
     if res.copied:
         print(f"tokenizer files: {', '.join(res.copied)}")

@@ -17,6 +17,9 @@ OPTIONAL = {
     "transformers": "transformers", "rich": "rich", "tensorboard": "tensorboard", "math_verify": "math-verify",
     "matplotlib": "matplotlib", "pyarrow": "pyarrow", "compressed_tensors": "compressed-tensors",
 }
+# Import name -> (package, extra) of what only some commands need: triton runs the GPU kernels that
+# `quarl bench` times; the CPU torch wheel and the "train" extra leave it out.
+OPTIONAL_ELSEWHERE = {"triton": ("triton", "triton")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,16 +65,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = str(e)
         if isinstance(e, ModuleNotFoundError):
-            package = OPTIONAL.get((e.name or "").split(".")[0])
-            if package is None:
-                raise  # not a missing optional dependency: a bug, keep its traceback
-            message = f'this needs the Python package {package}, which is not installed: pip install -e ".[train]"'
+            message = _install_hint(e)
         rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         if rank == "0":
             print(f"quarl {args.command}: error: {message}", file=sys.stderr)
         elif local == "0":  # (every rank meets the same setting's error: one line per node, not per rank)
             print(f"quarl {args.command} (rank {rank}, first of its node): error: {message}", file=sys.stderr)
         return 2
+
+
+def _install_hint(e: ModuleNotFoundError) -> str:
+    """The one-line install command for a missing optional package; re-raises anything else."""
+    top = (e.name or "").split(".")[0]
+    package, extra = (OPTIONAL[top], "train") if top in OPTIONAL else OPTIONAL_ELSEWHERE.get(top, (None, None))
+    if package is None:
+        raise e  # not a missing optional dependency: a bug, keep its traceback
+    return f'this needs the Python package {package}, which is not installed: pip install -e ".[{extra}]"'
 
 
 if __name__ == "__main__":

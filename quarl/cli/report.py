@@ -21,7 +21,30 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from quarl.cli.common import os_error
     from quarl.trainer.report import render_report
 
-    print(render_report(args.run_dirs, args.out))
+    out_dir = args.out if args.out is not None else args.run_dirs[0]
+    try:
+        _check_has_metrics(args.run_dirs)
+        print(render_report(args.run_dirs, args.out))
+    except OSError as e:
+        if e.filename is None:  # the report's own messages (not a run directory): as they are
+            raise
+        raise os_error(e, out_dir, f"the report into {out_dir}",
+                       "pass --out DIR to write it into a writable directory") from None
     return 0
+
+
+def _check_has_metrics(run_dirs: list[Path]) -> None:
+    """Refuse a run whose metrics.jsonl holds no row yet (a run that has not finished a step, or
+    a file emptied by hand): its report would be empty and replace a good one."""
+    from quarl.trainer.logger import read_metrics
+
+    for d in run_dirs:
+        if not (d / "metrics.jsonl").is_file():
+            continue  # render_report names what is missing
+        if not read_metrics(d, warn=lambda _: None):
+            others = " (or leave it out of the comparison)" if len(run_dirs) > 1 else ""
+            raise ValueError(f"{d / 'metrics.jsonl'} holds no metrics yet: nothing to report, and any report "
+                             f"already there is kept; report {d} once it has logged a step{others}")

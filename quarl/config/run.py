@@ -9,6 +9,10 @@ resolved configuration.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import fnmatch
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,10 +23,13 @@ from quarl.quant.scheme import SCHEMES, QuantScheme
 from quarl.rollout.config import EngineConfig
 
 
+# The range checks below skip None: an optional field left unset takes its user's own default.
+# Each comparison is written so that NaN fails it.
+
 def _at_least(section: str, obj: object, minimum: float, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value < minimum:
+        if value is not None and not value >= minimum:
             raise ConfigError(
                 f"{section}.{name} must be >= {minimum}, got {value}: set --{section}.{name} to {minimum} or more"
             )
@@ -31,8 +38,22 @@ def _at_least(section: str, obj: object, minimum: float, *names: str) -> None:
 def _positive(section: str, obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not value > 0:
+        if value is not None and not value > 0:
             raise ConfigError(f"{section}.{name} must be > 0, got {value}: set --{section}.{name} to a positive number")
+
+
+def _within(section: str, obj: object, name: str, low: float, high: float, *, open_low: bool = False,
+            open_high: bool = False, meaning: str = "") -> None:
+    """``section.name`` in the interval from ``low`` to ``high`` (each end closed unless open)."""
+    value = getattr(obj, name)
+    if value is None:
+        return
+    above = value > low if open_low else value >= low
+    below = value < high if open_high else value <= high
+    if not (above and below):
+        interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+        raise ConfigError(f"{section}.{name} must be in {interval}{meaning}, got {value}: set --{section}.{name} "
+                          f"to a value in {interval}")
 
 
 @dataclass
@@ -43,7 +64,7 @@ class ModelConfig:
                      "qwen3-8b"] = "small"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one; "builtin"
-    # LoRA (README, "LoRA on a low-bit base"): > 0 trains adapters of this rank on a frozen base held
+    # LoRA (docs/lora.md): > 0 trains adapters of this rank on a frozen base held
     # in quant.scheme (engine and learner share it); 0 = full fine-tune
     lora_rank: int = 0
     lora_alpha: float | None = None  # None = 2 * lora_rank (adapter scaling alpha / rank = 2)
@@ -87,8 +108,8 @@ class DataConfig:
     def validate(self) -> None:
         if self.task == "file" and not self.path:
             raise ConfigError("data.path is required when data.task is 'file' (a .jsonl or .parquet file)")
-        _at_least("data", self, 1, "num_train")
-        _at_least("data", self, 0, "reward_workers")
+        _at_least("data", self, 1, "num_train", "difficulty", "max_prompt_len")
+        _at_least("data", self, 0, "reward_workers", "num_eval")  # num_eval 0: no held-out split
         _positive("data", self, "reward_timeout_s")
         if self.reward not in ("builtin", "math"):
             from quarl.tasks.rewards import resolve_reward
@@ -125,7 +146,7 @@ class RolloutConfig:
 
     _moved = {  # old key -> where it lives now
         "kv_cache_fraction": "rollout.engine.gpu_memory_utilization (a fraction of the GPU's total memory that "
-                             "the process may hold once the KV cache exists; README, 'One GPU for engine and learner')",
+                             "the process may hold once the KV cache exists; docs/configuration.md)",
         "num_kv_blocks": "rollout.engine.num_kv_blocks", "block_size": "rollout.engine.block_size",
         "max_num_seqs": "rollout.engine.max_num_seqs", "cuda_graphs": "rollout.engine.cuda_graphs",
         "release_kv_cache": "rollout.kv_cache_in_update=release (or keep, or auto: the default)",
@@ -133,17 +154,17 @@ class RolloutConfig:
     }
 
     def validate(self) -> None:
-        if self.n < 1:
-            raise ConfigError("rollout.n must be >= 1")
-        if not 0 < self.engine.gpu_memory_utilization <= 1:
-            raise ConfigError("rollout.engine.gpu_memory_utilization must be in (0, 1]")
+        _at_least("rollout", self, 1, "n")
+        _within("rollout.engine", self.engine, "gpu_memory_utilization", 0, 1, open_low=True,
+                meaning=" (a share of the GPU's memory)")
+        _at_least("rollout.engine", self.engine, 1, "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "num_kv_blocks", "max_graph_batch", "top_p_candidates")
         if self.engine.max_model_len is not None:
             raise ConfigError("rollout.engine.max_model_len is set by the trainer (data.max_prompt_len + "
                               "rollout.max_new_tokens): set those instead")
         _at_least("rollout", self, 1, "max_new_tokens")
         _at_least("rollout", self, 0, "temperature")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p} (1 = no nucleus cut)")
+        _within("rollout", self, "top_p", 0, 1, open_low=True, meaning=" (1 = no nucleus cut)")
 
 
 @dataclass
@@ -158,11 +179,50 @@ class QuantConfig:
     exclude: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
+        _positive("quant", self, "uaq_scale")
+        self._check_patterns()
         if self.mode is QuantMode.BF16:
             self.scheme = SCHEMES["bf16"]
         elif self.scheme is SCHEMES["bf16"]:
             raise ConfigError(f"quant.mode={self.mode} with quant.scheme=bf16 quantizes nothing: use "
                               "quant.mode=bf16, or pick a low-bit scheme")
+
+    def _check_patterns(self) -> None:
+        """Each include / exclude pattern names some linear layer of a quarl model (a typo would
+        silently quantize nothing, or what was meant to stay dense), and low-bit modes keep one."""
+        names = _linear_names(tuple(self.include) + tuple(self.exclude))
+        for key, patterns in (("include", self.include), ("exclude", self.exclude)):
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                    raise ConfigError(
+                        f"quant.{key} pattern {pattern!r} matches no linear layer: patterns are fnmatch globs over "
+                        "module names, e.g. layers.* (every decoder linear, the default include), layers.0.*, "
+                        "*.mlp.*, *.self_attn.q_proj, lm_head")
+        kept = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in self.include)
+                and not any(fnmatch.fnmatchcase(n, p) for p in self.exclude)]
+        if self.mode is not QuantMode.BF16 and not kept:
+            raise ConfigError(f"quant.include={self.include} minus quant.exclude={self.exclude} selects no linear "
+                              f"layer: quant.mode={self.mode} would quantize nothing; narrow quant.exclude, or use "
+                              "quant.mode=bf16")
+
+
+@functools.lru_cache(maxsize=8)
+def _linear_names(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """The linear layers' module names of a quarl Transformer (those of one decoder layer, read off a
+    meta-device model, repeated for layer indices 0-127 and any number a pattern names; lm_head)."""
+    import torch
+    from torch import nn
+
+    from quarl.model.presets import preset_config
+    from quarl.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(preset_config("tiny"), num_hidden_layers=1))
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    inner = [n.removeprefix("layers.0.") for n in linears if n.startswith("layers.0.")]
+    outer = [n for n in linears if not n.startswith("layers.")] or ["lm_head"]
+    indices = set(range(128)) | {int(d) for p in patterns for d in re.findall(r"\d+", p)}
+    return tuple(f"layers.{i}.{n}" for i in sorted(indices) for n in inner) + tuple(outer)
 
 
 @dataclass
@@ -213,6 +273,20 @@ class AlgoConfig:
                 "--algo.error_window"
             )
 
+    def _check_ranges(self) -> None:
+        # the clip band [1 - eps_low, 1 + eps_high]: a lower distance of 1 or more (or any below 0)
+        # is no band at all; delta_* bound TBPO's band for negative advantages the same way
+        for name in ("eps_low", "delta_low"):
+            _within("algo", self, name, 0, 1, open_high=True, meaning=" (the clip band's lower distance, 1 - x)")
+        _at_least("algo", self, 0, "eps_high", "delta_high", "kl_coef", "value_coef")
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
+            raise ConfigError(f"algo.dual_clip_c must be > 1 (a cap of c times the advantage on the loss of a "
+                              f"negative-advantage token), got {self.dual_clip_c}: set --algo.dual_clip_c above 1 "
+                              "(e.g. 3) or leave it unset")
+        _positive("algo", self, "tau_pos", "tau_neg")
+        for name in ("gamma", "lam"):
+            _within("algo", self, name, 0, 1, meaning=" (GAE's discount / trace decay)")
+
     def correction_spec(self):
         """The :class:`~quarl.algos.corrections.CorrectionSpec` these fields describe (raises
         ``ValueError`` on a conflict; :meth:`validate` turns it into a ConfigError)."""
@@ -225,6 +299,7 @@ class AlgoConfig:
                           reject_high=self.reject_high, veto=self.veto)
 
     def validate(self) -> None:
+        self._check_ranges()
         self._check_error_fields()
         from quarl.algos.corrections import PRESETS, SEQ_CORRECTIONS, TOKEN_CORRECTIONS
         from quarl.algos.losses import ROW_WEIGHTS, SEQUENCE_LOSSES
@@ -265,7 +340,11 @@ class OptimConfig:
     state_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self) -> None:
-        _positive("optim", self, "lr")
+        _positive("optim", self, "lr", "muon_lr", "grad_clip")  # (a clip at 0 would zero every gradient)
+        _at_least("optim", self, 0, "weight_decay", "warmup_steps")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {self.betas}: "
+                              "set e.g. --optim.betas=0.9,0.999")
 
 
 @dataclass
@@ -307,6 +386,8 @@ class TrainerConfig:
         _at_least("trainer", self, 1, "steps", "prompts_per_step", "token_budget", "ppo_epochs", "mini_batches",
                   "keep_last", "max_bad_steps")
         _at_least("trainer", self, 0, "save_every", "eval_every")  # 0 = never
+        _at_least("trainer", self, 0, "sft_warmup_steps", "log_samples")
+        _positive("trainer", self, "sft_lr")
         if not 0 <= self.sft_target_exact <= 1:
             raise ConfigError(f"trainer.sft_target_exact is a share of the held-out solutions (0 = off), got "
                               f"{self.sft_target_exact}: set --trainer.sft_target_exact between 0 and 1")

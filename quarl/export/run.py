@@ -89,7 +89,38 @@ def export_checkpoint(
     return ExportResult(out, ckpt.path, ckpt.step, fmt, copied)
 
 
+def _run_files(d: Path, config: bool = True) -> list[str]:
+    """What makes ``d`` hold a training run (the files ``trainer.resume.existing_run`` looks at,
+    and the config.yaml a resume reads; ``config=False`` leaves that out): empty when none."""
+    names = ("metrics.jsonl", "config.yaml") if config else ("metrics.jsonl",)
+    found = [name for name in names if (d / name).is_file()]
+    return found + (["checkpoints/"] if (d / "checkpoints").is_dir() else [])
+
+
+def _check_not_a_run(out: Path, force: bool) -> None:
+    """Refuse an ``--out`` that is a run directory, lies inside one, or (``--force``) holds one
+    below it: the export replaces ``--out`` whole, so any of these would delete run files, and
+    ``--force`` must not make that possible. An ancestor's lone config.yaml is a user's run config
+    beside their exports, not a run: only metrics or checkpoints make an ancestor a run."""
+    target = out.resolve()
+    for d in (target, *target.parents):
+        found = _run_files(d, config=d == target)
+        if found:
+            where = "is" if d == target else "is inside"
+            raise ValueError(f"--out {out} {where} the run directory {d} (it holds {', '.join(found)}): exporting "
+                             f"there would replace the run's files, --force or not; pick a directory outside any "
+                             f"run, e.g. --out {d.parent / (d.name + '-export')}")
+    if not (force and target.is_dir()):
+        return  # without --force a non-empty --out is refused anyway: no need to walk it
+    for sub in sorted(p for p in target.rglob("*") if p.is_dir() and not p.is_symlink()):
+        found = _run_files(sub)
+        if found:
+            raise ValueError(f"--out {out} holds the run directory {sub} (it holds {', '.join(found)}): "
+                             "--force would delete that run; pick a new or empty directory")
+
+
 def _check_out(out: Path, force: bool) -> None:
+    _check_not_a_run(out, force)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory")
     if out.is_dir() and any(out.iterdir()) and not force:

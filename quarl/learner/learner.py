@@ -32,7 +32,8 @@ from quarl.learner.logprobs import sequence_logprobs
 from quarl.learner.optim import MasterWeights, adamw, build_optimizer, warmup_constant
 from quarl.learner.sharded import reshard, shard_model
 from quarl.learner.trained import Trained
-from quarl.model.compiled_ops import COMPILED_OPS
+from quarl.learner.compiled_ops import COMPILED_OPS
+from quarl.learner.memory import drop_dense_bases
 from quarl.model.lora import adapters_disabled, has_lora
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
 from quarl.quant.linear import deferred_master_grads, drop_dequantized, set_per_use_dequant
@@ -193,6 +194,7 @@ class Learner:
         """Free the dequantized weights the model's quantized linears keep between forwards
         (and a LoRA learner's frozen base, when it keeps it dense through an update)."""
         drop_dequantized(self.model)
+        drop_dense_bases(self.model)
 
     def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
         """``ppo_epochs`` x ``mini_batches`` optimizer steps on ``batch`` (already on device).
@@ -267,7 +269,7 @@ class Learner:
                 names = list(m)  # (every micro-batch reports the same names)
                 term = torch.stack([v.double().reshape(()) for v in m.values()]) * weight
                 acc = term if acc is None else acc + term
-        drop_dequantized(self.model, frozen=False)  # stale at the step: not held through it (frozen bases stay)
+        drop_dequantized(self.model)  # stale at the step: not held through it (frozen bases stay)
         if self.master is not None:
             self.master.grads_to_masters()
         # the weighted losses of all ranks add up to the mini-batch's: so do their grads and metrics

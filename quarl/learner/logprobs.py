@@ -176,7 +176,7 @@ def sequence_logprobs(
     Returns ``[B, T-1]`` (float32). Padded and packed batches as in
     :meth:`Transformer.forward`; positions whose target is padding or belongs to the
     next packed sequence hold meaningless values and must be masked by the caller. ``ops``
-    runs the forward's steps (the learner passes :class:`~quarl.model.compiled_ops.CompiledOps` on CUDA,
+    runs the forward's steps (the learner passes :class:`~quarl.learner.compiled_ops.CompiledOps` on CUDA,
     wrapped in :class:`~quarl.model.transformer.CheckpointedOps` with activation checkpointing).
     With ``model.kv_quant = "fp8"`` attention sees K/V rounded as the engine's fp8 KV cache
     stores them (:func:`~quarl.model.transformer.batch_attention`). ``right_padded=True``

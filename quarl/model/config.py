@@ -153,10 +153,11 @@ class TransformerConfig:
         path = Path(path)
         cfg_file = path / "config.json"
         if not path.is_dir():
-            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist: point the model path at a local "
+                                    "Hugging Face model directory (config.json + *.safetensors)")
         if not cfg_file.is_file():
             raise FileNotFoundError(
-                f"{str(path)!r} has no config.json: point --model at a Hugging Face checkpoint "
+                f"{str(path)!r} has no config.json: point the model path at a Hugging Face checkpoint "
                 "directory (config.json + *.safetensors)"
             )
         try:

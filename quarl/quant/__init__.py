@@ -5,7 +5,8 @@ learner (:class:`QATLinear`); see :mod:`quarl.quant.reference` for the formats' 
 definitions and bit layouts and :mod:`quarl.quant.kernels` for the fast paths.
 """
 
-from quarl.quant.linear import QATLinear, QuantLinear, load_published, publish_model, quantize_model
+from quarl.quant.linear import QATLinear, QuantLinear, quantize_model
+from quarl.quant.publish import load_published, publish_model
 from quarl.quant.mode import QuantMode
 from quarl.quant.metrics import rel_quant_err, rel_update, update_visible_frac
 from quarl.quant.ops import get_backend, quant_linear, set_backend, use_backend

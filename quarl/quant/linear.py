@@ -1,4 +1,4 @@
-"""The two quantized linear modules and the helpers that swap/publish them in a model.
+"""The two quantized linear modules and the helpers that swap them into a model (publishing: :mod:`.publish`).
 
 * :class:`QuantLinear` (rollout engine): holds only the packed tensors, as buffers
   whose storage never moves, so a CUDA graph captured over it stays valid when new
@@ -22,7 +22,7 @@
   moves the leaf's gradient onto the master weight (straight-through). Per micro-batch this
   saves a Python forward and backward per linear, which is what bounds a learner whose
   kernels take tens of microseconds.
-* The learner's compiled regions (:mod:`quarl.model.compiled_ops`) take a linear as data
+* The learner's compiled regions (:mod:`quarl.learner.compiled_ops`) take a linear as data
   (:func:`traceable`): that leaf, or for schemes that quantize activations the engine's
   quantizer (torch ops the compiler fuses) and GEMM (the op ``quarl::quantized_input_gemm``)
   under a straight-through autograd function that the compiler traces into the region's
@@ -40,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.lora import LoRALinear, add_adapter, apply_adapter
+from quarl.model.lora import LoRALinear, apply_adapter
 from quarl.quant import ops
-from quarl.quant import reference as ref
+from quarl.quant.dense_leaf import DequantizedLeaf, deferring
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight, quantize_weights
 from quarl.quant.scheme import QuantScheme, get_scheme
+from quarl.quant.traced import _straight_through, traced_linear  # noqa: F401 (traced_linear runs traced_qat's forms)
 from quarl.runtime import saves_nothing_past_the_layer
 
 DEFAULT_INCLUDE = ("layers.*",)
@@ -134,7 +135,8 @@ class _FrozenQuantMatmul(torch.autograd.Function):
     otherwise). Backward: ``grad_x = grad_y @ deq(W)`` (straight-through for W8A8). The
     dequantized weight comes from ``repacked``: made per GEMM by default, so a layer's dense
     weight lives only while its GEMM runs and a large base never exists in bf16 as a whole;
-    kept through the learner phase where memory allows (:func:`keep_frozen_bases_dense`)."""
+    kept through the learner phase where memory allows
+    (:func:`~quarl.learner.memory.keep_frozen_bases_dense`)."""
 
     @staticmethod
     def forward(ctx, x, bias, qw: QuantizedWeight, repacked: RepackCache):  # type: ignore[override]
@@ -201,70 +203,6 @@ class _QATMatmul(torch.autograd.Function):
         return (grad_x, grad_b, None, None, *grad_ws)
 
 
-_DEFERRED = 0  # > 0 inside deferred_master_grads(): leaves keep their gradient until its exit
-
-
-class _DequantizedLeaf:
-    """The dequantized weight that ``F.linear`` differentiates where the engine's GEMM is a
-    matmul over it (module docstring): a leaf tensor made once per weight version, whose
-    accumulated gradient a hook hands, row block by row block, to the master weights (at once,
-    or at the exit of :func:`deferred_master_grads`)."""
-
-    def __init__(self, keep: bool = True, straight_through: bool = False) -> None:
-        self.leaf: torch.Tensor | None = None
-        self.of: QuantizedWeight | None = None
-        self.masters: list[torch.Tensor] = []
-        # False (:func:`set_per_use_dequant`): no leaf; the linear runs _QATMatmul, which
-        # dequantizes at each use and keeps nothing (one layer's dense weight at a time)
-        self.keep = keep
-        # with keep False, in compiled regions (:func:`set_straight_through`): the weight
-        # dequantized at each use, its gradient passed to the masters through autograd
-        self.straight_through = straight_through
-
-    def __deepcopy__(self, memo) -> "_DequantizedLeaf":  # a copy's hook would feed this one's masters
-        return _DequantizedLeaf(self.keep, self.straight_through)
-
-    def __getstate__(self) -> dict:
-        return {"leaf": None, "of": None, "masters": [], "keep": self.keep, "straight_through": self.straight_through}
-
-    def get(self, qw: QuantizedWeight, dtype: torch.dtype, repacked: RepackCache,
-            masters: list[torch.Tensor]) -> torch.Tensor:
-        if self.leaf is not None and self.of is qw and self.leaf.dtype == dtype:
-            return self.leaf
-        with torch.inference_mode(False), torch.no_grad():
-            w = repacked.dequantized(qw, dtype, ops.dequantize)
-            leaf = w.clone() if w.is_inference() else w.detach()
-        self.flush()
-        if any(p.requires_grad for p in masters):
-            leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(lambda t: None if _DEFERRED else self.flush())
-        self.leaf, self.of, self.masters = leaf, qw, masters
-        return leaf
-
-    def flush(self) -> None:
-        """Hand the leaf's accumulated gradient to the master weights (nothing if it has none)."""
-        if self.leaf is not None and self.leaf.grad is not None:
-            _grad_to_masters(self.leaf, self.masters)
-
-    def drop(self) -> None:
-        self.flush()
-        self.leaf, self.of, self.masters = None, None, []
-
-
-def _grad_to_masters(leaf: torch.Tensor, masters: list[torch.Tensor]) -> None:
-    g, leaf.grad = leaf.grad, None
-    row = 0
-    for p in masters:
-        part, row = g[row : row + p.shape[0]], row + p.shape[0]
-        if not p.requires_grad:
-            continue
-        part = part.to(p.dtype)
-        if p.grad is None:
-            p.grad = part  # (a row block of a group's gradient: a view, no second copy of it)
-        else:
-            p.grad += part
-
-
 def learner_runs_dequantized(x: torch.Tensor, qw: QuantizedWeight) -> bool:
     """Whether the learner's aligned forward of ``qw`` on ``x`` is ``F.linear`` over the
     dequantized weight: weight-only schemes wherever the engine's fast kernels run, at every
@@ -278,7 +216,7 @@ def learner_runs_dequantized(x: torch.Tensor, qw: QuantizedWeight) -> bool:
 
 
 def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, repacked: RepackCache,
-                leaf: _DequantizedLeaf, masters: list[torch.Tensor]) -> torch.Tensor:
+                leaf: DequantizedLeaf, masters: list[torch.Tensor]) -> torch.Tensor:
     """The QAT forward of master weights ``masters`` stacked as ``qw``: ``F.linear`` on the
     dequantized leaf for weight-only schemes (:func:`learner_runs_dequantized`), else the
     autograd function."""
@@ -287,73 +225,7 @@ def _qat_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
     return _QATMatmul.apply(x, bias, qw, repacked if leaf.keep else None, *masters)
 
 
-# Defined through torch.library.Library rather than ``torch.library.custom_op``: the latter
-# wraps each call in output checks that cost the host ~0.1 ms, per linear and micro-batch.
-# The op has no autograd formula of its own: a registered one runs as a Python kernel at every
-# call of the compiled forward (~0.1 ms of host each); the straight-through gradient is the
-# autograd function below, which the compiler traces into the region's backward instead.
-_LIB = torch.library.Library("quarl", "FRAGMENT")
-_LIB.define("quantized_input_gemm(Tensor xq, Tensor sx, Tensor? bias, Tensor qdata, Tensor? scales, Tensor? zeros, "
-            "str scheme, SymInt n, ScalarType dtype) -> Tensor")
-
-
-def _quantized_input_gemm_impl(xq: torch.Tensor, sx: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
-                               scales: torch.Tensor | None, zeros: torch.Tensor | None, scheme: str, n: int,
-                               dtype: torch.dtype) -> torch.Tensor:
-    """The engine's GEMM of a scheme that quantizes activations (W8A8 / W4A8) on per-token
-    codes ``xq [M, K]`` and scales ``sx [M]`` (quantized in the region, :func:`traced_linear`),
-    as one op a compiled region can hold: ``[M, n]`` in ``dtype``; ``qdata`` / ``scales`` /
-    ``zeros`` are the packed weight."""
-    qw = QuantizedWeight(get_scheme(scheme), (n, xq.shape[-1]), qdata, scales, zeros)
-    return ops.quant_linear_quantized_input(xq, sx, qw, bias, dtype)
-
-
-def _quantized_input_gemm_fake(xq, sx, bias, qdata, scales, zeros, scheme, n, dtype):
-    return xq.new_empty((xq.shape[0], n), dtype=dtype)
-
-
-_LIB.impl("quantized_input_gemm", _quantized_input_gemm_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quarl::quantized_input_gemm", _quantized_input_gemm_fake, lib=_LIB)
-_quantized_input_gemm = torch.ops.quarl.quantized_input_gemm.default
-
-
-def _region_gemm(xq: torch.Tensor, sx: torch.Tensor, bias: torch.Tensor | None, qdata: torch.Tensor,
-                 scales: torch.Tensor | None, zeros: torch.Tensor | None, scheme: str, n: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """:data:`_quantized_input_gemm`; in a compiled region on a GPU, an fp8 scheme's GEMM is
-    called by the region's own code instead: cuBLASLt's row-scaled ``_scaled_mm``, which the
-    engine runs from 257 rows on (``dispatch.FP8``; the learner's micro-batches), with no
-    custom-op dispatch on the host. Its shape check needs the row count known not to be 1
-    (:class:`~quarl.model.compiled_ops.CompiledOps` runs one-row batches step by step)."""
-    if torch.compiler.is_compiling() and get_scheme(scheme).act_format == "fp8":
-        from quarl.quant.kernels.w8a8 import cublas_fits, scaled_rows_mm
-
-        if cublas_fits(xq, n, xq.shape[-1]):
-            torch._check(xq.shape[0] != 1)
-            return scaled_rows_mm(xq, sx, qdata, scales, bias, dtype)
-    return _quantized_input_gemm(xq, sx, bias, qdata, scales, zeros, scheme, n, dtype)
-
-
-class _QuantizedInputSTE(torch.autograd.Function):
-    """The aligned W8A8 / W4A8 linear on ``x [M, K]``: the engine's GEMM on ``x``'s codes
-    (:data:`_quantized_input_gemm`), with the straight-through gradient ``grad_x = grad_y @
-    W_deq``, ``grad_W = grad_y^T @ x_seen`` (``weight``: the dequantized weight; ``seen``:
-    ``x`` as the GEMM sees it)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, xq, sx, seen, qdata, scales, zeros, scheme):
-        ctx.save_for_backward(weight, seen)
-        ctx.has_bias = bias is not None
-        return _region_gemm(xq, sx, bias, qdata, scales, zeros, scheme, weight.shape[0], x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        weight, seen = ctx.saved_tensors
-        grad_b = grad_y.sum(0) if ctx.has_bias else None
-        return grad_y @ weight, grad_y.t() @ seen, grad_b, None, None, None, None, None, None, None
-
-
-def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache, leaf: _DequantizedLeaf,
+def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache, leaf: DequantizedLeaf,
                masters: list[torch.Tensor]) -> tuple | None:
     """The QAT forward of ``masters`` (stacked as ``qw``) on inputs like ``x`` as plain data a
     compiled region runs with :func:`traced_linear` (no Python autograd function inside):
@@ -373,37 +245,6 @@ def traced_qat(x: torch.Tensor, qw: QuantizedWeight, bias, repacked: RepackCache
     return ("quantized_input", w, bias, qw.qdata, qw.scales, qw.zeros, sc.name)
 
 
-def _straight_through(qw: QuantizedWeight, dtype: torch.dtype, masters: list[torch.Tensor]) -> torch.Tensor:
-    """The dequantized weight ``W_deq`` made now, plus zero times the stacked master weights:
-    the values of ``W_deq`` exactly (``m - m`` is 0), and a gradient that autograd carries to
-    the masters (straight-through), with no hook and no leaf kept between forwards: what a
-    sharded learner needs, whose masters are gathered per forward and reduce their gradients
-    when the backward reaches them (:func:`set_straight_through`)."""
-    with torch.no_grad():
-        deq = ops.dequantize(qw, dtype)
-    stacked = masters[0] if len(masters) == 1 else torch.cat(masters)
-    return deq + (stacked - stacked.detach()).to(dtype)
-
-
-def traced_linear(x: torch.Tensor, lin: tuple, codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Run a linear described by :func:`traced_qat` or :func:`traceable` (inside or outside a
-    compiled region). A tuple of biases (a group's) is concatenated. ``("dense", W, bias,
-    (A, B, scaling))``: a frozen base plus a LoRA adapter, summed as the adapter's ``add_to``
-    sums them (one ``addmm``). ``codes``: a quantized-input linear's per-token codes and
-    scales of ``x``'s rows, made by the caller (the values the quantizer below gives)."""
-    bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
-    if lin[0] == "dense":
-        y = F.linear(x, lin[1], bias)
-        return y if len(lin) < 4 else add_adapter(y, x, *lin[3])
-    # the engine's per-token quantizer as torch ops (quarl.quant.reference, whose values its
-    # kernels give bit for bit): in a compiled region it fuses into the kernel that wrote x
-    rows = x.reshape(-1, x.shape[-1])
-    xq, sx = codes if codes is not None else ref.quantize_activations(rows.detach(), get_scheme(lin[-1]).act_format)
-    seen = ref.dequantize_activations(xq, sx, x.dtype)
-    y = _QuantizedInputSTE.apply(rows, lin[1], bias, xq, sx, seen, *lin[3:])
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
 def traceable(mod: nn.Module, x: torch.Tensor) -> tuple | None:
     """:func:`traced_qat`'s description of a plain ``nn.Linear`` or a :class:`QATLinear`
     on inputs like ``x``, or of a LoRA learner's linear (:func:`_traced_lora`); None for any
@@ -421,9 +262,9 @@ def _traced_lora(mod: "LoRALinear | QuantLinear", x: torch.Tensor) -> tuple | No
     """A LoRA learner's linear as ``("dense", W, bias[, (A, B, scaling)])``: a bf16 base
     (:class:`~quarl.model.lora.LoRALinear`), or a frozen low-bit base whose learner forward is
     ``F.linear`` over its dequantized weight and which either keeps that weight through the
-    update (:func:`keep_frozen_bases_dense`) or makes it per use where nothing the region saves
-    outlives the layer (activation checkpointing, or no gradient: otherwise every layer's dense
-    weight would be saved for the backward at once). The frozen ``W`` gets no gradient, the
+    update (:func:`~quarl.learner.memory.keep_frozen_bases_dense`) or makes it per use where
+    nothing the region saves outlives the layer (activation checkpointing, or no gradient:
+    otherwise every layer's dense weight would be saved for the backward at once). The frozen ``W`` gets no gradient, the
     adapter's ``A`` and ``B`` do. None for the other paths (W8A8 bases, per use otherwise)."""
     if isinstance(mod, QuantLinear):
         qw = mod.qweight
@@ -462,7 +303,7 @@ class QATLinear(nn.Module):
     def _init_caches(self) -> None:
         self._qw: QuantizedWeight | None = None
         self._qw_key: tuple | None = None
-        self._leaf = _DequantizedLeaf()
+        self._leaf = DequantizedLeaf()
         self.repacked = RepackCache(keep_dequantized=True)  # kernel layouts of the quantized weight
 
     @classmethod
@@ -523,7 +364,7 @@ class QATGroup:
         self.mods = list(mods)
         self.sizes = [m.out_features for m in self.mods]
         self.repacked = RepackCache(keep_dequantized=True)
-        self._leaf = _DequantizedLeaf(keep=all(m._leaf.keep for m in self.mods),
+        self._leaf = DequantizedLeaf(keep=all(m._leaf.keep for m in self.mods),
                                       straight_through=all(m._leaf.straight_through for m in self.mods))
         self._qw: QuantizedWeight | None = None
         self._parts: list[QuantizedWeight] = []
@@ -630,35 +471,11 @@ def _qat_holders(model: nn.Module) -> Iterator[QATLinear | QATGroup]:
         yield from _GROUPS.get(mod, {}).values()
 
 
-def drop_dequantized(model: nn.Module, frozen: bool = True) -> None:
-    """Free the dequantized weights the model's :class:`QATLinear` keep during an update, and
-    with ``frozen`` those of its frozen LoRA bases (:func:`keep_frozen_bases_dense`)."""
+def drop_dequantized(model: nn.Module) -> None:
+    """Free the dequantized weights the model's :class:`QATLinear` keep during an update (a
+    LoRA learner's frozen bases: :func:`quarl.learner.memory.drop_dense_bases`)."""
     for holder in _qat_holders(model):
         holder.drop_dequantized()
-    if frozen:
-        for m in frozen_bases(model):
-            m.repacked.drop_dequantized()
-
-
-def frozen_bases(model: nn.Module) -> list[QuantLinear]:
-    """The frozen low-bit bases of a LoRA learner (``QuantLinear`` with ``learner_path``)."""
-    return [m for m in model.modules() if isinstance(m, QuantLinear) and m.learner_path]
-
-
-def dense_bytes(mods: Iterable[QuantLinear], dtype: torch.dtype) -> int:
-    """What the modules' weights take dequantized to ``dtype``."""
-    return sum(m.out_features * m.in_features for m in mods) * dtype.itemsize
-
-
-def keep_frozen_bases_dense(model: nn.Module, on: bool = True) -> None:
-    """Whether a LoRA learner keeps each frozen base weight dequantized from its first GEMM of
-    an update to the update's end (:meth:`Learner.release_caches`), instead of dequantizing
-    it at every GEMM (forward and backward of every micro-batch: 0.4 s of a 7B step). Costs
-    the base's size in bf16 during the update; the values are the same either way."""
-    for m in frozen_bases(model):
-        m.repacked.keep_dequantized = on
-        if not on:
-            m.repacked.drop_dequantized()
 
 
 def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:
@@ -675,7 +492,7 @@ def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:
 
 def set_straight_through(model: nn.Module) -> None:
     """``model``'s aligned linears dequantize their weight at each use and, in the learner's
-    compiled regions, take it as ``W_deq + (W - W)`` (:func:`_straight_through`): the same
+    compiled regions, take it as ``W_deq + (W - W)`` (:func:`~quarl.quant.traced._straight_through`): the same
     values and gradients as the default path, without the dequantized leaf whose gradient a
     hook hands to the masters after the backward. For a sharded learner
     (:mod:`quarl.learner.sharded`), whose gathered weights must have their gradients by the
@@ -693,14 +510,12 @@ def deferred_master_grads(model: nn.Module) -> Iterator[None]:
     gradient over several backward passes (autograd adds into them in place) and hand it to the
     master weights once, at exit, instead of after every backward: a learner's micro-batches
     then pay no Python hook per linear. The master weights' gradients are the same sums."""
-    global _DEFERRED
-    _DEFERRED += 1
-    try:
-        yield
-    finally:
-        _DEFERRED -= 1
-        for holder in _qat_holders(model):
-            holder._leaf.flush()
+    with deferring():
+        try:
+            yield
+        finally:
+            for holder in _qat_holders(model):
+                holder._leaf.flush()
 
 
 def invalidate_quantized(model: nn.Module) -> None:
@@ -723,68 +538,3 @@ def requantize_stale(mods: list[QATLinear]) -> None:
     for scheme, ms in stale.items():
         for m, qw in zip(ms, quantize_weights([m.weight.detach() for m in ms], scheme)):
             m._qw, m._qw_key = qw, m._key()
-
-
-def publish_model(model: nn.Module) -> dict[str, QuantizedWeight | torch.Tensor]:
-    """Everything the engine needs, by parameter name: ``"<linear>.weight"`` maps to the
-    ``QuantizedWeight`` of each quantized linear (the one its last forward used), every
-    other parameter (norms, embeddings, LM head, biases) to its detached tensor."""
-    out: dict[str, QuantizedWeight | torch.Tensor] = {}
-    quantized = {}
-    requantize_stale([m for m in model.modules() if isinstance(m, QATLinear)])
-    for name, mod in model.named_modules():
-        if isinstance(mod, QATLinear):
-            quantized[name] = mod.publish()
-        elif isinstance(mod, QuantLinear):
-            quantized[name] = mod.qweight
-    for name, qw in quantized.items():
-        out[f"{name}.weight" if name else "weight"] = qw
-    for name, p in model.named_parameters():
-        if name not in out:
-            out[name] = p.detach()
-    return out
-
-
-@torch.no_grad()
-def load_published(model: nn.Module, published: dict[str, QuantizedWeight | torch.Tensor]) -> None:
-    """Engine side of :func:`publish_model`: copy ``published`` into ``model`` in place, never
-    reallocating a parameter or buffer (captured CUDA graphs stay valid).
-
-    Keys are parameter names (HF's ``model.`` prefix optional; ``lm_head.weight`` of a tied
-    model goes to ``embed_tokens.weight``). A tensor goes into the parameter of that name;
-    a :class:`QuantizedWeight`, or a tensor for a :class:`QuantLinear`'s weight (quantized
-    with the module's scheme first), goes to that module's storage, whose kernel layouts
-    are then rebuilt (as ``load_quantized`` does).
-
-    Everything is checked before anything is written; the copies then run as one batched
-    call and each layout cache (a fused group's: once for all its members) is rebuilt once.
-    """
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    tied = getattr(model, "lm_head", "absent") is None
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    stale: dict[int, tuple[RepackCache, QuantizedWeight]] = {}
-    for name, value in published.items():
-        key = name.removeprefix("model.")
-        if key == "lm_head.weight" and tied:
-            key = "embed_tokens.weight"
-        if isinstance(value, torch.Tensor) and key in params:
-            target = params[key]
-            if tuple(target.shape) != tuple(value.shape):
-                raise ValueError(f"{name}: published shape {tuple(value.shape)} vs model {tuple(target.shape)}")
-            copies.append((target, value))
-            continue
-        module = modules.get(key.removesuffix(".weight"))
-        if not isinstance(module, QuantLinear):
-            what = "no parameter or linear" if module is None else f"a {type(module).__name__}, not a QuantLinear"
-            raise KeyError(f"{name}: {what} of that name in the model")
-        if isinstance(value, torch.Tensor):
-            value = quantize_weight(value.to(next(module.buffers()).device), module.scheme)
-        copies += module.qweight.copy_pairs(value)
-        target, cache, _ = module.layouts()
-        stale[id(cache)] = (cache, target)
-    if copies:
-        dst, src = zip(*copies)
-        torch._foreach_copy_(list(dst), list(src))
-    for cache, target in stale.values():
-        cache.refresh(target)

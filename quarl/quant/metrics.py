@@ -1,4 +1,4 @@
-"""Quantization metrics the trainer logs each step (names in DESIGN.md, "Metrics").
+"""Quantization metrics the trainer logs each step (names in docs/design.md, "Metrics").
 
 * ``quant/update_visible_frac``: share of quantized weight codes changed by a publish.
 * ``quant/rel_update`` (QuRL eq. 13): ``||theta_{t+1} - theta_t||_F^2 / ||theta_t||_F^2``.

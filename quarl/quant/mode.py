@@ -1,4 +1,4 @@
-"""Where a training run's low-bit format runs (DESIGN.md, "The three training modes").
+"""Where a training run's low-bit format runs (docs/design.md, "The three training modes").
 
 - ``bf16``: nowhere; the reference.
 - ``rollout``: in the engine only. The learner keeps full-precision linears and the

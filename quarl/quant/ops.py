@@ -22,7 +22,10 @@ from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight
 
 BACKENDS = ("auto", "triton", "reference")
-_backend = os.environ.get("QUARL_QUANT_BACKEND", "auto")
+# A plain global, not a ContextVar: the learner's compiled regions call the fast-path check
+# while being traced, where a module global reads as a constant. None until first asked: then
+# set from env QUARL_QUANT_BACKEND (read at first use, not at import) unless set_backend ran.
+_backend: str | None = None
 
 
 def set_backend(name: str) -> None:
@@ -33,12 +36,14 @@ def set_backend(name: str) -> None:
 
 
 def get_backend() -> str:
+    if _backend is None:
+        set_backend(os.environ.get("QUARL_QUANT_BACKEND", "auto"))
     return _backend
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    old = _backend
+    old = get_backend()
     set_backend(name)
     try:
         yield
@@ -51,9 +56,10 @@ def uses_fast_path(x: torch.Tensor) -> bool:
 
 
 def _fast(device: torch.device, dtype: torch.dtype) -> bool:
-    if _backend == "reference" or not triton_available():
+    backend = get_backend()
+    if backend == "reference" or not triton_available():
         return False
-    if _backend == "triton":
+    if backend == "triton":
         return True
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
@@ -104,7 +110,8 @@ def quant_linear(
 
 
 def _fast_quantized_input(xq: torch.Tensor) -> bool:
-    return _backend != "reference" and triton_available() and (_backend == "triton" or xq.is_cuda)
+    backend = get_backend()
+    return backend != "reference" and triton_available() and (backend == "triton" or xq.is_cuda)
 
 
 def dequantize_activations(xq: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,7 @@ activations) are quantized. The learner (``QATLinear``), the rollout engine
 (``QuantLinear``) and the exporter all receive the same object, and it is written into
 checkpoints by name, so the three can never disagree about a format.
 
-The table below is normative (DESIGN.md, "Quantization formats"):
+The table below is normative (docs/design.md, "Quantization formats"):
 
 ======================  =====================================  ====================
 name                    weights                                activations

@@ -1,7 +1,7 @@
 """Decode attention over an fp8 KV cache as a CUDA kernel (``decode_fp8.cu``, package data).
 
 The Triton decode kernel on an fp8 cache reads half the bytes of the bf16 one but takes ~0.76x
-its time (bench/NOTES.md, session 21): it issues ~4x the instructions per byte, because the
+its time (docs/kv-cache.md): it issues ~4x the instructions per byte, because the
 unpacked codes go through shared memory into the mma operand layout. The CUDA kernel reads
 every code straight into its fragment position (the head dimension is permuted for K, the
 tokens of each 16-token chunk for V; see the source) and converts it in integer ops. Same

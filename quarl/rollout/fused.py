@@ -278,7 +278,7 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
     ``y`` to the program's own scratch row ``y_ptr[p]`` (marked evict-last) and keeps the
     running ``max |y|``; pass 2 reads ``y`` back from that scratch row, just written and
     reused for every row, and writes the codes. One launch and one grid instead of two (the
-    scratch rows need not stay in L2 for this to pay; bench/NOTES.md)."""
+    scratch rows need not stay in L2 for this to pay; docs/kernels.md)."""
     wait_ahead(PDL)
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
@@ -309,7 +309,7 @@ def _silu_mul_quant_rows_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, rows, n_cols,
 
 # Rows from which silu_mul(quant=) runs the persistent kernel on the GPU, its programs per
 # SM, columns per block and warps: below that row count the two-kernel path is as fast
-# (the sweeps behind these numbers are in bench/NOTES.md, "Session 13").
+# (the sweeps behind these numbers: docs/kernels.md, "Rollout engine kernels").
 SILU_QUANT_ROWS_MIN = 512
 SILU_QUANT_ROWS_CONFIG = dict(per_sm=4, block=4096, num_warps=16)
 
@@ -359,7 +359,7 @@ def silu_mul_quant_rows(gate_up: torch.Tensor, quant: str, sms: int) -> tuple[to
     """Per-token codes and scales of ``silu(gate) * up`` for stacked rows ``gate_up [M, 2 I]``
     in one launch of the persistent kernel, written so that a ``torch.compile`` region traces
     the launch into its own code (the learner's W8A8 down projection,
-    :func:`quarl.model.swiglu.swiglu_codes`): no custom-op dispatch on the host."""
+    :func:`quarl.learner.swiglu.swiglu_codes`): no custom-op dispatch on the host."""
     inter = gate_up.shape[-1] // 2
     return _silu_mul_quant_rows(gate_up[:, :inter], gate_up[:, inter:], quant, **SILU_QUANT_ROWS_CONFIG, sms=sms)
 

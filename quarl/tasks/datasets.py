@@ -85,15 +85,26 @@ def read_examples(path: str | Path, prompt_key: str = "prompt", answer_key: str 
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, split on b"\n" only: a text-mode read would also split on a lone "\r" and misnumber the
+    # lines after it, and a byte that is not UTF-8 would fail with no line at all.
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                column = len(raw[: e.start].decode("utf-8", errors="replace")) + 1
+                raise DatasetError(f"{path}, line {lineno}, column {column}: not UTF-8 (byte 0x{raw[e.start]:02x}); "
+                                   "save the file as UTF-8") from None
+            # the line's own text, without its end: an error at the end of a cut line (a missing "}")
+            # would otherwise be placed after the newline, at column 1 of the next line
+            line = line.rstrip("\r\n")
             if not line.strip():
                 continue
             where = f"{path}, line {lineno}"
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
+            except json.JSONDecodeError as e:  # (one line holds no "\n": e.colno is the column in it)
+                raise DatasetError(f"{where}, column {e.colno}: bad JSON ({e.msg})") from None
             yield where, row
 
 

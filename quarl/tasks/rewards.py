@@ -102,7 +102,7 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 def _add_working_dir_to_path() -> None:
-    """Make modules in the working directory importable, as the README promises.
+    """Make modules in the working directory importable, as docs/configuration.md promises.
 
     ``python -m quarl`` puts the working directory on ``sys.path`` (as ``""``) but the
     ``quarl`` console script puts its own bin directory there instead. Spawned workers

@@ -123,11 +123,18 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     if path is None or str(path) == "builtin":
         return CharTokenizer()
     p = Path(path)
+    # The hints name the run config's settings (quarl train / eval); quarl generate checks its own
+    # --tokenizer before it gets here.
+    if not p.exists():  # (a run reads its tokenizer before its weights: this is the first look at model.path)
+        raise FileNotFoundError(
+            f"{str(p)!r} does not exist: point --model.path (and --model.tokenizer, if set) at a local Hugging Face "
+            "model directory (config.json, *.safetensors and tokenizer.json), or pass --model.tokenizer=builtin "
+            "for the built-in character tokenizer"
+        )
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"{str(p)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-            "point to the model's tokenizer directory (quarl generate --tokenizer DIR; --model.tokenizer=DIR in a "
-            "run config), or name 'builtin' there for the built-in character tokenizer (models trained by the "
-            "demo run use it)"
+            "point --model.tokenizer at the model's tokenizer directory, or pass --model.tokenizer=builtin for the "
+            "built-in character tokenizer (models trained by the demo run use it)"
         )
     return HFTokenizer(p)

@@ -1,6 +1,6 @@
 """Where metrics go: ``metrics.jsonl`` always, TensorBoard and wandb when enabled.
 
-``metrics.jsonl`` holds one JSON object per step with the metric names of DESIGN.md (and
+``metrics.jsonl`` holds one JSON object per step with the metric names of docs/design.md (and
 ``wall``, the Unix time the row was written);
 on resume, lines of steps past the checkpoint are dropped so the file reads as one
 uninterrupted run. A crash can leave the last line cut short: readers skip such a

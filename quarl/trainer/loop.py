@@ -1,6 +1,6 @@
 """The QaRL training loop.
 
-One step, top to bottom (DESIGN.md, "Architecture"):
+One step, top to bottom (docs/design.md, "Architecture"):
 
 1. prompts      the next ``prompts_per_step`` examples of the task
 2. rollout      the engine samples ``n`` completions per prompt (low-bit in
@@ -62,7 +62,7 @@ from quarl.learner.batch import RolloutBatch, build_batch
 from quarl.learner.learner import Critic, Learner, UpdateSettings
 from quarl.learner.sharded import reshard
 from quarl.quant import QuantMode
-from quarl.quant.linear import dense_bytes, frozen_bases, keep_frozen_bases_dense
+from quarl.learner.memory import dense_bytes, frozen_bases, keep_frozen_bases_dense
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
@@ -875,7 +875,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _rollout_metrics(completions, rewards: torch.Tensor) -> dict[str, float]:
-    """Reward and response-shape metrics of one step's completions (DESIGN.md names)."""
+    """Reward and response-shape metrics of one step's completions (docs/design.md names)."""
     lengths = [len(c.token_ids) for c in completions]
     return {
         "reward/mean": float(rewards.mean()),

@@ -1,6 +1,6 @@
 """A static HTML report of one run, or of several runs overlaid for comparison.
 
-``render_report([RUN_DIR, ...])`` reads each run's ``metrics.jsonl`` (DESIGN.md metric
+``render_report([RUN_DIR, ...])`` reads each run's ``metrics.jsonl`` (docs/design.md metric
 names), ``samples.jsonl`` and ``config.yaml`` and writes:
 
 * ``<name>.html``: a summary table per run, one figure per panel below, the last

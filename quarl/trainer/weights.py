@@ -6,7 +6,7 @@
 - ``aligned`` (QaRL): the learner's linears are :class:`QATLinear`; their forward
   already made the packed tensors, and those exact tensors are published.
 
-Each publish also measures how the low-bit weights moved (DESIGN.md metric names):
+Each publish also measures how the low-bit weights moved (docs/design.md metric names):
 ``quant/update_visible_frac`` (codes changed since the last publish),
 ``quant/rel_update`` (QuRL eq. 13) and ``quant/rel_quant_err`` (QuRL eq. 14). On big
 models these are estimated on up to four decoder layers (first, two middle, last).
@@ -74,7 +74,7 @@ class LoRASettings:
 
 def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: EngineConfig,
                       lora: LoRASettings, kv_cache: bool = True) -> tuple[Engine, "LoRAPublisher"]:
-    """A LoRA run (README, "LoRA on a low-bit base"): ``model``'s selected linears become
+    """A LoRA run (docs/lora.md): ``model``'s selected linears become
     frozen :class:`QuantLinear` in ``quant.scheme`` (left plain in ``bf16`` mode, or kept if
     they already are: a base loaded quantized), every parameter is frozen, and the target
     linears get adapters. The engine's model shares every frozen tensor with the learner's:

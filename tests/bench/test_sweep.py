@@ -257,7 +257,7 @@ def _superseded(name: str) -> set[tuple[int, int, int]]:
     out = set()
     for other, ms in COMMITTED_MID:
         if int(other.rsplit("_s", 1)[1]) > session:
-            rows = json.loads((ROOT / "bench" / "results" / f"{other}.json").read_text())["rows"]
+            rows = json.loads((ROOT / "bench" / "baselines" / "sweeps" / f"{other}.json").read_text())["rows"]
             out |= {(r["M"], r["N"], r["K"]) for r in rows if r["M"] in ms}
     return out
 
@@ -276,7 +276,7 @@ def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps
     slower than those picked when the sweep ran."""
     import json
 
-    result = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())
+    result = json.loads((ROOT / "bench" / "baselines" / "sweeps" / f"{name}.json").read_text())
     later = _superseded(name)
     rows = [r for r in sweep.against_table(result) if r["M"] in ms and (r["M"], r["N"], r["K"]) not in later]
     swept = [r for r in rows if r["now_us"] == r["now_us"]]

@@ -49,6 +49,11 @@ FAMILY = {"w4": "w4a16", "wo": "weight_only", "fp8": "fp8", "int8": "int8", "w4a
           "gated_fp8": "gated_fp8", "gated_int8": "gated_int8"}
 
 
+def _wide_hidden_m33(m: int, n: int, k: int) -> bool:
+    """33-64 tokens, hidden >= 5120, no wide output: q/k/v and o, and down on weights of 2^27+ elements."""
+    return m > 32 and ((5120 <= k <= 8192 and n < 16384) or (k > 8192 and n * k >= 1 << 27))
+
+
 def _cases():
     for gen, m, n, k, *idx in DATA["rows"]:
         for fam, i in zip(DATA["families"], idx):
@@ -147,19 +152,19 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("gated_fp8", "none", m, 2 * n, k)
             assert got.kernel == "gated" and got.config.bm == 64 and got.config.bn == (32 if m <= 64 else 64), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.wide_hidden_m64(m, n, k):  # added: 14B / 32B shapes at M 33-64
+        if fam == "w4" and gen == "sm90" and m <= 64 and _wide_hidden_m33(m, n, k):  # added: 14B / 32B shapes at M 33-64
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.small_square_m33(m, n, k):  # added: the 1.5B's o and q/k/v at 33-64
+        if fam == "w4" and gen == "sm90" and m <= 64 and (m > 32 and n <= 2048 and k <= 2048):  # added: the 1.5B's o and q/k/v at 33-64
             assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(
                 1, 4, 1.0, True, 1, True, True, mbar=True, tma=True)  # s42: the TMA loop
             continue
-        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.n_below_16384_m33(m, n, k):  # added s42: the TMA loop
+        if fam == "w4" and gen == "sm90" and m <= 64 and (m > 32 and n < 16384):  # added s42: the TMA loop
             assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(
                 1, 4, 2.0, True, 2, True, True, mbar=True, tma=True), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and m <= 64 and dispatch.long_k_m33(m, n, k):  # added s42: down, the TMA loop
+        if fam == "w4" and gen == "sm90" and m <= 64 and (m > 32 and k > 8192):  # added s42: down, the TMA loop
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.config == dispatch.WgConfig(1, 4, 2.0, True, 2, True, True, mbar=True, tma=True), (m, n, k)
             continue
@@ -353,7 +358,7 @@ def test_wgmma_config_check_names_what_it_cannot_run():
         WgConfig(1, 2).check(8)
     with pytest.raises(ValueError, match="shared memory"):
         WgConfig(4, 8, single=True).check(128)
-    for row in dispatch.W4A16:
+    for row in dispatch.TABLES["w4a16"]["sm90"]:
         if row.plan is not None and isinstance(row.plan.config, WgConfig):
             row.plan.config.check(row.m_max)
 

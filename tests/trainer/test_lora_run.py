@@ -191,6 +191,7 @@ def test_frozen_base_kept_dense_gives_the_same_values_and_goes_at_release(fast_p
     """``keep_frozen_bases_dense``: each base weight is dequantized once for all micro-batches
     (forward on the GPU's weight-only path, backward on every path) instead of at every GEMM,
     with the same log-probs and gradients bit for bit; the learner's release drops the copies."""
+    import quarl.learner.memory as memory
     import quarl.quant.linear as qlinear
     from quarl.learner.learner import Learner
     from quarl.quant import ops
@@ -205,8 +206,8 @@ def test_frozen_base_kept_dense_gives_the_same_values_and_goes_at_release(fast_p
     build_engine_and_publisher(model, cfg.quant, EngineConfig(num_kv_blocks=64, max_model_len=128),
                                LoRASettings(4, 8.0, ("q_proj", "v_proj", "down_proj")))
     _randomize_adapters(model, seed=5, scale=0.3)
-    bases = qlinear.frozen_bases(model)
-    assert len(bases) == 7 * len(model.layers) and qlinear.dense_bytes(bases, torch.float32) == 4 * sum(
+    bases = memory.frozen_bases(model)
+    assert len(bases) == 7 * len(model.layers) and memory.dense_bytes(bases, torch.float32) == 4 * sum(
         m.out_features * m.in_features for m in bases)
     ids = [torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
 
@@ -222,7 +223,7 @@ def test_frozen_base_kept_dense_gives_the_same_values_and_goes_at_release(fast_p
     calls.clear()
     per_gemm = grads_over_micro_batches()
     n_per_gemm = len(calls)
-    qlinear.keep_frozen_bases_dense(model)
+    memory.keep_frozen_bases_dense(model)
     calls.clear()
     kept = grads_over_micro_batches()
     # once per base for the whole update (off the fast path only the backward dequantizes, and
@@ -246,15 +247,15 @@ def test_the_trainer_keeps_the_lora_base_dense_only_where_it_fits(keep_kv, kv_co
     the base's bf16 size must stay within 90% of the GPU; the bases are switched accordingly."""
     import types
 
-    import quarl.quant.linear as qlinear
+    import quarl.learner.memory as memory
     from quarl.trainer.loop import Trainer
 
     cfg = load_run_config(None, ["--quant.scheme=w4a16"])
     model = _tiny(seed=2).to(torch.bfloat16)
     build_engine_and_publisher(model, cfg.quant, EngineConfig(num_kv_blocks=64, max_model_len=128),
                                LoRASettings(4, 8.0, ("q_proj",)))
-    bases = qlinear.frozen_bases(model)
-    dense = qlinear.dense_bytes(bases, torch.bfloat16)
+    bases = memory.frozen_bases(model)
+    dense = memory.dense_bytes(bases, torch.bfloat16)
     gib = 2**30
     scale = 8 * gib / dense  # pretend the base is 8 GiB: the GPU's numbers scaled to it
     total = 80 * gib / scale

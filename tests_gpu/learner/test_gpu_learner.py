@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quarl.learner.logprobs import sequence_logprobs, token_logprobs
-from quarl.model.compiled_ops import COMPILED_OPS
+from quarl.learner.compiled_ops import COMPILED_OPS
 from quarl.model.presets import build_random_model
 
 DEV = torch.device("cuda")
@@ -65,7 +65,7 @@ def test_compiled_regions_run_every_layer_of_an_aligned_model_as_accurately_as_t
     regions (no layer falls back to the step-by-step path), and their log-probs and
     gradients are as close to the eager forward's as the step-by-step compiled path's are
     (bf16 summation order; W8A8 codes that flip with it)."""
-    from quarl.model import compiled_ops
+    from quarl.learner import compiled_ops
     from quarl.model.transformer import TORCH_OPS
     from quarl.quant import quantize_model
 
@@ -147,13 +147,13 @@ def test_the_compiled_regions_quantizer_gives_the_engine_kernels_codes_bit_for_b
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_the_down_projections_codes_traced_into_a_region_equal_the_compilers_bit_for_bit(fmt):
-    """:func:`~quarl.model.swiglu.swiglu_codes` compiled (the persistent kernel's launch traced
+    """:func:`~quarl.learner.swiglu.swiglu_codes` compiled (the persistent kernel's launch traced
     into the region, as the learner runs it) gives the scales of the eager torch-op reference
     bit for bit on stacked bf16 rows of widely spread magnitudes, and its codes (fp8) or all
     but a few, off by one (int8); the compiler's own quantizer over its SwiGLU agrees on all
     but a few codes."""
-    from quarl.model.compiled_ops import _gpu_sms
-    from quarl.model.swiglu import codes_reference, swiglu_codes
+    from quarl.learner.compiled_ops import _gpu_sms
+    from quarl.learner.swiglu import codes_reference, swiglu_codes
     from quarl.runtime import compiled
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -182,7 +182,7 @@ def test_the_fp8_regions_kernel_codes_and_scaled_gemm_give_the_compilers_log_pro
     the compiler's kernels bit for bit, and their gradients."""
     from torch._inductor.utils import run_and_get_code
 
-    from quarl.model import compiled_ops
+    from quarl.learner import compiled_ops
     from quarl.quant import quantize_model
 
     torch.manual_seed(1)
@@ -316,7 +316,7 @@ def test_stacked_swiglu_backward_kernel_rounds_as_eager_autograd_on_bf16():
     """The Triton backward of the stacked SwiGLU against eager autograd of ``silu(gate) * up``
     on bf16 (the rounding the CPU interpreter cannot show), at the 1.5B shape's width and a
     ragged one."""
-    from quarl.model.swiglu import backward_reference, backward_triton
+    from quarl.learner.swiglu import backward_reference, backward_triton
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     for m, inter in [(6144, 8960), (37, 1100)]:

@@ -32,8 +32,8 @@ def test_lora_engine_logprobs_match_the_learner(scheme, dense, kv):
     """``dense``: the learner keeps its w4a16 base dequantized through the update, so its layers
     run as the compiled regions (a bf16 base always does); ``kv``: the engine's KV cache format
     (fp8: the learner's regions round K/V as the cache does)."""
-    from quarl.model.compiled_ops import COMPILED_OPS
-    from quarl.quant.linear import keep_frozen_bases_dense
+    from quarl.learner.compiled_ops import COMPILED_OPS
+    from quarl.learner.memory import keep_frozen_bases_dense
 
     mode = "bf16" if scheme == "bf16" else "aligned"
     cfg = load_run_config(None, [f"--quant.mode={mode}", f"--quant.scheme={scheme}"])

@@ -1,7 +1,7 @@
 """W4A16 (int4, groups of 128, fp32 scales) GEMMs for decode-sized M, as CUDA kernels.
 
 Why CUDA and not Triton: at small M the GEMM only has to stream the packed weight, and the
-Triton kernels plateau well under the memory bandwidth (bench/NOTES.md): each 64x128 chunk
+Triton kernels plateau well under the memory bandwidth (docs/kernels.md): each 64x128 chunk
 goes global -> shared -> registers and is unpacked in a layout Triton picks. Here the weight
 is repacked once into the order in which the ``mma.sync.m16n8k16`` B fragments sit in
 registers (:mod:`.w4_layout`, kept by a :class:`~.w4_layout.RepackCache` that the owning

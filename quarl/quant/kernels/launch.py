@@ -41,7 +41,7 @@ def gated_silu_gemm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``silu(g) * u`` of a W8A8 ``[gate; up]`` projection on quantized input, in one GEMM:
     ``(y [M, N / 2], row-max partials)`` for :func:`act_quant_from_partials`; None when no
-    gated tile applies (see ``dispatch.GATED_*``) or TMA cannot describe the operands."""
+    gated tile applies (see ``tables.GATED_*``) or TMA cannot describe the operands."""
     if qw.shape[0] % 2:
         raise ValueError(f"a [gate; up] weight has an even number of rows, got {qw.shape[0]}")
     plan = dispatch.pick_gated(qw, xq.shape[0])

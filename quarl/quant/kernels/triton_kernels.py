@@ -39,8 +39,6 @@ under the interpreter (whose fp8 cast truncates) built with integer arithmetic
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -94,8 +92,7 @@ def _e4m3_byte(v):
 # on sm89+; equal to torch's cast of the clamped value, checked on the H200 over every e4m3
 # value, midpoint and subnormal: tests_gpu). It is ~3x fewer instructions per element than
 # ``_e4m3_byte``, which kept the activation quantizer instruction-bound. Triton's interpreter truncates in that cast, so on CPU the codes
-# are built as bytes.
-HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# are built as bytes: :data:`HW_E4M3` (below) says which, from how triton compiled these kernels.
 
 
 @triton.jit
@@ -109,6 +106,11 @@ def _e4m3_satfinite(v):
         "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",
         "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1,
     )
+
+
+# whether these kernels run compiled for the GPU (not under triton's interpreter, which
+# ``triton.jit`` chose from TRITON_INTERPRET when it decorated them): no environment read here
+HW_E4M3 = tl.constexpr(type(_e4m3_satfinite).__name__ != "InterpretedFunction")
 
 
 @triton.jit
@@ -695,7 +697,7 @@ def _store_tile_nm(
     """``_store_tile`` for a transposed fp32 tile ``acc [BN, BM]`` (out[m, n] = acc[n, m]).
 
     Kept as its own copy: delegating via ``tl.trans(acc)`` made the M = 64 swap kernel
-    markedly slower (bench/NOTES.md)."""
+    markedly slower (docs/kernels.md)."""
     omask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     tile_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     optrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
