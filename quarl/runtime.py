@@ -15,11 +15,12 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str = "auto") -> torch.device:
+def resolve_device(name: str = "auto", flag: str = "--device") -> torch.device:
+    """``flag``: how the command being run sets the device, for the error's hint."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use {flag}=cpu")
     return torch.device(name)
 
 
@@ -51,7 +52,8 @@ def matmul_rate(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     n = 8192
-    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     a @ b
     return 2 * n**3 / median_cuda_time(lambda: a @ b, 10)
 
@@ -73,8 +75,9 @@ def _eager_numerics() -> dict[str, bool]:
 
 @functools.cache
 def compiled(fn):
-    """``fn`` through ``torch.compile`` (eager's rounding kept: :func:`_eager_numerics`) with the batch and time dimensions of its activation arguments (3 dimensions or
-    more: ``[B, T, ...]``) dynamic and every other size static. The batch dimension is
+    """``fn`` through ``torch.compile`` (eager's rounding kept: :func:`_eager_numerics`) with the
+    batch and time dimensions of its activation arguments (3 dimensions or more:
+    ``[B, T, ...]``) dynamic and every other size static. The batch dimension is
     unbacked: a backed size specialises on 1, so a first call with one row would compile
     again at the first call with two. Static widths (hidden size, heads, the MLP's) let the
     generated kernels index with constants instead of runtime divisions by symbolic sizes."""

@@ -165,8 +165,10 @@ def test_two_gloo_ranks_update_as_one_process_on_the_whole_batch(tmp_path, mode,
 
 @pytest.mark.parametrize("mode,loss,agg", [*((m, "ppo", "token-mean") for m in MODES),
                                            *((m, "sapo", "seq-mean-token-sum-norm") for m in MODES),
-                                           ("aligned-w4a16-ac", "ppo", "token-mean"), ("lora-w4a16", "ppo", "token-mean"),
-                                           ("tied-bf16-masters", "ppo", "token-mean"), ("bf16-lean", "ppo", "token-mean")])
+                                           ("aligned-w4a16-ac", "ppo", "token-mean"), ("lora-w4a16", "ppo",
+                                                                                       "token-mean"),
+                                           ("tied-bf16-masters", "ppo", "token-mean"), ("bf16-lean", "ppo",
+                                                                                        "token-mean")])
 def test_a_sharded_learner_updates_as_one_process(tmp_path, mode, loss, agg):
     """FSDP2 (``shard=True``): each rank holds half of every decoder layer's weights and
     optimizer states; gathered back (:meth:`Learner.state_dict`), the weights, Adam moments
@@ -187,7 +189,8 @@ def _assert_ranks_match_one_process(out: Path, mode: str, loss: str, agg: str | 
     weights and moments each rank held (:func:`_held`)."""
     ref_w, ref_adam, ref_m, _ = _update(mode, Dist(), range(ROWS), loss, agg)
     start = {n: p.detach().float() for n, p in _learner(mode, Dist()).model.named_parameters()}
-    bf16 = mode.endswith(("bf16-masters", "bf16-lean"))  # micro-batch gradients accumulate in bf16 before the fp32 masters
+    bf16 = mode.endswith(("bf16-masters",
+                          "bf16-lean"))  # micro-batch gradients accumulate in bf16 before the fp32 masters
     rel = 5e-2 if bf16 else 1e-4
     for rank in range(2):
         got = torch.load(out / f"rank{rank}.pt")

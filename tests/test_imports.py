@@ -3,7 +3,6 @@
 import ast
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1] / "quarl"
 
 
@@ -79,7 +78,8 @@ def test_finder_sees_a_cycle():
 def test_quant_has_no_import_cycle():
     graph = import_graph()
     assert "quarl.quant.kernels.launch" in graph and graph["quarl.quant.kernels.launch"]
-    quant = {m: {d for d in deps if d.startswith("quarl.quant")} for m, deps in graph.items() if m.startswith("quarl.quant")}
+    quant = {m: {d for d in deps if d.startswith("quarl.quant")}
+             for m, deps in graph.items() if m.startswith("quarl.quant")}
     cycle = find_cycle(quant)
     assert cycle is None, " -> ".join(cycle)
 

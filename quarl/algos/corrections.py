@@ -162,7 +162,8 @@ def build_spec(
                              f"reject={reject!r} use a correction without rejection (e.g. decoupled for icepop's "
                              "weights)")
         high = cap if reject_high is None else reject_high
-        spec = spec._replace(reject=reject, reject_high=high, reject_low=1.0 / high if reject_low is None else reject_low)
+        spec = spec._replace(reject=reject, reject_high=high,
+                             reject_low=1.0 / high if reject_low is None else reject_low)
     elif reject_low is not None or reject_high is not None:
         if spec.reject == "none":
             raise ValueError("reject_low / reject_high bound a rejection, and none is set: set reject "

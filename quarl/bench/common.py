@@ -8,6 +8,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
+from quarl.io import write_json_atomic
+
 
 def git_commit() -> str:
     """HEAD's hash, or ``$QUARL_GIT_COMMIT`` where the checkout has no .git (device copies)."""
@@ -23,12 +25,7 @@ def write_json(result: dict, out: Path | None) -> None:
     """``result`` as JSON at ``out`` (nothing for None), atomically: a temporary file renamed over it."""
     if out is None:
         return
-    import json
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    write_json_atomic(out, result, indent=2)
 
 
 def child_env(root: Path, commit: str | None) -> dict[str, str]:
@@ -111,8 +108,8 @@ class ClockWatch:
         import subprocess
 
         try:
-            done = subprocess.run([self.command, f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=20)
+            query = [self.command, f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits"]
+            done = subprocess.run(query, capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.SubprocessError):
             return []
         if done.returncode != 0 and self.fields == CLOCK_FIELDS:  # a driver before the field's new name
@@ -146,7 +143,8 @@ class ClockWatch:
             for s in mine:
                 reasons |= s["reasons"] & ~IDLE_REASON
             out[str(gpu)] = {"sm_mhz_median": clocks[len(clocks) // 2], "sm_mhz_min": clocks[0],
-                             "sm_mhz_max": max(s["max_sm_mhz"] for s in mine), "temp_c_max": max(s["temp_c"] for s in mine),
+                             "sm_mhz_max": max(s["max_sm_mhz"] for s in mine),
+                             "temp_c_max": max(s["temp_c"] for s in mine),
                              "reasons": hex(reasons), "samples": len(mine)}
         return out
 
@@ -160,17 +158,20 @@ class ClockWatch:
         for stage in sorted({s["label"][0] for s in tagged}):
             mine = [s for s in tagged if s["label"][0] == stage]
             steps = sorted({s["label"][1] for s in mine})
-            out[stage] = {"sm_mhz_median": median(s["sm_mhz"] for s in mine), "sm_mhz_min": min(s["sm_mhz"] for s in mine),
+            out[stage] = {"sm_mhz_median": median(s["sm_mhz"] for s in mine),
+                          "sm_mhz_min": min(s["sm_mhz"] for s in mine),
                           "power_w_median": median(s["power_w"] for s in mine), "samples": len(mine)}
             for field in ("sm_mhz", "power_w"):
-                out[stage][f"{field}_by_step"] = {str(t): median(s[field] for s in mine if s["label"][1] == t) for t in steps}
+                out[stage][f"{field}_by_step"] = {str(t): median(s[field] for s in mine if s["label"][1] == t)
+                                                  for t in steps}
         return out
 
 
 GAP_BINS_US = (5.0, 50.0)  # idle stretches: launch latency (< 5 us), short host stalls, long ones
 
 
-def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("inf"), largest: int = 5) -> dict[str, Any]:
+def idle_gaps(spans: list[tuple[str, float, float]], max_gap_us: float = float("inf"),
+              largest: int = 5) -> dict[str, Any]:
     """Where the GPU sat idle between kernels: ``spans`` are ``(name, start us, end us)`` in any
     order, overlaps allowed (several streams). Gaps longer than ``max_gap_us`` are left out (the
     host between graph replays). Returns the span from the first start to the last end, the
@@ -208,7 +209,8 @@ def gaps_lines(gaps: dict[str, Any]) -> list[str]:
     edges = gaps["bin_edges_us"]
     names = [f"< {edges[0]:g} us"] + [f"{a:g}-{b:g} us" for a, b in zip(edges, edges[1:])] + [f">= {edges[-1]:g} us"]
     span = max(gaps["span_us"], 1e-9)
+    bins = ", ".join(f"{n}: {t / 1e3:.1f} ms in {c}" for n, (t, c) in zip(names, gaps["bins"]))
     lines = [f"  GPU idle between kernels: {gaps['idle_us'] / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
-             f"({gaps['idle_us'] / span:.1%}); " + ", ".join(f"{n}: {t / 1e3:.1f} ms in {c}" for n, (t, c) in zip(names, gaps["bins"]))]
+             f"({gaps['idle_us'] / span:.1%}); " + bins]
     lines += [f"    gap {g / 1e3:7.2f} ms after {a} before {b}" for g, a, b in gaps["largest"]]
     return lines

@@ -37,6 +37,7 @@ from quarl.quant.ops import quant_linear
 from quarl.quant.qweight import QuantizedWeight, quantize_weight
 from quarl.quant.scheme import SCHEMES, get_scheme
 
+
 def _dims(name: str) -> dict[str, int]:
     c = PRESETS[name]
     return dict(hidden=c["hidden_size"], inter=c["intermediate_size"], heads=c["num_attention_heads"],
@@ -78,7 +79,8 @@ def linear_shapes(cfg: dict[str, int], sets: tuple[str, ...] = SHAPE_SETS) -> li
         Shape("down_proj", h, i, {"modules": 1, "engine": 1}),
     ]
     if q == h:  # q_proj and o_proj share a shape
-        shapes = [Shape("q_proj/o_proj", q, h, {"modules": 2, "engine": 1})] + [s for s in shapes if s.label not in ("q_proj", "o_proj")]
+        shapes = [Shape("q_proj/o_proj", q, h, {"modules": 2, "engine": 1})] + [
+            s for s in shapes if s.label not in ("q_proj", "o_proj")]
     out = []
     for s in shapes:
         counts = {k: v for k, v in s.counts.items() if k in sets}
@@ -92,7 +94,8 @@ def slice_qw(big: QuantizedWeight, i: int, n: int, k: int) -> QuantizedWeight:
     return QuantizedWeight(big.scheme, (n, k), **parts)
 
 
-def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0) -> list[Callable[[], object]]:
+def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int,
+               seed: int = 0) -> list[Callable[[], object]]:
     """One closure per rotating set: ``y = linear(x_i, W_i)`` under format ``fmt``."""
     sc = get_scheme(fmt)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -101,7 +104,8 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, 
     w = torch.randn(sets * n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     x = torch.randn(sets, m, k, device=device, dtype=torch.bfloat16, generator=gen)
     if not sc.quantizes_weights:
-        return [lambda i=i: F.linear(x[i], w[i * n : (i + 1) * n]) for i in range(sets)]
+        ws = w  # (the closures keep the bf16 weights; the quantized path drops them below)
+        return [lambda i=i: F.linear(x[i], ws[i * n : (i + 1) * n]) for i in range(sets)]
     big = quantize_weight(w, sc)
     del w
     qws = [slice_qw(big, i, n, k) for i in range(sets)]
@@ -135,7 +139,8 @@ def quantized_operands(fmt: str, m: int, n: int, k: int, device: torch.device, l
     big = quantize_weight(w, sc)
     del w
     qws = [slice_qw(big, i, n, k) for i in range(sets)]
-    xs = [launch.act_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen), sc.act_format) for _ in range(sets)]
+    xs = [launch.act_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen), sc.act_format)
+          for _ in range(sets)]
     return qws, xs
 
 
@@ -171,7 +176,8 @@ def gated_mlp(fmt: str, m: int, hidden: int, inter: int) -> bool:
     from quarl.rollout.fused import FUSED_QUANTIZERS
 
     sc = get_scheme(fmt)
-    return sc.act_format in FUSED_QUANTIZERS and not sc.packed and dispatch.gated_plan(sc.act_format, m, 2 * inter, hidden) is not None
+    return (sc.act_format in FUSED_QUANTIZERS and not sc.packed
+            and dispatch.gated_plan(sc.act_format, m, 2 * inter, hidden) is not None)
 
 
 def make_calls_gated(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int, seed: int = 0):
@@ -222,7 +228,8 @@ def engine_row_seconds(label, fmt, m, n, k, device, l2, tk: dict, extra: dict) -
     if gated_mlp(fmt, m, hidden, inter) and label in ("gate_up_proj (fused)", "down_proj"):
         if label == "down_proj":
             t = time_per_call(make_calls_quantized_input(fmt, m, n, k, device, l2), **tk)
-            return t, dict(input="quantized by the gated gate/up GEMM's row quantizer (counted in that row)", producer_extra_ms=0.0)
+            return t, dict(input="quantized by the gated gate/up GEMM's row quantizer (counted in that row)",
+                           producer_extra_ms=0.0)
         power = tk.get("power")
         norm = cached(("rmsnorm", act, m, k, power), lambda: producer_extra_seconds("rmsnorm", act, m, k, device, tk))
         silu = cached(("silu_bf16", m, inter, power), lambda: silu_mul_seconds(m, inter, device, tk))
@@ -248,8 +255,8 @@ def run_benchmark(
     gate = PowerGate()
     ceils = {p: measure_ceilings(device, p, gate) for p in power}
     for p, ceil in ceils.items():
-        log(f"ceilings{'' if p is None else ' (' + p + ')'}: {ceil.bandwidth / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops / 1e12:.0f} "
-            f"TFLOP/s, fp8 {ceil.fp8_flops / 1e12:.0f} TFLOP/s")
+        log(f"ceilings{'' if p is None else ' (' + p + ')'}: {ceil.bandwidth / 1e12:.2f} TB/s, "
+            f"bf16 {ceil.bf16_flops / 1e12:.0f} TFLOP/s, fp8 {ceil.fp8_flops / 1e12:.0f} TFLOP/s")
     if "bf16" not in formats:
         formats = ["bf16"] + formats
     rows, engine_rows = [], []
@@ -284,7 +291,8 @@ def run_benchmark(
                                 floor_ms=fl * 1e3, floor_frac=fl / t, sm_mhz=reading.get("sm_mhz"), error=err,
                             )
                             if kind == "engine":
-                                row.update(note if err is None else dict(input="not timed (error)", producer_extra_ms=float("nan")))
+                                row.update(note if err is None
+                                           else dict(input="not timed (error)", producer_extra_ms=float("nan")))
                                 engine_rows.append(row)
                             else:
                                 rows.append(row)
@@ -295,7 +303,8 @@ def run_benchmark(
                             log(f"{'':>13} {'':>17} {'':<7} {r['format']} as the engine runs it (input {r['input']}): "
                                 f"{r['speedup']:.2f}x")
                     if partial_path:
-                        save(dict(device=props.name, ceilings=asdict(ceils[power[0]]), formats=formats, rows=rows), partial_path)
+                        save(dict(device=props.name, ceilings=asdict(ceils[power[0]]), formats=formats, rows=rows),
+                             partial_path)
     result = dict(
         device=props.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         git_commit=git_commit(), torch=torch.__version__, triton=_triton_version(), cuda_graphs=graph,
@@ -333,7 +342,8 @@ def _row_line(rows: list[dict]) -> str:
     r0 = rows[0]
     cells = " ".join(f"{r['format']}={r['speedup']:.2f}x" for r in rows[1:])
     clock = f" {r0['sm_mhz']:.0f}MHz" if r0.get("sm_mhz") else ""
-    return f"{r0['model']:>13} {r0['layer']:>17} M={r0['M']:<5} {_power_label(r0):>9}{clock} bf16={r0['ms'] * 1e3:8.1f}us {cells}"
+    return (f"{r0['model']:>13} {r0['layer']:>17} M={r0['M']:<5} {_power_label(r0):>9}{clock} "
+            f"bf16={r0['ms'] * 1e3:8.1f}us {cells}")
 
 
 def layer_speedups(rows: list[dict], shape_set: str = "modules") -> list[dict]:
@@ -371,8 +381,8 @@ def check_targets(rows: list[dict], model: str = "qwen2.5-7b", shape_set: str = 
     out = []
     powers = list(dict.fromkeys(r.get("power") for r in rows))
     for (fmt, label, pred, want), power in ((t, p) for t in TARGETS for p in powers):
-        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"]) and r["counts"].get(shape_set)
-               and r.get("power") == power]
+        got = [r for r in rows if r["model"] == model and r["format"] == fmt and pred(r["M"])
+               and r["counts"].get(shape_set) and r.get("power") == power]
         if not got:
             continue
         sp = [r["speedup"] for r in got]
@@ -391,7 +401,8 @@ def format_table(result: dict) -> str:
         lines.append(f"# ceilings{'' if p == 'None' else ' (' + p + ')'}: {c['bandwidth'] / 1e12:.2f} TB/s, bf16 "
                      f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
     fmts = result["formats"]
-    lines.append(f"{'model':>13} {'layer':>17} {'M':>5} {'power':>9} {'bf16 us':>8} " + " ".join(f"{f:>10}" for f in fmts[1:]))
+    lines.append(f"{'model':>13} {'layer':>17} {'M':>5} {'power':>9} {'bf16 us':>8} "
+                 + " ".join(f"{f:>10}" for f in fmts[1:]))
     rows = [r for r in result["rows"] if "input" not in r]
     for i in range(0, len(rows), len(fmts)):
         grp = rows[i : i + len(fmts)]
@@ -406,15 +417,17 @@ def format_table(result: dict) -> str:
                  "q/k/v and gate/up fused)")
     fused_rows = [r for r in result["rows"] if "input" in r]
     if fused_rows:
-        lines.append("engine set, W8A8 GEMMs whose input the engine quantizes in the op before (time = GEMM on the codes + "
-                     "what the fused quantizer adds to that op):")
+        lines.append("engine set, W8A8 GEMMs whose input the engine quantizes in the op before "
+                     "(time = GEMM on the codes + what the fused quantizer adds to that op):")
         for r in fused_rows:
-            lines.append(f"{r['model']:>13} {r['layer']:>17} {r['M']:>5} {_power_label(r):>9} {r['format']:>10} {r['speedup']:>5.2f}x "
-                         f"(fused quantizer {r['producer_extra_ms'] * 1e3:+.1f} us; input {r['input']})")
+            lines.append(f"{r['model']:>13} {r['layer']:>17} {r['M']:>5} {_power_label(r):>9} {r['format']:>10} "
+                         f"{r['speedup']:>5.2f}x (fused quantizer {r['producer_extra_ms'] * 1e3:+.1f} us; "
+                         f"input {r['input']})")
     for t in result["targets"]:
         ok = "MET" if t["met_all"] else ("met on geomean" if t["met_geomean"] else "MISSED")
         state = f", {t['power']}" if t.get("power") else ""
-        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x ({t['shapes']} shapes{state}): geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
+        lines.append(f"target {t['format']} {t['where']} >= {t['target']}x ({t['shapes']} shapes{state}): "
+                     f"geomean {t['geomean']:.2f}x, min {t['min']:.2f}x ({t['min_at']}): {ok}")
     return "\n".join(lines)
 
 

@@ -96,7 +96,7 @@ def measure(cfg, scheme: str | None, spec: Spec, device: torch.device, profile: 
     """Per micro-batch, ms: host (median, min), wall (median, min, max and every repeat's),
     kernels and launches (CUDA), the host's time over the kernels', and the peak memory.
     ``profile`` (``kernels`` | ``host``): also that table of one more repeat
-    (:func:`quarl.bench.train.profile_call`), as ``profile`` lines."""
+    (:func:`quarl.bench.profiling.profile_call`), as ``profile`` lines."""
     from quarl.learner.compiled_ops import COMPILED_OPS
     from quarl.model.transformer import TORCH_OPS
 
@@ -144,7 +144,7 @@ def measure(cfg, scheme: str | None, spec: Spec, device: torch.device, profile: 
                    idle_long_ms=gaps["bins"][-1][0] / 1e3 / spec.micro_batches)
         out["host_over_kernels"] = out["host_ms"] / out["kernels_ms"]
     if profile is not None:
-        from quarl.bench.train import profile_call
+        from quarl.bench.profiling import profile_call
 
         _, table = profile_call(repeat, f"{spec.micro_batches} micro-batches", what=profile)
         out["profile"] = table.splitlines()
@@ -157,7 +157,7 @@ def _kernel_time(fn, device: torch.device) -> tuple[float, int, dict[str, Any]]:
     from torch.profiler import ProfilerActivity, profile
 
     from quarl.bench.common import idle_gaps
-    from quarl.bench.train import gpu_kernels
+    from quarl.bench.profiling import gpu_kernels
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -233,15 +233,17 @@ def run_child(mode: str, spec: Spec, root: Path, commit: str | None, tmp: Path,
 
 def summary_table(result: dict[str, Any]) -> str:
     """The markdown table of a result (one row per mode, and per baseline run)."""
-    head = ("| mode | host ms | wall ms (min-max) | kernels ms | launches | GPU idle ms (gaps >= 50 us) | host / kernels | peak GB "
-            "| vs baseline (host / wall) |\n|---|---|---|---|---|---|---|---|---|")
+    head = ("| mode | host ms | wall ms (min-max) | kernels ms | launches | GPU idle ms (gaps >= 50 us) "
+            "| host / kernels | peak GB | vs baseline (host / wall) |\n|---|---|---|---|---|---|---|---|---|")
 
     def fmt(x, spec=".1f"):
         return "-" if x is None else format(x, spec)
 
     def row(name: str, r: dict[str, Any], vs: str = "") -> str:
-        return (f"| {name} | {fmt(r['host_ms'])} | {fmt(r['wall_ms'])} ({fmt(r['wall_ms_min'])}-{fmt(r['wall_ms_max'])}) | "
-                f"{fmt(r['kernels_ms'])} | {fmt(r['launches'], '.0f')} | {fmt(r.get('idle_ms'))} ({fmt(r.get('idle_long_ms'))}) | "
+        return (f"| {name} | {fmt(r['host_ms'])} | {fmt(r['wall_ms'])} "
+                f"({fmt(r['wall_ms_min'])}-{fmt(r['wall_ms_max'])}) | "
+                f"{fmt(r['kernels_ms'])} | {fmt(r['launches'], '.0f')} | "
+                f"{fmt(r.get('idle_ms'))} ({fmt(r.get('idle_long_ms'))}) | "
                 f"{fmt(r['host_over_kernels'], '.2f')} | "
                 f"{fmt(r['peak_gb'])} | {vs} |")
 

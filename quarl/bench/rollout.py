@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from quarl.bench.common import check_baseline, child_env, child_failed, git_commit, idle_gaps, package_root
+from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 from quarl.model.config import TransformerConfig
 from quarl.model.presets import DEMO_PRESETS, PRESETS
 from quarl.model.transformer import Rotary, Transformer
@@ -34,8 +36,6 @@ from quarl.rollout.config import EngineConfig
 from quarl.rollout.engine import Engine
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampling_params import SamplingParams
-from quarl.bench.common import check_baseline, child_env, child_failed, git_commit, idle_gaps, package_root
-from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 
 # the released shapes of quarl.model.presets, with their tokenizers' EOS id
 SHAPES: dict[str, dict[str, Any]] = {
@@ -100,7 +100,8 @@ def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: in
         mem = (weight_bytes + batch * (prompt_len + k) * kv_per_token) / ceil.bandwidth
         attn_flops = 4 * batch * (prompt_len + k) * cfg.q_size * cfg.num_hidden_layers
         decode.append(max(mem, (batch * flops_per_token + attn_flops) / ceil.bf16_flops))
-    prefill_flops = batch * prompt_len * flops_per_token + 2 * batch * prompt_len**2 * cfg.q_size * cfg.num_hidden_layers
+    prefill_flops = (batch * prompt_len * flops_per_token
+                     + 2 * batch * prompt_len**2 * cfg.q_size * cfg.num_hidden_layers)
     return {
         "decode_floor_s": sum(decode),
         "decode_step_floor_ms_mean": 1e3 * sum(decode) / max(len(decode), 1),
@@ -130,7 +131,8 @@ def make_engine(model: Transformer, fmt: str, config: EngineConfig, lora_rank: i
 
 
 def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, ceil: Ceilings,
-               device: torch.device, seed: int = 0, engine_kw: dict | None = None, lora_rank: int = 0) -> dict[str, Any]:
+               device: torch.device, seed: int = 0, engine_kw: dict | None = None,
+               lora_rank: int = 0) -> dict[str, Any]:
     cfg = shape_config(shape, prompt_len + gen_len)
     model = bench_model(shape, fmt, device, prompt_len + gen_len, seed)
     t0 = time.perf_counter()
@@ -159,13 +161,15 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
         "shape": shape, "format": fmt, "kv_cache_dtype": config.kv_cache_dtype, "lora_rank": lora_rank, "batch": batch,
         "dependent_launches": config.dependent_launches, "dense_weights": config.dense_weights,
         "dense_weight_bytes": engine.runner.dense_weight_bytes,
-        "prompt_len": prompt_len, "gen_len": gen_len, "generated_tok_per_s": st.generated_tokens / total_s, "total_s": total_s, "init_s": init_s,
+        "prompt_len": prompt_len, "gen_len": gen_len, "generated_tok_per_s": st.generated_tokens / total_s,
+        "total_s": total_s, "init_s": init_s,
         "prefill_s": st.prefill_s, "prefill_steps": st.prefill_steps, "decode_s": st.decode_s,
         "decode_steps": st.decode_steps, "planned_steps": st.planned_steps, "preemptions": st.preemptions,
         "decode_step_ms_mean": 1e3 * st.decode_s / max(st.decode_steps, 1),
         "decode_step_ms_median": 1e3 * steps[len(steps) // 2] if steps else 0.0,
         "last_step_graph_replay_ms": replay_ms, "decode_tiling": list(engine.runner.decode_tiling),
-        "decode_tuning_ms": engine.runner.decode_tuning_ms, "decode_tuning_table": engine.runner.decode_tuning_table, "fused_kernels": engine.runner.fused,
+        "decode_tuning_ms": engine.runner.decode_tuning_ms, "decode_tuning_table": engine.runner.decode_tuning_table,
+        "fused_kernels": engine.runner.fused,
         "kv_blocks": engine.runner.num_blocks, "weight_bytes_per_step": step_weight_bytes(engine.model),
         **fl,
     }
@@ -178,7 +182,8 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
 
 
 @torch.no_grad()
-def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
+def run_hf(shape: str, batch: int, prompt_len: int, gen_len: int, device: torch.device,
+           seed: int = 0) -> dict[str, Any]:
     """HF ``generate`` (sampling, forced length) on the same random weights."""
     import transformers
 
@@ -217,7 +222,8 @@ def child_argv(shape: str, batch: int, prompt_len: int, gen_len: int, fmt: str, 
     kw = engine_kw or {}
     return [sys.executable, "-m", "quarl", "bench", "rollout", "--shape", shape, "--batch", str(batch),
             "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--formats", fmt, "--kv-cache-dtype", kv,
-            "--lora-rank", str(lora_rank), "--dependent-launches", "on" if kw.get("dependent_launches", True) else "off",
+            "--lora-rank", str(lora_rank),
+            "--dependent-launches", "on" if kw.get("dependent_launches", True) else "off",
             "--dense-weights", kw.get("dense_weights", "auto"), "--out", str(out.resolve())]
 
 
@@ -339,12 +345,14 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
     gaps = idle_gaps(spans, max_gap_us=0.5 * replay_ms * 1e3)
     idle_us, before = gaps["idle_us"], gaps["before"]
     extra = "".join(f" {k}={v}" for k, v in (engine_kw or {}).items())
-    lines = [f"{shape} {fmt} kv={kv_cache_dtype} lora={lora_rank}{extra} B={batch}: graph replay {replay_ms:.3f} ms (median of 50), {total_us / 1e3:.3f} ms of "
-             f"kernels per step (decode attention tiling {list(engine.runner.decode_tiling)}; "
+    lines = [f"{shape} {fmt} kv={kv_cache_dtype} lora={lora_rank}{extra} B={batch}: graph replay {replay_ms:.3f} ms "
+             f"(median of 50), {total_us / 1e3:.3f} ms of kernels per step "
+             f"(decode attention tiling {list(engine.runner.decode_tiling)}; "
              f"{torch.cuda.get_device_name(device)}, commit {git_commit()[:10]})"]
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name}")
-    lines.append(f"  idle between kernels: {idle_us / reps / 1e3:.3f} ms per step; the largest shares, by the kernel that waited:")
+    lines.append(f"  idle between kernels: {idle_us / reps / 1e3:.3f} ms per step; the largest shares, by the kernel "
+                 "that waited:")
     for name, (t, n) in sorted(before.items(), key=lambda kv: -kv[1][0])[:6]:
         lines.append(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  before {name}")
     del engine, model
@@ -356,10 +364,12 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
 def summary_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device']}  bw {result['ceilings']['bandwidth'] / 1e12:.2f} TB/s  "
              f"bf16 {result['ceilings']['bf16_flops'] / 1e12:.0f} TFLOP/s"]
-    lines.append("shape         fmt        kv    B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf   last_replay_ms/floor")
+    lines.append("shape         fmt        kv    B   tok/s     step_ms  floor_ms  frac   x_bf16  x_hf   "
+                 "last_replay_ms/floor")
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['shape']:13s} {r['format']:10s} {r.get('kv_cache_dtype', 'auto'):4s} ERROR {r['error'][:120]}")
+            lines.append(f"{r['shape']:13s} {r['format']:10s} {r.get('kv_cache_dtype', 'auto'):4s} "
+                         f"ERROR {r['error'][:120]}")
             continue
         lines.append(
             f"{r['shape']:13s} {r['format']:10s} {r.get('kv_cache_dtype', 'auto'):4s} {r['batch']:4d} "
@@ -378,5 +388,6 @@ def summary_table(result: dict[str, Any]) -> str:
                          f"{b['decode_step_ms_median']:.3f} -> {r['decode_step_ms_median']:.3f} ms "
                          f"({r['decode_step_vs_baseline']:.3f}x)")
     if "hf" in result:
-        lines.append(f"HF generate: {result['hf']['generated_tok_per_s']:.0f} tok/s ({result['hf']['gen_len']} new tokens)")
+        lines.append(f"HF generate: {result['hf']['generated_tok_per_s']:.0f} tok/s "
+                     f"({result['hf']['gen_len']} new tokens)")
     return "\n".join(lines)

@@ -40,9 +40,10 @@ def measure_ceilings(device: torch.device, power: str | None = None, gate: "Powe
         return time_per_call([fn], reps=20, min_calls=1, graph=False, power=power, gate=gate)
 
     t_copy = timed(lambda: b.copy_(a))
-    del a, b
+    a = b = None  # (frees the copy's buffers before the GEMMs' own)
     n = 8192
-    x, y = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     t_bf16 = timed(lambda: x @ y)
     x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()
     one_m, one_n = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)

@@ -18,8 +18,6 @@ measured bf16 matrix rate.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import datetime
 import gc
 import json
@@ -29,20 +27,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from quarl.bench.common import (ClockWatch, check_baseline, child_env, child_failed, gaps_lines, idle_gaps,
-                                package_root, write_json)
+from quarl.bench.common import ClockWatch, check_baseline, child_env, child_failed, package_root, write_json
+from quarl.bench.profiling import PROFILED_STAGES, PROFILES, profile_call  # noqa: F401 (the CLI's choices)
 
 # metric -> short name in the summary
 KEYS = {
     "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
-    "time/kv_cache": "kv_s", "time/grad_sync": "grad_sync_s", "time/rank_wait": "rank_wait_s", "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
+    "time/kv_cache": "kv_s", "time/grad_sync": "grad_sync_s", "time/rank_wait": "rank_wait_s",
+    "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
     "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
     "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",
@@ -204,7 +202,7 @@ def run_mode(name: str, overrides: list[str], run_dir: Path, profile: str | None
             rows.append({"step": trainer.step, **metrics})
     add_stage_clocks(rows, watch.by_label())
     trainer.rewards.close()
-    del trainer
+    trainer = None  # frees the run's memory before the next (not del: the label closure above names it)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -219,110 +217,9 @@ def add_stage_clocks(rows: list[dict[str, Any]], by_label: dict[str, dict[str, A
     its stages (``gpu/learner_sm_mhz``, ``gpu/learner_power_w``, ...), where there were any."""
     for stage, seen in by_label.items():
         for row in rows:
-            for field in ("sm_mhz", "power_w"):
-                if (v := seen[f"{field}_by_step"].get(str(row["step"]))) is not None:
-                    row[f"gpu/{stage}_{field}"] = v
-
-
-PROFILES = ("kernels", "host")
-PROFILED_STAGES = ("learner", "publish")
-
-
-def profile_call(fn, label: str, top: int = 30, what: str = "kernels"):
-    """``fn()`` profiled: its result and a text table.
-
-    ``kernels``: under torch.profiler (GPU activity only, the least host overhead), the GPU
-    kernels by total time (ms, share, launches, name) headed by the wall, the busy time and
-    the device syncs ``fn`` made (with their source lines); on a CPU, ops by self time.
-    ``host``: under cProfile, where the host's time goes (functions by cumulative time),
-    headed by the host time and the wall including the wait for the GPU. A learner whose
-    busy share is low is bound by the host: read the ``host`` table next."""
-    import time
-
-    if what not in PROFILES:
-        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {what!r}")
-    cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    if what == "host":
-        return _profile_host(fn, label, top, sync)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof, \
-            _counting_syncs(cuda) as syncs:
-        t0 = time.perf_counter()
-        result = fn()
-        sync()
-        wall = time.perf_counter() - t0
-    kernels: dict[str, list[float]] = {}
-    gaps = None
-    if cuda:
-        kernels = gpu_kernels(prof)
-        gaps = idle_gaps([(e.name[:60], e.time_range.start, e.time_range.end) for e in prof.events()
-                          if e.device_type.name == "CUDA"])
-    else:
-        for e in prof.key_averages():
-            kernels[e.key[:100]] = [e.self_cpu_time_total, e.count]
-    busy = sum(t for t, _ in kernels.values()) / 1e6
-    kind = "GPU kernels" if cuda else "CPU ops (self)"
-    lines = [f"{label}: wall {wall:.3f} s under the profiler, {kind} {busy:.3f} s "
-             f"({busy / wall:.0%} busy), {sum(n for _, n in kernels.values())} launches"]
-    if cuda:
-        lines.append(f"  device syncs: {sum(syncs.values())}"
-                     + "".join(f", {n}x {site}" for site, n in syncs.most_common(5)))
-        lines.extend(gaps_lines(gaps))
-    for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {t / 1e3:9.1f} ms {t / 1e4 / max(busy, 1e-12):5.1f}% {n:6d}x  {kname}")
-    return result, "\n".join(lines)
-
-
-def gpu_kernels(prof) -> dict[str, list[float]]:
-    """The GPU kernels a torch.profiler run saw: ``name -> [total us, launches]``."""
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            k = kernels.setdefault(e.name[:100], [0.0, 0])
-            k[0] += e.device_time
-            k[1] += 1
-    return kernels
-
-
-@contextlib.contextmanager
-def _counting_syncs(cuda: bool) -> Iterator[collections.Counter]:
-    """Device syncs made inside the block, by source line (``torch.cuda``'s sync debug mode)."""
-    sites: collections.Counter = collections.Counter()
-    if not cuda:
-        yield sites
-        return
-    with warnings.catch_warnings(record=True) as log:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield sites
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in log if "synchroniz" in str(w.message))
-
-
-def _profile_host(fn, label: str, top: int, sync):
-    import cProfile
-    import io
-    import pstats
-    import time
-
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    result = fn()
-    host = time.perf_counter() - t0
-    sync()
-    prof.disable()
-    wall = time.perf_counter() - t0
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
-    rows = [ln for ln in buf.getvalue().splitlines() if ln.strip() and ln.lstrip()[:1].isdigit()]
-    head = f"{label}: host {host:.3f} s under cProfile, wall {wall:.3f} s with the wait for the device"
-    return result, "\n".join([head, "  ncalls  tottime  percall  cumtime  percall filename:lineno(function)"] + rows)
+            for metric in ("sm_mhz", "power_w"):
+                if (v := seen[f"{metric}_by_step"].get(str(row["step"]))) is not None:
+                    row[f"gpu/{stage}_{metric}"] = v
 
 
 def check_workload(workload: str, modes: list[str]) -> Workload:
@@ -395,8 +292,8 @@ def stage_clock_line(name: str, run: dict[str, Any], stages: tuple[str, ...] = (
         seen = [(r["step"], r.get(f"time/{stage}"), r[f"gpu/{stage}_sm_mhz"], r[f"gpu/{stage}_power_w"])
                 for r in run.get("steps", []) if f"gpu/{stage}_sm_mhz" in r]
         if seen:
-            parts.append(f"{stage} " + " ".join(f"{t}:" + ("" if sec is None else f"{sec:.2f}s/") + f"{mhz:.0f}MHz/{w:.0f}W"
-                                                for t, sec, mhz, w in seen))
+            parts.append(f"{stage} " + " ".join(f"{t}:" + ("" if sec is None else f"{sec:.2f}s/")
+                                                + f"{mhz:.0f}MHz/{w:.0f}W" for t, sec, mhz, w in seen))
     return f"{name} by step: " + "; ".join(parts) if parts else ""
 
 
@@ -442,7 +339,6 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     is of the same workload, commit and flags."""
     from quarl.bench.common import git_commit
     from quarl.model.presets import preset_config
-    from quarl.bench.timing import measure_ceilings
 
     w = check_workload(workload, modes)
     if baseline is not None:
@@ -460,11 +356,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     if resume:
         result = resumed(result, out)
     if not spawn:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # (under torchrun: this rank's GPU)
-        torch.cuda.set_device(device)
-        result["device"] = torch.cuda.get_device_name(device)
-        result["bf16_tflops_measured"] = measure_ceilings(device).bf16_flops / 1e12
-        torch.cuda.empty_cache()  # (the engine sizes its KV cache from the memory free on the device)
+        _measure_this_gpu(result)
     # else this process leaves the GPUs alone (a CUDA context here would take a GB from the runs'
     # first GPU): the device and its measured bf16 rate come from the first run's own result
     main = os.environ.get("RANK", "0") == "0"  # (under torchrun: rank 0 reports)
@@ -474,16 +366,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
         model_dir = model or (None if w.random_base else save_random_model(w.shape, Path(tmp) / "model"))
         for mode in modes:
             if gpus:
-                for k in gpus:
-                    key = f"{mode}@{k}gpu"
-                    if key in result["modes"]:
-                        continue
-                    result["modes"][key] = run_child(workload, mode, [*extra, f"--trainer.prompts_per_step={w.prompts * k}"],
-                                                     package_root(), git_commit(), Path(tmp), profile, model_dir,
-                                                     profile_stage, gpus=k)
-                    print(key, json.dumps(result["modes"][key]["median"]), flush=True)
-                    print_clocks(key, result["modes"][key])
-                    save_result(result, out)
+                _run_gpu_counts(result, w, mode, extra, gpus, Path(tmp), out, profile, model_dir, profile_stage)
                 continue
             if mode in result["modes"]:  # (resumed)
                 r = result["modes"][mode]
@@ -512,6 +395,35 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     return result
 
 
+def _measure_this_gpu(result: dict[str, Any]) -> None:
+    """The runs go in this process: its GPU's name and measured bf16 rate go in ``result``."""
+    from quarl.bench.timing import measure_ceilings
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # (under torchrun: this rank's GPU)
+    torch.cuda.set_device(device)
+    result["device"] = torch.cuda.get_device_name(device)
+    result["bf16_tflops_measured"] = measure_ceilings(device).bf16_flops / 1e12
+    torch.cuda.empty_cache()  # (the engine sizes its KV cache from the memory free on the device)
+
+
+def _run_gpu_counts(result: dict[str, Any], w: Workload, mode: str, extra: list[str], gpus: list[int], tmp: Path,
+                    out: Path | None, profile: str | None, model_dir: Path | None, profile_stage: str) -> None:
+    """``mode`` once per GPU count in ``gpus`` (``<mode>@<count>gpu``, weak scaling), each in a
+    child process under ``torchrun``; the counts already in ``result`` (resumed) are kept."""
+    from quarl.bench.common import git_commit
+
+    for k in gpus:
+        key = f"{mode}@{k}gpu"
+        if key in result["modes"]:
+            continue
+        flags = [*extra, f"--trainer.prompts_per_step={w.prompts * k}"]
+        result["modes"][key] = run_child(result["workload"], mode, flags, package_root(), git_commit(), tmp,
+                                         profile, model_dir, profile_stage, gpus=k)
+        print(key, json.dumps(result["modes"][key]["median"]), flush=True)
+        print_clocks(key, result["modes"][key])
+        save_result(result, out)
+
+
 def resumed(fresh: dict[str, Any], out: Path | None) -> dict[str, Any]:
     """The result saved at ``out`` to continue (``fresh`` when there is none yet), provided it
     is of the same workload, commit and extra flags as ``fresh``; a ValueError naming what
@@ -533,9 +445,9 @@ def save_result(result: dict[str, Any], out: Path | None) -> None:
     """Adds the speedups (over bf16, over the baseline) to ``result`` and writes it to ``out``
     atomically (a temporary file renamed over it)."""
     modes = result["modes"]
-    for field in ("device", "bf16_tflops_measured"):  # (a parent of child runs: the first run's)
-        if result.get(field) is None:
-            result[field] = next((r[field] for r in modes.values() if r.get(field) is not None), None)
+    for key in ("device", "bf16_tflops_measured"):  # (a parent of child runs: the first run's)
+        if result.get(key) is None:
+            result[key] = next((r[key] for r in modes.values() if r.get(key) is not None), None)
     for key, r in modes.items():
         mode, _, count = key.partition("@")
         m = r["median"]

@@ -43,7 +43,8 @@ def _power_states(spec: str) -> tuple[str | None, ...]:
     states = tuple(x for x in spec.split(",") if x)
     bad = [x for x in states if x not in POWER_MODES + ("found",)]
     if bad or not states:
-        raise ValueError(f"--power: unknown power state(s) {bad or spec!r}; valid: {', '.join(POWER_MODES + ('found',))}")
+        raise ValueError(f"--power: unknown power state(s) {bad or spec!r}; "
+                         f"valid: {', '.join(POWER_MODES + ('found',))}")
     return tuple(None if x == "found" else x for x in states)
 
 

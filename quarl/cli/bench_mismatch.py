@@ -23,7 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--other-budget", type=int, default=1024,
                    help="the learner's second token budget (default 1024: about one response per micro-batch)")
     p.add_argument("--nudge", type=float, default=0.1,
-                   help="fraction of each decoder linear's input elements moved one ulp for the nudged pass (default 0.1)")
+                   help="fraction of each decoder linear's input elements moved one ulp for the nudged pass "
+                        "(default 0.1)")
     p.add_argument("--out", help="write the JSON result here (e.g. bench/baselines/mismatch_w1_h100.json)")
     p.set_defaults(run=run, accepts_overrides=True)
     return p

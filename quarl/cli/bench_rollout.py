@@ -36,7 +36,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="whether a weight-only engine keeps dense bf16 copies of its weights and runs cuBLAS on them "
                         "where that wins (EngineConfig.dense_weights; auto: when they take at most 10%% of the GPU); "
                         "off times the quantized kernels at every batch")
-    p.add_argument("--hf-gen-len", type=int, default=0, help="also time HF generate with this many new tokens (0: skip)")
+    p.add_argument("--hf-gen-len", type=int, default=0,
+                   help="also time HF generate with this many new tokens (0: skip)")
     p.add_argument("--baseline", metavar="DIR",
                    help="a directory holding another version's quarl/ package (e.g. `git archive REV quarl | tar -x "
                    "-C DIR`): every format then runs in a fresh process under this code and right after under that "
@@ -52,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quarl.bench.rollout import profile_kernels, run_benchmark, summary_table
-
     from quarl.quant.kv import check_kv_cache_dtype
 
     kv_dtypes = tuple(check_kv_cache_dtype(k) for k in args.kv_cache_dtype.split(",") if k)

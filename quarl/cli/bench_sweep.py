@@ -76,7 +76,8 @@ def _check_format(family: str, fmt: str | None) -> None:
     if fam.table.startswith("gated_"):
         table = "gated_" + str(sc.act_format)
     if table != fam.table:
-        raise ValueError(f"--format {fmt}: its GEMM is picked from table {table}, family {family} overrides {fam.table}")
+        raise ValueError(f"--format {fmt}: its GEMM is picked from table {table}, "
+                         f"family {family} overrides {fam.table}")
 
 
 def _against(args: argparse.Namespace) -> int:
@@ -88,7 +89,8 @@ def _against(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             raise ValueError(f"--against {path}: no such file (a sweep's JSON, written by --out)") from None
         if result.get("benchmark") != "sweep" or "rows" not in result:
-            raise ValueError(f"--against {path}: not a sweep result (no 'rows'; write one with quarl bench sweep --out)")
+            raise ValueError(f"--against {path}: not a sweep result "
+                             "(no 'rows'; write one with quarl bench sweep --out)")
         if result["family"] != args.family:
             raise ValueError(f"--against {path}: a sweep of family {result['family']}, not {args.family}")
         print(f"{path} ({result.get('device', '?')}, {str(result.get('git_commit', '?'))[:8]}):")

@@ -22,9 +22,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the FP8 KV cache, the others without)")
     p.add_argument("--steps", type=int, help="steps per mode (default: the workload's)")
     p.add_argument("--profile", nargs="?", const="kernels", choices=PROFILES,
-                   help="profile one stage of each mode's last step (--profile-stage): 'kernels' (the default) its GPU kernels by "
-                   "total time, the GPU busy share and the device syncs with their source lines; 'host' where the host's "
-                   "time goes (cProfile, functions by cumulative time). That step is left out of the medians")
+                   help="profile one stage of each mode's last step (--profile-stage): 'kernels' (the default) "
+                   "its GPU kernels by total time, the GPU busy share and the device syncs with their source lines; "
+                   "'host' where the host's time goes (cProfile, functions by cumulative time). That step is left "
+                   "out of the medians")
     p.add_argument("--profile-stage", choices=PROFILED_STAGES, default="learner",
                    help="the stage --profile looks at: the learner's update (default) or the publish into the engine")
     p.add_argument("--baseline", metavar="DIR",

@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     rep = verbs.add_parser("report", help="render a suite's results page",
                            description="summarise RESULTS_DIR into summary.json and README.md with its plots")
     rep.add_argument("results_dir", type=Path, metavar="RESULTS_DIR")
-    rep.add_argument("--suite", type=Path, help="the suite directory whose spec to use (default: the copy in RESULTS_DIR)")
+    rep.add_argument("--suite", type=Path,
+                     help="the suite directory whose spec to use (default: the copy in RESULTS_DIR)")
     rep.add_argument("--debug", action="store_true", help="show full tracebacks")
     rep.set_defaults(run=report_cmd)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
@@ -43,15 +44,51 @@ def run(args: argparse.Namespace) -> int:
     from quarl.trainer.loop import Trainer
 
     console = None if args.quiet else Console(stderr=True)
+    lock = _lock_run_dir(Path(cfg.trainer.run_dir), args.resume)
     try:
         trainer = Trainer(cfg, resume=args.resume, console=console, allow_config_change=args.allow_config_change)
         # under torchrun: rank 0 alone reports and prints
         code = _run_main(trainer, cfg) if trainer.dist.main else _run_rank(trainer)
         if trainer.dist.world > 1 and code == 0:
             leave(0)  # the run directory is complete and closed
+    except OSError as e:  # a file the run writes (config, metrics, warm-start cache): one line, what to do
+        if getattr(args, "debug", False) or e.errno not in _WRITE_ERRORS:
+            raise
+        raise ValueError(_write_failed(Path(cfg.trainer.run_dir), e)) from e
     finally:
         shutdown()
+        if lock is not None:
+            lock.release()
     return code
+
+
+# a write refused or cut short: a full disk or quota, a read-only or failing disk, no permission
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
+                 errno.ENOTDIR}
+
+
+def _lock_run_dir(run_dir: Path, resume: bool):
+    """The run directory's lock (:mod:`quarl.trainer.lock`), taken by rank 0 alone (the ranks of one
+    run share the directory); a resume first checks there is a run to continue."""
+    import os
+
+    from quarl.trainer.lock import RunLock
+    from quarl.trainer.resume import check_resumable
+
+    if resume:
+        check_resumable(run_dir)
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    return RunLock(run_dir).acquire(resume)
+
+
+def _write_failed(run_dir: Path, e: OSError) -> str:
+    from quarl.trainer.checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(run_dir)
+    kept = (f"its newest checkpoint, {newest.name}, is intact: continue with quarl train --resume "
+            f"--trainer.run_dir={run_dir}" if newest is not None else "no checkpoint was written")
+    return f"could not write {e.filename or run_dir} ({e.strerror or e}); {kept} once the cause is fixed"
 
 
 def _run_main(trainer, cfg) -> int:
@@ -59,12 +96,20 @@ def _run_main(trainer, cfg) -> int:
     from quarl.trainer.loop import TrainingAborted
     from quarl.trainer.oom import OutOfGPUMemory
 
+    from quarl.trainer.faults import EvaluationFailed
+
     resume_hint = f"quarl train --resume --trainer.run_dir={trainer.run_dir}"
     try:
         last = trainer.run()
     except KeyboardInterrupt:  # a second Ctrl-C: no report, the user wants out now
-        print(f"quarl train: stopped; the last complete checkpoint is intact: {resume_hint}", file=sys.stderr)
+        print(f"quarl train: stopped; {_stopped(trainer, resume_hint)}", file=sys.stderr)
         return 130
+    except EvaluationFailed as e:
+        write_report(trainer.run_dir)
+        print(f"quarl train: error: {e}; the step is saved in its checkpoint, step_{e.step:06d}: once the cause is "
+              f"fixed, evaluate it with quarl eval {trainer.run_dir} or continue with {resume_hint}",
+              file=sys.stderr)
+        return 1
     except TrainingAborted as e:
         write_report(trainer.run_dir)
         print(f"quarl train: aborted: {e}", file=sys.stderr)
@@ -78,6 +123,10 @@ def _run_main(trainer, cfg) -> int:
         print(f"quarl train: error: {e}\n{_kept(trainer)}, then continue with: {resume_hint} --<setting>=<value>",
               file=sys.stderr)
         return 1
+    if trainer.interrupted and trainer.step == 0:  # (stopped before a step finished: nothing was saved)
+        print("quarl train: interrupted before the first step finished; nothing was kept: start it again with the "
+              "same command", file=sys.stderr)
+        return 130
     report = write_report(trainer.run_dir)
     if trainer.interrupted:
         print(f"quarl train: interrupted after step {trainer.step} (checkpoint saved); continue with: {resume_hint}",
@@ -143,6 +192,19 @@ def write_report(run_dir: Path) -> Path | None:
         print(f"quarl train: warning: could not write {run_dir / 'report.html'}: {first} "
               f"(the run itself is fine; retry with: quarl report {run_dir})", file=sys.stderr)
         return None
+
+
+def _stopped(trainer, resume_hint: str) -> str:
+    """What a second Ctrl-C left: the newest checkpoint, or that there is none."""
+    from quarl.trainer.checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(trainer.run_dir)
+    if newest is not None:
+        return f"its newest checkpoint, {newest.name}, is intact: continue with {resume_hint}"
+    if trainer.step == 0:
+        return "no step was trained and nothing was kept: start it again with the same command"
+    return (f"no checkpoint was written, so its {trainer.step} steps are lost (trainer.save_every sets how often "
+            f"one is): start it again from step 0 with {resume_hint}")
 
 
 def _kept(trainer) -> str:

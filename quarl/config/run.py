@@ -22,7 +22,6 @@ from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import SCHEMES, QuantScheme
 from quarl.rollout.config import EngineConfig
 
-
 # The range checks below skip None: an optional field left unset takes its user's own default.
 # Each comparison is written so that NaN fails it.
 
@@ -52,7 +51,7 @@ def _within(section: str, obj: object, name: str, low: float, high: float, *, op
     below = value < high if open_high else value <= high
     if not (above and below):
         interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
-        raise ConfigError(f"{section}.{name} must be in {interval}{meaning}, got {value}: set --{section}.{name} "
+        raise ConfigError(f"{section}.{name} must be in {interval}, got {value}{meaning}: set --{section}.{name} "
                           f"to a value in {interval}")
 
 

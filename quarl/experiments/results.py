@@ -17,9 +17,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from quarl.experiments.suite import SUITE_FILE, Column, Plot, Suite, load_suite, steps_done
+from quarl import plots
+from quarl.experiments.spec import SUITE_FILE, Column, Plot, Suite, load_suite
+from quarl.experiments.suite import steps_done
 
 Series = list[tuple[int, float]]  # (step, value), in step order
+fmt = plots.fmt_table
 
 
 def read_series(metrics_file: Path) -> dict[str, Series]:
@@ -32,7 +35,8 @@ def read_series(metrics_file: Path) -> dict[str, Series]:
         row = json.loads(line)
         step = int(row.get("step", 0))
         for k, v in row.items():
-            if k not in ("step", "wall") and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            if (k not in ("step", "wall") and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v)):
                 out.setdefault(k, []).append((step, float(v)))
     for s in out.values():
         s.sort(key=lambda p: p[0])
@@ -164,15 +168,6 @@ def _read_json(f: Path) -> Any:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def fmt(v: float | None) -> str:
-    if v is None:
-        return "-"
-    a = abs(v)
-    if a != 0 and (a < 1e-2 or a >= 1e4):
-        return f"{v:.2e}"
-    return f"{v:.3g}" if a < 100 else f"{v:.0f}"
-
-
 def cell(s: dict[str, Any], seeds: int) -> str:
     if not s["n"]:
         return "-"
@@ -191,27 +186,6 @@ def markdown_table(summary: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- plots
 
 
-def _figure(n: int, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(n, 3)
-    rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.3 * rows), squeeze=False)
-    fig.suptitle(title)
-    return fig, [ax for row in axes for ax in row]
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def mean_curve(per_seed: list[Series]) -> tuple[list[int], list[float], list[float], list[float]]:
     """steps, mean, min and max over the seeds that logged each step."""
     at: dict[int, list[float]] = {}
@@ -227,7 +201,7 @@ def plot_lines(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: 
     metrics = [m for m in plot.metrics if any(m in s for r in runs.values() for s in r.values())]
     if not metrics:
         return False
-    fig, axes = _figure(len(metrics), plot.title)
+    fig, axes = plots.figure(len(metrics), plot.title, max_cols=3, panel=(4.6, 3.3))
     for ax, metric in zip(axes, metrics):
         positive = True
         for i, (name, seeds) in enumerate(runs.items()):
@@ -236,7 +210,7 @@ def plot_lines(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: 
                 continue
             steps, mean, lo, hi = mean_curve(curves)
             positive = positive and min(lo) > 0
-            color = f"C{i % 10}"
+            color = plots.color(i)
             ax.plot(steps, mean, color=color, label=name, lw=1.4, marker="o" if len(steps) < 12 else None, ms=3)
             if len(curves) > 1:
                 ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
@@ -245,10 +219,8 @@ def plot_lines(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: 
         ax.tick_params(labelsize=7)
         if plot.log and positive:
             ax.set_yscale("log")
-    for ax in axes[len(metrics):]:
-        ax.axis("off")
     axes[0].legend(fontsize=7)
-    _save(fig, path)
+    plots.save_png(fig, path)
     return True
 
 
@@ -256,7 +228,7 @@ def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: P
     names = list(runs)
     if not names:
         return False
-    fig, axes = _figure(1, plot.title)
+    fig, axes = plots.figure(1, plot.title, max_cols=3, panel=(4.6, 3.3))
     ax = axes[0]
     width = 0.8 / len(names)
     drawn = False
@@ -271,11 +243,8 @@ def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: P
             hi.append(max(vals) - m if vals else 0.0)
             drawn = drawn or bool(vals)
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(plot.metrics))]
-        ax.bar(xs, means, width, yerr=[lo, hi], capsize=2, color=f"C{i % 10}", label=name)
+        ax.bar(xs, means, width, yerr=[lo, hi], capsize=2, color=plots.color(i), label=name)
     if not drawn:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
         return False
     ax.set_xticks(range(len(plot.metrics)))
     ax.set_xticklabels(plot.metrics, fontsize=7, rotation=15)
@@ -283,7 +252,7 @@ def plot_bars(plot: Plot, runs: dict[str, dict[int, dict[str, Series]]], path: P
     if plot.log:
         ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=2)
-    _save(fig, path)
+    plots.save_png(fig, path)
     return True
 
 
@@ -368,7 +337,8 @@ def _setup_line(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         digests = {c.get("base_sha256") for c in calls}
         text += (f" Run in {len(calls)} calls: {'; '.join(parts)}; "
                  + ("the same base weights in each." if len(digests) == 1 and None not in digests else
-                    "**the base weights differ between calls** (rebuilt on each machine; each call's digest and base accuracy are in meta.json)."))
+                    "**the base weights differ between calls** (rebuilt on each machine; each call's digest and "
+                    "base accuracy are in meta.json)."))
     base = summary.get("base")
     if base:
         acc = (base.get("eval") or {}).get("eval/acc")
@@ -378,4 +348,5 @@ def _setup_line(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return text
 
 
-__all__ = ["read_series", "reduce_series", "without_steps", "spread", "summarize", "render", "markdown_table", "SUITE_FILE"]
+__all__ = ["read_series", "reduce_series", "without_steps", "spread", "summarize", "render", "markdown_table",
+           "SUITE_FILE"]

@@ -39,197 +39,17 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from quarl.config.typed import merge, parse_overrides, read_yaml
-
-SUITE_FILE = "suite.yaml"
-AT = ("last", "first", "mean", "max", "min", "tail", "median")  # how a column reduces a run's series
-_SUITE_KEYS = {"title", "about", "base", "seeds", "parallel", "common", "baseline", "table", "plots"}
-_BASE_SECTIONS = ("model", "data", "rollout")  # what every run takes from the base recipe
-
-
-@dataclass(frozen=True)
-class Column:
-    """One summary column: ``metric`` reduced over a run's steps by ``at`` (``tail`` /
-    ``median``: the mean / median of the last ``tail`` values), and with ``ratio`` divided by
-    the baseline's value of the same seed. ``without``: a metric whose nonzero steps are left
-    out first (``perf/compiles``: the steps that compiled, for a steady-state time)."""
-
-    metric: str
-    at: str = "last"
-    ratio: bool = False
-    tail: int = 5
-    label: str | None = None
-    without: str | None = None
-
-    @property
-    def name(self) -> str:
-        at = {"tail": f"last {self.tail}", "median": f"median of last {self.tail}"}.get(self.at, self.at)
-        at += f" where {self.without} = 0" if self.without else ""
-        return self.label or f"{self.metric} ({at}{' / baseline' if self.ratio else ''})"
-
-
-@dataclass(frozen=True)
-class Plot:
-    """One figure. ``lines``: a subplot per metric, each run's mean over seeds along the
-    steps with its seeds' range shaded. ``bars``: the metrics side by side, a bar per run
-    (the metric reduced by ``at``, averaged over seeds; whiskers: the seeds' range; ``without``
-    as for :class:`Column`)."""
-
-    title: str
-    metrics: tuple[str, ...]
-    kind: str = "lines"
-    at: str = "mean"
-    log: bool = False
-    tail: int = 5
-    without: str | None = None
-
-
-@dataclass
-class Suite:
-    name: str
-    root: Path
-    title: str
-    about: str
-    base: Path | None
-    seeds: list[int]
-    parallel: int
-    common: dict[str, Any]
-    baseline: str | None
-    table: list[Column]
-    plots: list[Plot]
-    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-def _fail(where: Path, message: str):
-    raise ValueError(f"{where}: {message}")
-
-
-def load_suite(root: str | Path, run_names: list[str] | None = None) -> Suite:
-    """The suite in directory ``root`` (a ValueError names the file and the fix for bad input).
-    ``run_names``: the runs' names without their configs (a results directory's copy of
-    ``suite.yaml``, which is only rendered)."""
-    root = Path(root)
-    spec_file = root / SUITE_FILE
-    if not spec_file.is_file():
-        raise ValueError(f"{root} is not a suite: it has no {SUITE_FILE} (see quarl.experiments.suite)")
-    spec = read_yaml(spec_file)
-    unknown = sorted(set(spec) - _SUITE_KEYS)
-    if unknown:
-        _fail(spec_file, f"unknown key(s) {', '.join(unknown)}; a suite has {', '.join(sorted(_SUITE_KEYS))}")
-    seeds = spec.get("seeds", [0])
-    try:
-        check_seeds(seeds)
-    except ValueError as e:
-        _fail(spec_file, str(e))
-    parallel = spec.get("parallel", 1)
-    if not _is_int(parallel) or parallel < 1:
-        _fail(spec_file, f"parallel must be an integer >= 1, got {parallel!r}")
-    base = spec.get("base")
-    base_path = (root / base).resolve() if base else None
-    if base_path is not None and not base_path.is_file() and run_names is None:
-        _fail(spec_file, f"base recipe {base} does not exist (a path relative to the suite's directory)")
-    common = _common(spec_file, spec.get("common") or {}, check_files=run_names is None)
-    if run_names is not None:
-        runs = {n: {} for n in run_names}
-    else:
-        # a base recipe or common file kept beside suite.yaml is not a run
-        shared = {p.resolve() for p in [base_path, *_common_files(spec_file, spec.get("common"))] if p is not None}
-        runs = {f.stem: read_yaml(f) for f in sorted(root.glob("*.yaml"))
-                if f.name != SUITE_FILE and f.resolve() not in shared}
-    if not runs:
-        _fail(root, "a suite needs at least one run config (*.yaml) beside suite.yaml")
-    baseline = spec.get("baseline")
-    if baseline is not None and baseline not in runs:
-        _fail(spec_file, f"baseline {baseline!r} is not one of the runs ({', '.join(runs)})")
-    table = [_column(spec_file, c) for c in spec.get("table") or []]
-    if any(c.ratio for c in table) and baseline is None:
-        _fail(spec_file, "a ratio column needs a baseline run: set baseline to one of the runs")
-    plots = [_plot(spec_file, p) for p in spec.get("plots") or []]
-    return Suite(root.resolve().name, root, spec.get("title") or root.name, (spec.get("about") or "").strip(),
-                 base_path, seeds, parallel, common, baseline, table, plots, runs)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_seeds(seeds: Any) -> list[int]:
-    """``seeds`` if it is a non-empty list of distinct integers, else a ValueError."""
-    if not (isinstance(seeds, list) and seeds and all(_is_int(s) for s in seeds)) or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds must be a non-empty list of distinct integers, got {seeds!r}")
-    return seeds
-
-
-def _common(where: Path, common: Any, check_files: bool = True) -> dict[str, Any]:
-    """``common``: a mapping of config sections, a YAML file's path (relative to the suite),
-    or a list of these merged in order (later ones win)."""
-    parts = common if isinstance(common, list) else [common]
-    out: dict[str, Any] = {}
-    for part in parts:
-        if isinstance(part, str):
-            f = where.parent / part
-            if not f.is_file():
-                if check_files:
-                    _fail(where, f"common: {part} does not exist (a path relative to the suite's directory)")
-                continue
-            part = read_yaml(f)
-        if not isinstance(part, dict):
-            _fail(where, f"common must be a mapping of config sections, a YAML file or a list of these, got {part!r}")
-        out = merge(out, part)
-    return out
-
-
-def _common_files(where: Path, common: Any) -> list[Path]:
-    parts = common if isinstance(common, list) else [common]
-    return [where.parent / p for p in parts if isinstance(p, str)]
-
-
-def _column(where: Path, c: Any) -> Column:
-    if isinstance(c, str):
-        c = {"metric": c}
-    if not isinstance(c, dict) or "metric" not in c:
-        _fail(where, f"a table column is a metric name or a mapping with 'metric', got {c!r}")
-    unknown = sorted(set(c) - {"metric", "at", "ratio", "tail", "label", "without"})
-    if unknown:
-        _fail(where, f"table column {c['metric']}: unknown key(s) {', '.join(unknown)}")
-    col = Column(**c)
-    if col.at not in AT:
-        _fail(where, f"table column {col.metric}: at must be one of {', '.join(AT)}, got {col.at!r}")
-    if not _is_int(col.tail) or col.tail < 1:
-        _fail(where, f"table column {col.metric}: tail must be an integer >= 1")
-    if not isinstance(col.ratio, bool):
-        _fail(where, f"table column {col.metric}: ratio must be true or false, got {col.ratio!r}")
-    if col.without is not None and not isinstance(col.without, str):
-        _fail(where, f"table column {col.metric}: without names a metric, got {col.without!r}")
-    return col
-
-
-def _plot(where: Path, p: Any) -> Plot:
-    if not isinstance(p, dict) or not isinstance(p.get("metrics"), list) or not p["metrics"]:
-        _fail(where, f"a plot is a mapping with a title and a non-empty list of metrics, got {p!r}")
-    unknown = sorted(set(p) - {"title", "metrics", "kind", "at", "log", "tail", "without"})
-    if unknown:
-        _fail(where, f"plot {p.get('title')!r}: unknown key(s) {', '.join(unknown)}")
-    plot = Plot(str(p.get("title") or ", ".join(p["metrics"])), tuple(p["metrics"]), p.get("kind", "lines"),
-                p.get("at", "mean"), bool(p.get("log", False)), p.get("tail", 5), p.get("without"))
-    if plot.kind not in ("lines", "bars"):
-        _fail(where, f"plot {plot.title!r}: kind must be lines or bars, got {plot.kind!r}")
-    if plot.at not in AT:
-        _fail(where, f"plot {plot.title!r}: at must be one of {', '.join(AT)}, got {plot.at!r}")
-    if not _is_int(plot.tail) or plot.tail < 1:
-        _fail(where, f"plot {plot.title!r}: tail must be an integer >= 1, got {plot.tail!r}")
-    if plot.without is not None and not isinstance(plot.without, str):
-        _fail(where, f"plot {plot.title!r}: without names a metric, got {plot.without!r}")
-    if plot.without is not None and plot.kind != "bars":
-        _fail(where, f"plot {plot.title!r}: without leaves steps out of a bars plot's reduction; "
-                     "a lines plot draws every step")
-    return plot
+from quarl.experiments.spec import (  # noqa: F401 (the spec's names, for the CLI and the tests)
+    AT, BASE_SECTIONS, SUITE_FILE, Column, Plot, Suite, check_seeds, load_suite,
+)
+from quarl.io import replace_dir
 
 
 # ---------------------------------------------------------------------- configs
@@ -241,7 +61,7 @@ def run_config(suite: Suite, name: str, seed: int, run_dir: Path, base_model: Pa
     cfg: dict[str, Any] = {}
     if suite.base is not None:
         recipe = read_yaml(suite.base)
-        cfg = {k: v for k, v in recipe.items() if k in _BASE_SECTIONS}
+        cfg = {k: v for k, v in recipe.items() if k in BASE_SECTIONS}
     cfg = merge(cfg, suite.common)
     cfg = merge(cfg, suite.runs[name])
     cfg = merge(cfg, parse_overrides(list(overrides)))
@@ -345,9 +165,7 @@ def link_tree(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, copy_function=link)
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
+    replace_dir(tmp, dst)
 
 
 def base_overrides(overrides: list[str], base_dir: Path) -> dict[str, Any]:
@@ -444,16 +262,7 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
         base_model, info = build_base(suite, work, overrides, log)
         base_digest = info.get("weights_sha256")
     plan = plan_runs(suite, work, base_model, overrides, only)
-    for r in plan:  # a run trained from an earlier base (the recipe changed since) starts again
-        marker = r.config_file.with_suffix(".base")
-        if r.run_dir.exists() and marker.is_file() and marker.read_text() != str(base_digest):
-            log(f"{r.name} seed {r.seed}: trained from another base ({marker.read_text()}); starting it again")
-            shutil.rmtree(r.run_dir)
-        marker.write_text(str(base_digest))
-    for r in plan:  # a run another suite beside this one has already finished, as this one would run it
-        if not r.run_dir.exists() and (src := sibling_run(work, r, base_digest)) is not None:
-            copy_run(src, r.run_dir, src.parents[2], work)
-            log(f"{r.name} seed {r.seed}: the same run as {src} (the same config and base); copied, not run again")
+    _reuse_finished(plan, work, base_digest, log)
     width = parallel or suite.parallel
     env = run_env(width)
     queue = list(plan)
@@ -467,22 +276,12 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
         while queue or running:
             while queue and len(running) < width:
                 r = queue.pop(0)
-                done = steps_done(r.run_dir)
-                if done >= r.steps:
+                if steps_done(r.run_dir) >= r.steps:
                     r.status = "skipped"
                     finished += 1
                     log(f"[{finished}/{total}] {r.name} seed {r.seed}: finished earlier")
                     continue
-                resume = ["--resume"] if (r.run_dir / "checkpoints").is_dir() else []
-                if not resume and r.run_dir.exists():
-                    shutil.rmtree(r.run_dir)  # started, but cut before its first checkpoint
-                cmd = [sys.executable, "-m", "quarl", "train", "--config", str(r.config_file), "--quiet", *resume]
-                r.started, r.started_wall = time.perf_counter(), time.time()
-                r.status = "running"
-                with open(r.log_file, "ab") as f:
-                    # its own session: a Ctrl-C here reaches the suite alone, which passes one SIGTERM on
-                    r.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True)
+                _start(r, env)
                 running.append(r)
             time.sleep(0.2)
             for r in list(running):
@@ -491,17 +290,7 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
                     continue
                 running.remove(r)
                 finished += 1
-                r.seconds = time.perf_counter() - r.started
-                r.phases = run_phases(r.run_dir / "metrics.jsonl", r.started_wall, time.time())
-                r.status = "done" if code == 0 else "failed"
-                if code == 0 and not keep_checkpoints:
-                    shutil.rmtree(r.run_dir / "checkpoints", ignore_errors=True)
-                if code != 0:
-                    r.tail = "\n".join(r.log_file.read_text(errors="replace").splitlines()[-15:])
-                phases = (f" [start {r.phases['start']:.0f} s, steps {r.phases['steps']:.0f} s, "
-                          f"end {r.phases['end']:.0f} s]") if r.phases else ""
-                log(f"[{finished}/{total}] {r.name} seed {r.seed}: {r.status} in {r.seconds:.0f} s{phases}"
-                    + (f" (exit {code}; log {r.log_file})" if code else _headline(r.run_dir)))
+                log(f"[{finished}/{total}] {_finish(r, code, keep_checkpoints)}")
     except KeyboardInterrupt:
         log(f"suite {suite.name}: interrupted; stopping {len(running)} run(s) after their current step")
         for r in running:
@@ -517,6 +306,50 @@ def run_suite(suite: Suite, work: str | Path, overrides: list[str] = (), paralle
         f"{time.perf_counter() - t_suite:.0f} s")
     _write_status(work, suite, plan)
     return plan
+
+
+def _reuse_finished(plan: list[RunState], work: Path, base_digest: str | None, log=print) -> None:
+    """Before a suite runs: a run trained from an earlier base (the recipe changed since) starts
+    again; a run another suite beside this one has already finished, as this one would run it,
+    is copied instead of run."""
+    for r in plan:
+        marker = r.config_file.with_suffix(".base")
+        if r.run_dir.exists() and marker.is_file() and marker.read_text() != str(base_digest):
+            log(f"{r.name} seed {r.seed}: trained from another base ({marker.read_text()}); starting it again")
+            shutil.rmtree(r.run_dir)
+        marker.write_text(str(base_digest))
+    for r in plan:
+        if not r.run_dir.exists() and (src := sibling_run(work, r, base_digest)) is not None:
+            copy_run(src, r.run_dir, src.parents[2], work)
+            log(f"{r.name} seed {r.seed}: the same run as {src} (the same config and base); copied, not run again")
+
+
+def _start(r: RunState, env: dict[str, str]) -> None:
+    """Launch ``r``'s training process (resuming from its checkpoint where it has one)."""
+    resume = ["--resume"] if (r.run_dir / "checkpoints").is_dir() else []
+    if not resume and r.run_dir.exists():
+        shutil.rmtree(r.run_dir)  # started, but cut before its first checkpoint
+    cmd = [sys.executable, "-m", "quarl", "train", "--config", str(r.config_file), "--quiet", *resume]
+    r.started, r.started_wall = time.perf_counter(), time.time()
+    r.status = "running"
+    with open(r.log_file, "ab") as f:
+        # its own session: a Ctrl-C here reaches the suite alone, which passes one SIGTERM on
+        r.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _finish(r: RunState, code: int, keep_checkpoints: bool) -> str:
+    """Record the end of ``r``'s process (exit ``code``); the log line saying how it went."""
+    r.seconds = time.perf_counter() - r.started
+    r.phases = run_phases(r.run_dir / "metrics.jsonl", r.started_wall, time.time())
+    r.status = "done" if code == 0 else "failed"
+    if code == 0 and not keep_checkpoints:
+        shutil.rmtree(r.run_dir / "checkpoints", ignore_errors=True)
+    if code != 0:
+        r.tail = "\n".join(r.log_file.read_text(errors="replace").splitlines()[-15:])
+    phases = (f" [start {r.phases['start']:.0f} s, steps {r.phases['steps']:.0f} s, "
+              f"end {r.phases['end']:.0f} s]") if r.phases else ""
+    return (f"{r.name} seed {r.seed}: {r.status} in {r.seconds:.0f} s{phases}"
+            + (f" (exit {code}; log {r.log_file})" if code else _headline(r.run_dir)))
 
 
 def sibling_run(work: Path, r: RunState, base_digest: str | None) -> Path | None:

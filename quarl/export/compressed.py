@@ -77,6 +77,7 @@ from torch import nn
 
 from quarl.export.hf import PolicyCheckpoint, metadata_header
 from quarl.export.packed import quantized_policy
+from quarl.io import atomic_path
 from quarl.model.loading import normal_permissions
 from quarl.quant import QuantizedWeight, QuantLinear, QuantScheme
 from quarl.quant import reference as ref
@@ -318,10 +319,9 @@ def export_compressed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, me
                                f"{scheme.name} codes stand for; refusing to write it")
         tensors.update({f"{_hf_name(name)}.{key}": t for key, t in stored.items()})
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={**metadata_header(metadata), "format": "pt"})
-    normal_permissions(tmp)
-    tmp.replace(out / "model.safetensors")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={**metadata_header(metadata), "format": "pt"})
+        normal_permissions(tmp)
     config = ckpt.arch.to_hf_dict()
     config["torch_dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -98,7 +98,8 @@ def export_peft(ckpt: PolicyCheckpoint, out: Path, metadata: dict) -> None:
         for name, _, ad in lora_modules(holder):
             if name.rpartition(".")[2] in ATTN_INPUTS + MLP_INPUTS:
                 ad.A = nn.Parameter(ad.A.detach() * uaq, requires_grad=False)
-    save_file(peft_state_dict(holder, dtype), str(out / "adapter_model.safetensors"), metadata=metadata_header(metadata))
+    save_file(peft_state_dict(holder, dtype), str(out / "adapter_model.safetensors"),
+              metadata=metadata_header(metadata))
     config = peft_config(holder, str(ckpt.model_dir) if ckpt.model_dir is not None else None)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
 

@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quarl.export.hf import PolicyCheckpoint, build_policy, metadata_header
+from quarl.io import atomic_path
 from quarl.model.config import TransformerConfig
 from quarl.model.loading import CheckpointError, damaged_file_error
 from quarl.model.transformer import Rotary, Transformer
@@ -75,9 +76,8 @@ def export_packed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, metada
             t = t.to(REST_DTYPE)
         tensors[_hf_name(name)] = t.contiguous()
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={**metadata_header(metadata), "format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={**metadata_header(metadata), "format": "pt"})
     config = ckpt.arch.to_hf_dict()
     config["torch_dtype"] = _DTYPE_NAMES[REST_DTYPE]
     config["quantization_config"] = {

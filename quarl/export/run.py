@@ -16,6 +16,7 @@ from quarl.export.hf import (
 )
 from quarl.export.lora import export_merged, export_peft, is_lora
 from quarl.export.packed import export_packed
+from quarl.io import replace_dir
 from quarl.model.loading import normal_permissions
 
 FORMATS = ("hf-bf16", "hf-fp32", "quarl-packed", "compressed-tensors", "peft")
@@ -129,10 +130,4 @@ def _check_out(out: Path, force: bool) -> None:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``; an existing ``out`` (empty, or replaced under --force) goes only after."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-    out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old)
+    replace_dir(tmp, out)

@@ -112,8 +112,9 @@ def _after_attention_region(out: torch.Tensor, residual: torch.Tensor, o_proj: t
     """A layer's work after attention: the output projection, residual add + norm, the MLP,
     and the add into the stream normed for the next layer (``*_norm``: weight, eps): the
     normed stream and the stream, ``[B * T, hidden]`` each. ``sms`` (a GPU's SM count, given
-    only for a quantized-input down projection): that projection takes its codes from :func:`~quarl.learner.swiglu.swiglu_codes`'s
-    kernel, traced into the region (None: from the compiler's own quantizer)."""
+    only for a quantized-input down projection): that projection takes its codes from
+    :func:`~quarl.learner.swiglu.swiglu_codes`'s kernel, traced into the region (None: from the
+    compiler's own quantizer)."""
     width = residual.shape[-1]
     a = traced_linear(out.reshape(-1, out.shape[2] * out.shape[3]), o_proj)
     h, residual = _add_rms_norm(a, residual.reshape(-1, width), *post_norm)

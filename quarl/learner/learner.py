@@ -297,8 +297,8 @@ class Learner:
             self.model.zero_grad(set_to_none=True)
         return metrics, ok
 
-    def _micro_batch_backward(self, mini: RolloutBatch, part: MicroBatch, rows: torch.Tensor, s: UpdateSettings, hparams: dict,
-                              returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:
+    def _micro_batch_backward(self, mini: RolloutBatch, part: MicroBatch, rows: torch.Tensor, s: UpdateSettings,
+                              hparams: dict, returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:
         """Forward, loss and backward of one micro-batch (rows ``part`` of ``mini``; ``rows``
         their indices in the whole batch), its loss scaled by ``weight``. Returns its metrics
         as 0-d device tensors."""

@@ -135,9 +135,9 @@ class LeanAdamW(_RoundingOptimizer, torch.optim.Optimizer):
     :meth:`state_dict`: resuming from a checkpoint continues bit for bit. With float32
     parameters and states the step is torch.optim.AdamW's, to float32 rounding. The
     parameters are stepped one at a time and in slices of :data:`STEP_CHUNK` elements, so
-    the float32 working copies of 16-bit weights and states stay a few slices' size. The state keys (``step``, ``exp_avg``,
-    ``exp_avg_sq``) are torch.optim.AdamW's: a checkpoint of either loads into the other,
-    the moments converted to this optimizer's ``state_dtype``.
+    the float32 working copies of 16-bit weights and states stay a few slices' size. The
+    state keys (``step``, ``exp_avg``, ``exp_avg_sq``) are torch.optim.AdamW's: a checkpoint of
+    either loads into the other, the moments converted to this optimizer's ``state_dtype``.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

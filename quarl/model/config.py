@@ -1,7 +1,11 @@
 """Architecture description read from a Hugging Face ``config.json``.
 
 One dataclass covers the decoder-only families quarl trains: Llama (2/3/3.x, with
-Llama-3 rope scaling), Qwen2 / Qwen2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+Llama-3 rope scaling), Qwen2 / Qwen2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
+Qwen3-MoE (Qwen3's attention with sparse mixture-of-experts MLPs: ``num_experts`` routed
+experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` per token, no shared
+expert; the layers of ``mlp_only_layers``, and those ``decoder_sparse_step`` skips, keep a
+dense MLP of width ``intermediate_size``).
 Both spellings of rotary settings are read: the classic ``rope_theta`` +
 ``rope_scaling`` keys of released checkpoints, and ``rope_parameters`` written by
 transformers >= 5.
@@ -14,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -45,15 +49,46 @@ class TransformerConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Qwen3-MoE (num_experts 0: every layer dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    router_aux_loss_coef: float = 0.0  # read from config.json; quarl's losses do not add it
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # config.json and presets give a list; a tuple keeps the frozen config hashable
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has a sparse MoE block (else a dense MLP), as transformers decides."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    def _mlp_params(self, layer_idx: int, active: bool) -> int:
+        """Weights of layer ``layer_idx``'s MLP: a dense one's, or an MoE block's router and
+        experts (``active``: only the ``num_experts_per_tok`` experts a token runs)."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer_idx):
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
 
     @property
     def matmul_params(self) -> int:
         """Weights of the decoder's matrix products plus the LM head: a forward costs 2 FLOPs
-        per such weight per token (attention's score products not counted)."""
+        per such weight per token (attention's score products not counted). An MoE layer
+        counts its router and the experts one token runs (``num_experts_per_tok``)."""
         per_layer = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        per_layer += 3 * self.hidden_size * self.intermediate_size
-        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
+        mlps = sum(self._mlp_params(i, active=True) for i in range(self.num_hidden_layers))
+        return self.num_hidden_layers * per_layer + mlps + self.vocab_size * self.hidden_size
 
     @property
     def q_size(self) -> int:
@@ -64,13 +99,15 @@ class TransformerConfig:
         return self.num_key_value_heads * self.head_dim
 
     def num_parameters(self) -> int:
-        h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        return n * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        h, v, n = self.hidden_size, self.vocab_size, self.num_hidden_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        mlps = sum(self._mlp_params(i, active=False) for i in range(n))
+        return n * per_layer + mlps + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dictionary that transformers reads back into the same model."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
         d: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -94,8 +131,14 @@ class TransformerConfig:
         if self.model_type == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = self.mlp_bias
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
+        if self.model_type == "qwen3_moe":
+            # "num_experts", as released checkpoints spell it (transformers 5 maps it to num_local_experts)
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                     router_aux_loss_coef=self.router_aux_loss_coef)
         return d
 
     @classmethod
@@ -106,6 +149,9 @@ class TransformerConfig:
                 f"{source}: unsupported model_type {model_type!r}; quarl supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-3, Qwen2/2.5, Qwen3)"
             )
+        if model_type == "qwen3_moe":
+            # transformers' default width of the dense MLPs, which a config without any needs not name
+            raw = {"intermediate_size": 6144, **raw}
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in raw:
                 raise ModelConfigError(f"{source}: missing required key {key!r}")
@@ -118,7 +164,8 @@ class TransformerConfig:
         head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
         n_kv = raw.get("num_key_value_heads") or n_heads
         if n_heads % n_kv:
-            raise ModelConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+            raise ModelConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of "
+                                   f"num_key_value_heads={n_kv}")
         rope_theta, rope_scaling = _read_rope(raw, source)
         if model_type == "qwen2":
             attention_bias = True
@@ -140,12 +187,13 @@ class TransformerConfig:
             attention_bias=attention_bias,
             o_bias=bool(raw.get("attention_bias", False)) if model_type != "qwen2" else False,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             hidden_act=act,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
+            **(_read_moe(raw, source) if model_type == "qwen3_moe" else {}),
         )
 
     @classmethod
@@ -170,6 +218,35 @@ class TransformerConfig:
         d = asdict(self)
         d.pop("extra", None)
         return d
+
+
+def _read_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The MoE fields of a ``qwen3_moe`` config.json, checked. The expert count is
+    ``num_experts`` in released checkpoints and ``num_local_experts`` in those transformers 5
+    writes."""
+    n_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", raw.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", raw.get("moe_intermediate_size"))):
+        if not isinstance(value, int) or value < 1:
+            raise ModelConfigError(f"{source}: qwen3_moe needs a positive integer {key}, got {value!r}")
+    top_k = raw["num_experts_per_tok"]
+    if top_k > n_experts:
+        raise ModelConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={n_experts}")
+    if raw.get("shared_expert_intermediate_size"):
+        raise ModelConfigError(f"{source}: shared experts (shared_expert_intermediate_size) are not part of "
+                               "qwen3_moe; quarl's MoE block routes to the num_experts experts only")
+    step = raw.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ModelConfigError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
+    dense = tuple(raw.get("mlp_only_layers") or ())
+    outside = [i for i in dense if not 0 <= i < raw["num_hidden_layers"]]
+    if outside:
+        raise ModelConfigError(f"{source}: mlp_only_layers {outside} are not layers of a "
+                               f"{raw['num_hidden_layers']}-layer model")
+    return dict(num_experts=n_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                # transformers' default when the key is absent (Qwen3-30B-A3B's config.json sets true)
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                mlp_only_layers=dense, router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)))
 
 
 def _read_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

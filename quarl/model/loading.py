@@ -17,7 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from quarl.io import atomic_path
 from quarl.model.config import ModelConfigError, TransformerConfig
+from quarl.model.moe import ExpertLayout
 from quarl.model.transformer import Rotary, Transformer
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -78,6 +80,15 @@ def checkpoint_files(path: Path) -> list[Path]:
             "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
         )
     raise CheckpointError(f"{path} has config.json but no *.safetensors weights")
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """The names of the tensors of the checkpoint at ``path`` (only the headers are read)."""
+    keys: set[str] = set()
+    for file in checkpoint_files(path):
+        with open_weights(file) as f:
+            keys.update(f.keys())
+    return keys
 
 
 def hf_name(name: str) -> str:
@@ -156,12 +167,16 @@ def load_model(
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan = checkpoint_plan(path, cfg, {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()})
+    # an MoE checkpoint's experts: stacked as the model holds them, or one tensor per expert
+    experts = ExpertLayout(checkpoint_keys(path) if cfg.is_moe else (),
+                           {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()})
+    plan = checkpoint_plan(path, cfg, experts.expected)
     state: dict[str, torch.Tensor] = {}
     for file, keys in plan:
         with open_weights(file) as f:
             for key in keys:
-                state[key.removeprefix("model.")] = f.get_tensor(key).to(device=device, dtype=dtype)
+                for name, tensor in experts.take(key, f.get_tensor(key).to(device=device, dtype=dtype)):
+                    state[name.removeprefix("model.")] = tensor
     model.load_state_dict(state, strict=False, assign=True)
     model.rotary = Rotary(cfg).to(device)
     return model.eval()
@@ -179,10 +194,9 @@ def save_model(
     for name, p in model.named_parameters():
         t = p.detach()
         tensors[hf_name(name)] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": "pt"})
-    normal_permissions(tmp)
-    tmp.replace(path / "model.safetensors")
+    with atomic_path(path / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={**(metadata or {}), "format": "pt"})
+        normal_permissions(tmp)
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
 
 

@@ -2,7 +2,8 @@
 
 The demo shapes use the built-in character tokenizer's vocabulary (128). The named
 shapes of released models (``qwen2.5-1.5b`` ...) are for benchmarks on random weights;
-they never download anything.
+they never download anything. ``moe-tiny`` and ``moe-100m`` are Qwen3-MoE shapes on the
+built-in tokenizer (CPU tests; experiment suites), ``qwen3-30b-a3b`` the released MoE's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from quarl.model.config import TransformerConfig
 from quarl.model.transformer import Transformer
 
 _DEMO = dict(model_type="qwen3", vocab_size=128, qk_norm=True, rope_theta=10000.0, max_position_embeddings=2048)
+_DEMO_MOE = dict(_DEMO, model_type="qwen3_moe", norm_topk_prob=True)
 
-DEMO_PRESETS = ("tiny", "small", "100m")  # the built-in tokenizer's models; the rest are released shapes
+# the built-in tokenizer's models; the rest are released shapes
+DEMO_PRESETS = ("tiny", "small", "100m", "moe-tiny", "moe-100m")
 
 PRESETS: dict[str, dict] = {
     # ~0.1M parameters: CPU tests.
@@ -29,6 +32,15 @@ PRESETS: dict[str, dict] = {
     # ~100M parameters: the GPU demo run.
     "100m": dict(_DEMO, hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
                  num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+    # ~0.2M parameters: CPU tests of MoE. Layer 1 keeps a dense MLP; 8 experts, 2 per token.
+    "moe-tiny": dict(_DEMO_MOE, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, mlp_only_layers=(1,)),
+    # ~100M parameters (~22M of them run per token): MoE experiment suites. 32 experts, 4 per token,
+    # expert width 128 (one group of the 128-wide int4 schemes).
+    "moe-100m": dict(_DEMO_MOE, hidden_size=512, intermediate_size=1536, num_hidden_layers=14,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+                     num_experts_per_tok=4, moe_intermediate_size=128, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                          attention_bias=True, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -49,6 +61,12 @@ PRESETS: dict[str, dict] = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
                      max_position_embeddings=40960),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, every layer sparse (~30.5B parameters, ~3.3B active)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                          max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
 
 

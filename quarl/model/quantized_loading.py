@@ -42,6 +42,7 @@ from quarl.model.loading import (
     CheckpointError,
     checkpoint_config,
     checkpoint_files,
+    checkpoint_keys,
     checkpoint_plan,
     hf_name,
     load_model,
@@ -49,6 +50,7 @@ from quarl.model.loading import (
     open_weights,
 )
 from quarl.model.config import TransformerConfig
+from quarl.model.moe import ExpertLayout
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant.linear import DEFAULT_INCLUDE, QuantLinear, selected_linears
 from quarl.quant.qweight import quantize_weight
@@ -142,7 +144,10 @@ def _stream_quantized(path: Path, cfg: TransformerConfig, scheme: QuantScheme, d
                       exclude: tuple[str, ...]) -> tuple[Transformer, list[str]]:
     """Read the checkpoint tensor by tensor into the packed model (module docstring)."""
     model = _meta_model(cfg, dtype)
-    plan = checkpoint_plan(path, cfg, {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()})
+    # an MoE checkpoint's experts: stacked as the model holds them, or one tensor per expert
+    experts = ExpertLayout(checkpoint_keys(path) if cfg.is_moe else (),
+                           {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()})
+    plan = checkpoint_plan(path, cfg, experts.expected)
     modules = selected_linears(model, include, exclude)
     _pack_linears(model, modules, scheme, dtype)
     quantized_weights = {f"{m}.weight" for m in modules}
@@ -151,8 +156,9 @@ def _stream_quantized(path: Path, cfg: TransformerConfig, scheme: QuantScheme, d
             for key in keys:
                 name = key.removeprefix("model.")
                 tensor = f.get_tensor(key).to(device=device, dtype=dtype)
-                if name not in quantized_weights:
-                    _place(model, name, tensor)
+                if name not in quantized_weights:  # (expert tensors among them: never a selected linear)
+                    for whole, value in experts.take(key, tensor):
+                        _place(model, whole.removeprefix("model."), value)
                     continue
                 packed = quantize_weight(tensor, scheme)
                 del tensor  # the one full-precision linear on the device goes before the next is read

@@ -1,4 +1,4 @@
-"""One readable decoder-only transformer for Llama-3, Qwen2/2.5 and Qwen3.
+"""One readable decoder-only transformer for Llama-3, Qwen2/2.5, Qwen3 and Qwen3-MoE.
 
 Parameter names follow Hugging Face's (``layers.3.self_attn.q_proj.weight`` ...) minus
 the ``model.`` prefix, so checkpoints load without a renaming table and the
@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from quarl.model.config import TransformerConfig
+from quarl.model.moe import SparseMoeBlock
 from quarl.runtime import recomputed_layer
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -169,6 +170,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The dense SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -181,14 +184,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``; the residual stream is
-    carried by :meth:`Transformer.hidden_states`."""
+    carried by :meth:`Transformer.hidden_states`. ``mlp`` is a dense :class:`MLP`, or in an
+    MoE model's sparse layers (``cfg.is_moe_layer``) a :class:`~quarl.model.moe.SparseMoeBlock`."""
 
     def __init__(self, cfg: TransformerConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg, layer_idx) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
 
     def forward(self, ops: "TorchOps", h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
@@ -344,6 +348,27 @@ class Transformer(nn.Module):
         return self.logits(hidden)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (GQA allowed) as the learner's batch forwards and the
+    engine's torch attention (:mod:`quarl.rollout.attention`) both call it.
+
+    On the CPU it runs in float64 and rounds to q's dtype once. The two sides call it on other
+    shapes (the learner: every query of a padded batch, causal; the engine: one sequence's
+    prefill under a mask, or one query per sequence in decode), and in float32 SDPA picks other
+    kernels and blockings per shape: a token's output then moves by an ulp or so (measured:
+    7e-7), which on a real checkpoint moves a code of the next per-token activation quantizer
+    (W8A8) and, compounded over the layers, parts the two sides' log-probs by O(1). In float64
+    those orders differ ~2^-50 apart, far below the final rounding: both sides get the same
+    bits unless a value lies that close to a rounding midpoint."""
+    if q.device.type == "cpu" and q.dtype != torch.float64:
+        out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=attn_mask,
+                                             is_causal=is_causal, scale=scale, enable_gqa=True)
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=True)
+
+
 def batch_attention(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -411,9 +436,7 @@ def _batch_sdpa(
         # Right padding only: plain causal attention is exact for every real token (pads come
         # after them), and without an explicit mask SDPA can use its flash kernel.
         def causal_attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            )
+            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             return out.transpose(1, 2)
 
         return positions, causal_attn
@@ -424,9 +447,7 @@ def _batch_sdpa(
     mask = mask[:, None]
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
-        )
+        out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return out.transpose(1, 2)
 
     return positions, attn

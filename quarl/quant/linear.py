@@ -71,7 +71,8 @@ class QuantLinear(nn.Module):
         self._fields = tuple(empty.tensors())
         for name, t in empty.tensors().items():
             self.register_buffer(name, t)
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype),
+                                 requires_grad=False) if bias else None
         self.repacked = RepackCache()  # kernel layouts of the weight (w4 fragment order)
         self.learner_path = False  # True: the frozen base of a LoRA learner (forward's docstring)
         self.lora = None  # a LoRA adapter (quarl.model.lora.add_lora); a plain attribute until set
@@ -88,7 +89,8 @@ class QuantLinear(nn.Module):
     @property
     def qweight(self) -> QuantizedWeight:
         """A view of the buffers (no copy)."""
-        return QuantizedWeight(self.scheme, (self.out_features, self.in_features), **{f: getattr(self, f) for f in self._fields})
+        return QuantizedWeight(self.scheme, (self.out_features, self.in_features),
+                               **{f: getattr(self, f) for f in self._fields})
 
     @torch.no_grad()
     def load_quantized(self, qw: QuantizedWeight) -> None:
@@ -125,7 +127,8 @@ class QuantLinear(nn.Module):
         return ops.quant_linear(x, self.qweight, self.bias, self.repacked, term)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+                f"bias={self.bias is not None}")
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -264,8 +267,9 @@ def _traced_lora(mod: "LoRALinear | QuantLinear", x: torch.Tensor) -> tuple | No
     ``F.linear`` over its dequantized weight and which either keeps that weight through the
     update (:func:`~quarl.learner.memory.keep_frozen_bases_dense`) or makes it per use where
     nothing the region saves outlives the layer (activation checkpointing, or no gradient:
-    otherwise every layer's dense weight would be saved for the backward at once). The frozen ``W`` gets no gradient, the
-    adapter's ``A`` and ``B`` do. None for the other paths (W8A8 bases, per use otherwise)."""
+    otherwise every layer's dense weight would be saved for the backward at once). The frozen
+    ``W`` gets no gradient, the adapter's ``A`` and ``B`` do. None for the other paths (W8A8
+    bases, per use otherwise)."""
     if isinstance(mod, QuantLinear):
         qw = mod.qweight
         if not (mod.learner_path and learner_runs_dequantized(x, qw)
@@ -348,7 +352,8 @@ class QATLinear(nn.Module):
         return _qat_linear(x, self.quantized_weight(), self.bias, self.repacked, self._leaf, [self.weight])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+                f"bias={self.bias is not None}")
 
 
 class QATGroup:

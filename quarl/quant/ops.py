@@ -130,23 +130,25 @@ def quant_linear_quantized_input(
 ) -> torch.Tensor:
     """:func:`quant_linear` for activations already quantized per token (``xq [M, K]``
     int8 / e4m3 codes, ``sx [M]`` fp32 scales, as ``quantize_activations`` makes them):
-    the same kernel, minus its quantizer. The reference path dequantizes ``xq * sx`` to
-    ``out_dtype`` first, as ``fake_quantize_activations`` does."""
+    the same kernel, minus its quantizer. The reference path is
+    :func:`~quarl.quant.reference.codes_linear` (the value :func:`quant_linear` gives off the
+    fast path, bit for bit)."""
     if qw.scheme.act_format not in ("int8", "fp8"):
         raise ValueError(f"{qw.scheme.name} does not quantize activations; call quant_linear")
     if _fast_quantized_input(xq):
         from quarl.quant.kernels import launch
 
         return launch.linear_quantized_input(xq, sx, qw, bias, out_dtype)
-    xs = ref.dequantize_activations(xq, sx, out_dtype)
-    return ref.reference_linear(xs, qw, bias, quantize_input=False)
+    return ref.codes_linear(xq, sx, qw, bias, out_dtype)
 
 
-def gated_silu_weight_only(x: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None = None) -> torch.Tensor | None:
+def gated_silu_weight_only(x: torch.Tensor, qw: QuantizedWeight,
+                           repacked: RepackCache | None = None) -> torch.Tensor | None:
     """``silu(gate) * up`` ``[..., I]`` of a w4a16 ``[gate; up]`` projection on ``x``, the
     SiLU-and-mul in the GEMM's epilogue (Hopper's wgmma kernel: the GEMM then the engine's
-    SiLU-and-mul, see :func:`~quarl.quant.kernels.cuda_w4.wgmma_gemm`), or None where it does not apply (another scheme or GPU, a
-    batch size whose plain GEMM is not that kernel): the caller runs the two apart."""
+    SiLU-and-mul, see :func:`~quarl.quant.kernels.cuda_w4.wgmma_gemm`), or None where it does
+    not apply (another scheme or GPU, a batch size whose plain GEMM is not that kernel): the
+    caller runs the two apart."""
     if qw.scheme.act_format != "none" or not x.is_cuda or x.dtype != torch.bfloat16 or not uses_fast_path(x):
         return None
     from quarl.quant.kernels import cuda_w4, launch

@@ -329,15 +329,52 @@ def reference_linear(
     """The GEMM the scheme implies: ``fake_quant(x) @ dequant(W).T + bias``.
 
     ``x [..., K]``; ``qw`` a :class:`~quarl.quant.qweight.QuantizedWeight`. Computed in fp32
-    (fp64 if ``x`` is fp64 or ``exact``), returned in x's dtype. ``quantize_input=False``:
+    (fp64 if ``x`` is fp64 or ``exact``), returned in x's dtype; a scheme that quantizes
+    activations runs :func:`codes_linear` on the codes (float64, rounded once: the same
+    bits for a row at any M). ``quantize_input=False``:
     ``x`` is already what the GEMM sees (dequantized activation codes).
     """
+    fmt = qw.scheme.act_format
+    if quantize_input and fmt != "none" and not exact:
+        q, s = quantize_activations(x, fmt)
+        return codes_linear(q, s, qw, bias, x.dtype)
     cdt = torch.float64 if (exact or x.dtype == torch.float64) else torch.float32
-    xs = (fake_quantize_activations(x, qw.scheme.act_format) if quantize_input else x).to(cdt)
+    xs = (fake_quantize_activations(x, fmt) if quantize_input else x).to(cdt)
     y = xs @ qw.dequantize(cdt).T
     if bias is not None:
         y = y + bias.to(cdt)
     return y.to(x.dtype)
+
+
+def codes_linear(q: torch.Tensor, s: torch.Tensor, qw, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of a scheme that quantizes activations, on per-token codes ``q [..., K]`` and
+    scales ``s [...]`` (:func:`quantize_activations`): ``y = s * (q @ deq(W).T) + bias``, summed
+    in float64 and rounded to ``out_dtype`` once.
+
+    Each row's value does not depend on how many rows the GEMM has nor on its summation order:
+    every product ``q * deq(W)`` is exact in float64 (an int8 or e4m3 code times an int8 / e4m3 /
+    int4 code times an fp32 scale), and so is the sum for w8a8-int8 (integers times one scale
+    per row of W: at most 42 significant bits); elsewhere (fp8 codes, int4 group scales) the
+    sum rounds, 2^-53 below the float32 rounding that follows (two orders then give two
+    float32 values only where the sum lies within that of a float32 rounding midpoint). The
+    rollout engine decodes a token with M = its batch while the learner runs M = every token
+    of the batch, and an fp32 GEMM's rows change with M (the
+    BLAS picks other kernels and blockings): on a model with large activations a 1-ulp change
+    in one layer's output moves a code of the next layer's per-token quantizer, and the two
+    sides' log-probs part by O(1) within a few layers. Summed this way they agree bit for bit."""
+    sc = qw.scheme
+    if sc.act_format == "int8" and sc.weight_format == "int" and sc.weight_bits == 8 and sc.group_size is None \
+            and q.device.type == "cpu":
+        # w8a8-int8: the integer GEMM itself (int32 sums, exact), then both scales; no float64
+        # copy of the weight per call (the reference path's cost on the CPU, where it runs)
+        acc = torch._int_mm(q.reshape(-1, q.shape[-1]).contiguous(), qw.qdata.T).view(*q.shape[:-1], -1)
+        y = acc.to(torch.float64) * (s.to(torch.float64)[..., None] * qw.scales.to(torch.float64))
+    else:
+        y = (q.to(torch.float64) @ qw.dequantize(torch.float64).T) * s.to(torch.float64)[..., None]
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(out_dtype)
 
 
 def lora_term_by_member(xa: torch.Tensor, b: torch.Tensor, scaling: float, starts: tuple[int, ...],

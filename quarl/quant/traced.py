@@ -96,8 +96,9 @@ def traced_linear(x: torch.Tensor, lin: tuple, codes: tuple[torch.Tensor, torch.
     """Run a linear described by :func:`~quarl.quant.linear.traced_qat` or
     :func:`~quarl.quant.linear.traceable` (inside or outside a compiled region). A tuple of
     biases (a group's) is concatenated. ``("dense", W, bias, (A, B, scaling))``: a frozen base
-    plus a LoRA adapter, summed as the adapter's ``add_to`` sums them (one ``addmm``). ``codes``: a quantized-input linear's per-token codes and
-    scales of ``x``'s rows, made by the caller (the values the quantizer below gives)."""
+    plus a LoRA adapter, summed as the adapter's ``add_to`` sums them (one ``addmm``).
+    ``codes``: a quantized-input linear's per-token codes and scales of ``x``'s rows, made by
+    the caller (the values the quantizer below gives)."""
     bias = torch.cat(lin[2]) if isinstance(lin[2], tuple) else lin[2]
     if lin[0] == "dense":
         y = F.linear(x, lin[1], bias)

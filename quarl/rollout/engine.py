@@ -104,7 +104,8 @@ class Engine:
         self.config = config
         self.max_model_len = config.max_model_len
         self.eos_ids = frozenset(
-            [] if mc.eos_token_id is None else [mc.eos_token_id] if isinstance(mc.eos_token_id, int) else mc.eos_token_id
+            [] if mc.eos_token_id is None
+            else [mc.eos_token_id] if isinstance(mc.eos_token_id, int) else mc.eos_token_id
         )
         self.runner = ModelRunner(self.model, self.config, self.max_model_len, allocate=kv_cache)
         self.block_manager: BlockManager | None = None

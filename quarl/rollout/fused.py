@@ -28,7 +28,9 @@ from quarl.quant.kernels import launch
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.kernels.launch import act_quant_buffers, act_quant_from_partials
 from quarl.quant.kernels.device import pdl
-from quarl.quant.kernels.triton_kernels import act_inv_scale, act_scale, e4m3_code, silu_mul_value, store_act_codes, wait_ahead
+from quarl.quant.kernels.triton_kernels import (
+    act_inv_scale, act_scale, e4m3_code, silu_mul_value, store_act_codes, wait_ahead,
+)
 
 
 # Launch option of every kernel here: no contraction of a rounded product and an add into
@@ -571,7 +573,8 @@ def fuse_projections(model: Transformer) -> int:
             kind = _fusable(mods)
             if kind is None:
                 continue
-            setattr(owner, f"_fused_{name}", _concat_as_views(mods) if kind == "plain" else _concat_quantized_as_views(mods))
+            setattr(owner, f"_fused_{name}",
+                    _concat_as_views(mods) if kind == "plain" else _concat_quantized_as_views(mods))
             count += 1
     return count
 

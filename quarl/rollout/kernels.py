@@ -88,7 +88,9 @@ def _kv_rows(cache_ptr, scale_ptr, row, srow, offs_d, kv_mask, n_mask, dt: tl.co
         # as bytes, the dot's operand would be gathered from shared memory one byte at a time.
         nw: tl.constexpr = offs_d.shape[0] // 4
         offs_w = tl.arange(0, nw)
-        w = tl.load(cache_ptr + row[:, None] // 4 + offs_w[None, :], mask=n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :],
+        w = tl.load(cache_ptr + row[:, None] // 4 + offs_w[None, :], mask=n_mask[:,
+                                                                                 None] & (offs_w < HEAD_DIM // 4)[None,
+                                                                                                                  :],
                     other=0)
         if HW_E4M3 and BF16X2 and dt == tl.bfloat16:  # (mul.bf16x2 needs sm90+)
             p0, p1, p2, p3 = _e4m3x4_to_bf16(w)
@@ -161,14 +163,16 @@ def _paged_decode_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh  # fp8: the rows' scales
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM,
+                          BF16X2)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         # V after the scores: its unpacked tile is not live next to K's (fp8: registers)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM,
+                          BF16X2)
         acc = acc * alpha[:, None] + tl.dot(_probs_for_v(p, v_s, v.dtype, KV_FP8), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -253,8 +257,10 @@ def _paged_prefill_kernel(
         row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
         srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
-        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM, BF16X2)
+        k, k_s = _kv_rows(k_cache_ptr, k_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM,
+                          BF16X2)
+        v, v_s = _kv_rows(v_cache_ptr, v_scale_ptr, row, srow, offs_d, kv_mask, n_mask, q.dtype, KV_FP8, HEAD_DIM,
+                          BF16X2)
         s = _scores(q, k, k_s, qk_scale, PRECISION, KV_FP8)
         valid = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(valid, s, float("-inf"))
@@ -365,7 +371,8 @@ def _paged_decode_split(q, k_cache, v_cache, kv_scales, block_tables, context_le
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8, BF16X2=_has_bf16x2_mul(q.device),
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), KV_FP8=fp8,
+        BF16X2=_has_bf16x2_mul(q.device),
         num_warps=num_warps, num_stages=2, **pdl(q.device),
     )
 

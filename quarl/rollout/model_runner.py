@@ -321,7 +321,8 @@ class ModelRunner:
                 times[cand].append(start.elapsed_time(end))
         del flush
         medians = {cand: sorted(t)[len(t) // 2] for cand, t in times.items()}
-        self.decode_tuning_table = {"x".join(map(str, c)): round(m, 5) for c, m in sorted(medians.items(), key=lambda i: i[1])}
+        self.decode_tuning_table = {"x".join(map(str, c)): round(m, 5)
+                                    for c, m in sorted(medians.items(), key=lambda i: i[1])}
         best = min((m, cand) for cand, m in medians.items())
         self.decode_tiling = best[1]
         self.decode_tuning_ms = best[0]
@@ -390,7 +391,8 @@ class ModelRunner:
         self._d_ctx = d[3 * max_bs : 4 * max_bs].view(torch.int32)[:max_bs]
         self._h_split = h[5 * max_bs :].view(np.int32)[:1]
         self._d_split = d[5 * max_bs :].view(torch.int32)[:1]
-        self._host_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32,
+                                       pin_memory=pin)
         self._h_tables = self._host_tables.numpy()
         self._d_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)
         self._row_owner: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, table epoch) per row

@@ -172,7 +172,8 @@ class Sampler:
         return tokens, logprobs
 
     def _sample_truncated(
-        self, logits: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor, logprobs: torch.Tensor, lse: torch.Tensor
+        self, logits: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor, logprobs: torch.Tensor,
+        lse: torch.Tensor,
     ) -> None:
         settings = batch.rows
         rows = torch.tensor(settings.truncated_rows, device=logits.device)

@@ -10,28 +10,12 @@ worker processes; every reward function has the signature
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+from quarl.tasks.example import Example, Message
 from quarl.tasks.rewards import RewardFn, resolve_reward, reward_spec
 
-Message = dict[str, str]
-
-
-@dataclass
-class Example:
-    """One prompt with its gold answer.
-
-    ``prompt`` is the user's text, or a full list of chat messages ``{role, content}``.
-    ``solution`` is a complete assistant response that earns reward 1 (used for the
-    supervised warm-start); ``meta`` carries whatever else the reward needs (countdown's
-    numbers, a dataset's extra columns).
-    """
-
-    prompt: str | list[Message]
-    answer: str
-    solution: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+__all__ = ["Example", "Message", "Task"]
 
 
 class Task:

@@ -16,8 +16,21 @@ item that outlives ``timeout_s`` gets reward 0 and its worker is killed and repl
 a function that raises or returns a non-number gets 0, a worker that dies is
 replaced; the rest of the batch is scored meanwhile, so a bad verifier never stalls
 training. Both are counted in the metrics ``reward/timeouts`` and ``reward/errors``.
-A function that fails on every item of a batch (timeouts aside) is broken, not
-unlucky: :meth:`RewardPool.score` raises :class:`RewardFailed` naming the first error.
+A function that scores no item of a batch (every one raised or timed out) is broken,
+not unlucky: :meth:`RewardPool.score` raises :class:`RewardFailed` naming the first error
+or the timeout.
+
+Timeouts are per item, so a verifier that hangs on everything would hold each worker
+for ``timeout_s`` per item: a batch of N items would take N / workers timeouts. When
+every worker has timed out in a row and no item of the batch has been scored, and the
+previous batch scored none either (a fresh pool has no previous batch), the verifier
+is taken to hang: the rest of the batch counts as timed out without being tried, so
+such a batch takes about one timeout.
+
+``score(..., stop=fn)``: once ``fn()`` is true (a Ctrl-C asked the run to stop) the
+pool gives the items in flight :data:`STOP_GRACE_S` more seconds, then kills the
+workers still busy and raises :class:`ScoringInterrupted`, so that a hung verifier
+cannot hold up a stop.
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from quarl.tasks.base import Example
+    from quarl.tasks.example import Example
 
 RewardFn = Callable[[str, str, dict], float]
 MATH_REWARD = "quarl.tasks.rewards:math_reward"
@@ -53,7 +66,15 @@ class RewardError(ValueError):
 
 
 class RewardFailed(RewardError):
-    """Every item of a batch raised or returned a non-number: training on all-zero rewards is pointless."""
+    """No item of a batch was scored (each raised, returned a non-number or timed out): training on
+    all-zero rewards is pointless."""
+
+
+class ScoringInterrupted(Exception):
+    """A stop was asked for while the verifier was still busy (:meth:`RewardPool.score`'s ``stop``)."""
+
+
+STOP_GRACE_S = 1.0  # how long items in flight may still finish once a stop is asked for
 
 
 def reward_spec(choice: str, builtin: str) -> str:
@@ -230,21 +251,24 @@ class RewardPool:
         self.startup_timeout_s = max(startup_timeout_s, timeout_s)
         self._ctx = mp.get_context(context)
         self._workers = [_Worker(self._ctx, self.spec) for _ in range(workers)]
+        self._scored_last_batch = False  # (see the module's docstring: when a verifier is taken to hang)
 
     @property
     def workers(self) -> int:
         return len(self._workers)
 
-    def score(self, completions: list[str], examples: list[Example]) -> tuple[list[float], dict[str, float]]:
-        """Rewards in input order, and ``{"reward/timeouts": n, "reward/errors": n}``."""
+    def score(self, completions: list[str], examples: list[Example],
+              stop: Callable[[], bool] | None = None) -> tuple[list[float], dict[str, float]]:
+        """Rewards in input order, and ``{"reward/timeouts": n, "reward/errors": n}``. ``stop``:
+        see the module's docstring (workers only; inline scoring is stopped by a second Ctrl-C)."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
         jobs = [(c, ex.answer, ex.meta) for c, ex in zip(completions, examples)]
         rewards = [0.0] * len(jobs)
-        counts = {"timeouts": 0, "errors": 0}
+        counts = {"timeouts": 0, "errors": 0, "untried": 0}
         errors: list[str] = []
         if self._workers:
-            self._score_in_workers(jobs, rewards, counts, errors)
+            self._score_in_workers(jobs, rewards, counts, errors, stop)
         else:
             for i, job in enumerate(jobs):
                 try:
@@ -252,12 +276,9 @@ class RewardPool:
                 except Exception as e:  # noqa: BLE001 - a verifier's failure is a zero reward
                     counts["errors"] += 1
                     errors.append(f"{type(e).__name__}: {e}")
-        if jobs and counts["errors"] == len(jobs):  # timeouts excluded: a slow verifier still works
-            raise RewardFailed(
-                f"reward {self.spec or _name(self.fn)} failed on all {len(jobs)} items of the batch, so every "
-                f"reward would be 0; first error: {errors[0]}. Fix the reward function (run it on one "
-                "completion by hand to see the traceback)"
-            )
+        self._scored_last_batch = counts["errors"] + counts["timeouts"] < len(jobs)
+        if jobs and not self._scored_last_batch:
+            raise RewardFailed(self._failure(len(jobs), counts, errors))
         if errors or counts["timeouts"]:
             first = f"; first error: {errors[0]}" if errors else ""
             log.warning(
@@ -266,10 +287,27 @@ class RewardPool:
             )
         return rewards, {"reward/timeouts": float(counts["timeouts"]), "reward/errors": float(counts["errors"])}
 
-    def _score_in_workers(
-        self, jobs: list[tuple[str, str, dict]], rewards: list[float], counts: dict[str, int], errors: list[str]
-    ) -> None:
+    def _failure(self, items: int, counts: dict[str, int], errors: list[str]) -> str:
+        """Why no item of a batch was scored, with the fix."""
+        name, timeouts, failed = self.spec or _name(self.fn), counts["timeouts"], counts["errors"]
+        if not timeouts:
+            return (f"reward {name} failed on all {items} items of the batch, so every reward would be 0; first "
+                    f"error: {errors[0]}. Fix the reward function (run it on one completion by hand to see the "
+                    "traceback)")
+        untried = (f"; the last {counts['untried']} were not tried, as every worker had hung"
+                   if counts["untried"] else "")
+        what = (f"timed out on all {items} items of the batch (> {self.timeout_s:g} s each{untried})" if not failed
+                else f"failed on {failed} and timed out on {timeouts} of the {items} items of the batch "
+                     f"(first error: {errors[0]})")
+        return (f"reward {name} {what}, so every reward would be 0: it hangs or is too slow. Fix the reward "
+                "function (run it on one completion by hand), or if it is only slow raise "
+                f"data.reward_timeout_s (now {self.timeout_s:g})")
+
+    def _score_in_workers(self, jobs: list[tuple[str, str, dict]], rewards: list[float], counts: dict[str, int],
+                          errors: list[str], stop: Callable[[], bool] | None) -> None:
         pending = deque(range(len(jobs)))
+        hung = scored = 0  # timeouts since the last item that finished; items that finished
+        stop_seen: float | None = None
         while pending or any(w.job is not None for w in self._workers):
             for slot, w in enumerate(self._workers):
                 if w.ready and w.job is None and pending:
@@ -280,9 +318,30 @@ class RewardPool:
                     except (OSError, ValueError):  # the idle worker died: replace it, retry the item
                         pending.appendleft(i)
                         self._replace(slot)
-            wait([w.conn for w in self._workers], timeout=self._next_deadline() - time.monotonic())
+            # with a stop hook, wake often enough to see the stop (a signal does not end the wait)
+            limit = self._next_deadline() - time.monotonic()
+            wait([w.conn for w in self._workers], timeout=min(limit, 0.1) if stop is not None else limit)
             for slot in range(len(self._workers)):
-                self._collect(slot, rewards, counts, errors)
+                finished, timed_out = self._collect(slot, rewards, counts, errors)
+                scored += finished
+                hung = 0 if finished else hung + timed_out
+            if stop is not None and stop_seen is None and stop():
+                stop_seen = time.monotonic()
+            if stop_seen is not None and time.monotonic() - stop_seen >= STOP_GRACE_S:
+                self._abandon_busy(counts)
+                raise ScoringInterrupted(f"reward {self.spec}: stopped with {len(pending)} items left")
+            if hung >= len(self._workers) and not scored and not self._scored_last_batch:
+                counts["untried"] = len(pending)
+                counts["timeouts"] += len(pending)
+                pending.clear()
+                self._abandon_busy(counts)
+
+    def _abandon_busy(self, counts: dict[str, int]) -> None:
+        """Kill and replace the workers that still hold an item (counted as a timeout)."""
+        for slot, w in enumerate(self._workers):
+            if w.job is not None:
+                counts["timeouts"] += 1
+                self._replace(slot)
 
     def _next_deadline(self) -> float:
         deadlines = [
@@ -292,9 +351,12 @@ class RewardPool:
         ]
         return min(deadlines, default=time.monotonic() + self.timeout_s)
 
-    def _collect(self, slot: int, rewards: list[float], counts: dict[str, int], errors: list[str]) -> None:
-        """Read the worker's messages; replace it if it died, hung, or never started."""
+    def _collect(self, slot: int, rewards: list[float], counts: dict[str, int], errors: list[str]
+                 ) -> tuple[int, int]:
+        """Read the worker's messages; replace it if it died, hung, or never started. The items
+        it finished (scored or raised) and whether its item timed out."""
         w = self._workers[slot]
+        finished = 0
         try:
             while w.conn.poll():
                 msg = w.conn.recv()
@@ -303,6 +365,7 @@ class RewardPool:
                 elif msg[0] == "result":
                     _, i, value, error = msg
                     rewards[i] = value
+                    finished += 1
                     if error is not None:
                         counts["errors"] += 1
                         errors.append(error)
@@ -324,14 +387,17 @@ class RewardPool:
             if w.job is not None:
                 counts["errors"] += 1
                 errors.append(f"worker died (exit code {w.process.exitcode})")
+                finished += 1  # (it answered, by dying: not a hang)
             self._replace(slot)
         elif w.job is not None and now - w.job[1] >= self.timeout_s:
             counts["timeouts"] += 1
             self._replace(slot)
+            return finished, 1
         elif not w.ready and now - w.started >= self.startup_timeout_s:
             raise RewardError(
                 f"reward worker did not start within {self.startup_timeout_s:.0f}s (importing {self.spec!r})"
             )
+        return finished, 0
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop(graceful=False)

@@ -100,24 +100,30 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
     try:
         root.mkdir(parents=True, exist_ok=True)
         _write_complete(tmp, step, state, fresh=not prepared)
+        _rename_into_place(tmp, final)
     except BaseException as e:  # a full disk, or a second Ctrl-C mid-write
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written directory helps nobody and holds space
-        if isinstance(e, OSError):
-            raise CheckpointWriteError(e.errno, _write_error_message(run_dir, final, e)) from e
+        # torch.save reports a full disk as RuntimeError ("PytorchStreamWriter failed writing file")
+        if isinstance(e, Exception):
+            raise CheckpointWriteError(getattr(e, "errno", None), _write_error_message(run_dir, final, e)) from e
         raise
-    if final.exists():
-        old = root / f"step_{step:06d}.old-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
     for stale in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(stale, ignore_errors=True)
     for junk in root.glob("step_*.tmp-*"):
         if junk != tmp:
             shutil.rmtree(junk, ignore_errors=True)
     return final
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """``tmp`` becomes ``final``; a checkpoint of the same step already there is replaced."""
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
 
 
 def _write_complete(tmp: Path, step: int, state: dict[str, Any], fresh: bool = True) -> None:

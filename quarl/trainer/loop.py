@@ -67,11 +67,13 @@ from quarl.rollout import EngineConfig, SamplingParams
 from quarl.tasks.tokenizer import load_tokenizer
 from quarl.trainer import checkpoint as ckpt
 from quarl.trainer import oom
+from quarl.tasks.rewards import ScoringInterrupted
 from quarl.trainer.error_tokens import FLAGGED_PER_STEP, flagged_rows, flagged_sample, loop_fields, response_columns
+from quarl.trainer.faults import EvaluationFailed, budget_advice, rolled_back_on_verifier_failure
 from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.logger import MetricsLogger
 from quarl.trainer.progress import StepProgress
-from quarl.trainer.resume import check_config_change, existing_run
+from quarl.trainer.resume import apply_optimizer_settings, check_config_change, check_resumable, existing_run
 from quarl.runtime import DTYPES, matmul_rate, process_totals
 from quarl.trainer.setup import build_base_model, build_task_and_rewards, resolve_runtime, solution_pairs
 from quarl.trainer.stages import Rollout, StageClock, UpdateResult
@@ -177,6 +179,7 @@ class Trainer:
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
+        self._stop_hook = None  # while run() trains alone: whether a stop was asked for (the verifier's wait)
         start_step = self._restore(found, quarantine=not evaluation_only) if resume else None
         self.logger = None
         if not evaluation_only and self.dist.main:  # written only now: the checkpoint (if any) has loaded
@@ -220,11 +223,17 @@ class Trainer:
                     "or --trainer.run_dir=NEW_DIR to start another (or delete the directory)"
                 )
             return None
+        if not evaluation_only:
+            check_resumable(self.run_dir)
         # to the CPU: the learner copies each tensor into its own (the whole state on the GPU next to the
         # model would double the learner's memory), and random generator states must stay CPU tensors
         found = ckpt.load_latest_intact(self.run_dir, map_location="cpu")
         if found is None:
             what = f"it holds {existing}" if existing else "it holds no run yet"
+            if evaluation_only:  # an untrained model's score would pass for the run's
+                raise ValueError(f"{self.run_dir} has no checkpoint to evaluate ({what}): train it first "
+                                 f"(quarl train --resume --trainer.run_dir={self.run_dir}), or evaluate a model "
+                                 "directory with quarl eval --model DIR")
             self._warn(f"--resume: no checkpoint in {self.run_dir} ({what}): starting from step 0")
             return None
         path, state, bad = found
@@ -269,24 +278,32 @@ class Trainer:
         t = self.cfg.trainer
         last: dict[str, float] = {}
         try:
-            with GracefulStop(lambda: self._in_flight) as stop, \
+            with GracefulStop(lambda: self._in_flight, lambda: self._saved_step) as stop, \
                     StepProgress(t.steps, self.step, self.console) as progress:
+                # ranks must agree on when they stop: on several, a step is always finished
+                self._stop_hook = (lambda: stop.requested) if self.dist.world == 1 else None
                 if t.eval_before_train and self.step == 0 and self.eval_examples:
-                    began = time.perf_counter()
-                    start = self.evaluate()
-                    start["perf/eval_s"] = time.perf_counter() - began
-                    self._log(0, start)
+                    start = self._timed_evaluation()
+                    if start:
+                        self._log(0, start)
                 while self.step < t.steps and not self._stop_requested(stop):
                     self._in_flight = self.step + 1
-                    last = self._step_and_log()
+                    try:
+                        with rolled_back_on_verifier_failure(self):
+                            last = self._step_and_log()
+                    except ScoringInterrupted:
+                        self._warn(f"step {self._in_flight} abandoned: its verifier was still busy; a resume "
+                                   "repeats it")
+                        break
                     self._in_flight = None
                     progress.update(self.step, last)
-                    if t.save_every > 0 and self.step % t.save_every == 0:
+                    if t.save_every > 0 and self.step % t.save_every == 0 and self._saved_step != self.step:
                         self.save()
                 self.interrupted = self._stop_requested(stop)
-                if self._saved_step != self.step:
-                    self.save()
+                if self._saved_step != self.step and (self.step > 0 or not self.interrupted):
+                    self.save()  # (stopped before step 1 finished: nothing to keep)
         finally:
+            self._stop_hook = None
             if self.logger is not None:
                 self.logger.close()
             self.rewards.close()
@@ -303,11 +320,30 @@ class Trainer:
         if self.logger is not None and self._flagged_samples:
             self.logger.log_samples(self.step, self._flagged_samples, tag="flagged")
         if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
-            start = time.perf_counter()
-            metrics.update(self.evaluate())
-            metrics["mismatch/engine_check"] = self._check_engine_sync()
-            metrics["perf/eval_s"] = time.perf_counter() - start  # (outside the step: not a time/ part)
+            if self.step == t.steps and self._saved_step != self.step:
+                self.save()  # the run's last checkpoint, written before its evaluation can fail
+            try:
+                metrics.update(self._timed_evaluation(engine_check=True))
+            except Exception as e:  # noqa: BLE001 -- whatever failed, the trained step is kept
+                self._log(self.step, metrics)
+                if self._saved_step != self.step:
+                    self.save()
+                raise EvaluationFailed(self.step, e) from e
         self._log(self.step, metrics)
+        return metrics
+
+    def _timed_evaluation(self, engine_check: bool = False) -> dict[str, float]:
+        """:meth:`evaluate` with ``perf/eval_s`` (outside the step: not a ``time/`` part) and, after a
+        step, the engine check; nothing when a stop cut its verifier short."""
+        start = time.perf_counter()
+        try:
+            metrics = self.evaluate()
+        except ScoringInterrupted:
+            self._warn(f"evaluation of step {self.step} skipped: its verifier was still busy when asked to stop")
+            return {}
+        if engine_check:
+            metrics["mismatch/engine_check"] = self._check_engine_sync()
+        metrics["perf/eval_s"] = time.perf_counter() - start
         return metrics
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
@@ -503,8 +539,8 @@ class Trainer:
         packing = self.learner.last_packing  # (this rank's rows)
         if packing is not None:
             perf.update(packing.metrics())
-            advice = packing.advice()
-            if advice and self.device.type == "cuda" and not self._warned_packing:
+            advice = budget_advice(packing, self.device.type == "cuda")
+            if advice and not self._warned_packing:
                 self._warned_packing = True
                 self._warn(f"step {self.step + 1}: " + advice)
         return {
@@ -605,7 +641,7 @@ class Trainer:
         n = self.cfg.rollout.n
         texts = [self.tokenizer.decode(c.token_ids) for c in completions]
         exs = [examples[c.prompt_index] for c in completions]
-        scores, stats = self.rewards.score(texts, exs)
+        scores, stats = self.rewards.score(texts, exs, stop=self._stop_hook)
         assert len(scores) == len(completions) == len(examples) * n
         return torch.tensor(scores, dtype=torch.float32), stats
 
@@ -701,7 +737,10 @@ class Trainer:
         lo, hi = len(prompts) * r // k, len(prompts) * (r + 1) // k
         comps = self.engine.generate(prompts[lo:hi], params)
         texts = [t for part in self.dist.gather([self.tokenizer.decode(c.token_ids) for c in comps]) for t in part]
-        metrics = self.task.evaluate(texts, exs)
+        # the user's verifier, through the timed pool as in training (a hang is cut off, an error scores 0)
+        rewards, stats = self.rewards.score(texts, exs, stop=self._stop_hook)
+        metrics = {**self.task.evaluate(texts, exs, rewards),
+                   "eval/reward_timeouts": stats["reward/timeouts"], "eval/reward_errors": stats["reward/errors"]}
         if self._solution_pairs:
             # the learner's own weights (in rollout mode the bf16 policy, where eval/acc is the engine's)
             longest = max(len(p) + len(r) for p, r in self._solution_pairs)  # rows of the learner's token budget
@@ -714,9 +753,8 @@ class Trainer:
         k = self.cfg.trainer.log_samples
         loops = [f for part in self.dist.gather(loop_fields([c.token_ids for c in comps])) for f in part]
         samples = [
-            {"prompt": self.tokenizer.decode(p), "completion": t, "answer": e.answer,
-             "reward": self.task.reward(t, e), **f}
-            for p, t, e, f in list(zip(prompts, texts, exs, loops))[:k]
+            {"prompt": self.tokenizer.decode(p), "completion": t, "answer": e.answer, "reward": r, **f}
+            for p, t, e, r, f in list(zip(prompts, texts, exs, rewards, loops))[:k]
         ]
         if log and self.logger is not None:
             self.logger.log_samples(self.step, samples)
@@ -811,6 +849,7 @@ class Trainer:
                 "with other model, quant or optim settings. Resume with the run's own settings "
                 f"('quarl train --resume --trainer.run_dir={self.run_dir}' uses its config.yaml)"
             ) from e
+        apply_optimizer_settings(self.learner, self.cfg.optim)  # the config's, not those stored with the state
         self.step, self.data_pos, self.bad_steps = state["step"], state["data_pos"], state["bad_steps"]
         self._saved_step = self.step
         ckpt.set_rng_state(state["rng"])

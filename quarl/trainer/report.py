@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import math
 import dataclasses
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quarl import plots
 from quarl.trainer.logger import read_metrics
 
 Series = tuple[list[float], list[float]]  # steps, values
@@ -179,45 +179,11 @@ def _read_samples(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- figures
-def _figure(n_axes: int, title: str):
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ValueError("quarl report needs matplotlib: pip install matplotlib") from e
-    cols = min(n_axes, 2)
-    rows = -(-n_axes // cols)
-    # A bare Figure renders with Agg on savefig and never touches pyplot's global state.
-    fig = Figure(figsize=(6.0 * cols, 3.4 * rows), layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    for ax in axes[n_axes:]:
-        ax.set_visible(False)
-    fig.suptitle(title)
-    return fig, list(axes[:n_axes])
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
-
-
-def _color(i: int) -> str:
-    return f"C{i % 10}"
-
-
-def _ema(values: list[float], span: int) -> list[float]:
-    alpha, out, acc = 2.0 / (span + 1), [], values[0]
-    for v in values:
-        acc = alpha * v + (1 - alpha) * acc
-        out.append(acc)
-    return out
-
-
 def _draw(ax, steps: list[float], values: list[float], color: str, label: str) -> None:
     marker = "o" if len(values) <= 20 else None  # sparse series (eval/acc) stay visible
     if len(values) > SMOOTH_ABOVE:
         ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
-        ax.plot(steps, _ema(values, max(5, len(values) // 25)), color=color, linewidth=1.6, label=label)
+        ax.plot(steps, plots.ema(values, max(5, len(values) // 25)), color=color, linewidth=1.6, label=label)
     else:
         ax.plot(steps, values, color=color, marker=marker, markersize=3, linewidth=1.2, label=label)
 
@@ -227,13 +193,13 @@ def plot_panel(panel: Panel, runs: list[RunData]) -> bytes | None:
     present = [m for m in panel.metrics if any(run.series(m)[1] for run in runs)]
     if not present:
         return None
-    fig, axes = _figure(len(present), panel.title)
+    fig, axes = plots.figure(len(present), panel.title)
     for ax, metric in zip(axes, present):
         plotted: list[float] = []
         for i, run in enumerate(runs):
             steps, values = run.series(metric)
             if values:
-                _draw(ax, steps, values, _color(i), run.label)
+                _draw(ax, steps, values, plots.color(i), run.label)
                 plotted += values
         if panel.log:
             _log_scale(ax, plotted)
@@ -241,7 +207,7 @@ def plot_panel(panel: Panel, runs: list[RunData]) -> bytes | None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _png(fig)
+    return plots.png(fig)
 
 
 def _log_scale(ax, values: list[float]) -> None:
@@ -257,10 +223,10 @@ def plot_time(runs: list[RunData]) -> bytes | None:
     n = len(timed) + has_tps
     if n == 0:
         return None
-    fig, axes = _figure(n, "Step time")
+    fig, axes = plots.figure(n, "Step time")
     for ax, (_, run) in zip(axes, timed):
         steps, stacks, labels = _aligned_parts(run)
-        ax.stackplot(steps, *stacks, labels=labels, colors=[_color(3 + j) for j in range(len(stacks))], alpha=0.8)
+        ax.stackplot(steps, *stacks, labels=labels, colors=[plots.color(3 + j) for j in range(len(stacks))], alpha=0.8)
         ax.set_title(f"{run.label}: seconds per step", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -270,12 +236,12 @@ def plot_time(runs: list[RunData]) -> bytes | None:
         for i, run in enumerate(runs):
             steps, values = run.series(THROUGHPUT)
             if values:
-                _draw(ax, steps, values, _color(i), run.label)
+                _draw(ax, steps, values, plots.color(i), run.label)
         ax.set_title(THROUGHPUT, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _png(fig)
+    return plots.png(fig)
 
 
 def _aligned_parts(run: RunData) -> tuple[list[float], list[list[float]], list[str]]:
@@ -297,10 +263,10 @@ def summarize(run: RunData) -> dict[str, str]:
     row = {
         "run": run.label,
         "steps": "-" if last_step is None else f"{int(last_step)} ({len(run.rows)} logged)",
-        "final reward": _fmt(reward[-1] if reward else None),
+        "final reward": plots.fmt_sig(reward[-1] if reward else None),
         "best reward": "-" if not reward else f"{max(reward):.4g} @ {int(steps[reward.index(max(reward))])}",
-        "final eval acc": _fmt(eval_acc[-1] if eval_acc else None),
-        "mean step time (s)": _fmt(sum(step_time) / len(step_time) if step_time else None),
+        "final eval acc": plots.fmt_sig(eval_acc[-1] if eval_acc else None),
+        "mean step time (s)": plots.fmt_sig(sum(step_time) / len(step_time) if step_time else None),
     }
     for title, section, key in SUMMARY_CONFIG_KEYS:
         value = (run.config or {}).get(section, {})
@@ -312,10 +278,6 @@ def summarize(run: RunData) -> dict[str, str]:
 def _summed_parts(run: RunData) -> list[float]:
     _, stacks, _ = _aligned_parts(run)
     return [sum(col) for col in zip(*stacks)] if stacks else []
-
-
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4g}"
 
 
 _CSS = """

@@ -28,7 +28,10 @@ run out of the same step counter, so they are refused unless the user passes
 Everything else (``trainer.steps``, ``eval_every``, ``save_every``, ``keep_last``,
 ``trainer.activation_checkpointing`` (the same values, recomputed), logging, learning
 rate, loss hyper-parameters, ...) may change on resume; each change is named in a
-one-line notice.
+one-line notice. Most are read afresh at every step. The optimizer's settings
+(:data:`OPTIMIZER_SETTINGS`) are also stored in the checkpoint's optimizer and scheduler
+state, which loading would bring back: :func:`apply_optimizer_settings` puts the
+config's values in place after the load, so they apply from the first resumed step.
 """
 
 from __future__ import annotations
@@ -47,6 +50,50 @@ FIXED = (
 )
 IGNORED = ("trainer.run_dir",)  # the directory may have been moved; it is where we resume from
 RUN_FILES = ("metrics.jsonl", "samples.jsonl")
+OPTIMIZER_SETTINGS = ("optim.lr", "optim.muon_lr", "optim.warmup_steps", "optim.weight_decay", "optim.betas")
+
+
+def check_resumable(run_dir: Path) -> None:
+    """ValueError unless ``run_dir`` holds a run to continue (a checkpoint, metrics or its
+    config.yaml): a mistyped path must not start a new run from step 0."""
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume: {run_dir} does not exist, so there is no run to continue: check the path "
+                         "(--trainer.run_dir), or drop --resume to start a new run there")
+    if existing_run(run_dir) is None and not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"--resume: {run_dir} holds no run (no checkpoint, metrics.jsonl or config.yaml): check "
+                         "the path (--trainer.run_dir), or drop --resume to start a new run there")
+
+
+def apply_optimizer_settings(learner: Any, optim: Any) -> None:
+    """Set the optimizer's hyper-parameters and the scheduler's base rates from ``optim`` (an
+    ``OptimConfig``) after a checkpoint's state was loaded into ``learner``: the current
+    learning rate becomes the new base rate times the warm-up factor of the optimizer steps
+    taken so far (the warm-up's length is the config's: the scheduler's factor is a function
+    of this run's settings, not stored)."""
+    parts = getattr(learner.optimizer, "optimizers", [learner.optimizer])  # (Muon + AdamW: one each)
+    bases: list[float] = []
+    for part in parts:
+        muon = "betas" not in part.defaults  # (Muon's groups have a momentum instead)
+        lr = (optim.muon_lr or optim.lr) if muon else optim.lr
+        for group in part.param_groups:
+            _set_group(group, lr, optim)
+            bases.append(lr)
+    scheduler = learner.scheduler
+    scheduler.base_lrs = bases
+    for group, base, factor in zip(learner.optimizer.param_groups, bases, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in learner.optimizer.param_groups]
+    if learner.critic_optimizer is not None:  # (unscheduled: the critic steps at optim.lr)
+        for group in learner.critic_optimizer.param_groups:
+            _set_group(group, optim.lr, optim)
+            group["lr"] = optim.lr
+
+
+def _set_group(group: dict, lr: float, optim: Any) -> None:
+    group["initial_lr"] = lr
+    group["weight_decay"] = optim.weight_decay
+    if "betas" in group:
+        group["betas"] = tuple(optim.betas)
 
 
 def existing_run(run_dir: Path) -> str | None:
@@ -104,5 +151,10 @@ def check_config_change(old: dict[str, Any], new: dict[str, Any], source: str, a
             f"'quarl train --resume --trainer.run_dir={run_dir}' uses the run's config.yaml), "
             f"or pass --allow-config-change to continue with the new values"
         )
-    return [f"resume: {k} changed {a!r} -> {b!r}" + (" (allowed by --allow-config-change)" if (k, a, b) in fixed
-                                                      else "") for k, a, b in changes]
+    return [f"resume: {k} changed {a!r} -> {b!r}" + _applied(k, (k, a, b) in fixed) for k, a, b in changes]
+
+
+def _applied(key: str, fixed: bool) -> str:
+    if fixed:
+        return " (allowed by --allow-config-change)"
+    return " (applied from the first resumed step)" if key in OPTIMIZER_SETTINGS else ""

@@ -16,7 +16,7 @@ from quarl.quant.mode import QuantMode
 
 
 def resolve_runtime(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
-    device = resolve_device(cfg.trainer.device)
+    device = resolve_device(cfg.trainer.device, flag="--trainer.device")
     return device, resolve_dtype(cfg.model.dtype, device)
 
 

@@ -25,7 +25,8 @@ def _fake_nvidia_smi(tmp_path, monkeypatch, fields=CLOCK_FIELDS):
     state = tmp_path / "calls"
     state.write_text("0")
     script = tmp_path / "nvidia-smi"
-    lines = "\n".join(f"    {i}) printf '%s\\n' {' '.join(repr(r) for r in rows)} ;;" for i, rows in enumerate(READINGS))
+    lines = "\n".join(f"    {i}) printf '%s\\n' {' '.join(repr(r) for r in rows)} ;;"
+                      for i, rows in enumerate(READINGS))
     script.write_text(f"""#!/bin/sh
 case "$1" in --query-gpu={','.join(fields)}) ;; *) exit 2 ;; esac
 n=$(cat {state}); echo $((n + 1)) > {state}

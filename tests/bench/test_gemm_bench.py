@@ -62,7 +62,8 @@ def test_format_table_lists_engine_rows_apart():
     from quarl.bench.gemm import format_table
 
     def row(fmt, ms, **kw):
-        return dict(model="m", layer="down_proj", counts={"modules": 1}, M=256, format=fmt, ms=ms, speedup=2.0 / ms, floor_frac=0.5, **kw)
+        return dict(model="m", layer="down_proj", counts={"modules": 1}, M=256, format=fmt, ms=ms, speedup=2.0 / ms,
+                    floor_frac=0.5, **kw)
 
     result = dict(device="d", date="t", git_commit="c" * 10, formats=["bf16", "w8a8-fp8"], targets=[],
                   ceilings=dict(bandwidth=1e12, bf16_flops=1e15, fp8_flops=2e15),
@@ -106,7 +107,8 @@ def test_engine_rows_of_a_gated_mlp(monkeypatch):
     for gated in (True, False):
         monkeypatch.setattr(bench, "gated_mlp", lambda fmt, m, h, i: gated and (h, i) == (hidden, inter))
         extra = {}
-        t_gu, note_gu = bench.engine_row_seconds("gate_up_proj (fused)", "w8a8-fp8", 64, 2 * inter, hidden, None, 0, {}, extra)
+        t_gu, note_gu = bench.engine_row_seconds("gate_up_proj (fused)", "w8a8-fp8", 64, 2 * inter, hidden, None, 0,
+                                                 {}, extra)
         t_down, note_down = bench.engine_row_seconds("down_proj", "w8a8-fp8", 64, hidden, inter, None, 0, {}, extra)
         if gated:
             assert (t_gu, t_down) == (9.0 - 2.0 + 0.5, 5.0)

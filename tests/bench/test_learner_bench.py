@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quarl.bench.learner import Spec, build, check_mode, measure, model_config, run_benchmark, run_micro_batch, summary_table
+from quarl.bench.learner import (
+    Spec, build, check_mode, measure, model_config, run_benchmark, run_micro_batch, summary_table,
+)
 from quarl.model.transformer import TORCH_OPS
 
 CPU = torch.device("cpu")
@@ -50,10 +52,12 @@ def test_measure_reports_every_repeat_per_micro_batch(mode, profile):
     spec = Spec("tiny", layers=2, tokens=32, seq_len=16, micro_batches=2, reps=3, warmup=1)
     r = measure(model_config(spec), check_mode(mode), spec, CPU, profile)
     assert len(r["walls_ms"]) == 3 and r["host_ms"] > 0 and r["wall_ms_min"] <= r["wall_ms"] <= r["wall_ms_max"]
-    assert r["kernels_ms"] is None and r["host_over_kernels"] is None and r["idle_ms"] is None  # (no GPU: no kernel time)
+    # (no GPU: no kernel time)
+    assert r["kernels_ms"] is None and r["host_over_kernels"] is None and r["idle_ms"] is None
     assert r["fallbacks"] == 0  # every layer ran as the compiled regions
     if profile:  # where one more repeat's host time went, by function
-        assert r["profile"][0].startswith("2 micro-batches: host") and any("compiled_ops.py" in ln for ln in r["profile"])
+        assert r["profile"][0].startswith("2 micro-batches: host")
+        assert any("compiled_ops.py" in ln for ln in r["profile"])
     else:
         assert "profile" not in r
 

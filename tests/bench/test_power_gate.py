@@ -41,7 +41,9 @@ def gate(readings, **kw):
 def test_a_cool_down_waits_until_no_reason_but_idle_is_active():
     # GPU 1 capped throughout (another GPU's reasons do not count); GPU 0: power cap (0x4)
     # twice, then the idle reason only (0x1)
-    both = lambda r0: [reading(r0), reading(0x4, gpu=1)]
+    def both(r0):
+        return [reading(r0), reading(0x4, gpu=1)]
+
     g, log, _ = gate([both(0x4), both(0x4), both(0x1)], rest_s=0.6)
     assert g.cool_down()["reasons"] == 0x1
     assert log == [("sleep", 0.6), ("sleep", 0.1), ("sleep", 0.1)]
@@ -105,7 +107,8 @@ def test_targets_and_layer_ratios_compare_timings_of_one_power_state():
         return dict(model="qwen2.5-7b", layer="down", counts={"engine": 1}, M=1024, format=fmt, ms=ms, power=power,
                     speedup=dict(burst=1.8, sustained=2.0)[power] / ms)
 
-    rows = [row("burst", "bf16", 1.8), row("burst", "w4a16", 2.0), row("sustained", "bf16", 2.0), row("sustained", "w4a16", 2.0)]
+    rows = [row("burst", "bf16", 1.8), row("burst", "w4a16", 2.0), row("sustained", "bf16", 2.0),
+            row("sustained", "w4a16", 2.0)]
     sp = {(r["power"], r["format"]): r["speedup"] for r in layer_speedups(rows, "engine")}
     assert sp[("burst", "w4a16")] == pytest.approx(0.9) and sp[("sustained", "w4a16")] == pytest.approx(1.0)
     t = {x["power"]: x for x in check_targets(rows, shape_set="engine") if x["where"] == "M=1024"}

@@ -91,7 +91,8 @@ def test_large_shapes_are_packed_as_they_are_made(monkeypatch):
 
 
 def _row(fmt: str, dense_bytes: int) -> dict:
-    return {"shape": "qwen2.5-7b", "format": fmt, "kv_cache_dtype": "auto", "batch": 256, "generated_tok_per_s": 25123.4,
+    return {"shape": "qwen2.5-7b", "format": fmt, "kv_cache_dtype": "auto", "batch": 256,
+            "generated_tok_per_s": 25123.4,
             "decode_step_ms_mean": 8.853, "decode_step_floor_ms_mean": 5.167, "decode_floor_fraction": 0.58,
             "speedup_vs_bf16": 1.0, "last_step_graph_replay_ms": 9.174, "decode_step_floor_ms_last": 5.892,
             "decode_tiling": [128, 4, 8, "triton"], "dense_weight_bytes": dense_bytes}
@@ -133,7 +134,8 @@ def test_a_baseline_child_runs_the_settings_of_the_parent():
     a = p.parse_args(argv[5:])
     assert (a.shape, a.batch, a.prompt_len, a.gen_len, a.formats, a.kv_cache_dtype, a.lora_rank) == \
         ("qwen2.5-7b", 384, 128, 256, "w4a16", "fp8", 8)
-    assert (a.dependent_launches, a.dense_weights, a.out, a.baseline, a.hf_gen_len) == ("off", "off", "/tmp/x.json", None, 0)
+    assert (a.dependent_launches, a.dense_weights, a.out, a.baseline, a.hf_gen_len) == \
+        ("off", "off", "/tmp/x.json", None, 0)
     d = p.parse_args(child_argv("qwen2.5-1.5b", 64, 16, 32, "bf16", "auto", 0, None, Path("/tmp/y.json"))[5:])
     assert (d.dependent_launches, d.dense_weights) == ("on", "auto")
 

@@ -97,7 +97,8 @@ def test_summarize_default_best_per_shape_and_best_single():
     assert math.isclose(s["default_speedup"], 2.0)  # 4/2 and 8/4
     assert math.isclose(s["best_per_shape_speedup"], math.sqrt(8 * 4))  # A: c 0.5 us, B: b 2 us; plain is no candidate
     assert s["best_single"] == "b"  # a: sqrt(1 * 8) = 2.83, b: 2; c did not run on B
-    assert math.isclose(s["best_single_speedup"], math.sqrt(2 * 4)) and math.isclose(s["best_single_vs_default"], math.sqrt(2))  # 2/2, 4/2
+    assert math.isclose(s["best_single_speedup"], math.sqrt(2 * 4))
+    assert math.isclose(s["best_single_vs_default"], math.sqrt(2))  # 2/2, 4/2
     assert "best single 2.83x / 1.41x (b)" in sweep.summary_lines([s])[0]
 
 
@@ -118,7 +119,8 @@ def test_rounds_time_every_passing_plan_in_turn_and_keep_each_ones_times():
 
     def timer(calls, reps):
         plan = dispatch._OVERRIDES.get().get(fam.table)
-        name = "bf16" if calls is bf16 else "plain" if calls is plain else sweep.format_candidate(plan) if plan else "default"
+        name = ("bf16" if calls is bf16 else "plain" if calls is plain
+                else sweep.format_candidate(plan) if plan else "default")
         order.append(name)
         return float(len(order) + 1)  # (seconds: a fake clock)
 
@@ -172,7 +174,8 @@ def test_candidates_from_a_file(tmp_path):
 
     f = tmp_path / "c.txt"
     f.write_text("# wgmma shapes of run 19\n2,3,2,single=1\n1,4,blocks_per_sm=2|4\n")
-    assert _candidates("wgmma", f"@{f}") == [Plan("wgmma", WgConfig(2, 3, 2.0, True)), Plan("wgmma", WgConfig(1, 4, 2.0)),
+    assert _candidates("wgmma", f"@{f}") == [Plan("wgmma", WgConfig(2, 3, 2.0, True)),
+                                             Plan("wgmma", WgConfig(1, 4, 2.0)),
                                              Plan("wgmma", WgConfig(1, 4, 4.0))]
 
 
@@ -186,18 +189,21 @@ def _saved_sweep(device: str = "NVIDIA H200") -> dict:
     row = dict(M=128, layer="", N=0, K=0, bf16_us=0.0, error=None)
     rows = [
         # down: the table's plan now was swept (12 us) but another ran faster (10 us): flagged
-        {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "default", "plan": "wgmma:old", "us": 24.0},
+        {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "default", "plan": "wgmma:old",
+         "us": 24.0},
         {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": now_a, "us": 12.0},
         {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "wgmma:fast", "us": 10.0},
         {**row, "layer": "down", "N": 3584, "K": 18944, "bf16_us": 12.0, "cfg": "wgmma:broken", "us": 1.0,
          "error": "relative error 0.5"},
         # gate/up: the table then picked what it picks now (no candidate row of it): the default's time
-        {**row, "layer": "gate_up", "N": 37888, "K": 3584, "bf16_us": 30.0, "cfg": "default", "plan": now_b, "us": 20.0},
+        {**row, "layer": "gate_up", "N": 37888, "K": 3584, "bf16_us": 30.0, "cfg": "default", "plan": now_b,
+         "us": 20.0},
         {**row, "layer": "gate_up", "N": 37888, "K": 3584, "bf16_us": 30.0, "cfg": "wgmma:slow", "us": 40.0},
         # o: the plan picked now was not a candidate
         {**row, "layer": "o", "N": 3584, "K": 3584, "bf16_us": 8.0, "cfg": "default", "plan": "wgmma:old", "us": 10.0},
     ]
-    return {"benchmark": "sweep", "family": "mid", "format": "w4a16", "device": device, "git_commit": "abc", "rows": rows}
+    return {"benchmark": "sweep", "family": "mid", "format": "w4a16", "device": device, "git_commit": "abc",
+            "rows": rows}
 
 
 def test_the_table_now_replayed_over_a_saved_sweep():
@@ -210,7 +216,8 @@ def test_the_table_now_replayed_over_a_saved_sweep():
     flagged = [ln for ln in lines if ln.endswith("<<")]
     assert len(flagged) == 2 and any("down" in ln for ln in flagged) and any("(not swept)" in ln for ln in flagged)
     # over down and gate/up (swept then and now): then sqrt(12/24 * 30/20), now sqrt(12/12 * 30/20)
-    assert lines[-1] == f"M=128: 2 shapes, geomean over bf16: then {math.sqrt(0.5 * 1.5):.2f}x, now {math.sqrt(1.5):.2f}x"
+    assert lines[-1] == (f"M=128: 2 shapes, geomean over bf16: then {math.sqrt(0.5 * 1.5):.2f}x, "
+                         f"now {math.sqrt(1.5):.2f}x")
     assert sweep.against_lines(list(rows.values()), slack=1.25)[0].endswith("  now: " + down["now_plan"])
 
 
@@ -266,12 +273,12 @@ def _superseded(name: str) -> set[tuple[int, int, int]]:
 def test_the_hopper_w4a16_rows_pick_near_the_fastest_of_the_committed_mid_sweeps(name, ms):
     """The sm90 rows at 65-4096 rows against the H200 sweeps they were written from (session
     46's, where the producer warpgroup came in; session 47's, with the pre-scaled loop's bf16
-    multiply, at the M where rows changed (the 7B's now read in s50's); s44's at 4096 rows; s48's, three rounds each, for the
-    7B's q/k/v and o at 257-512 rows and the 14B's gate/up at 128; s49's for the 14B's o and down
-    at 512-1024 rows, wgmma plans and cuBLAS on the dequantized weight only; s50's of the 7B at
-    128-1024 rows, timed in the burst power state; an (M, shape) a later sweep
-    covers is read there only): where the table's plan was
-    swept it is within 12% of that (M, shape)'s fastest candidate (in session 46 one plan timed
+    multiply, at the M where rows changed (the 7B's now read in s50's); s44's at 4096 rows;
+    s48's, three rounds each, for the 7B's q/k/v and o at 257-512 rows and the 14B's gate/up
+    at 128; s49's for the 14B's o and down at 512-1024 rows, wgmma plans and cuBLAS on the
+    dequantized weight only; s50's of the 7B at 128-1024 rows, timed in the burst power state;
+    an (M, shape) a later sweep covers is read there only): where the table's plan was swept
+    it is within 12% of that (M, shape)'s fastest candidate (in session 46 one plan timed
     twice in one sweep at 512+ rows moved by up to 11%), and per M the plans picked now are no
     slower than those picked when the sweep ran."""
     import json
@@ -321,7 +328,8 @@ def test_trace_summary_phases_and_idle_time_by_hand():
     """Three blocks on two of three SMs: SM 0 runs 0-10 us then 12-20, SM 1 2-18 and SM 2 none;
     the third block has no "landed" probe (its fill and loop are not counted), a fourth row is a
     block that never ran. Span 20 us; idle: SM 0 2 us (10%), SM 1 2 + 2 us (20%), SM 2 all of it."""
-    trace = [_probe_row(0, 1000, 9000, 9000, 10000, 0, mhz=1980), _probe_row(12000, 13500, 19000, 19000, 20000, 0, mhz=1500),
+    trace = [_probe_row(0, 1000, 9000, 9000, 10000, 0, mhz=1980),
+             _probe_row(12000, 13500, 19000, 19000, 20000, 0, mhz=1500),
              _probe_row(2000, 0, 17000, 17000, 18000, 1, mhz=1000), [0] * 12]
     s = sweep.trace_summary(trace, sms=3)
     assert s["blocks"] == 3 and s["sms_used"] == 2 and s["span_us"] == 20.0

@@ -20,7 +20,8 @@ def test_medians_skip_the_first_step():
 
 
 @pytest.mark.parametrize("mode,profile,stage", [("bf16", "kernels", "learner"), ("aligned-w4a16", "host", "learner"),
-                                                ("aligned-w4a16", "host", "publish"), ("aligned-w4a16", None, "learner")])
+                                                ("aligned-w4a16", "host", "publish"),
+                                                ("aligned-w4a16", None, "learner")])
 def test_run_mode_on_a_saved_random_model(tmp_path, mode, profile, stage):
     w = Workload("tiny", prompts=2, n=2, gen=6, token_budget=256, steps=2)
     model_dir = save_random_model(w.shape, tmp_path / "model")
@@ -166,7 +167,8 @@ def test_every_workload_and_mode_makes_a_valid_run_config(tmp_path):
         for mode in MODES:
             if mode == "rollout-w4a16" and "--model.lora_rank=64" in w.extra:
                 continue  # LoRA runs refuse rollout mode (tests/trainer/test_lora_run.py)
-            cfg = load_run_config(None, workload_overrides(w, None if w.random_base else tmp_path) + mode_overrides(mode))
+            cfg = load_run_config(None,
+                                  workload_overrides(w, None if w.random_base else tmp_path) + mode_overrides(mode))
             assert cfg.rollout.max_new_tokens == w.gen, (name, mode)
     lean = load_run_config(None, workload_overrides(WORKLOADS["full-7b-lean"], tmp_path))
     assert not lean.optim.fp32_master and lean.optim.state_dtype == "bfloat16" and lean.trainer.activation_checkpointing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,9 +19,9 @@ TINY = [
 ]
 
 
-def _quarl(*args, check=True, cwd=None, python_flags=()):
+def _quarl(*args, check=True, cwd=None, python_flags=(), env=None):
     # PYTHONPATH: this checkout's quarl even when cwd is elsewhere
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     r = subprocess.run([sys.executable, *python_flags, "-m", "quarl", *args], capture_output=True, text=True,
                        timeout=300, cwd=cwd, env=env)
     if check:
@@ -203,3 +204,77 @@ def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on(monkeypatch,
         faulthandler.unregister(signal.SIGUSR1)
     err = capfd.readouterr().err
     assert "hang_here" in err and "most recent call first" in err, err
+
+
+def _without_triton(tmp_path: Path) -> dict[str, str]:
+    """The environment of a machine that never installed triton (the README's main command: the CPU
+    torch wheel and the train extra): a sitecustomize marks it absent, so that `import triton` raises
+    ModuleNotFoundError and importlib finds no spec, as when it is not installed."""
+    site = tmp_path / "no_triton"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\n\nsys.modules['triton'] = None\n")
+    return {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+
+
+def test_every_command_but_bench_runs_without_triton(tmp_path):
+    env = _without_triton(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", "import triton"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **env})
+    assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr  # the stand-in does hide it
+    assert "COMMAND" in _quarl("--help", env=env).stdout
+    assert "trainer:" in _quarl("train", "--dry-run", env=env).stdout
+    run = tmp_path / "run"
+    _quarl("train", *TINY, f"--trainer.run_dir={run}", "--trainer.steps=2", env=env)
+    steps = {json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()}
+    assert steps == {1, 2}
+    assert _quarl("report", str(run), env=env).stdout.strip() == str(run / "report.html")
+    _quarl("export", str(run), "--out", str(tmp_path / "hf"), env=env)
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert "[3 tokens" in _quarl("generate", "--prompt", "1+1=", "--max-new-tokens", "3", "--greedy", env=env).stdout
+    assert json.loads(_quarl("eval", str(run), "--quiet", env=env).stdout)["step"] == 2
+    for suite in (("gemm",), ("sweep", "wgmma", "--list")):  # (--list needs no GPU, but the kernels' configs)
+        r = _quarl("bench", *suite, check=False, env=env)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == ('quarl bench: error: this needs the Python package triton, which is not installed: '
+                            'pip install -e ".[triton]"\n')
+    assert "--out" in _quarl("bench", "gemm", "--help", env=env).stdout  # the help still lists the suite's flags
+
+
+def test_a_model_path_that_does_not_exist_says_so(tmp_path):
+    """The tokenizer is read first: it used to say the path 'has no tokenizer files'."""
+    for extra in ((), ("--model.tokenizer=builtin",)):  # the tokenizer's look, then the weights'
+        r = _quarl("train", "--model.path=/nonexistent", *extra, f"--trainer.run_dir={tmp_path / 'run'}", check=False)
+        err = _one_line_error(r, "train")
+        assert "'/nonexistent' does not exist" in err and "at a local Hugging Face model directory" in err, err
+        assert "tokenizer files" not in err
+    data = tmp_path / "d.jsonl"  # and a data file's bad line is placed where it is
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+1=", "answer": "2"\n')
+    r = _quarl("train", "--data.task=file", f"--data.path={data}", f"--trainer.run_dir={tmp_path / 'run2'}",
+               check=False)
+    assert f"{data}, line 2, column 33: bad JSON (Expecting ',' delimiter)" in _one_line_error(r, "train")
+
+
+def test_hints_name_flags_of_the_command_that_was_run(tmp_path):
+    """A hint names a flag the user's command has: generate's own --model / --tokenizer, the run
+    config's --model.* for train (which has neither)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _quarl("train", f"--model.tokenizer={empty}", f"--trainer.run_dir={tmp_path / 'run'}", check=False)
+    err = _one_line_error(r, "train")
+    assert f"'{empty}' has no tokenizer files" in err and "point --model.tokenizer at" in err, err
+    assert "--tokenizer " not in err and "quarl generate" not in err
+    for flag, path, words in (("--tokenizer", empty, "has no tokenizer files"),
+                              ("--tokenizer", tmp_path / "nope", "does not exist"),
+                              ("--model", tmp_path / "nope", "does not exist")):
+        err = _one_line_error(_quarl("generate", "--prompt", "x", flag, str(path), check=False), "generate")
+        assert err.startswith(f"quarl generate: error: {flag} {path} {words}"), err
+        assert "--model." not in err
+    assert "--tokenizer builtin" in _one_line_error(
+        _quarl("generate", "--prompt", "x", "--tokenizer", str(empty), check=False), "generate")
+
+
+def test_the_issue_s_out_of_range_values_fail_through_the_cli():
+    for flag, words in (("--algo.eps_low=-1", "algo.eps_low must be in [0, 1), got -1.0"),
+                        ("--quant.include=5", "quant.include pattern '5' matches no linear layer")):
+        err = _one_line_error(_quarl("train", "--dry-run", flag, check=False), "train")
+        assert words in err, err

@@ -30,7 +30,6 @@ def _by_hand(run_dir, rows, n, temperature, seed, overrides=(), max_new_tokens=8
     from quarl.config import load_run_config
     from quarl.evaluation import problem_seed
     from quarl.rollout import SamplingParams
-    from quarl.tasks import Example
     from quarl.trainer.loop import Trainer
 
     cfg = load_run_config(str(run_dir / "config.yaml"), [f"--trainer.run_dir={run_dir}", *overrides])

@@ -198,7 +198,8 @@ def results_dir(tmp_path):
                   {"title": "Never logged", "metrics": ["nothing/here"]}],
     }
     (out / "suite.yaml").write_text(yaml.safe_dump(spec))
-    (out / "meta.json").write_text(json.dumps({"suite": "hand", "git_commit": "abcdef0123", "date": "2025-01-02T03:04:05",
+    (out / "meta.json").write_text(json.dumps({"suite": "hand", "git_commit": "abcdef0123",
+                                               "date": "2025-01-02T03:04:05",
                                                "device": "cpu", "seeds": [0, 1], "runs": ["a", "b"]}))
     (out / "runs.json").write_text(json.dumps([
         {"name": "a", "seed": 0, "status": "done"}, {"name": "a", "seed": 1, "status": "done"},

@@ -277,7 +277,8 @@ def test_config_json_has_what_vllm_reads(tmp_path):
         {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
     from compressed_tensors.quantization import QuantizationConfig
 
-    assert QuantizationConfig.model_validate(qc).config_groups["group_0"] == quantization_scheme(get_scheme("w8a8-int8"))
+    group = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    assert group == quantization_scheme(get_scheme("w8a8-int8"))
 
 
 def test_unquantized_linears_are_ignored_by_name(tmp_path):

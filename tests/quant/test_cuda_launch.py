@@ -80,7 +80,8 @@ def test_dependent_launch_goes_through_cuLaunchKernelEx(monkeypatch):
     seen = {}
 
     def record(cfg, func, params, extra):
-        seen.update(grid=(cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), block=(cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
+        seen.update(grid=(cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ),
+                    block=(cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
                     smem=cfg.sharedMemBytes, stream=cfg.hStream, n=cfg.numAttrs, attr=cfg.attrs[0].id,
                     allowed=ctypes.c_int.from_buffer(cfg.attrs[0].value).value, func=func.value, extra=extra,
                     args=[ctypes.c_int.from_address(p).value for p in params[1:]])

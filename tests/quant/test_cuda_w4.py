@@ -47,7 +47,8 @@ def test_x_tensor_map_asks_the_driver_for_swizzled_64_column_boxes(monkeypatch):
 def test_x_tensor_map_reports_the_driver_error(monkeypatch):
     monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: _Driver(err=1))
     monkeypatch.setattr(cuda_w4, "_TMAPS", {})
-    with pytest.raises(RuntimeError, match=r"cuTensorMapEncodeTiled failed for x \(8, 256\) stride 256: CUDA driver error 1"):
+    with pytest.raises(RuntimeError,
+                       match=r"cuTensorMapEncodeTiled failed for x \(8, 256\) stride 256: CUDA driver error 1"):
         cuda_w4.x_tensor_map(torch.zeros(8, 256, dtype=torch.bfloat16), 64)
     monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: object())
     with pytest.raises(RuntimeError, match="CUDA 12 or later driver"):

@@ -109,10 +109,11 @@ def test_tables_match_the_old_dispatch():
             elif narrow and c * -(-m // 192) <= 132:
                 assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True,
                                                        producer=True), (m, n, k)
-            elif 384 < m and 5120 <= n and 5120 <= k <= 13824 and c * -(-m // 192) <= 132:  # (s49: the 14B's o and down)
+            elif 384 < m and 5120 <= n and 5120 <= k <= 13824 and c * -(-m // 192) <= 132:  # (the 14B's o and down)
                 assert got.config == dispatch.WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True,
                                                        producer=True), (m, n, k)
-            elif m <= 256 and not (n <= 2048 and k <= 2048) and 2 <= min(132 // c, k // 256, 8) and c * min(132 // c, k // 256, 8) <= 112:
+            elif (m <= 256 and not (n <= 2048 and k <= 2048) and 2 <= min(132 // c, k // 256, 8)
+                  and c * min(132 // c, k // 256, 8) <= 112):
                 assert got.config == dispatch.WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256,
                                                        tma=True), (m, n, k)
             elif (n <= 2048 and k <= 2048) or (m >= 256 and n < 16384 and k <= 4096) or (m > 384 and not big):
@@ -131,7 +132,8 @@ def test_tables_match_the_old_dispatch():
             assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(
                 2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and 512 < m <= 1024 and n * k >= 1 << 25:  # added in s44: 256-row tiles (2^25 since s47)
+        # added: 256-row tiles (on weights of 2^25 elements or more)
+        if fam == "w4" and gen == "sm90" and 512 < m <= 1024 and n * k >= 1 << 25:
             assert want == old_form(dispatch.DEQUANT, fam), want
             got = dispatch.lookup("w4a16", gen, m, n, k)
             if m > 768 and k > 8192 and n >= 5120:  # (but cuBLAS on the dequantized weight there since s47)
@@ -142,7 +144,8 @@ def test_tables_match_the_old_dispatch():
             continue
         if fam == "fp8" and 16 < m <= 128 and k > 8192 and n <= 2048:  # added: 1.5B down, K split
             got = dispatch.lookup("fp8", "none", m, n, k)
-            assert got.kernel == "tma" and got.config.split_k == (4 if m <= 64 else 2) and got.config.bm == 64, (m, n, k)
+            assert got.kernel == "tma" and got.config.split_k == (4 if m <= 64 else 2), (m, n, k)
+            assert got.config.bm == 64, (m, n, k)
             continue
         if fam == "fp8" and 16 < m <= 128 and n <= 2048 and k <= 2048:  # added: 1.5B q/k/v and o
             got = dispatch.lookup("fp8", "none", m, n, k)
@@ -152,11 +155,13 @@ def test_tables_match_the_old_dispatch():
             got = dispatch.lookup("gated_fp8", "none", m, 2 * n, k)
             assert got.kernel == "gated" and got.config.bm == 64 and got.config.bn == (32 if m <= 64 else 64), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and m <= 64 and _wide_hidden_m33(m, n, k):  # added: 14B / 32B shapes at M 33-64
+        # added: 14B / 32B shapes at M 33-64
+        if fam == "w4" and gen == "sm90" and m <= 64 and _wide_hidden_m33(m, n, k):
             got = dispatch.lookup("w4a16", gen, m, n, k)
             assert got.config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True), (m, n, k)
             continue
-        if fam == "w4" and gen == "sm90" and m <= 64 and (m > 32 and n <= 2048 and k <= 2048):  # added: the 1.5B's o and q/k/v at 33-64
+        # added: the 1.5B's o and q/k/v at 33-64
+        if fam == "w4" and gen == "sm90" and m <= 64 and (m > 32 and n <= 2048 and k <= 2048):
             assert dispatch.lookup("w4a16", gen, m, n, k).config == dispatch.WgConfig(
                 1, 4, 1.0, True, 1, True, True, mbar=True, tma=True)  # s42: the TMA loop
             continue
@@ -193,7 +198,7 @@ def test_every_generation_has_a_row_for_every_shape():
 def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     assert dispatch.lookup("w4a16", "sm90", 1, 4608, 3584).kernel == "wgmma"
     assert dispatch.lookup("w4a16", "sm90", 64, 37888, 3584).config.nwg == 3
-    # the 32B's o and down at M = 64 (H100 sweep, bench/results/w4_wgmma_sweep_h100_s25_32b_m64.json); the 7B's as before
+    # the 32B's o and down at M = 64 (an H100 sweep of the wgmma kernel on the 32B at M = 64); the 7B's as before
     for n, k in ((5120, 5120), (7168, 5120), (5120, 27648)):
         assert dispatch.lookup("w4a16", "sm90", 64, n, k).config == dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
         assert dispatch.lookup("w4a16", "sm90", 32, n, k).config != dispatch.WgConfig(3, 4, 1.0, True, 1, True, True)
@@ -246,7 +251,8 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     # on the dequantized weight, and at 513-1024 rows the 14B's q/k/v (2^25 elements) the 256-row tile
     for m, n, k in ((129, 3584, 3584), (256, 3584, 3584), (256, 4608, 3584), (256, 3584, 18944), (200, 1536, 8960),
                     (256, 7168, 5120)):
-        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == tile256._replace(cluster=True, producer=False), (m, n, k)
+        want = tile256._replace(cluster=True, producer=False)
+        assert dispatch.lookup("w4a16", "sm90", m, n, k).config == want, (m, n, k)
     for m, n, k in ((769, 5120, 13824), (1024, 5120, 27648)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k) == dispatch.DEQUANT, (m, n, k)
     for m, n, k in ((768, 5120, 13824), (1024, 3584, 18944), (1024, 7168, 5120), (513, 7168, 5120)):
@@ -272,8 +278,10 @@ def test_hopper_runs_wgmma_and_the_others_frag_tile_or_swap():
     # clusters; the 32B's down (K = 27648, not swept) keeps the 256-row tile
     tile192 = ps._replace(nwg=2, tile=192)
     for m, n, k, want in ((385, 5120, 5120, tile192), (512, 5120, 5120, tile192), (512, 5120, 13824, tile192),
-                          (512, 5120, 27648, tile256), (513, 5120, 5120, tile256._replace(cluster=True, producer=False)),
-                          (768, 5120, 5120, tile256._replace(cluster=True, producer=False)), (768, 5120, 13824, tile256)):
+                          (512, 5120, 27648, tile256),
+                          (513, 5120, 5120, tile256._replace(cluster=True, producer=False)),
+                          (768, 5120, 5120, tile256._replace(cluster=True, producer=False)),
+                          (768, 5120, 13824, tile256)):
         assert dispatch.lookup("w4a16", "sm90", m, n, k).config == want, (m, n, k)
     assert dispatch.lookup("w4a16", "sm90", 769, 5120, 5120) == dispatch.DEQUANT
     # 513-1024 rows (sweep_ws_7b_h200_s44.json): 256-row tiles on weights of 2^26 elements or more
@@ -349,7 +357,8 @@ def test_wgmma_config_check_names_what_it_cannot_run():
     ws.check(1000)
     assert ws.threads == 384 and ws._replace(producer=False).threads == 256
     for bad in (ws._replace(tma=False), ws._replace(nwg=1, tile=0), ws._replace(cluster=True),
-                WgConfig(4, 4, prescale=True, tma=True, producer=True), WgConfig(2, 4, single=True, mbar=True, tma=True, producer=True)):
+                WgConfig(4, 4, prescale=True, tma=True, producer=True),
+                WgConfig(2, 4, single=True, mbar=True, tma=True, producer=True)):
         with pytest.raises(ValueError, match="producer=True feeds the pre-scaled TMA loop"):
             bad.check(100)
     WgConfig(3, 5, single=True, mbar=True, tma=True).check(64)

@@ -194,11 +194,13 @@ def test_w4a8_kernel(m, split_k, group):
     qw = quantize_weight(torch.randn(N, K), sc)
     x = torch.randn(m, K)
     xq, sx = launch.act_quant(x, "int8")
-    out = launch.w4a8_gemm(xq, sx, qw, None, x.dtype, launch.lookup("w4a8", "none", m, N, K).config._replace(split_k=split_k))
+    out = launch.w4a8_gemm(xq, sx, qw, None, x.dtype,
+                           launch.lookup("w4a8", "none", m, N, K).config._replace(split_k=split_k))
     assert _rel(out, reference_linear(x, qw, exact=True)) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8", "w4a16", "w4a8-int8", "nvfp4", "mxfp4", "w2a16", "w4a16-asym"])
+@pytest.mark.parametrize("name",
+                         ["w8a8-int8", "w8a8-fp8", "w4a16", "w4a8-int8", "nvfp4", "mxfp4", "w2a16", "w4a16-asym"])
 def test_dispatch_forced_triton_matches_reference(name):
     qw = quantize_weight(torch.randn(N, K), name)
     x = torch.randn(2, 5, K)  # leading dims are flattened

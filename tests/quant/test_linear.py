@@ -390,7 +390,8 @@ def test_wgmma_kernel_takes_a_lora_term_only_where_it_fits():
     from quarl.quant.ops import LoRATerm
 
     x = torch.zeros(64, 512, dtype=torch.bfloat16)
-    wide, long_k = WgConfig(3, 5, 1.0, single=True, tail=True, mbar=True), WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)
+    wide = WgConfig(3, 5, 1.0, single=True, tail=True, mbar=True)
+    long_k = WgConfig(2, 3, 2.0, single=True, minb=2, tail=True, cluster=True)
 
     def term(rank, starts=(0,), cols=(0,), dtype=torch.bfloat16, r=None, grad=False):
         r = r or rank * len(starts)

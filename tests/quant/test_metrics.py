@@ -23,7 +23,9 @@ def test_rel_quant_err_eq14():
     qw = quantize_weight(w, "w4a16")
     expect = float((qw.dequantize(torch.float64) - w.double()).pow(2).sum() / w.double().pow(2).sum())
     assert rel_quant_err(w, qw) == pytest.approx(expect, rel=1e-6)  # (norms accumulated in float32)
-    assert rel_quant_err({"a": w, "b": w * 4}, {"a": qw, "b": quantize_weight(w * 4, "w4a16")}) == pytest.approx(expect, rel=1e-6)  # (x4: the bf16 scales scale exactly)
+    # (x4: the bf16 scales scale exactly)
+    assert rel_quant_err({"a": w, "b": w * 4}, {"a": qw, "b": quantize_weight(w * 4, "w4a16")}) == pytest.approx(
+        expect, rel=1e-6)
     assert rel_quant_err(w, quantize_weight(w, "bf16")) == 0.0
 
 

@@ -142,7 +142,9 @@ def test_pack_layout_2bit_documented():
     assert p[0, 7] == 3 << 4 and int(p.sum()) == 3 << 4
 
 
-@pytest.mark.parametrize("name", ["bf16", "w8a8-int8", "w8a8-fp8", "w4a16", "w4a16-asym", "w4a8-int8", "nvfp4", "mxfp4", "w2a16"])
+@pytest.mark.parametrize("name",
+                         ["bf16", "w8a8-int8", "w8a8-fp8", "w4a16", "w4a16-asym", "w4a8-int8", "nvfp4", "mxfp4",
+                          "w2a16"])
 def test_layout_matches_declared_and_dequant_round_trip(name):
     sc = get_scheme(name)
     w = torch.randn(SHAPE)

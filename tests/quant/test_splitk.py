@@ -64,7 +64,8 @@ def test_blocked_split_clusters_only_fully_split_grids_of_at_most_8():
     for groups in range(2, 200, 7):
         for asked in range(2, 20):
             plan = splitk.clustered(splitk.even(5, groups, asked), 5, groups)
-            assert plan.split <= min(asked, splitk.MAX_CLUSTER) and (plan.split - 1) * plan.per < groups <= plan.split * plan.per
+            assert plan.split <= min(asked, splitk.MAX_CLUSTER)
+            assert (plan.split - 1) * plan.per < groups <= plan.split * plan.per
 
 
 def test_pointer_rule_splits_only_below_one_wave():

@@ -9,7 +9,8 @@ SCALED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_
 
 
 def _scaled_weights(model):
-    return {f"{i}.{n}": layer.get_submodule(n).weight.detach().clone() for i, layer in enumerate(model.layers) for n in SCALED}
+    return {f"{i}.{n}": layer.get_submodule(n).weight.detach().clone()
+            for i, layer in enumerate(model.layers) for n in SCALED}
 
 
 @torch.no_grad()

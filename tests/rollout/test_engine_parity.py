@@ -69,7 +69,8 @@ def test_seeded_sampling_is_reproducible_and_shared_prompt_matches(tiny_engines)
     b = engine.generate(PROMPTS[:3], shared)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert len({tuple(c.token_ids) for c in a if c.prompt_index == 1}) > 1  # samples differ
-    unshared = Engine(engine.model, config=EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64, share_prompt=False))
+    unshared = Engine(engine.model,
+                      config=EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64, share_prompt=False))
     c = unshared.generate(PROMPTS[:3], shared)
     assert [x.token_ids for x in c] == [x.token_ids for x in a], family
     d = tight.generate(PROMPTS[:3], shared)  # sharing + copy-on-write + preemption
@@ -111,7 +112,8 @@ def test_triton_backend_matches_hf(hf_checkpoint):
     family, path, hf = hf_checkpoint
     engine = Engine(
         quarl.load_model(path, dtype=torch.float32),
-        config=EngineConfig(max_model_len=40, block_size=4, num_kv_blocks=12, max_num_seqs=4, attention_backend="triton"),
+        config=EngineConfig(max_model_len=40, block_size=4, num_kv_blocks=12, max_num_seqs=4,
+                            attention_backend="triton"),
     )
     prompts = PROMPTS[:4]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))

@@ -245,7 +245,8 @@ def test_rope_store_kv_writes_fp8_codes_of_the_quantizer(dtype):
     out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, ks, vs)
     assert torch.equal(out, rope(q, cos, sin))
     for (codes, scales), (cache, scale_cache), (old_c, old_s) in zip(
-        (quantize_kv(rope(k, cos, sin)), quantize_kv(v)), ((kc, ks), (vc, vs)), ((before[0], before[2]), (before[1], before[3]))
+        (quantize_kv(rope(k, cos, sin)), quantize_kv(v)), ((kc, ks), (vc, vs)),
+        ((before[0], before[2]), (before[1], before[3]))
     ):
         rows, srows = cache.view(torch.uint8).view(-1, hkv, d), scale_cache.view(-1, hkv)
         assert torch.equal(rows[slots], codes.view(torch.uint8))
@@ -294,7 +295,8 @@ def test_dense_weight_copies_follow_published_weights_in_the_fused_model():
         assert [c.dequantized(qw, torch.float32, None).data_ptr() for c, qw in caches] == ptrs
     assert torch.equal(got, want)
     assert use_dense_weights("auto", 8 << 30, 80 << 30) and not use_dense_weights("auto", 9 << 30, 80 << 30)
-    assert not use_dense_weights("auto", 1, 0) and use_dense_weights("on", 1, 0) and not use_dense_weights("off", 1, 1 << 40)
+    assert not use_dense_weights("auto", 1, 0) and use_dense_weights("on", 1, 0) and not use_dense_weights("off", 1,
+                                                                                                           1 << 40)
 
 
 def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():

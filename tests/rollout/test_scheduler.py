@@ -82,7 +82,8 @@ def engines(hf_checkpoint):
     family, path, _ = hf_checkpoint
     model = quarl.load_model(path, dtype=torch.float32)
     make = lambda la, **kw: Engine(model, config=EngineConfig(max_model_len=48, block_size=4, lookahead=la, **kw))  # noqa: E731
-    return family, {la: (make(la, num_kv_blocks=256), make(la, num_kv_blocks=14, max_num_seqs=5)) for la in (True, False)}
+    return family, {la: (make(la, num_kv_blocks=256), make(la, num_kv_blocks=14, max_num_seqs=5)) for la in (True,
+                                                                                                             False)}
 
 
 def test_lookahead_gives_the_same_completions(engines):
@@ -92,7 +93,8 @@ def test_lookahead_gives_the_same_completions(engines):
     queued behind a stop still runs the stopped sequence's row, so that one step's batch
     differs and its GEMMs may round differently.)"""
     family, eng = engines
-    probe = eng[False][0].generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=7, ignore_eos=True))
+    probe = eng[False][0].generate(PROMPTS,
+                                   SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=7, ignore_eos=True))
     counts = torch.bincount(torch.tensor(sum((c.token_ids for c in probe), [])))
     stops = counts.argsort(descending=True)[:2].tolist()  # frequent tokens: sequences stop at various steps
     params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=6 + 2 * i, seed=11 + i, stop_token_ids=stops)

@@ -73,6 +73,36 @@ def test_malformed_line_names_file_line_and_problem(tmp_path, bad_line, message)
     assert "bad.jsonl, line 3" in str(err.value) and message in str(err.value)
 
 
+@pytest.mark.parametrize("bad_line, column, problem", [
+    ('{"prompt": "1+1=", "answer": "2"', 33, "Expecting ',' delimiter"),  # the "}" missing: the end of the line
+    ('{"prompt": "1+1=", "answer": "2"} x', 35, "Extra data"),
+    ('{"prompt": "1+1=", "answer": tru}', 30, "Expecting value"),
+])
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_bad_json_is_reported_at_its_line_and_column(tmp_path, bad_line, column, problem, newline):
+    """Where the line was cut, the error used to be placed after its newline: column 1 of the next line."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(newline.join([json.dumps(rows(1)[0]), bad_line, json.dumps(rows(3)[2])]) + newline)
+    with pytest.raises(DatasetError) as err:
+        read_examples(path)
+    assert str(err.value) == f"{path}, line 2, column {column}: bad JSON ({problem})"
+
+
+def test_a_lone_carriage_return_neither_ends_a_line_nor_shifts_the_next(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a\\rb", "answer": "1"}\n{"prompt":\r "x", "answer": 2\n')
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2, column 29: bad JSON \(Expecting ',' delimiter\)"):
+        read_examples(path)
+
+
+def test_a_byte_that_is_not_utf8_is_reported_at_its_line_and_column(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(rows(1)[0]).encode() + b'\n{"prompt": "\xc3\xa9t\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetError) as err:
+        read_examples(path)
+    assert str(err.value) == f"{path}, line 2, column 15: not UTF-8 (byte 0xe9); save the file as UTF-8"
+
+
 def test_missing_key_hint_names_the_config_field(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "x", "answer": "1"}])
     expected = r"missing key 'prompt' \(available keys: 'question', 'answer'\).*prompt_key"

@@ -104,3 +104,36 @@ def rank_zero_disk_full_at_second_save(completion: str, answer: str, meta: dict)
         write.patched = True
         checkpoint._write_complete = write
     return digit_one(completion, answer, meta)
+
+
+def always_hangs(completion: str, answer: str, meta: dict) -> float:
+    """A verifier stuck on every item (a pathological simplification, a dead service)."""
+    time.sleep(3600)
+    return 0.0
+
+
+def hangs_once_marked(completion: str, answer: str, meta: dict) -> float:
+    """``digit_one`` until the file named by QUARL_TEST_HANG_MARKER exists, then stuck."""
+    if os.path.exists(os.environ["QUARL_TEST_HANG_MARKER"]):
+        time.sleep(3600)
+    return digit_one(completion, answer, meta)
+
+
+_FLAKY = [0]
+
+
+def flaky(completion: str, answer: str, meta: dict) -> float:
+    """``digit_one``, but 2 of every 5 calls (in each process) raise: a verifier failing on 40% of items."""
+    _FLAKY[0] += 1
+    if _FLAKY[0] % 5 in (1, 3):
+        raise ValueError("flaky")
+    return digit_one(completion, answer, meta)
+
+
+def raises_after_32_calls(completion: str, answer: str, meta: dict) -> float:
+    """``digit_one`` for two steps of 4 prompts x 4 samples (inline, workers=0), then broken:
+    the evaluation after step 2 finds it failing on every item."""
+    _FLAKY[0] += 1
+    if _FLAKY[0] > 32:
+        raise KeyError("gold_answer")
+    return digit_one(completion, answer, meta)

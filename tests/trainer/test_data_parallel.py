@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = [*TINY, "--trainer.sft_warmup_steps=0", "--trainer.eval_every=2"]
 # wall-clock and per-rank values (each rank's own timings, memory and engine check; preemptions depend
 # on how many sequences one engine holds at once)
-VOLATILE = ("time/", "wall", "perf/eval_s", "perf/setup_s", "rollout/tokens_per_s", "memory/", "perf/learner_tflops", "perf/learner_mfu", "perf/compiles",
+VOLATILE = ("time/", "wall", "perf/eval_s", "perf/setup_s", "rollout/tokens_per_s", "memory/", "perf/learner_tflops",
+            "perf/learner_mfu", "perf/compiles",
             "perf/compile_s", "perf/gc_", "mismatch/engine_check", "rollout/preemptions",
             "perf/micro_batch", "perf/padding_frac")  # (the packing of rank 0's own rows)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -46,7 +46,8 @@ def test_engine_and_learner_share_the_base_and_publish_moves_only_adapters(schem
     assert metrics["publish/bytes"] == adapter_bytes
     assert all(torch.equal(base_before[n], m.qdata) for n, m in engine_q.items())
     for n, _, ad in lora_modules(engine.model):
-        assert torch.equal(ad.A, model.get_submodule(n).lora.A) and ad.A.data_ptr() != model.get_submodule(n).lora.A.data_ptr()
+        theirs = model.get_submodule(n).lora.A
+        assert torch.equal(ad.A, theirs) and ad.A.data_ptr() != theirs.data_ptr()
 
     # the engine samples with the adapters: its log-probs are the learner's (aligned by construction)
     comps = engine.generate([[3, 5, 7, 9]], [SamplingParams(n=4, max_new_tokens=10, seed=5)])
@@ -90,7 +91,8 @@ def test_lora_exports_merged_and_peft(tmp_path):
     ids = torch.randint(3, 60, (2, 12))
     for mode in ("bf16", "aligned"):
         run = tmp_path / f"run_{mode}"
-        trainer, _ = _train(run, *LORA, *base_args, f"--quant.mode={mode}", f"--model.packed_cache={tmp_path / 'packed'}",
+        trainer, _ = _train(run, *LORA, *base_args, f"--quant.mode={mode}",
+                            f"--model.packed_cache={tmp_path / 'packed'}",
                             steps=2)
         if mode == "aligned":  # the base was quantized while loading, and its packed copy cached for the next run
             assert any(isinstance(m, QuantLinear) for m in trainer.learner.model.modules())

@@ -42,7 +42,8 @@ def test_publish_and_engine_advice():
     msg = oom.advice("rollout", 3, torch.OutOfMemoryError(TORCH_SAYS),
                      _cfg("--rollout.engine.gpu_memory_utilization=0.5"), state)
     assert "--rollout.engine.gpu_memory_utilization=0.4 (now 0.5" in msg
-    assert "--rollout.engine.max_num_batched_tokens=8192 (now 16384" in msg and "--rollout.engine.max_num_seqs=128" in msg
+    assert "--rollout.engine.max_num_batched_tokens=8192 (now 16384" in msg
+    assert "--rollout.engine.max_num_seqs=128" in msg
     msg = oom.advice("kv_cache", 3, torch.OutOfMemoryError(TORCH_SAYS), _cfg(), state)
     assert msg.startswith("re-creating the engine's KV cache") and len(msg.splitlines()) == 2
 

@@ -86,7 +86,8 @@ def test_resume_is_exact(tmp_path):
     _cli_train(tmp_path / "b", "--trainer.save_every=3", "--trainer.steps=3")
     rows = _cli_train(tmp_path / "b", "--trainer.save_every=3", "--trainer.steps=6", "--resume")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    volatile = ("time/", "wall", "perf/eval_s", "perf/setup_s", "rollout/tokens_per_s", "memory/", "perf/learner_tflops", "perf/learner_mfu", "perf/compiles",
+    volatile = ("time/", "wall", "perf/eval_s", "perf/setup_s", "rollout/tokens_per_s", "memory/",
+                "perf/learner_tflops", "perf/learner_mfu", "perf/compiles",
                 "perf/compile_s", "perf/gc_")
     for a, b in zip(rows6, rows):
         ka = {k: v for k, v in a.items() if not k.startswith(volatile)}
@@ -135,7 +136,8 @@ def test_lean_memory_options_resume_exactly(tmp_path):
     _train(tmp_path / "b", *lean, steps=1)
     trainer, rows = _train(tmp_path / "b", *lean, "--trainer.activation_checkpointing=true", steps=2, resume=True)
     assert type(trainer.learner.optimizer).__name__ == "LeanAdamW"
-    volatile = ("time/", "wall", "perf/eval_s", "perf/setup_s", "rollout/tokens_per_s", "memory/", "perf/learner_tflops", "perf/learner_mfu", "perf/compiles",
+    volatile = ("time/", "wall", "perf/eval_s", "perf/setup_s", "rollout/tokens_per_s", "memory/",
+                "perf/learner_tflops", "perf/learner_mfu", "perf/compiles",
                 "perf/compile_s", "perf/gc_")
     assert [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows] == \
         [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in straight]
@@ -211,7 +213,8 @@ def test_cli_train_dry_run_and_run(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "did you mean 'temperature'" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "quarl", "train", "--quiet", *TINY, f"--trainer.run_dir={tmp_path}", "--trainer.steps=1"],
+        [sys.executable, "-m", "quarl", "train", "--quiet", *TINY, f"--trainer.run_dir={tmp_path}",
+         "--trainer.steps=1"],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr

@@ -26,7 +26,8 @@ def _tokenizer(path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = [f"What is {a} plus {b}? The answer is {a + b}." for a in range(10) for b in range(10)]
-    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE

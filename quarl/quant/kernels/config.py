@@ -72,7 +72,8 @@ class TileKConfig(NamedTuple):
         if m > self.rows:
             raise ValueError(f"block-tiled w4 kernel: {self} covers {self.rows} rows, got M={m}")
         if self.smem_bytes() > 227 * 1024:
-            raise ValueError(f"block-tiled w4 kernel: {self} needs {self.smem_bytes()} bytes of shared memory (> 227 KB)")
+            raise ValueError(f"block-tiled w4 kernel: {self} needs {self.smem_bytes()} bytes of shared memory "
+                             "(> 227 KB)")
 
 
 WGMMA_TOKENS = (8, 16, 32, 64, 128)  # wgmma N sides compiled: M is padded up to the next one
@@ -135,8 +136,10 @@ class WgConfig(NamedTuple):
         return self.tile or wgmma_tokens(min(m, WGMMA_TOKENS[-1]))
 
     def check(self, m: int) -> None:
-        if self.nwg not in (1, 2, 3, 4) or self.stages < 3 or self.blocks_per_sm <= 0 or not 1 <= self.minb * self.nwg <= 16:
-            raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, 1 <= minb x nwg <= 16; got {self}")
+        if (self.nwg not in (1, 2, 3, 4) or self.stages < 3 or self.blocks_per_sm <= 0
+                or not 1 <= self.minb * self.nwg <= 16):
+            raise ValueError(f"wgmma w4 kernel: 1-4 warpgroups, >= 3 stages, blocks_per_sm > 0, "
+                             f"1 <= minb x nwg <= 16; got {self}")
         if self.mbar and not (self.single and self.stages >= 4):
             raise ValueError(f"wgmma w4 kernel: mbar=True runs the single-tile loop with >= 4 stages; got {self}")
         if self.prescale and (self.single or self.mbar):

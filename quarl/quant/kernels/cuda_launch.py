@@ -52,7 +52,8 @@ def kernel_params(args: Sequence[Any]) -> tuple[ctypes.Array, list]:
         elif isinstance(a, ctypes.Array):
             held.append(a)
         elif not isinstance(a, (int, float)):
-            raise TypeError(f"a kernel argument must be a tensor, an int, a float or a ctypes array, got {type(a).__name__}")
+            raise TypeError(f"a kernel argument must be a tensor, an int, a float or a ctypes array, "
+                            f"got {type(a).__name__}")
         elif isinstance(a, int):
             held.append(ctypes.c_int(a))
         else:

@@ -131,7 +131,8 @@ def x_tensor_map(x: torch.Tensor, rows: int) -> ctypes.Array:
         (ctypes.c_uint64 * 1)(x.stride(0) * 2), (ctypes.c_uint32 * 2)(64, rows), (ctypes.c_uint32 * 2)(1, 1),
         0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
     if err != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed for x {tuple(x.shape)} stride {x.stride(0)}: CUDA driver error {err}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed for x {tuple(x.shape)} stride {x.stride(0)}: "
+                           f"CUDA driver error {err}")
     if len(_TMAPS) >= 256:
         _TMAPS.clear()
     _TMAPS[key] = tmap
@@ -181,7 +182,8 @@ def frag_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, c
     return out
 
 
-def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail: bool, cluster: bool) -> splitk.SplitPlan:
+def _blocked_split(cols: int, groups: int, sms: int, blocks_per_sm: float, tail: bool,
+                   cluster: bool) -> splitk.SplitPlan:
     """The tile and wgmma kernels' K split over ``cols`` column blocks (see :mod:`.splitk`)."""
     if tail:
         plan = splitk.tail(cols, groups, max(1, round(blocks_per_sm * sms)))

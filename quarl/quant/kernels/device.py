@@ -57,10 +57,11 @@ _DEPENDENT = False
 @contextlib.contextmanager
 def dependent_launches(on: bool = True) -> Iterator[None]:
     """Inside the block, quarl's Triton kernels (``pdl``) and its NVRTC-compiled CUDA kernels
-    (:func:`~.cuda_launch.launch`) are launched as programmatic dependent launches (Hopper and later): a kernel may be scheduled while the one ahead of it on the
-    stream still runs, and waits in its first instruction until that one has finished and
-    its writes are visible (``griddepcontrol.wait``), so results are unchanged and only the
-    launch latency between two kernels is hidden. The engine turns it on around its decode
+    (:func:`~.cuda_launch.launch`) are launched as programmatic dependent launches (Hopper and
+    later): a kernel may be scheduled while the one ahead of it on the stream still runs, and
+    waits in its first instruction until that one has finished and its writes are visible
+    (``griddepcontrol.wait``), so results are unchanged and only the launch latency between
+    two kernels is hidden. The engine turns it on around its decode
     forward (``EngineConfig.dependent_launches``); a CUDA graph captured inside keeps it."""
     global _DEPENDENT
     before, _DEPENDENT = _DEPENDENT, on

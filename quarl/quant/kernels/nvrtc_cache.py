@@ -20,18 +20,18 @@ process that asks for the same kernel loads it instead of compiling it again.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from quarl.io import write_bytes_atomic
 
 ENV = "QUARL_KERNEL_CACHE"
 OFF = ("off", "0", "false", "none")
@@ -95,15 +95,7 @@ def write_entry(path: Path, binary: bytes, mangled: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     head = json.dumps({"format": FORMAT, "name": mangled, "size": len(binary),
                        "sha256": hashlib.sha256(binary).hexdigest()}).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(head + b"\n" + binary)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(path, head + b"\n" + binary)
 
 
 _WARNED: set[str] = set()

@@ -113,7 +113,8 @@ _PRESCALED_TMA_CLUSTER = Plan("wgmma", WgConfig(3, 4, 1.0, tail=True, cluster=Tr
 _PRESCALED_TMA_4WG = Plan("wgmma", WgConfig(4, 4, 1.0, tail=True, prescale=True, tma=True))
 # ... in 256-row tiles, two warpgroups and a producer, or with K split in clusters
 _PRESCALED_TMA_256 = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, prescale=True, tile=256, tma=True, producer=True))
-_PRESCALED_TMA_256_CLUSTER = Plan("wgmma", WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256, tma=True))
+_PRESCALED_TMA_256_CLUSTER = Plan("wgmma",
+                                  WgConfig(2, 3, 1.0, tail=True, cluster=True, prescale=True, tile=256, tma=True))
 # ... in 192-row tiles with a producer
 _PRESCALED_TMA_192 = Plan("wgmma", WgConfig(2, 4, 1.0, tail=True, prescale=True, tile=192, tma=True, producer=True))
 

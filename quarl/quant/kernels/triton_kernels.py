@@ -91,8 +91,9 @@ def _e4m3_byte(v):
 # On the GPU the e4m3 codes come from the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``
 # on sm89+; equal to torch's cast of the clamped value, checked on the H200 over every e4m3
 # value, midpoint and subnormal: tests_gpu). It is ~3x fewer instructions per element than
-# ``_e4m3_byte``, which kept the activation quantizer instruction-bound. Triton's interpreter truncates in that cast, so on CPU the codes
-# are built as bytes: :data:`HW_E4M3` (below) says which, from how triton compiled these kernels.
+# ``_e4m3_byte``, which kept the activation quantizer instruction-bound. Triton's interpreter
+# truncates in that cast, so on CPU the codes are built as bytes: :data:`HW_E4M3` (below) says
+# which, from how triton compiled these kernels.
 
 
 @triton.jit
@@ -257,7 +258,8 @@ def _store_tile(
                 acc += tl.load(part_ptr + sp * split_stride + part_off, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=omask)
             tl.atomic_xchg(cnt_ptr + pid_tile, 0)
     else:
         if HAS_BIAS:
@@ -545,7 +547,9 @@ def w8a8_tma_kernel(
             _gated_store(acc, acc_u, sa_ptr, sb_ptr, out_ptr, amax_ptr, offs_m, offs_n, M, N, stride_om, n_tiles, pid_n)
         else:
             # compact partials of tail tile (tile - T_WHOLE); unused by whole tiles
-            part_off = (tile - T_WHOLE).to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            part_off = (tile - T_WHOLE).to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0,
+                                                                                                              BN)[None,
+                                                                                                                  :]
             split_stride = (tiles - T_WHOLE).to(tl.int64) * (BM * BN)
             if IS_SPLIT:
                 if in_tail:
@@ -680,7 +684,8 @@ def dequant_kernel(
             sv = _e4m3_value(sv.to(tl.int32)) * gscale
         elif FMT == 3:
             sv = (sv.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        tl.store(out_ptr + rows * stride_on + ks[None, :], (val * sv).to(out_ptr.dtype.element_ty), mask=nmask & (ks[None, :] < K))
+        tl.store(out_ptr + rows * stride_on + ks[None, :], (val * sv).to(out_ptr.dtype.element_ty),
+                 mask=nmask & (ks[None, :] < K))
 
 
 # ------------------------------------------------------------------ int4 g128 small-M path

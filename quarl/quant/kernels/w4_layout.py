@@ -235,7 +235,8 @@ class RepackCache:
         # it), so that later in-place loads outside it can refresh them
         with torch.inference_mode(False), torch.no_grad():
             fresh = repack_w4(qw, layout)
-            if e is not None and all((a is None) == (b is None) and (a is None or (a.shape == b.shape and a.device == b.device))
+            if e is not None and all((a is None) == (b is None)
+                                     and (a is None or (a.shape == b.shape and a.device == b.device))
                                      for a, b in zip(e.copy, fresh)):
                 for a, b in zip(e.copy, fresh):
                     if a is not None:

@@ -23,7 +23,8 @@ from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
-_FMT = {("int", True): tk.FMT_INT_SYM, ("int", False): tk.FMT_INT_ASYM, ("e4m3",): tk.FMT_NVFP4, ("e8m0",): tk.FMT_MXFP4}
+_FMT = {("int", True): tk.FMT_INT_SYM, ("int", False): tk.FMT_INT_ASYM, ("e4m3",): tk.FMT_NVFP4,
+        ("e8m0",): tk.FMT_MXFP4}
 
 
 def _fmt(qw: QuantizedWeight) -> int:
@@ -34,7 +35,8 @@ def _fmt(qw: QuantizedWeight) -> int:
 def is_w4_g128(qw: QuantizedWeight) -> bool:
     """int4 weights with one (fp32) scale per 128-column chunk: the swap and CUDA w4 kernels."""
     sc = qw.scheme
-    return sc.weight_format == "int" and sc.weight_bits == 4 and sc.group_size == PACK_K and not sc.quantizes_activations
+    return (sc.weight_format == "int" and sc.weight_bits == 4 and sc.group_size == PACK_K
+            and not sc.quantizes_activations)
 
 
 def _group_params(qw: QuantizedWeight):

@@ -1,11 +1,12 @@
 """(Provenance of dispatch_c62667c.json; ran once against a checkout of c62667c, then compacted.)
 Capture the kernel and config that c62667c's dispatch picks for a grid of shapes and GPU
 generations (run with PYTHONPATH=<c62667c tree>)."""
-import json, sys
-import torch
+import json
+import sys
 from quarl.quant.kernels import launch, cuda_w4
 
-MS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 63, 64, 65, 96, 127, 128, 129, 200, 256, 257, 384, 511, 512, 513, 1024, 1100, 2047, 2048, 4096, 8192]
+MS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 63, 64, 65, 96, 127, 128, 129, 200, 256, 257, 384, 511, 512,
+      513, 1024, 1100, 2047, 2048, 4096, 8192]
 NK = [(4608, 3584), (512, 3584), (3584, 3584), (37888, 3584), (18944, 3584), (3584, 18944),
       (2048, 1536), (256, 1536), (1536, 1536), (17920, 1536), (8960, 1536), (1536, 8960),
       (16384, 4096), (32768, 4096), (4096, 12288), (4096, 4096), (1000, 1040), (64, 256), (8192, 8192), (12288, 4096)]
