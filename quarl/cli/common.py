@@ -70,13 +70,13 @@ def _has_tokenizer(path: str) -> bool:
     return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def os_error(e: OSError, writes_under: Path, what: str, fix: str) -> ValueError:
+def os_error(e: OSError, writes_under: Path | None, what: str = "", fix: str = "") -> ValueError:
     """A one-line error for an ``OSError`` that the OS raised on ``e.filename`` (a read-only or
     full disk, a file where a directory should be, no permission): a failed write when the path
     lies under ``writes_under`` (``fix`` then says where else to write), else a failed read."""
     path = Path(e.filename).resolve()
     reason = e.strerror or type(e).__name__
-    root = writes_under.resolve()
-    if path == root or root in path.parents:
+    root = writes_under.resolve() if writes_under is not None else None
+    if root is not None and (path == root or root in path.parents):
         return ValueError(f"cannot write {what}: {reason}: {e.filename}; {fix}")
     return ValueError(f"cannot read {e.filename}: {reason}")

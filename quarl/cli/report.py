@@ -27,6 +27,11 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out if args.out is not None else args.run_dirs[0]
     try:
         _check_has_metrics(args.run_dirs)
+    except OSError as e:  # (metrics that cannot be read: a read error, not the write one below)
+        if e.filename is None:
+            raise
+        raise os_error(e, None) from None
+    try:
         print(render_report(args.run_dirs, args.out))
     except OSError as e:
         if e.filename is None:  # the report's own messages (not a run directory): as they are

@@ -104,7 +104,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:  # (one line holds no "\n": e.colno is the column in it)
-                raise DatasetError(f"{where}, column {e.colno}: bad JSON ({e.msg})") from None
+                raise DatasetError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
             yield where, row
 
 

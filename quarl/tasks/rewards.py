@@ -22,10 +22,11 @@ or the timeout.
 
 Timeouts are per item, so a verifier that hangs on everything would hold each worker
 for ``timeout_s`` per item: a batch of N items would take N / workers timeouts. When
-every worker has timed out in a row and no item of the batch has been scored, and the
-previous batch scored none either (a fresh pool has no previous batch), the verifier
-is taken to hang: the rest of the batch counts as timed out without being tried, so
-such a batch takes about one timeout.
+2 x workers items in a row have timed out (every worker twice: one slow item is not
+a hang) and no item of the batch has finished, and the previous batch scored none
+either (a fresh pool has no previous batch), the verifier is taken to hang: the rest
+of the batch counts as timed out without being tried, so such a batch takes about
+two timeouts.
 
 ``score(..., stop=fn)``: once ``fn()`` is true (a Ctrl-C asked the run to stop) the
 pool gives the items in flight :data:`STOP_GRACE_S` more seconds, then kills the
@@ -294,7 +295,7 @@ class RewardPool:
             return (f"reward {name} failed on all {items} items of the batch, so every reward would be 0; first "
                     f"error: {errors[0]}. Fix the reward function (run it on one completion by hand to see the "
                     "traceback)")
-        untried = (f"; the last {counts['untried']} were not tried, as every worker had hung"
+        untried = (f"; the last {counts['untried']} were not tried, as every worker had hung twice"
                    if counts["untried"] else "")
         what = (f"timed out on all {items} items of the batch (> {self.timeout_s:g} s each{untried})" if not failed
                 else f"failed on {failed} and timed out on {timeouts} of the {items} items of the batch "
@@ -330,7 +331,7 @@ class RewardPool:
             if stop_seen is not None and time.monotonic() - stop_seen >= STOP_GRACE_S:
                 self._abandon_busy(counts)
                 raise ScoringInterrupted(f"reward {self.spec}: stopped with {len(pending)} items left")
-            if hung >= len(self._workers) and not scored and not self._scored_last_batch:
+            if hung >= 2 * len(self._workers) and not scored and not self._scored_last_batch:
                 counts["untried"] = len(pending)
                 counts["timeouts"] += len(pending)
                 pending.clear()

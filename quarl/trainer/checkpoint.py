@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quarl.io import fsync_file, replace_dir
 from quarl.learner.learner import SHARDED_FORMAT
 
 FORMAT = "quarl-checkpoint-v1"
@@ -117,13 +118,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
     """``tmp`` becomes ``final``; a checkpoint of the same step already there is replaced."""
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+    replace_dir(tmp, final)
 
 
 def _write_complete(tmp: Path, step: int, state: dict[str, Any], fresh: bool = True) -> None:
@@ -132,9 +127,9 @@ def _write_complete(tmp: Path, step: int, state: dict[str, Any], fresh: bool = T
             shutil.rmtree(tmp)
         tmp.mkdir()
     torch.save(state, tmp / "state.pt")
-    _fsync(tmp / "state.pt")
+    fsync_file(tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step}))
-    _fsync(tmp / "meta.json")
+    fsync_file(tmp / "meta.json")
 
 
 def _write_error_message(run_dir: str | Path, final: Path, e: BaseException) -> str:
@@ -146,11 +141,6 @@ def _write_error_message(run_dir: str | Path, final: Path, e: BaseException) -> 
     return (f"could not write checkpoint {final} ({reason}); {kept}. "
             f"Free some space (or fix the cause) and continue with: quarl train --resume "
             f"--trainer.run_dir={run_dir}")
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

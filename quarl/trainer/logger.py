@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from quarl.io import write_text_atomic
+
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
@@ -125,9 +127,7 @@ def truncate_after(path: Path, step: int, warn: Callable[[str], None] = warn_std
     if not path.exists():
         return
     keep = [row for row in read_jsonl(path, warn) if row.get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
-    tmp.replace(path)  # a crash while rewriting must not lose the history
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in keep))  # a crash must not lose the history
 
 
 def read_metrics(run_dir: str | Path, warn: Callable[[str], None] = warn_stderr) -> list[dict[str, Any]]:

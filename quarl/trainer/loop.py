@@ -96,6 +96,9 @@ class Trainer:
     evaluation_only: load the run's checkpoint to evaluate it; writes no run files (config, metrics).
     """
 
+    # while run() trains in one process: whether a stop was asked for (the verifier's pool stops waiting)
+    _stop_hook = None
+
     def __init__(self, cfg: RunConfig, resume: bool = False, console=None, evaluation_only: bool = False,
                  allow_config_change: bool = False) -> None:
         began = time.perf_counter()
@@ -179,7 +182,6 @@ class Trainer:
         self.interrupted = False
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         self._saved_step: int | None = None
-        self._stop_hook = None  # while run() trains alone: whether a stop was asked for (the verifier's wait)
         start_step = self._restore(found, quarantine=not evaluation_only) if resume else None
         self.logger = None
         if not evaluation_only and self.dist.main:  # written only now: the checkpoint (if any) has loaded
@@ -263,8 +265,13 @@ class Trainer:
         # An fp8 KV cache the learner does not mirror (bf16 mode) is rollout-only rounding, like rollout mode.
         rollout_only = self.cfg.quant.mode is QuantMode.ROLLOUT or (
             self.cfg.rollout.engine.kv_cache_dtype == "fp8" and self.learner.model.kv_quant is None)
-        if not rollout_only and diff > 0.5:
-            raise RuntimeError(f"engine and learner disagree after publishing (max |dlogp| = {diff:.3f})")
+        if not rollout_only and diff > 0.5:  # (one line: where the two sides part, and what to do)
+            from quarl.rollout.parity import EngineSyncError, explain_sync_failure
+
+            raise EngineSyncError(explain_sync_failure(
+                diff, ids, self.engine.runner.model, lambda: self.engine.check_logprobs(ids, ref.cpu()),
+                self.learner.model, lambda: self.learner.logprobs(batch, 1 << 30), self.cfg.quant.scheme.name,
+                self.tokenizer.decode))
         return diff
 
     # ------------------------------------------------------------------ the loop

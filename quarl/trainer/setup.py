@@ -57,8 +57,8 @@ def build_base_model(
     if tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {arch.vocab_size}; "
-            + ("set model.tokenizer to the model's own tokenizer" if m.path else
-               "the built-in models use the built-in tokenizer: unset model.tokenizer")
+            + ("pass the model's own tokenizer with --model.tokenizer=DIR" if m.path else
+               "the built-in models use the built-in tokenizer: drop --model.tokenizer (or set it to builtin)")
         )
 
     if m.lora_rank and cfg.quant.mode is QuantMode.ALIGNED and cfg.quant.uaq_scale == 1.0 \

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from quarl.io import replace_dir
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.model.loading import load_model, save_model
 from quarl.model.transformer import Transformer, batch_attention
@@ -203,9 +204,5 @@ def cached_warmstart(
     save_model(model, tmp)
     record = {"digest": digest, "key": key, "losses": losses, **(extra() if extra is not None else {})}
     (tmp / "warmstart.json").write_text(json.dumps(record))
-    if cache_dir.exists():
-        import shutil
-
-        shutil.rmtree(cache_dir)
-    tmp.rename(cache_dir)
+    replace_dir(tmp, cache_dir)
     return model.to(dtype=dtype), False

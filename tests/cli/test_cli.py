@@ -251,7 +251,7 @@ def test_a_model_path_that_does_not_exist_says_so(tmp_path):
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+1=", "answer": "2"\n')
     r = _quarl("train", "--data.task=file", f"--data.path={data}", f"--trainer.run_dir={tmp_path / 'run2'}",
                check=False)
-    assert f"{data}, line 2, column 33: bad JSON (Expecting ',' delimiter)" in _one_line_error(r, "train")
+    assert f"{data}, line 2: bad JSON (Expecting ',' delimiter at column 33)" in _one_line_error(r, "train")
 
 
 def test_hints_name_flags_of_the_command_that_was_run(tmp_path):

@@ -125,3 +125,10 @@ def test_eval_a_model_directory_on_a_parquet_set(tiny_run, tmp_path):
     assert res["config"]["model"] == str(hf) and res["sets"]["pq_set"]["num_problems"] == 5
     assert [p["n"] for p in res["sets"]["pq_set"]["problems"]] == [1] * 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "pq_set.parquet", "res.json"]  # no run left
+
+
+def test_eval_of_a_run_without_a_checkpoint_fails_rather_than_score_an_untrained_model(tmp_path):
+    (tmp_path / "config.yaml").write_text(_quarl("train", "--dry-run", *TINY).stdout)  # a run that never saved
+    err = _one_line_error(_quarl("eval", str(tmp_path), check=False), "eval")
+    assert f"{tmp_path} has no checkpoint to evaluate" in err and "quarl train --resume" in err
+    assert "starting from step 0" not in err and err.count("\n") == 1

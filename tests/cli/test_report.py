@@ -70,3 +70,20 @@ def test_a_read_only_run_directory_is_a_one_line_error(tmp_path, monkeypatch, ca
                                        f"{os.strerror(code)}: {run / 'report_files'}; pass --out DIR to write it "
                                        "into a writable directory\n")
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_metrics_that_cannot_be_read_are_a_read_error_not_a_write_one(tmp_path, monkeypatch, capsys):
+    from quarl.cli.main import main
+
+    run = _run_dir(tmp_path / "run")
+    metrics = run / "metrics.jsonl"
+    read_text = Path.read_text
+
+    def refuse(self, *args, **kwargs):
+        if self == metrics:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    assert main(["report", str(run)]) == 2
+    assert capsys.readouterr().err == f"quarl report: error: cannot read {metrics}: {os.strerror(errno.EACCES)}\n"

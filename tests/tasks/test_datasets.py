@@ -85,13 +85,13 @@ def test_bad_json_is_reported_at_its_line_and_column(tmp_path, bad_line, column,
     path.write_text(newline.join([json.dumps(rows(1)[0]), bad_line, json.dumps(rows(3)[2])]) + newline)
     with pytest.raises(DatasetError) as err:
         read_examples(path)
-    assert str(err.value) == f"{path}, line 2, column {column}: bad JSON ({problem})"
+    assert str(err.value) == f"{path}, line 2: bad JSON ({problem} at column {column})"
 
 
 def test_a_lone_carriage_return_neither_ends_a_line_nor_shifts_the_next(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt": "a\\rb", "answer": "1"}\n{"prompt":\r "x", "answer": 2\n')
-    with pytest.raises(DatasetError, match=r"d.jsonl, line 2, column 29: bad JSON \(Expecting ',' delimiter\)"):
+    with pytest.raises(DatasetError, match=r"d.jsonl, line 2: bad JSON \(Expecting ',' delimiter at column 29\)"):
         read_examples(path)
 
 

@@ -144,18 +144,21 @@ def test_a_timeout_among_scored_items_is_only_counted_but_no_item_scored_stops()
         with pytest.raises(RewardFailed, match=r"failed on 1 and timed out on 1 of the 2 items.*verifier bug.*"
                                                r"raise data.reward_timeout_s \(now 0.5\)"):
             pool.score(["hang", "raise"], examples("ab"))
+    with RewardPool(EXACT, workers=1, timeout_s=0.5) as pool:  # one slow first item is not a hung verifier
+        assert pool.score(["hang", "b", "c"], examples("abc")) == ([0.0, 1.0, 1.0], {"reward/timeouts": 1.0,
+                                                                                   "reward/errors": 0.0})
 
 
-def test_a_verifier_that_hangs_on_everything_stops_after_about_one_timeout():
+def test_a_verifier_that_hangs_on_everything_stops_after_about_two_timeouts():
     """Per-item timeouts alone would take 20 items x 1 s / 2 workers = 10 s."""
     start = time.monotonic()  # (the workers' start counts too)
     with RewardPool(EXACT, workers=2, timeout_s=1.0) as pool:
         with pytest.raises(RewardFailed) as e:
             pool.score(["hang"] * 20, examples("a" * 20))
         elapsed = time.monotonic() - start
-    assert "timed out on all 20 items of the batch (> 1 s each; the last 18 were not tried" in str(e.value)
+    assert "timed out on all 20 items of the batch (> 1 s each; the last 16 were not tried" in str(e.value)
     assert "reward tests.tasks.reward_fns:exact" in str(e.value) and "data.reward_timeout_s (now 1)" in str(e.value)
-    assert elapsed < 5.0, elapsed
+    assert elapsed < 6.0, elapsed
 
 
 def test_a_stop_cuts_a_hung_batch_short_and_the_pool_recovers():
