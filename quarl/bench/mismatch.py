@@ -72,13 +72,14 @@ def measure_mode(overrides: list[str], run_dir: Path, other_budget: int, nudge: 
     KLs between them."""
     from quarl.config import load_run_config
     from quarl.trainer.loop import Trainer
+    from quarl.trainer.scoring import batch_with_advantages
     from quarl.trainer.stages import StageClock
 
     cfg = load_run_config(None, overrides + [f"--trainer.run_dir={run_dir}"])
     trainer = Trainer(cfg)
     try:
-        rollout = trainer.collect_rollout(StageClock(trainer.device))
-        batch = trainer.score(rollout).to(trainer.device)
+        rollout, _ = trainer.collector.collect(trainer.step, StageClock(trainer.device))
+        batch = batch_with_advantages(rollout, cfg.algo, cfg.rollout.n, cfg.trainer.overlong_filter).to(trainer.device)
         budget, temp = cfg.trainer.token_budget, cfg.rollout.temperature
         learner = trainer.learner.logprobs(batch, budget, temp)
         other = trainer.learner.logprobs(batch, other_budget, temp)

@@ -132,14 +132,14 @@ def _with_config(args: argparse.Namespace, scheme: str | None, evaluate):
 
 
 def _evaluate_split(cfg, resume: bool) -> int:
-    from quarl.trainer.loop import Trainer
+    from quarl.trainer.evaluation import build_for_evaluation
 
-    trainer = Trainer(cfg, resume=resume, evaluation_only=True)
+    run = build_for_evaluation(cfg, resume)  # the engine, data and verifier: no learner
     try:
-        metrics = trainer.evaluate(log=False)
+        metrics, _ = run.evaluation.run(run.policy)
     finally:
-        trainer.rewards.close()
-    metrics["step"] = trainer.step
+        run.rewards.close()
+    metrics["step"] = run.step
     print(json.dumps(metrics, indent=2))
     return 0
 

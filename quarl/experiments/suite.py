@@ -82,7 +82,7 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
 
     from quarl.config.run import RunConfig
     from quarl.config.typed import from_dict
-    from quarl.trainer.loop import Trainer
+    from quarl.trainer.evaluation import build_for_evaluation
 
     base_dir = work / "base"
     info_file = base_dir / "base.json"
@@ -105,13 +105,13 @@ def build_base(suite: Suite, work: Path, overrides: list[str] = (), log=print) -
     span = (f"up to {steps} steps (until held-out exact >= {cfg.trainer.sft_target_exact})"
             if cfg.trainer.sft_target_exact > 0 else f"{steps} steps")
     log(f"base: warm-starting {cfg.model.builtin or cfg.model.path} for {span}")
-    trainer = Trainer(cfg, evaluation_only=True)
+    run = build_for_evaluation(cfg, resume=False)  # the warm start, its engine, data and verifier
     try:
         built = time.perf_counter() - t0
-        metrics = trainer.evaluate(log=False)
+        metrics, _ = run.evaluation.run(run.policy)
     finally:
-        trainer.rewards.close()
-        del trainer
+        run.rewards.close()
+        del run
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     warm = json.loads((model_dir / "warmstart.json").read_text())

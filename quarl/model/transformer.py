@@ -323,6 +323,11 @@ class Transformer(nn.Module):
         :func:`batch_attention` computes are below T), which spares a host sync."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, max_position)
+        # engine and learner: the same bits into each activation quantizer (not around the engine's
+        # Triton kernels, which a CPU test may run interpreted: they take 16/32-bit inputs)
+        if x.device.type == "cpu" and x.dtype != torch.float64 and getattr(attn, "backend", None) != "triton" \
+                and quantizes_activations(self.layers):
+            attn = float64_attention(attn)
         return self.layers(ops, x, cos, sin, attn, self.norm).view(*input_ids.shape, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -348,25 +353,31 @@ class Transformer(nn.Module):
         return self.logits(hidden)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-         is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (GQA allowed) as the learner's batch forwards and the
-    engine's torch attention (:mod:`quarl.rollout.attention`) both call it.
+def quantizes_activations(module: nn.Module) -> bool:
+    """Whether a linear under ``module`` quantizes its input per token (``scheme.act_format``:
+    W8A8 / W4A8; the engine's ``QuantLinear`` and the aligned learner's ``QATLinear`` alike)."""
+    return any(getattr(getattr(m, "scheme", None), "act_format", "none") != "none" for m in module.modules())
 
-    On the CPU it runs in float64 and rounds to q's dtype once. The two sides call it on other
-    shapes (the learner: every query of a padded batch, causal; the engine: one sequence's
-    prefill under a mask, or one query per sequence in decode), and in float32 SDPA picks other
-    kernels and blockings per shape: a token's output then moves by an ulp or so (measured:
-    7e-7), which on a real checkpoint moves a code of the next per-token activation quantizer
-    (W8A8) and, compounded over the layers, parts the two sides' log-probs by O(1). In float64
-    those orders differ ~2^-50 apart, far below the final rounding: both sides get the same
-    bits unless a value lies that close to a rounding midpoint."""
-    if q.device.type == "cpu" and q.dtype != torch.float64:
-        out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=attn_mask,
-                                             is_causal=is_causal, scale=scale, enable_gqa=True)
-        return out.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=True)
+
+def float64_attention(attn: AttnFn) -> AttnFn:
+    """``attn`` on q / k / v cast to float64, its output rounded back to q's dtype once.
+
+    :meth:`Transformer.hidden_states` runs a CPU model whose linears quantize activations this
+    way. The engine and the learner call attention on other shapes (the learner: every query of
+    a padded batch, causal; the engine: one sequence's prefill under a mask, one query per
+    sequence in decode), and in float32 SDPA takes another kernel or blocking per shape: a
+    token's output moves by an ulp or so (7e-7 measured). On a real checkpoint (SmolLM2's
+    residual streams reach 2e4) that moves a code of the next per-token activation quantizer,
+    and over the layers the two sides' log-probs part by O(1) (issue 81: ~1 on SmolLM2-135M in
+    W8A8). In float64 the orders differ ~2^-50 apart, far below the final rounding: both sides
+    get the same bits unless a value lies that close to a rounding midpoint. (K / V reach a
+    float32 cache, or the fp8 quantizer's float32 path, as the same values: float64 holds them
+    exactly.) Weight-only and bf16 schemes keep float32: their ulps stay ulps."""
+
+    def exact(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attn(layer_idx, q.double(), k.double(), v.double()).to(q.dtype)
+
+    return exact
 
 
 def batch_attention(
@@ -436,7 +447,9 @@ def _batch_sdpa(
         # Right padding only: plain causal attention is exact for every real token (pads come
         # after them), and without an explicit mask SDPA can use its flash kernel.
         def causal_attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
             return out.transpose(1, 2)
 
         return positions, causal_attn
@@ -447,7 +460,9 @@ def _batch_sdpa(
     mask = mask[:, None]
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
         return out.transpose(1, 2)
 
     return positions, attn

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from quarl.model.transformer import sdpa
 from quarl.quant.kv import dequantize_kv, quantize_kv
 from quarl.rollout.kv_cache import KVCache
 
@@ -165,7 +165,10 @@ def torch_prefill_attention(
         v = _values(_gather(v_cache, bt, kv_len), None if v_scale is None else _gather(v_scale, bt, kv_len), q.dtype)
         rows = torch.arange(cached, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= rows[:, None]
-        o = sdpa(q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
         out[q0:q1] = o.transpose(0, 1)
     return out
 
@@ -193,5 +196,8 @@ def torch_decode_attention(
     v = _values(v_cache[idx].flatten(1, 2), None if v_scale is None else v_scale[idx].flatten(1, 2), q.dtype)
     lens = torch.tensor(context_lens, device=q.device)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
-    o = sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+    )
     return o[:, :, 0]

@@ -20,9 +20,20 @@ from typing import Any
 
 import torch
 
-from quarl.algos.errors import loop_starts
+from quarl.algos.errors import garbled_starts, loop_starts
 
 FLAGGED_PER_STEP = 2  # flagged responses logged a step (at most trainer.log_samples)
+
+
+def error_rows(input_ids: torch.Tensor, learner_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+               algo: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each response's first loop token and first garbled token (``[B]``, ``T`` where none) in
+    a batch's layout (``input_ids`` ``[B, T]``, the rest ``[B, T-1]``); ``algo``: the run's
+    ``AlgoConfig`` (the garbled-stretch thresholds ``error_*``)."""
+    loops = loop_starts(input_ids[:, 1:], mask)  # (token t + 1 beside the log-probs of column t)
+    garbled = garbled_starts(learner_logp, sampler_logp, mask, surprise=algo.error_surprise,
+                             gap=algo.error_gap, window=algo.error_window, min_bad=algo.error_min_bad)
+    return loops, garbled
 
 
 def response_columns(attention_mask: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from quarl.tasks.rewards import RewardError, ScoringInterrupted
 from quarl.trainer import checkpoint as ckpt
@@ -33,25 +33,27 @@ def first_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def rolled_back_on_verifier_failure(trainer: Any) -> Iterator[None]:
-    """Around one training step: if scoring its rollout fails or is interrupted, put the data
-    position and random state back as they were before the step, checkpoint the last
-    complete step (none before step 1: nothing to keep) and re-raise (a verifier failure
-    with where the run stands added to its message)."""
-    data_pos, rng = trainer.data_pos, ckpt.rng_state()
+def rolled_back_on_verifier_failure(prompts: Any, step: int, saved_step: Callable[[], int | None],
+                                    save: Callable[[], Any], run_dir: Any) -> Iterator[None]:
+    """Around training step ``step + 1``: if scoring its rollout fails or is interrupted, put
+    the data position (``prompts.position``) and random state back as they were before the
+    step, checkpoint the last complete step with ``save`` unless ``saved_step()`` says it is
+    saved (none before step 1: nothing to keep) and re-raise (a verifier failure with where
+    the run stands added to its message)."""
+    data_pos, rng = prompts.position, ckpt.rng_state()
     try:
         yield
     except (RewardError, ScoringInterrupted) as e:
-        trainer.data_pos = data_pos
+        prompts.position = data_pos
         ckpt.set_rng_state(rng)
-        if trainer.step > 0 and trainer._saved_step != trainer.step:
-            trainer.save()
+        if step > 0 and saved_step() != step:
+            save()
         if isinstance(e, ScoringInterrupted):
             raise
-        kept = (f"the checkpoint of step {trainer._saved_step} is saved: once the verifier is fixed, continue with "
-                f"quarl train --resume --trainer.run_dir={trainer.run_dir}" if trainer._saved_step is not None
-                else "no step was trained")
-        raise type(e)(f"step {trainer.step + 1}: {e}; {kept}") from e
+        saved = saved_step()
+        kept = (f"the checkpoint of step {saved} is saved: once the verifier is fixed, continue with "
+                f"quarl train --resume --trainer.run_dir={run_dir}" if saved is not None else "no step was trained")
+        raise type(e)(f"step {step + 1}: {e}; {kept}") from e
 
 
 def budget_advice(packing: Any, cuda: bool) -> str | None:

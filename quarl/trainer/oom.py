@@ -8,8 +8,12 @@ out, with their current values and what to set instead, and only those that woul
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
 
 from quarl.config import RunConfig
 
@@ -84,3 +88,14 @@ def advice(stage: str, step: int, error: BaseException, cfg: RunConfig, state: M
              "lowers it:"]
     lines += [f"  {fix}" for fix in fixes]
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def naming_the_stage(clock: Any, step: int, cfg: RunConfig, state: MemoryState) -> Iterator[None]:
+    """Around step ``step``: torch's out-of-memory error as :class:`OutOfGPUMemory`, which names
+    the stage that ran out (``clock``: the step's :class:`~quarl.trainer.stages.StageClock`)
+    and the settings that lower its memory."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise OutOfGPUMemory(advice(clock.out_of_memory or "step", step, e, cfg, state)) from e

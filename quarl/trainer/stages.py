@@ -2,7 +2,7 @@
 
 rollout (prompts -> completions -> rewards)  ->  :class:`Rollout`
 advantages (group-relative or GAE)           ->  ``RolloutBatch`` (the scored batch)
-update (old / ref log-probs, the loss)       ->  :class:`UpdateResult`
+update (old / ref log-probs, the loss)       ->  :class:`UpdateResult` (and an :class:`ErrorScan`)
 """
 
 from __future__ import annotations
@@ -67,6 +67,17 @@ class UpdateResult:
         if lora_params is None:
             return (6 + e) * matmul_params * self.tokens
         return ((4 + e) * matmul_params + (6 + e) * lora_params) * self.tokens
+
+
+@dataclass
+class ErrorScan:
+    """Where the update's truncation at error tokens (``algo.truncate_at_error``) found each
+    response's first loop and first garbled token (``[B]``) over the response mask ``mask``;
+    the step's ``errors/*`` metrics reuse them when they scan the same rows."""
+
+    mask: torch.Tensor
+    loops: torch.Tensor
+    garbled: torch.Tensor
 
 
 _OPEN: list[str] = []  # the stages open now in this process, outermost first

@@ -102,6 +102,7 @@ def test_a_benchmark_run_tags_its_clock_readings_with_the_trainer_stage(tmp_path
 
     from quarl.bench import train
     from quarl.trainer import stages
+    from quarl.trainer.collect import RolloutCollector
     from quarl.trainer.loop import Trainer
 
     _fake_nvidia_smi(tmp_path, monkeypatch)  # (found on PATH: the watch starts)
@@ -109,11 +110,11 @@ def test_a_benchmark_run_tags_its_clock_readings_with_the_trainer_stage(tmp_path
     monkeypatch.setattr(ClockWatch, "sample", lambda self: [
         {"gpu": 0, "sm_mhz": mhz.get(stages.current_stage(), 345.0), "max_sm_mhz": 1980.0, "temp_c": 50.0,
          "power_w": 600.0 if stages.current_stage() == "learner" else 400.0, "reasons": 0}])
-    for name in ("_rollout", "update_policy"):  # (each called inside its stage)
-        def stretched(self, *args, _call=getattr(Trainer, name), **kw):
+    for owner, name in ((RolloutCollector, "sample"), (Trainer, "update_policy")):  # (each called inside its stage)
+        def stretched(self, *args, _call=getattr(owner, name), **kw):
             time.sleep(0.03)
             return _call(self, *args, **kw)
-        monkeypatch.setattr(Trainer, name, stretched)
+        monkeypatch.setattr(owner, name, stretched)
     monkeypatch.setattr(train, "STAGE_CLOCK_INTERVAL", 0.001)
     w = train.Workload("tiny", prompts=2, n=2, gen=6, token_budget=256, steps=2)
     model_dir = train.save_random_model(w.shape, tmp_path / "model")

@@ -4,8 +4,9 @@ A real model's massive activations (residual streams in the tens of thousands at
 make a per-token activation quantizer (W8A8) turn any ulp the engine and the learner compute
 differently into a moved code, and that compounds over 30 layers: before the fix W8A8 did not
 start (max |dlogp| ~1). On the CPU the two sides now compute the same bits (float64-summed
-quantized GEMMs, float64 attention: quarl.quant.reference.codes_linear, quarl.model.transformer.sdpa),
-so the start-up check and each step's sampler-vs-learner mismatch are (near) zero.
+quantized GEMMs, float64 attention: quarl.quant.reference.codes_linear,
+quarl.model.transformer.float64_attention), so the start-up check and each step's
+sampler-vs-learner mismatch are (near) zero.
 """
 
 from __future__ import annotations
@@ -53,16 +54,17 @@ def test_aligned_steps_on_real_checkpoint(real_model, tmp_path, mode, scheme):
 
 def test_a_parting_is_named_by_layer_and_token(real_model, tmp_path, monkeypatch, capsys):
     """The start-up check's failure, as a user sees it: one line naming where the two sides part.
-    Provoked by giving the engine back plain float32 attention (what it ran before the fix): its
+    Provoked by giving the engine back float32 attention (what both sides ran before the fix): its
     outputs then differ from the learner's by an ulp, and W8A8's quantizers do the rest."""
     import quarl.rollout.attention as attention
     from quarl.cli.main import main
 
-    def float32_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                              enable_gqa=True)
+    class Float32:  # the engine's attention in float32, the learner's in float64
+        @staticmethod
+        def scaled_dot_product_attention(q, k, v, **kw):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
 
-    monkeypatch.setattr(attention, "sdpa", float32_sdpa)
+    monkeypatch.setattr(attention, "F", Float32)
     code = main(["train", "--quiet", f"--model.path={real_model}", "--quant.mode=aligned", "--quant.scheme=w8a8-int8",
                  f"--trainer.run_dir={tmp_path / 'run'}", *ARGS])
     err = capsys.readouterr().err.strip()

@@ -13,7 +13,9 @@ from quarl.algos import error_metrics, garbled_starts, loop_starts
 from quarl.config import load_run_config
 from quarl.learner.batch import build_batch
 from quarl.trainer.error_tokens import flagged_rows, flagged_sample, loop_fields, response_columns
-from quarl.trainer.loop import Trainer, _cat_of_all_ranks, _rows_of_all_ranks
+from quarl.trainer.loop import Trainer
+from quarl.trainer.ranks import cat_of_all_ranks as _cat_of_all_ranks
+from quarl.trainer.ranks import rows_of_all_ranks as _rows_of_all_ranks
 from tests.trainer.test_train_e2e import TINY
 
 
@@ -175,11 +177,11 @@ def test_positive_only_takes_its_negative_responses_out_before_the_update(tmp_pa
 def test_truncation_and_the_error_metrics_scan_the_responses_once(tmp_path, monkeypatch, overlong):
     """With algo.truncate_at_error the update's scan is reused for the errors/* metrics; with the
     overlong filter the metrics' rows differ (its dropped responses count), so they scan again."""
-    import quarl.trainer.loop as loop
+    import quarl.trainer.error_tokens as error_tokens
 
     calls = []
-    real = loop.garbled_starts
-    monkeypatch.setattr(loop, "garbled_starts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = error_tokens.garbled_starts
+    monkeypatch.setattr(error_tokens, "garbled_starts", lambda *a, **k: calls.append(1) or real(*a, **k))
     last, _ = _run(tmp_path / "t", *PERMISSIVE, "--algo.truncate_at_error=true", "--trainer.log_samples=0",
                    f"--trainer.overlong_filter={str(overlong).lower()}")
     assert len(calls) == (2 if overlong else 1)

@@ -250,7 +250,7 @@ def test_the_trainer_keeps_the_lora_base_dense_only_where_it_fits(keep_kv, kv_co
     import types
 
     import quarl.learner.memory as memory
-    from quarl.trainer.loop import Trainer
+    from quarl.trainer.memory_policy import dense_base_fits
 
     cfg = load_run_config(None, ["--quant.scheme=w4a16"])
     model = _tiny(seed=2).to(torch.bfloat16)
@@ -263,8 +263,6 @@ def test_the_trainer_keeps_the_lora_base_dense_only_where_it_fits(keep_kv, kv_co
     total = 80 * gib / scale
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=total))
     said = []
-    fake = types.SimpleNamespace(learner=types.SimpleNamespace(model=model), device="cuda", _keep_kv=keep_kv,
-                                 engine=types.SimpleNamespace(kv_cache_bytes=8 * gib / scale), _say=said.append)
-    assert Trainer._dense_base_fits(fake, peak_gb / scale, kv_counted) is fits
+    assert dense_base_fits(model, "cuda", 8 * gib / scale, peak_gb / scale, kv_counted, keep_kv, said.append) is fits
     assert all(m.repacked.keep_dequantized is fits for m in bases)
     assert ("kept dense" if fits else "dequantized per GEMM") in said[0]

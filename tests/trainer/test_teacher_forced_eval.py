@@ -20,7 +20,7 @@ def test_evaluation_scores_the_worked_solutions_under_the_learner(tmp_path, mode
     trainer = Trainer(cfg)
     try:
         metrics = trainer.evaluate(log=False)
-        pairs = trainer._solution_pairs
+        pairs = trainer.evaluation.solution_pairs
         assert len(pairs) == 6  # every eval example of the task has a worked solution
         # the learner's weights, one unpadded float64 forward a pair: not the engine's
         exact, nll = _reference(trainer.learner.model, pairs)
