@@ -64,17 +64,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def locate_parting(engine: list[torch.Tensor], learner: list[torch.Tensor]) -> Parting:
     """Compare two runs' :func:`layer_streams` (same tokens, same layers)."""
-    if len(engine) != len(learner) or any(e.shape != l.shape for e, l in zip(engine, learner)):
+    if len(engine) != len(learner) or any(e.shape != lr.shape for e, lr in zip(engine, learner)):
         raise ValueError(f"the runs differ in shape: {[tuple(e.shape) for e in engine][:2]}... vs "
-                         f"{[tuple(l.shape) for l in learner][:2]}...")
+                         f"{[tuple(lr.shape) for lr in learner][:2]}...")
     first = part = None
     max_rel = 0.0
-    for i, (e, l) in enumerate(zip(engine, learner)):
-        rel = _rel(e, l)
+    for i, (e, lr) in enumerate(zip(engine, learner)):
+        rel = _rel(e, lr)
         worst = int(rel.argmax()) if rel.numel() else 0
         top = float(rel[worst]) if rel.numel() else 0.0
         max_rel = max(max_rel, top)
-        if first is None and not torch.equal(e, l):
+        if first is None and not torch.equal(e, lr):
             first = (i, worst, top)
         if part is None and top >= PART_REL:
             part = (i, int((rel >= PART_REL).nonzero()[0]), top)
@@ -110,6 +110,6 @@ def explain_sync_failure(diff: float, ids: list[int], engine_model: nn.Module, r
     where = f"layers.{p.part_layer} (of {p.layers}), {_token(decode, ids, p.part_token)}"
     since = "" if p.first_layer is None or p.first_layer == p.part_layer else (
         f" (they first differ, by {p.first_rel:.1e}, at layers.{p.first_layer}, {_token(decode, ids, p.first_token)})")
-    return (f"{head}: their hidden states part at {where}, by {p.part_rel:.1e} of its norm{since}: the engine's and the "
-            f"learner's arithmetic differ there; {report}, and meanwhile train with --quant.mode=rollout (the learner "
-            f"unquantized) or a weight-only scheme (--quant.scheme=w4a16)")
+    return (f"{head}: their hidden states part at {where}, by {p.part_rel:.1e} of its norm{since}: the engine's and "
+            f"the learner's arithmetic differ there; {report}, and meanwhile train with --quant.mode=rollout (the "
+            f"learner unquantized) or a weight-only scheme (--quant.scheme=w4a16)")

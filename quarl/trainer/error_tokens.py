@@ -66,7 +66,8 @@ def flagged_sample(tokenizer, prompt: list[int], tokens: list[int], answer: Any,
     return {
         "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(tokens), "answer": answer,
         "reward": reward, "flagged": True, "error_kind": kind, "error_pos": pos, "response_tokens": len(tokens),
-        "error_text": [tokenizer.decode(tokens[:pos]), tokenizer.decode(tokens[pos : pos + 1], skip_special_tokens=False),
+        "error_text": [tokenizer.decode(tokens[:pos]),
+                       tokenizer.decode(tokens[pos : pos + 1], skip_special_tokens=False),
                        tokenizer.decode(tokens[pos + 1 :])],
     }
 

@@ -101,9 +101,10 @@ class Trainer:
         self.collector = RolloutCollector(cfg.rollout, cfg.trainer, self.engine, self.tokenizer, self.rewards,
                                           self.prompts, self.dist)
         self.evaluation = evaluation_of(cfg, self.engine, data, self.dist)
-        self.step, self.bad_steps, self.interrupted = 0, 0, False
+        self.interrupted = False
         self._flagged_samples: list[dict] = []  # the last step's flagged responses, for samples.jsonl
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
+        # where the run stands: its checkpoint's position (in the learner and the random state too)
         at = restore(found, self.learner, cfg, self.run_dir, self.notices, quarantine=not evaluation_only,
                      on_misfit=self.rewards.close) if found is not None else RunPosition()
         self.step, self.prompts.position, self.bad_steps = at.step, at.data_pos, at.bad_steps
@@ -161,11 +162,11 @@ class Trainer:
                     self._in_flight = self.step + 1
                     try:
                         with rolled_back_on_verifier_failure(self.prompts, self.step, lambda: self._saved_step,
-                                                         self.save, self.run_dir):
+                                                             self.save, self.run_dir):
                             last = self._step_and_log()
                     except ScoringInterrupted:
                         self.notices.warn(f"step {self._in_flight} abandoned: its verifier was still busy; a resume "
-                                   "repeats it")
+                                          "repeats it")
                         break
                     self._in_flight = None
                     progress.update(self.step, last)

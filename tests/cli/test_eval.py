@@ -87,6 +87,20 @@ def test_eval_without_data_is_greedy_on_the_eval_split(tiny_run):
     assert "--n, --out need --data" in err
 
 
+def test_eval_builds_the_engine_data_and_verifier_but_no_learner(tiny_run, monkeypatch, capsys):
+    from quarl.cli.main import main
+    from quarl.learner.learner import Learner
+
+    def refused(*args, **kwargs):
+        raise AssertionError("quarl eval built a learner")
+
+    monkeypatch.setattr(Learner, "__init__", refused)
+    assert main(["eval", str(tiny_run)]) == 0
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("{"):])
+    assert metrics["step"] == 1 and 0.0 <= metrics["eval/acc"] <= 1.0
+
+
 def test_eval_malformed_data_names_file_and_line(tiny_run, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')

@@ -72,3 +72,19 @@ def test_a_parting_is_named_by_layer_and_token(real_model, tmp_path, monkeypatch
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("quarl train: error: engine and learner disagree after publishing (max |dlogp| = "), err
     assert " part at layers." in err and " token " in err and "--quant.mode=rollout" in err, err
+
+
+def test_locate_parting_names_the_first_layer_and_token():
+    import torch
+
+    from quarl.rollout.parity import locate_parting
+
+    engine = [torch.randn(5, 8) for _ in range(4)]
+    learner = [t.clone() for t in engine]
+    learner[1][2, 0] += 1e-5  # an ulp-sized difference first (layer 1, token 2) ...
+    learner[3][4] *= 1.5      # ... then a parting (layer 3, token 4)
+    p = locate_parting(engine, learner)
+    assert (p.layers, p.first_layer, p.first_token, p.part_layer, p.part_token) == (4, 1, 2, 3, 4)
+    assert p.first_rel < 1e-3 < p.part_rel
+    same = locate_parting(engine, [t.clone() for t in engine])
+    assert same.first_layer is None and same.part_layer is None and same.max_rel == 0.0
