@@ -200,8 +200,8 @@ class Publisher:
             qat = {f"{n}.weight": m for n, m in self.learner_model.named_modules() if isinstance(m, QATLinear)}
             quantized = {}
             for scheme in {m.scheme for m in qat.values()}:
-                quantized.update(published_quantized({n: m.weight.detach() for n, m in qat.items() if m.scheme == scheme},
-                                                     scheme, self.dist, dtype))
+                weights = {n: m.weight.detach() for n, m in qat.items() if m.scheme == scheme}
+                quantized.update(published_quantized(weights, scheme, self.dist, dtype))
         else:
             quantized = published_quantized({n: params[n].detach() for n in self.quantized}, self.scheme, self.dist,
                                             dtype) if self.quantized else {}
