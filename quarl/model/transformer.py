@@ -368,7 +368,7 @@ def float64_attention(attn: AttnFn) -> AttnFn:
     sequence in decode), and in float32 SDPA takes another kernel or blocking per shape: a
     token's output moves by an ulp or so (7e-7 measured). On a real checkpoint (SmolLM2's
     residual streams reach 2e4) that moves a code of the next per-token activation quantizer,
-    and over the layers the two sides' log-probs part by O(1) (issue 81: ~1 on SmolLM2-135M in
+    and over the layers the two sides' log-probs part by O(1) (~1 on SmolLM2-135M in
     W8A8). In float64 the orders differ ~2^-50 apart, far below the final rounding: both sides
     get the same bits unless a value lies that close to a rounding midpoint. (K / V reach a
     float32 cache, or the fp8 quantizer's float32 path, as the same values: float64 holds them
