@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from quarl.config import RunConfig
 from quarl.config.run import ModelConfig
 from quarl.config.typed import dump_yaml, to_dict
 from quarl.distributed import Dist
+from quarl.io import write_text_atomic
 from quarl.learner.learner import Critic, Learner
 from quarl.model.transformer import Transformer
 from quarl.rollout import Engine, EngineConfig
@@ -155,12 +155,7 @@ def build_components(cfg: RunConfig, dist: Dist, device: torch.device, dtype: to
 def start_logging(run_dir: Path, cfg: RunConfig, resume_step: int | None) -> MetricsLogger:
     """The run's files, written only once its checkpoint (if any) has loaded: ``config.yaml``
     and the metrics logger (``resume_step``: drop logged rows past it; None: a new run)."""
-    _write_atomic(run_dir / "config.yaml", dump_yaml(cfg))
+    write_text_atomic(run_dir / "config.yaml", dump_yaml(cfg))
     return MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg),
                          resume_step=resume_step)
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
