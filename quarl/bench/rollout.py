@@ -39,7 +39,7 @@ from quarl.rollout.sampling_params import SamplingParams
 
 # the released shapes of quarl.model.presets, with their tokenizers' EOS id
 SHAPES: dict[str, dict[str, Any]] = {
-    name: dict(PRESETS[name], eos_token_id=151645 if PRESETS[name]["model_type"] == "qwen3" else 151643)
+    name: dict(PRESETS[name], eos_token_id=151645 if PRESETS[name]["model_type"] in ("qwen3", "qwen3_moe") else 151643)
     for name in PRESETS if name not in DEMO_PRESETS
 }
 # shapes whose bf16 weights would leave a GPU little for the KV cache (a 32B model's are 65 GB):
@@ -79,14 +79,19 @@ def random_model(cfg: TransformerConfig, device: torch.device, seed: int = 0) ->
     return model.eval()
 
 
-def step_weight_bytes(model: Transformer) -> int:
-    """Bytes a decode step reads of the weights (embedding table excluded unless tied)."""
-    total = 0
+def step_weight_bytes(model: Transformer, batch: int = 1) -> int:
+    """Bytes a decode step of ``batch`` sequences reads of the weights (embedding table excluded
+    unless tied). An MoE layer's experts count with the share of them the step's tokens reach:
+    ``1 - (1 - k / E) ** batch`` of ``E`` experts when each token picks ``k`` of them evenly (a
+    router on random weights; a trained one, less even, reaches fewer)."""
+    cfg = model.config
+    touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch if cfg.is_moe else 1.0
+    total = 0.0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith("rotary") or (name == "embed_tokens.weight" and model.lm_head is not None):
             continue
-        total += t.numel() * t.element_size()
-    return total
+        total += t.numel() * t.element_size() * (touched if ".mlp.experts." in name else 1.0)
+    return int(total)
 
 
 def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: int, gen_len: int,
@@ -151,7 +156,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
     st = engine.stats
     assert all(len(o.token_ids) == gen_len for o in outs)
     assert all(math.isfinite(lp) for o in outs[:4] for lp in o.logprobs)
-    fl = floors(cfg, step_weight_bytes(engine.model), batch, prompt_len, gen_len, ceil, config.kv_cache_dtype)
+    fl = floors(cfg, step_weight_bytes(engine.model, batch), batch, prompt_len, gen_len, ceil, config.kv_cache_dtype)
     replay_ms = float("nan")
     if engine.runner.graphs:  # GPU time of one decode step alone: the last step's inputs replayed
         graph = engine.runner.graphs[max(engine.runner.graphs)][0]
@@ -170,7 +175,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
         "last_step_graph_replay_ms": replay_ms, "decode_tiling": list(engine.runner.decode_tiling),
         "decode_tuning_ms": engine.runner.decode_tuning_ms, "decode_tuning_table": engine.runner.decode_tuning_table,
         "fused_kernels": engine.runner.fused,
-        "kv_blocks": engine.runner.num_blocks, "weight_bytes_per_step": step_weight_bytes(engine.model),
+        "kv_blocks": engine.runner.num_blocks, "weight_bytes_per_step": step_weight_bytes(engine.model, batch),
         **fl,
     }
     row["decode_floor_fraction"] = fl["decode_floor_s"] / st.decode_s if st.decode_s else 0.0

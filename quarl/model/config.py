@@ -235,6 +235,11 @@ def _read_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if raw.get("shared_expert_intermediate_size"):
         raise ModelConfigError(f"{source}: shared experts (shared_expert_intermediate_size) are not part of "
                                "qwen3_moe; quarl's MoE block routes to the num_experts experts only")
+    variant = _router_variant(raw)
+    if variant:
+        raise ModelConfigError(f"{source}: {variant}; quarl's qwen3_moe router is a softmax over mlp.gate.weight "
+                               "and the top num_experts_per_tok experts: this is another MoE family's router, "
+                               "declared as qwen3_moe (fix model_type, or remove the key if it has no effect)")
     step = raw.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step < 1:
         raise ModelConfigError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
@@ -247,6 +252,24 @@ def _read_moe(raw: dict[str, Any], source: str) -> dict[str, Any]:
                 # transformers' default when the key is absent (Qwen3-30B-A3B's config.json sets true)
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)), decoder_sparse_step=step,
                 mlp_only_layers=dense, router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)))
+
+
+def _router_variant(raw: dict[str, Any]) -> str | None:
+    """What in a qwen3_moe config.json asks for a router Qwen3-MoE does not have (sigmoid
+    scores, grouped top-k, a scaled or biased routing), or None."""
+    scoring = raw.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        return f"scoring_func={scoring!r} (Qwen3-MoE scores experts with a softmax)"
+    for key in ("n_group", "topk_group"):
+        if raw.get(key) not in (None, 1):
+            return f"{key}={raw[key]!r} (grouped top-k routing)"
+    if raw.get("routed_scaling_factor") not in (None, 1, 1.0):
+        return f"routed_scaling_factor={raw['routed_scaling_factor']!r} (scaled routing weights)"
+    if raw.get("n_shared_experts"):
+        return f"n_shared_experts={raw['n_shared_experts']!r} (shared experts)"
+    if raw.get("topk_method") not in (None, "greedy"):
+        return f"topk_method={raw['topk_method']!r}"
+    return None
 
 
 def _read_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

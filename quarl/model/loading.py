@@ -134,6 +134,8 @@ def checkpoint_plan(
                     continue
                 if key == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # some tied checkpoints still store a copy
+                if cfg.is_moe and key not in expected:
+                    _refuse_router_variant(path, key, file)
                 if key not in expected:
                     unexpected.append(f"{key} (in {file.name})")
                     continue
@@ -156,6 +158,33 @@ def checkpoint_plan(
     for key, file in where.items():
         by_file.setdefault(file, []).append(key)
     return list(by_file.items())
+
+
+# MoE tensors of routers and blocks other than Qwen3-MoE's (softmax top-k over ``gate.weight``,
+# routed experts only): what each one is, for the error that names it
+_ROUTER_VARIANTS = {
+    "gate.bias": "a router bias",
+    "gate.e_score_correction_bias": "a score-correction bias on the router (DeepSeek-V3's sigmoid routing)",
+    "shared_expert.": "a shared expert (Qwen2-MoE's)",
+    "shared_expert_gate.": "a gated shared expert (Qwen2-MoE's)",
+    "shared_experts.": "shared experts (DeepSeek's)",
+}
+
+
+def _refuse_router_variant(path: Path, key: str, file: Path) -> None:
+    """A :class:`CheckpointError` naming the layer when ``key`` is a tensor of a router or MoE
+    block that Qwen3-MoE does not have (the model would otherwise run without it and route
+    differently from the model that was trained)."""
+    layer, sep, rest = key.partition(".mlp.")
+    if not sep:
+        return
+    for prefix, what in _ROUTER_VARIANTS.items():
+        if rest.startswith(prefix):
+            raise CheckpointError(
+                f"{path}: {layer}.mlp has {what} ({key} in {file.name}); quarl's qwen3_moe block routes with "
+                "a softmax top-k over mlp.gate.weight alone and has no such tensor. This checkpoint is another MoE "
+                "family declared as qwen3_moe: fix model_type in its config.json (quarl runs Qwen3-MoE routers only), "
+                "or remove the tensor if it is unused (all zeros)")
 
 
 def load_model(

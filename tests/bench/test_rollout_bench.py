@@ -90,6 +90,25 @@ def test_large_shapes_are_packed_as_they_are_made(monkeypatch):
     assert made and not any(isinstance(m, QuantLinear) for m in plain.modules())
 
 
+def test_moe_decode_floor_reads_the_experts_a_batch_reaches():
+    """An MoE step reads every non-expert weight and, of the experts, the share a batch of B
+    tokens picking k of E evenly reaches: 1 - (1 - k/E)^B (moe-tiny: 2 of 8)."""
+    import torch
+
+    from quarl.bench.rollout import random_model, step_weight_bytes
+    from quarl.model.presets import preset_config
+
+    cfg = preset_config("moe-tiny")
+    model = random_model(cfg, torch.device("cpu"))
+    experts = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." in n)
+    rest = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." not in n
+               and not (n == "embed_tokens.weight" and model.lm_head is not None))
+    assert experts == 2 * 2 * 8 * 3 * 64 * 32  # two sparse layers of 8 experts, bf16
+    assert step_weight_bytes(model, 1) == int(rest + experts * 0.25)
+    assert step_weight_bytes(model, 4) == int(rest + experts * (1 - 0.75**4))
+    assert step_weight_bytes(model, 200) == pytest.approx(rest + experts, rel=1e-6)
+
+
 def _row(fmt: str, dense_bytes: int) -> dict:
     return {"shape": "qwen2.5-7b", "format": fmt, "kv_cache_dtype": "auto", "batch": 256,
             "generated_tok_per_s": 25123.4,

@@ -129,3 +129,39 @@ def test_generate_cli_names_a_truncated_file(qwen2_dir, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"quarl generate: error: {file} is truncated"), r.stderr
     assert "re-download the checkpoint" in r.stderr
+
+
+@pytest.mark.parametrize("extra, what", [
+    ("model.layers.0.mlp.gate.e_score_correction_bias", "a score-correction bias"),
+    ("model.layers.2.mlp.shared_expert.gate_proj.weight", "a shared expert"),
+    ("model.layers.0.mlp.gate.bias", "a router bias"),
+])
+def test_moe_checkpoint_with_another_router_names_the_layer(tmp_path, extra, what):
+    """A qwen3_moe checkpoint carrying a router or block tensor Qwen3-MoE does not have fails at
+    load, naming the layer, the tensor and what to change, rather than routing without it."""
+    import torch
+
+    from tests.hf_models import make_moe_checkpoint
+
+    make_moe_checkpoint(tmp_path, seed=1)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors[extra] = torch.zeros(8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    layer = extra.partition(".mlp.")[0]
+    with pytest.raises(CheckpointError, match=rf"{layer}\.mlp has {what}.*fix model_type"):
+        quarl.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(scoring_func="sigmoid"), "scoring_func='sigmoid'"),
+    (dict(n_group=8, topk_group=4), "n_group=8"),
+    (dict(routed_scaling_factor=2.5), "routed_scaling_factor=2.5"),
+    (dict(n_shared_experts=1), "n_shared_experts=1"),
+])
+def test_moe_config_with_another_router_is_refused(change, message):
+    from quarl.model import TransformerConfig
+    from tests.hf_models import moe_hf_config
+
+    raw = {**moe_hf_config().to_dict(), **change}
+    with pytest.raises(ModelConfigError, match=rf"{message}.*softmax over mlp\.gate\.weight"):
+        TransformerConfig.from_hf_dict(raw)
