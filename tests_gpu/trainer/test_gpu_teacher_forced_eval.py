@@ -25,7 +25,7 @@ def test_learner_nll_is_the_learners_own_logprobs(tmp_path, mode, scheme):
     try:
         assert trainer.device.type == "cuda"
         metrics = trainer.evaluate(log=False)
-        pairs = trainer._solution_pairs
+        pairs = trainer.evaluation.solution_pairs
         batch = build_batch([p for p, _ in pairs], [r for _, r in pairs], [[0.0] * len(r) for _, r in pairs],
                             [0.0] * len(pairs), torch.zeros(len(pairs))).to(trainer.device)
         logp = trainer.learner.logprobs(batch, 1 << 20)
