@@ -41,6 +41,8 @@ KEYS = {
     "time/step": "step_s", "time/rollout": "rollout_s", "time/learner": "learner_s", "time/publish": "publish_s",
     "time/kv_cache": "kv_s", "time/grad_sync": "grad_sync_s", "time/rank_wait": "rank_wait_s",
     "rollout/tokens_per_s": "rollout_tok_s", "mismatch/kl_k3": "kl_k3",
+    "mismatch/kl_k3_noreplay": "kl_k3_noreplay", "moe/route_agreement": "route_agreement",
+    "moe/expert_load_max": "expert_load_max",
     "memory/rollout_peak_gb": "rollout_peak_gb", "memory/learner_peak_gb": "learner_peak_gb",
     "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",
@@ -100,6 +102,9 @@ WORKLOADS: dict[str, Workload] = {
                                         "--rollout.engine.gpu_memory_utilization=0.45")),
     # a quick check that everything runs (seconds per mode on a GPU)
     "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
+    # a small MoE (moe-100m: 32 experts, 4 per token) through whole steps: compare bf16, aligned modes
+    # and routing replay (+r3) by step time, kl_k3 and route agreement
+    "moe-small": Workload("moe-100m", prompts=8, n=8, gen=256, token_budget=4096, steps=4),
 }
 
 MODES: dict[str, list[str]] = {
@@ -116,6 +121,7 @@ MODES: dict[str, list[str]] = {
 MODE_OPTIONS: dict[str, list[str]] = {
     "kvfp8": ["--rollout.engine.kv_cache_dtype=fp8"],
     "dense": ["--rollout.engine.dense_weights=on"],
+    "r3": ["--rollout.routing_replay=r3"],  # MoE: the learner replays the engine's expert choices
 }
 
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from quarl.config.typed import ConfigError, closest, from_dict, merge, parse_overrides, read_yaml
+from quarl.model.lora import ALL_TARGETS as LORA_TARGET_NAMES
 from quarl.model.lora import DEFAULT_TARGETS as LORA_TARGETS
+from quarl.model.lora import EXPERT_TARGET as LORA_EXPERT_TARGET
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import SCHEMES, QuantScheme
 from quarl.rollout.config import EngineConfig
@@ -59,8 +61,8 @@ def _within(section: str, obj: object, name: str, low: float, high: float, *, op
 class ModelConfig:
     path: str | None = None  # HF checkpoint dir; None = built-in model of `builtin` size
     # tiny / small / 100m: the demo's (built-in tokenizer); the released shapes: random weights, for benchmarks
-    builtin: Literal["tiny", "small", "100m", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b",
-                     "qwen3-8b"] = "small"
+    builtin: Literal["tiny", "small", "100m", "moe-tiny", "moe-100m", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b",
+                     "qwen2.5-32b", "qwen3-8b", "qwen3-30b-a3b"] = "small"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     tokenizer: str | None = None  # HF tokenizer dir; None = the model dir, or the built-in one; "builtin"
     # LoRA (docs/lora.md): > 0 trains adapters of this rank on a frozen base held
@@ -80,11 +82,25 @@ class ModelConfig:
         _at_least("model", self, 0, "lora_rank")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"model.lora_alpha must be > 0, got {self.lora_alpha} (or leave it unset: 2 * lora_rank)")
-        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGET_NAMES]
         if unknown or not self.lora_targets:
-            hint = "".join(f"; {t!r}{closest(t, list(LORA_TARGETS))}" for t in unknown)
+            hint = "".join(f"; {t!r}{closest(t, list(LORA_TARGET_NAMES))}" for t in unknown)
             raise ConfigError(f"model.lora_targets {self.lora_targets}: each must be one of "
-                              f"{', '.join(LORA_TARGETS)}{hint}")
+                              f"{', '.join(LORA_TARGET_NAMES)}{hint}")
+        if self.lora_rank and LORA_EXPERT_TARGET in self.lora_targets and self._is_moe() is False:
+            raise ConfigError(f"model.lora_targets names {LORA_EXPERT_TARGET!r}, the experts of MoE layers, but "
+                              f"{self.path or 'model.builtin=' + self.builtin} is a dense model; drop it (dense "
+                              f"targets: {', '.join(LORA_TARGETS)})")
+
+    def _is_moe(self) -> bool | None:
+        """Whether the model is a mixture of experts (None: its config cannot be read here)."""
+        from quarl.model.config import TransformerConfig
+        from quarl.model.presets import preset_config
+
+        try:
+            return (TransformerConfig.from_dir(self.path) if self.path else preset_config(self.builtin)).is_moe
+        except (OSError, ValueError, KeyError):
+            return None
 
 
 @dataclass
@@ -141,6 +157,10 @@ class RolloutConfig:
     # (re-created after, ~1 s on a 1.5B model), or "auto": on GPU, release at step 1, then keep
     # from step 2 when the learner's step-1 peak plus the cache fit in 90% of the GPU
     kv_cache_in_update: Literal["auto", "keep", "release"] = "auto"
+    # MoE models: "r3" makes every learner forward run the experts the engine ran for each token
+    # (rollout routing replay; docs/configuration.md); "off" lets the learner route itself. A dense
+    # model has nothing to replay: r3 is then a no-op, announced once at start
+    routing_replay: Literal["off", "r3"] = "off"
     engine: EngineConfig = field(default_factory=_trainer_engine)
 
     _moved = {  # old key -> where it lives now
@@ -164,6 +184,8 @@ class RolloutConfig:
         _at_least("rollout", self, 1, "max_new_tokens")
         _at_least("rollout", self, 0, "temperature")
         _within("rollout", self, "top_p", 0, 1, open_low=True, meaning=" (1 = no nucleus cut)")
+        if self.routing_replay not in ("off", "r3"):
+            raise ConfigError(f"rollout.routing_replay must be off or r3, got {self.routing_replay!r}")
 
 
 @dataclass
@@ -207,19 +229,31 @@ class QuantConfig:
 
 @functools.lru_cache(maxsize=8)
 def _linear_names(patterns: tuple[str, ...]) -> tuple[str, ...]:
-    """The linear layers' module names of a quarl Transformer (those of one decoder layer, read off a
-    meta-device model, repeated for layer indices 0-127 and any number a pattern names; lm_head)."""
+    """The module names ``quantize_model`` can swap in a quarl Transformer: its linear layers and an
+    MoE layer's experts (``layers.L.mlp.experts``), those of a dense and of a sparse decoder layer
+    read off meta-device models, repeated for layer indices 0-127 and any number a pattern names;
+    lm_head."""
     import torch
     from torch import nn
 
+    from quarl.model.moe import Experts
     from quarl.model.presets import preset_config
     from quarl.model.transformer import Transformer
 
     with torch.device("meta"):
-        model = Transformer(dataclasses.replace(preset_config("tiny"), num_hidden_layers=1))
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    inner = [n.removeprefix("layers.0.") for n in linears if n.startswith("layers.0.")]
-    outer = [n for n in linears if not n.startswith("layers.")] or ["lm_head"]
+        dense = Transformer(dataclasses.replace(preset_config("tiny"), num_hidden_layers=1))
+        sparse = Transformer(dataclasses.replace(preset_config("moe-tiny"), num_hidden_layers=1, mlp_only_layers=()))
+    inner: list[str] = []
+    outer: list[str] = []
+    for model in (dense, sparse):
+        for n, m in model.named_modules():
+            if not isinstance(m, (nn.Linear, Experts)):
+                continue
+            if n.startswith("layers.0."):
+                inner.append(n.removeprefix("layers.0."))
+            elif not n.startswith("layers."):
+                outer.append(n)
+    inner, outer = list(dict.fromkeys(inner)), list(dict.fromkeys(outer)) or ["lm_head"]
     indices = set(range(128)) | {int(d) for p in patterns for d in re.findall(r"\d+", p)}
     return tuple(f"layers.{i}.{n}" for i in sorted(indices) for n in inner) + tuple(outer)
 

@@ -51,6 +51,22 @@ q/k/v and gate/up are divided by ``s`` (in fp32) and the scales of those linears
 multiplied by ``s`` (fp32 scales, or nvfp4's tensor scale), codes unchanged. mxfp4's
 power-of-two scales can take only a power-of-two ``s``.
 
+Qwen3-MoE. Each expert is stored as the three linears released checkpoints hold and vLLM's
+compressed-tensors MoE loader reads (``model.layers.L.mlp.experts.{e}.gate_proj`` /
+``up_proj`` / ``down_proj``, the tensors of the table above under each). The codes are the
+engine's (:class:`quarl.quant.experts.QuantExperts`, which ``quantize_model`` makes of the
+experts ``quant.include`` / ``quant.exclude`` select by their module name
+``layers.L.mlp.experts``): each projection quantized as its ``[E * N, K]`` view, which is every
+expert quantized on its own, cut into per-expert row blocks (``QuantizedWeight.rows``), an
+expert's ``gate_up_proj`` rows into its gate and up halves. Experts left unquantized are
+stored per expert in bf16 and listed in ``ignore`` by their linears' names. The router
+(``model.layers.L.mlp.gate``: a Linear in vLLM and in llm-compressor's view of the model, a
+plain parameter holder in quarl and in transformers 5) stays bf16 and is always listed in
+``ignore``, as compressed-tensors checkpoints of MoE models do. Folding UAQ takes the router
+too (its input is the scaled norm's output: its weight is multiplied by ``s``), and the
+experts' ``gate_up_proj`` scales. nvfp4 cannot quantize stacked experts (its per-tensor
+scale; ``quantize_model`` says so): exclude them (``quant.exclude: ["layers.*.mlp.experts"]``).
+
 Refused: ``bf16`` (nothing quantized: ``--format hf-bf16``) and ``w2a16`` (the library
 can pack 2-bit codes, but vLLM's compressed-tensors integer kernels take 4- or 8-bit
 weights only; ``--format quarl-packed`` keeps them), and any quantized linear whose
@@ -75,11 +91,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quarl.export.hf import PolicyCheckpoint, metadata_header
+from quarl.export.hf import PolicyCheckpoint, expert_pieces, hf_tensors, metadata_header
 from quarl.export.packed import quantized_policy
 from quarl.io import atomic_path
 from quarl.model.loading import normal_permissions
+from quarl.model.moe import SparseMoeBlock
 from quarl.quant import QuantizedWeight, QuantLinear, QuantScheme
+from quarl.quant.experts import QuantExperts
 from quarl.quant import reference as ref
 from quarl.quant.uaq import ATTN_INPUTS, MLP_INPUTS
 
@@ -186,22 +204,53 @@ def scale_quantized(qw: QuantizedWeight, factor: float) -> QuantizedWeight:
 
 @torch.no_grad()
 def fold_uaq(model: nn.Module, scale: float) -> None:
-    """Undo UAQ on a model whose linears may be :class:`QuantLinear`: norms divided by
-    ``scale`` in fp32, the linears they feed multiplied (quantized ones through their scales)."""
+    """Undo UAQ on a model whose linears may be :class:`QuantLinear` (and experts
+    :class:`~quarl.quant.experts.QuantExperts`): norms divided by ``scale`` in fp32, the linears
+    they feed multiplied (quantized ones through their scales). In a sparse layer those are the
+    router and the experts' ``gate_up_proj``."""
     if scale == 1.0:
         return
     for layer in model.layers:
-        for norm, parent, names in ((layer.input_layernorm, layer.self_attn, ATTN_INPUTS),
-                                    (layer.post_attention_layernorm, layer.mlp, MLP_INPUTS)):
-            norm.weight.data = norm.weight.float() / scale
-            for name in names:
-                linear = getattr(parent, name)
-                if isinstance(linear, QuantLinear):
-                    folded = scale_quantized(linear.qweight, scale)
-                    for field, t in folded.tensors().items():
-                        setattr(linear, field, t)
-                else:
-                    linear.weight.data = linear.weight.float() * scale
+        norm = layer.input_layernorm
+        norm.weight.data = norm.weight.float() / scale
+        for name in ATTN_INPUTS:
+            _scale_linear(getattr(layer.self_attn, name), scale)
+        norm = layer.post_attention_layernorm
+        norm.weight.data = norm.weight.float() / scale
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.gate.weight.data = layer.mlp.gate.weight.float() * scale
+            experts = layer.mlp.experts
+            if isinstance(experts, QuantExperts):
+                experts.gate_up_proj.copy_from(scale_quantized(experts.gate_up_proj.packed, scale))
+            else:
+                experts.gate_up_proj.data = experts.gate_up_proj.float() * scale
+            continue
+        for name in MLP_INPUTS:
+            _scale_linear(getattr(layer.mlp, name), scale)
+
+
+def _scale_linear(linear: nn.Module, scale: float) -> None:
+    if isinstance(linear, QuantLinear):
+        folded = scale_quantized(linear.qweight, scale)
+        for field, t in folded.tensors().items():
+            setattr(linear, field, t)
+    else:
+        linear.weight.data = linear.weight.float() * scale
+
+
+def expert_linears(name: str, experts: QuantExperts) -> list[tuple[str, QuantizedWeight]]:
+    """``(module name, quantized weight)`` of each expert's three linears, in expert order: row
+    blocks of the engine's ``[E * N, K]`` codes, the gate and up halves of the expert's
+    ``gate_up_proj`` rows."""
+    packed = experts.quantized_weights()
+    gate_up, down = packed["gate_up_proj"], packed["down_proj"]
+    i, h = experts.intermediate_size, experts.hidden_size
+    out = []
+    for e in range(experts.num_experts):
+        out += [(f"{name}.{e}.gate_proj", gate_up.rows(2 * i * e, 2 * i * e + i)),
+                (f"{name}.{e}.up_proj", gate_up.rows(2 * i * e + i, 2 * i * (e + 1))),
+                (f"{name}.{e}.down_proj", down.rows(h * e, h * (e + 1)))]
+    return out
 
 
 # -------------------------------------------------------------------------- packing
@@ -295,21 +344,34 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------- export
 def export_compressed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, metadata: dict[str, Any]) -> list[str]:
     """Write ``ckpt``'s policy in ``scheme`` as a compressed-tensors checkpoint directory;
-    returns the quantized module names."""
+    returns the quantized module names (linears, and each quantized expert's three linears)."""
     _library()
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
     ct_scheme = quantization_scheme(scheme)
     model, modules = quantized_policy(ckpt, scheme)
-    ignore = ["lm_head"] + [_hf_name(name) for name, mod in model.named_modules()
-                            if type(mod) is nn.Linear and name != "lm_head"]
+    ignore = ["lm_head"]  # the unquantized linears, and every MoE block's router
+    for name, mod in model.named_modules():
+        if type(mod) is nn.Linear and name != "lm_head":
+            ignore.append(_hf_name(name))
+        elif isinstance(mod, SparseMoeBlock):
+            ignore.append(_hf_name(f"{name}.gate"))
     fold_uaq(model, ckpt.uaq_scale)
     quantized_fields = {f"{m}.{f}" for m in modules for f in model.get_submodule(m)._fields}
-    tensors = {_hf_name(name): t.detach().to(REST_DTYPE).contiguous()
-               for name, t in model.state_dict().items() if name not in quantized_fields}
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name in quantized_fields:
+            continue
+        for key, piece in hf_tensors(name, t.detach()):
+            tensors[key] = piece.to(REST_DTYPE).contiguous()
+            if expert_pieces(name, t) is not None:
+                ignore.append(key.removesuffix(".weight"))  # an expert left unquantized
+    linears: list[tuple[str, QuantizedWeight]] = []
     for name in modules:
-        qw = model.get_submodule(name).qweight
+        mod = model.get_submodule(name)
+        linears += expert_linears(name, mod) if isinstance(mod, QuantExperts) else [(name, mod.qweight)]
+    for name, qw in linears:
         try:
             stored = compress_weight(qw, ct_scheme)
         except ValueError as e:
@@ -328,4 +390,4 @@ def export_compressed(ckpt: PolicyCheckpoint, out: Path, scheme: QuantScheme, me
     qconfig = QuantizationConfig(config_groups={"group_0": ct_scheme}, format=ct_scheme.format,
                                  quantization_status="compressed", ignore=ignore)
     ModelCompressor(quantization_config=qconfig).update_config(str(out))
-    return modules
+    return [name for name, _ in linears]

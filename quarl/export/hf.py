@@ -12,7 +12,14 @@ Formats:
 * ``hf-bf16`` / ``hf-fp32``: a plain model. UAQ (``quant.uaq_scale`` != 1) is undone
   first, in fp32, so the norms and q/k/v/gate/up weights are the unscaled ones any HF
   tool expects; then cast to the target dtype. ``config.json`` + ``model.safetensors``,
-  loadable by ``quarl.load_model`` and ``transformers.AutoModelForCausalLM``.
+  loadable by ``quarl.load_model`` and ``transformers.AutoModelForCausalLM``. A Qwen3-MoE
+  model's experts are written one tensor per expert and projection
+  (``model.layers.L.mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``: the
+  layout of released checkpoints, transformers' default ``save_pretrained`` and vLLM's
+  loader; transformers 5 stacks them as it loads), the router as ``model.layers.L.mlp.gate.weight``,
+  and ``config.json`` carries the MoE fields (``num_experts``, ``num_experts_per_tok``,
+  ``moe_intermediate_size``, ``decoder_sparse_step``, ``mlp_only_layers``, ``norm_topk_prob``,
+  ``router_aux_loss_coef``).
 * ``quarl-packed``: the low-bit tensors the rollout engine ran on (see
   :mod:`quarl.export.packed`), UAQ kept since the codes were made from scaled weights.
 * ``compressed-tensors``: the same low-bit codes in the format vLLM and transformers
@@ -35,9 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from torch import nn
 
 from quarl.model.config import TransformerConfig
-from quarl.model.loading import CheckpointError, save_model
+from quarl.io import atomic_path
+from quarl.model.loading import CheckpointError, hf_name, normal_permissions
+from quarl.model.moe import SparseMoeBlock
 from quarl.model.presets import preset_config
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant import QuantScheme, get_scheme
@@ -201,16 +212,70 @@ def export_hf(ckpt: PolicyCheckpoint, out: Path, dtype: torch.dtype, metadata: d
 
 
 def save_plain(model: Transformer, out: Path, dtype: torch.dtype, metadata: dict[str, Any], uaq_scale: float) -> None:
-    """Write ``model`` (float32, UAQ ``uaq_scale`` as trained) with UAQ removed, as ``config.json`` +
-    ``model.safetensors`` in ``dtype``."""
-    from quarl.quant import remove_uaq
-
+    """Write ``model`` (float32, UAQ ``uaq_scale`` as trained, plain linears and experts) with UAQ
+    removed, as ``config.json`` + ``model.safetensors`` in ``dtype``, the experts one tensor per
+    expert (module docstring)."""
     if uaq_scale != 1.0:
-        remove_uaq(model, uaq_scale)
-    save_model(model, out, dtype=dtype, metadata=metadata_header(metadata))
-    config = json.loads((out / "config.json").read_text())
+        rescale_uaq(model, 1.0 / uaq_scale)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, p in model.named_parameters():
+        for key, t in hf_tensors(name, p.detach()):
+            tensors[key] = t.to(dtype).contiguous().cpu()
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={**metadata_header(metadata), "format": "pt"})
+        normal_permissions(tmp)
+    config = model.config.to_hf_dict()
     config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_pieces(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """``(module name, weight)`` of each expert's linear in a stacked expert parameter
+    (``layers.L.mlp.experts.gate_up_proj [E, 2I, H]`` -> ``layers.L.mlp.experts.{e}.gate_proj``
+    ``[I, H]`` and ``.up_proj``; ``down_proj [E, H, I]`` -> ``.{e}.down_proj``), in expert order;
+    None for any other tensor. quarl names (no ``model.`` prefix), views of ``tensor``."""
+    prefix, _, proj = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts") or proj not in ("gate_up_proj", "down_proj"):
+        return None
+    if proj == "down_proj":
+        return [(f"{prefix}.{e}.down_proj", tensor[e]) for e in range(tensor.shape[0])]
+    half = tensor.shape[1] // 2
+    return [(f"{prefix}.{e}.{part}", tensor[e, rows]) for e in range(tensor.shape[0])
+            for part, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None)))]
+
+
+def hf_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The HF checkpoint tensors of quarl parameter ``name``: itself under its HF name, or a
+    stacked expert parameter as one ``...experts.{e}.{gate,up,down}_proj.weight`` per expert."""
+    pieces = expert_pieces(name, tensor)
+    if pieces is None:
+        return [(hf_name(name), tensor)]
+    return [(f"{hf_name(module)}.weight", t) for module, t in pieces]
+
+
+@torch.no_grad()
+def rescale_uaq(model: nn.Module, scale: float) -> None:
+    """UAQ's invariant scaling by ``scale`` on a model of plain (float) weights, MoE layers
+    included: each norm times ``scale``, the inputs it feeds divided by it. ``1 / s`` removes
+    UAQ ``s``. A sparse layer's ``post_attention_layernorm`` feeds its router (whose top-k
+    would otherwise see scaled logits) and its experts' ``gate_up_proj``, which take the
+    factor as a dense layer's gate/up do."""
+    from quarl.quant.uaq import ATTN_INPUTS, MLP_INPUTS
+
+    for layer in model.layers:
+        layer.input_layernorm.weight.mul_(scale)
+        layer.post_attention_layernorm.weight.mul_(scale)
+        inputs = [getattr(layer.self_attn, n).weight for n in ATTN_INPUTS]
+        if isinstance(layer.mlp, SparseMoeBlock):
+            inputs += [layer.mlp.gate.weight, layer.mlp.experts.gate_up_proj]
+        else:
+            inputs += [getattr(layer.mlp, n).weight for n in MLP_INPUTS]
+        for w in inputs:
+            w.mul_(1.0 / scale)
 
 
 def copy_tokenizer(ckpt: PolicyCheckpoint, out: Path) -> list[str]:

@@ -3,7 +3,10 @@
 Layout of the directory:
 
 * ``model.safetensors``. For every quantized linear ``L`` (the modules the run's
-  ``quant.include`` / ``quant.exclude`` picked, ``layers.*`` by default) the fields of
+  ``quant.include`` / ``quant.exclude`` picked, ``layers.*`` by default; an MoE block's
+  experts ``layers.L.mlp.experts`` are one such module, its projections ``gate_up_proj`` /
+  ``down_proj`` each one ``[E * N, K]`` quantized weight under ``model.L.<projection>.qdata`` ...,
+  as :class:`~quarl.quant.experts.QuantExperts` holds them) the fields of
   its :class:`~quarl.quant.QuantizedWeight`, stored verbatim under HF-style names:
   ``model.L.qdata`` (codes: int8, float8_e4m3fn, or uint8 with several codes per byte,
   K padded to ``PACK_K``), ``model.L.scales``, ``model.L.zeros`` (asymmetric formats)
@@ -39,8 +42,10 @@ from quarl.export.hf import PolicyCheckpoint, build_policy, metadata_header
 from quarl.io import atomic_path
 from quarl.model.config import TransformerConfig
 from quarl.model.loading import CheckpointError, damaged_file_error
+from quarl.model.moe import Experts
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant import QuantLinear, QuantScheme, quantize_model
+from quarl.quant.experts import QuantExperts
 from quarl.quant.reference import bf16_scale
 
 QUANT_METHOD = "quarl-packed"
@@ -54,8 +59,9 @@ def _hf_name(name: str) -> str:
 
 
 def quantized_policy(ckpt: PolicyCheckpoint, scheme: QuantScheme) -> tuple[Transformer, list[str]]:
-    """The policy with the run's selected linears as ``QuantLinear`` in ``scheme`` (quantized
-    from the learner's own dtype: the codes the engine got) and their module names."""
+    """The policy with the run's selected linears as ``QuantLinear`` (and MoE experts as
+    ``QuantExperts``) in ``scheme`` (quantized from the learner's own dtype: the codes the
+    engine got) and their module names."""
     quant = ckpt.section("quant")
     model = build_policy(ckpt, dtype=None)
     modules = quantize_model(model, scheme, QuantLinear, include=quant.get("include") or None,
@@ -129,7 +135,11 @@ def load_packed(
         for name in qc["modules"]:
             linear = model.get_submodule(name)
             parent, _, child = name.rpartition(".")
-            qlinear = QuantLinear(linear.in_features, linear.out_features, scheme, linear.bias is not None)
+            if isinstance(linear, Experts):  # an MoE block's experts: the engine's packed stack
+                e, n2, h = linear.gate_up_proj.shape
+                qlinear = QuantExperts(h, n2 // 2, e, scheme, name=name)
+            else:
+                qlinear = QuantLinear(linear.in_features, linear.out_features, scheme, linear.bias is not None)
             setattr(model.get_submodule(parent) if parent else model, child, qlinear)
     quantized_fields = {f"{m}.{f}" for m in qc["modules"] for f in model.get_submodule(m)._fields}
     group_scales = scheme.weight_format == "int" and scheme.group_size is not None
@@ -154,5 +164,8 @@ def load_packed(
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(f"{path}: tensors do not match config.json: missing {result.missing_keys[:8]}, "
                               f"unexpected {result.unexpected_keys[:8]}")
+    for mod in model.modules():
+        if isinstance(mod, QuantExperts):  # derived layouts of the loaded buffers
+            mod.load_quantized(mod.quantized_weights())
     model.rotary = Rotary(arch).to(device)
     return model.eval().requires_grad_(False)

@@ -7,7 +7,12 @@ Shapes (B responses, T = longest prompt + response):
   (``input_ids[:, t+1]`` is generated), the layout of
   :func:`quarl.learner.logprobs.sequence_logprobs`;
 - ``sampler_logp [B, T-1]`` the engine's log-probs of those tokens (0 elsewhere);
-- ``advantages [B]`` (or ``[B, T-1]`` from GAE), ``rewards [B]``.
+- ``advantages [B]`` (or ``[B, T-1]`` from GAE), ``rewards [B]``;
+- ``routes [B, T, L, k]`` int16 (an MoE model whose engine recorded them, else None): the
+  experts each token ran in the engine's ``L`` MoE layers, ``-1`` where unknown (padding, a
+  response's last token). It stays in host memory (``to`` leaves it there: 2 L k bytes a
+  token, 768 on Qwen3-30B-A3B, ~100x the other per-token fields); each forward moves its
+  micro-batch's rows to the device (:meth:`quarl.learner.Learner.logprobs`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -28,6 +34,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [B, T, moe layers, k] int16, on the host (module docstring)
 
     @property
     def size(self) -> int:
@@ -38,7 +45,9 @@ class RolloutBatch:
         return int(self.response_mask.sum())
 
     def to(self, device: torch.device) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+        """The batch on ``device``, but for :attr:`routes` (kept on the host)."""
+        return RolloutBatch(**{f.name: getattr(self, f.name) if f.name == "routes" else
+                               _to(getattr(self, f.name), device) for f in fields(self)})
 
     def rows(self, mb: "MicroBatch") -> "RolloutBatch":
         """Rows ``mb.lo:mb.hi`` trimmed to ``mb.width`` tokens: views, no device sync."""
@@ -62,6 +71,9 @@ class RolloutBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
+            elif f.name == "routes":  # (on the host: so are the rows it takes)
+                host_rows = rows if isinstance(rows, slice) else rows.cpu()
+                out[f.name] = v[host_rows, :width]
             elif v.dim() == 2:
                 out[f.name] = v[rows, : width if v.shape[1] == self.input_ids.shape[1] else width - 1]
             else:
@@ -79,8 +91,11 @@ def build_batch(
     sampler_logprobs: list[list[float]],
     rewards: list[float],
     advantages: torch.Tensor,
+    routes: list[np.ndarray] | None = None,
 ) -> RolloutBatch:
-    """Pack prompt/response pairs (one row each) into a right-padded :class:`RolloutBatch`."""
+    """Pack prompt/response pairs (one row each) into a right-padded :class:`RolloutBatch`;
+    ``routes``: each row's ``[len(prompt) + len(response), L, k]`` expert ids (the engine's
+    ``Completion.routes``), padded with -1."""
     b = len(responses)
     t = max(len(p) + len(r) for p, r in zip(prompts, responses))
     ids = torch.zeros(b, t, dtype=torch.long)
@@ -94,6 +109,11 @@ def build_batch(
         if r:
             resp[i, len(p) - 1 : n - 1] = 1.0
             slp[i, len(p) - 1 : n - 1] = torch.tensor(lp, dtype=torch.float32)
+    packed_routes = None
+    if routes is not None:
+        packed_routes = torch.full((b, t, *routes[0].shape[1:]), -1, dtype=torch.int16)
+        for i, r in enumerate(routes):
+            packed_routes[i, : len(r)] = torch.from_numpy(np.ascontiguousarray(r))
     return RolloutBatch(
         input_ids=ids,
         attention_mask=attn,
@@ -101,6 +121,7 @@ def build_batch(
         sampler_logp=slp,
         rewards=torch.tensor(rewards, dtype=torch.float32),
         advantages=advantages.float(),
+        routes=packed_routes,
     )
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.learner.swiglu import swiglu_codes, swiglu_stacked
+from quarl.model.moe import SparseMoeBlock
 from quarl.model.transformer import MLP, Attention, AttnFn, DecoderLayer, TorchOps, apply_rotary, rms_norm
 from quarl.quant.kernels.device import num_sms
 from quarl.quant.kv import kv_seen
@@ -150,13 +151,19 @@ class CompiledOps(TorchOps):
     of :func:`~quarl.quant.linear.traced_qat`) runs as two compiled regions around the
     attention call: fewer, larger graphs, so the host's cost per layer (guards, autograd
     nodes, launches) stays below the GPU's work even for one-row micro-batches. ``fallbacks``
-    counts the layer calls that ran step by step instead (tests and profiling read it)."""
+    counts the layer calls that ran step by step instead (tests and profiling read it). An MoE
+    layer (:class:`~quarl.model.moe.SparseMoeBlock`) runs step by step by design, its norms and
+    rotary compiled, its block's own forward eager on the rows (``moe_layers`` counts those)."""
 
     fallbacks = 0
+    moe_layers = 0
 
     def block(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, attn: AttnFn, next_norm: nn.Module, next_consumer: nn.Module | None):
         a, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            self.moe_layers += 1
+            return super().block(layer, h, residual, cos, sin, attn, next_norm, next_consumer)
         qkv = _traced_group(a, ("q_proj", "k_proj", "v_proj"), h)
         o_proj, down = traceable(a.o_proj, h), traceable(mlp.down_proj, h)
         gate_up = _traced_group(mlp, ("gate_proj", "up_proj"), h)
@@ -198,7 +205,9 @@ class CompiledOps(TorchOps):
         out = attn(module.layer_idx, q, k, v)
         return module.o_proj(out.reshape(b, t, -1))
 
-    def mlp(self, module: MLP, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, module: MLP | SparseMoeBlock, h: torch.Tensor) -> torch.Tensor:
+        if isinstance(module, SparseMoeBlock):  # routing, grouped experts: the block's own forward on the rows
+            return module(h.reshape(-1, h.shape[-1])).view(h.shape)
         gu = qat_group(module, ("gate_proj", "up_proj"))
         if gu is not None:
             m = compiled(_swiglu_stacked)(gu.stacked(h))

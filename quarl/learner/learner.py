@@ -11,15 +11,24 @@ summed across them before the clip, so every rank steps as one process on the wh
 With ``shard`` the ranks also split the weights, gradients and optimizer states (FSDP2,
 :mod:`quarl.learner.sharded`); what a learner trains, and its checkpointed state, is
 :class:`~quarl.learner.trained.Trained` (the policy; the critic).
+
+MoE policies (``rollout.routing_replay``, docs/configuration.md): with ``routing_replay`` every
+forward of the policy and of the reference model (log-prob passes, update micro-batches and
+their activation-checkpoint recomputation) runs the experts the engine ran for each token
+(``RolloutBatch.routes``; tokens it never ran route themselves), the gate weights still the
+router's own probabilities of them. A :class:`RouteTally` counts, over a pass where the policy
+routes itself, how often its top-k equals the engine's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -35,6 +44,7 @@ from quarl.learner.trained import Trained
 from quarl.learner.compiled_ops import COMPILED_OPS
 from quarl.learner.memory import drop_dense_bases
 from quarl.model.lora import adapters_disabled, has_lora
+from quarl.model.moe import MoeRouting, moe_layer_ids, moe_routing, replay_of
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
 from quarl.quant.linear import deferred_master_grads, drop_dequantized, set_per_use_dequant
 
@@ -57,6 +67,50 @@ class UpdateSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     value_coef: float = 0.5
+
+
+class RouteTally:
+    """Counts on the device over the tokens of the passes it is handed to (no host sync until
+    :meth:`metrics`), per MoE layer ``j`` (``layers[j]``): ``valid`` the tokens the engine ran
+    (its routes known), ``agree`` those where the policy's own top-k set (its router's choice,
+    whatever was replayed) equals the engine's, and ``load [L, E]`` the engine's token-slot
+    assignments per expert."""
+
+    def __init__(self, layers: list[int], num_experts: int, device: torch.device) -> None:
+        self.layers, self.num_experts = layers, num_experts
+        self.valid = torch.zeros(len(layers), dtype=torch.long, device=device)
+        self.agree = torch.zeros_like(self.valid)
+        self.load = torch.zeros(len(layers), num_experts, dtype=torch.long, device=device)
+
+    def add(self, routing: MoeRouting, engine: torch.Tensor) -> None:
+        """One forward's routing (it recorded) against the engine's routes ``engine [N, L, k]``
+        of the same tokens (the forward's order)."""
+        own = torch.stack([routing.router_ids[i] for i in self.layers], dim=1)
+        engine = engine.long()
+        known = (engine >= 0).all(-1)  # [N, L]
+        same = (own.long().sort(-1).values == engine.sort(-1).values).all(-1) & known
+        self.valid += known.sum(0)
+        self.agree += same.sum(0)
+        slot = engine.clamp(min=0) + self.num_experts * torch.arange(len(self.layers), device=engine.device)[:, None]
+        weight = known[..., None].expand_as(engine).long()
+        self.load.view(-1).scatter_add_(0, slot.reshape(-1), weight.reshape(-1))
+
+    def metrics(self, dist: Dist, top_k: int) -> dict[str, float]:
+        """``moe/route_agreement`` (over every layer) and ``moe/route_agreement_l{layer}``: the
+        share of the engine's (token, layer) routes the policy's router picks as a set;
+        ``moe/expert_load_max``: the busiest expert's share of a layer's token-slot assignments,
+        the largest over the layers (``1 / E`` is a perfect balance). Counts summed over the
+        ranks; nothing where no token had routes."""
+        counts = dist.sum_tensor_(torch.cat([self.valid, self.agree, self.load.reshape(-1)]).double()).cpu()
+        n = len(self.layers)
+        valid, agree, load = counts[:n], counts[n : 2 * n], counts[2 * n :].view(n, -1)
+        if valid.sum() == 0:
+            return {}
+        out = {"moe/route_agreement": float(agree.sum() / valid.sum()),
+               "moe/expert_load_max": float((load.max(-1).values / (valid * top_k).clamp(min=1)).max())}
+        out.update({f"moe/route_agreement_l{layer}": float(agree[j] / max(float(valid[j]), 1.0))
+                    for j, layer in enumerate(self.layers)})
+        return out
 
 
 class Critic(nn.Module):
@@ -89,7 +143,8 @@ class Learner:
     inputs and recompute the layer in the backward, :class:`~quarl.model.transformer.CheckpointedOps`;
     aligned linears then also dequantize per use, :func:`~quarl.quant.linear.set_per_use_dequant`).
     ``seed`` seeds the optimizer's stochastic rounding. ``shard`` (several ranks in ``dist``):
-    the policy, a reference model and the critic's trunk sharded over the ranks."""
+    the policy, a reference model and the critic's trunk sharded over the ranks.
+    ``routing_replay`` (an MoE policy): its forwards run the engine's experts (module docstring)."""
 
     def __init__(
         self,
@@ -109,9 +164,13 @@ class Learner:
         seed: int = 0,
         dist: Dist = Dist(),
         shard: bool = False,
+        routing_replay: bool = False,
     ) -> None:
         self.model = model
         self.dist = dist
+        self.moe_layers = moe_layer_ids(model)  # (empty: a dense policy, nothing to replay)
+        self.routing_replay = routing_replay and bool(self.moe_layers)
+        self._tally: RouteTally | None = None  # the update's, while it runs
         # FSDP2 over the ranks (quarl.learner.sharded); one process has nothing to shard
         self.sharded = shard and dist.world > 1
         if self.sharded:
@@ -160,21 +219,49 @@ class Learner:
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def route_tally(self) -> RouteTally | None:
+        """A fresh :class:`RouteTally` of the policy's MoE layers (None: a dense policy)."""
+        if not self.moe_layers:
+            return None
+        return RouteTally(self.moe_layers, self.model.config.num_experts, self.device)
+
+    @contextlib.contextmanager
+    def _routing(self, model: nn.Module, mb: RolloutBatch, replay: bool,
+                 tally: RouteTally | None) -> Iterator[None]:
+        """The forwards (and backward) of micro-batch ``mb`` by ``model`` run inside: the
+        engine's routes replayed where ``replay``, the routing counted into ``tally``. Nothing
+        without routes (a dense model, a batch the engine did not record)."""
+        if mb.routes is None or not self.moe_layers or not (replay or tally is not None):
+            yield
+            return
+        routes = mb.routes.to(self.device, non_blocking=True)  # [b, w, L, k]: the forward's token order
+        with moe_routing(model, replay_of(routes, self.moe_layers) if replay else None,
+                         record=tally is not None) as routing:
+            yield
+        if tally is not None:
+            tally.add(routing, routes.reshape(-1, *routes.shape[-2:]))
+
     # ---- forward passes -------------------------------------------------------------
     @torch.no_grad()
-    def logprobs(self, batch: RolloutBatch, token_budget: int, temperature: float = 1.0, ref: bool = False):
+    def logprobs(self, batch: RolloutBatch, token_budget: int, temperature: float = 1.0, ref: bool = False,
+                 replay: bool | None = None, tally: RouteTally | None = None):
         """Log-probs ``[B, T-1]`` of the batch's tokens under the policy (or the reference: the
-        ``ref_model``, or for a LoRA policy without one its base, adapters off)."""
+        ``ref_model``, or for a LoRA policy without one its base, adapters off). An MoE model
+        replays the batch's routes where ``replay`` (None: ``routing_replay``; the reference
+        too: its log-probs are of the same samples, which the engine drew on those routes) and
+        counts its routing into ``tally``."""
+        replay = self.routing_replay if replay is None else replay
         if ref and self.ref_model is None:
             if not has_lora(self.model):
                 raise ValueError("no reference model: pass ref_model (algo.kl_coef > 0 needs one)")
             with adapters_disabled(self.model):
-                return self.logprobs(batch, token_budget, temperature)
+                return self.logprobs(batch, token_budget, temperature, replay=replay)
         model = self.ref_model if ref else self.model
 
         def logp(mb: RolloutBatch) -> torch.Tensor:
-            return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature, ops=self.ops,
-                                     right_padded=True)[0]
+            with self._routing(model, mb, replay, tally):
+                return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
+                                         ops=self.ops, right_padded=True)[0]
 
         out = _per_response_token(batch, token_budget, logp)
         if self.sharded:
@@ -196,15 +283,20 @@ class Learner:
         drop_dequantized(self.model)
         drop_dense_bases(self.model)
 
-    def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, s: UpdateSettings, returns: torch.Tensor | None = None,
+               tally: RouteTally | None = None) -> dict[str, float]:
         """``ppo_epochs`` x ``mini_batches`` optimizer steps on ``batch`` (already on device).
 
         ``batch.old_logp`` may be None only for a single optimizer step (one epoch, one
         mini-batch): then the update's own forward is the proximal policy, its detached
-        log-probs serve as ``old_logp`` and are left in ``self.last_logp`` ``[B, T-1]``.
+        log-probs serve as ``old_logp`` and are left in ``self.last_logp`` ``[B, T-1]``, and
+        its routing may be counted into ``tally`` (each row once).
         """
         if batch.old_logp is None and (s.ppo_epochs, s.mini_batches) != (1, 1):
             raise ValueError("old_logp is required when one batch makes several optimizer steps")
+        if tally is not None and (s.ppo_epochs, s.mini_batches) != (1, 1):
+            raise ValueError("a route tally of the update needs one optimizer step (each row once)")
+        self._tally = tally
         self.last_logp = torch.zeros_like(batch.sampler_logp)
         self.last_packing = None
         sums: dict[str, float] = {}
@@ -221,6 +313,7 @@ class Learner:
                     if math.isfinite(v):
                         sums[k] = sums.get(k, 0.0) + v
                         counts[k] = counts.get(k, 0) + 1
+        self._tally = None
         self.release_caches()  # stale after the optimizer step; not kept through the rollout
         out = {k: sums[k] / counts[k] for k in sums}
         out["train/skipped_updates"] = float(skipped)
@@ -301,8 +394,14 @@ class Learner:
                               hparams: dict, returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:
         """Forward, loss and backward of one micro-batch (rows ``part`` of ``mini``; ``rows``
         their indices in the whole batch), its loss scaled by ``weight``. Returns its metrics
-        as 0-d device tensors."""
+        as 0-d device tensors. An MoE policy replays the engine's routes in the forward and in
+        the backward's recomputation (activation checkpointing) alike."""
         mb = mini.rows(part)
+        with self._routing(self.model, mb, self.routing_replay, self._tally):
+            return self._micro_batch_loss(mb, part, rows, s, hparams, returns, weight)
+
+    def _micro_batch_loss(self, mb: RolloutBatch, part: MicroBatch, rows: torch.Tensor, s: UpdateSettings,
+                          hparams: dict, returns: torch.Tensor | None, weight: float) -> dict[str, torch.Tensor]:
         logp, entropy = sequence_logprobs(
             self.model, mb.input_ids, mb.attention_mask, temperature=s.temperature, with_entropy=True,
             ops=self.ops, right_padded=True,

@@ -15,6 +15,22 @@ is the base model. Parameter names are the base's plus ``.lora.A`` / ``.lora.B``
 :func:`peft_state_dict` renames them to PEFT's saved layout
 (``base_model.model.model.<linear>.lora_A.weight``), which PEFT loads with
 ``PeftModel.from_pretrained`` onto the transformers model of the same checkpoint.
+
+Targets are names of decoder linears (:data:`DEFAULT_TARGETS`) plus ``experts``
+(:data:`EXPERT_TARGET`). On a Qwen3-MoE model the MLP names (``gate_proj`` / ``up_proj`` /
+``down_proj``) adapt nothing, not even the dense MLPs of the layers that keep one
+(``mlp_only_layers``, or those ``decoder_sparse_step`` skips): PEFT (0.21 with transformers 5,
+``convert_peft_config_for_transformers``) reads those names in a Qwen3-MoE's
+``target_modules`` as the stacked experts' parameters (its conversion of transformers-4
+adapters), so no PEFT adapter could hold them, and one rule for all layers is simpler. The
+default targets of an MoE model are thus its attention projections; MLP names alone are
+refused there. The experts are adapted only when
+``experts`` is named (:class:`ExpertsLoRA`): per expert and stacked projection
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) an ``A_e [r, K]`` and a ``B_e [N, r]``
+held stacked as ``A [E, r, K]`` / ``B [E, N, r]``, run by the experts' forward as two
+grouped GEMMs over the rows it has sorted by expert and added to that projection's output.
+Their names are ``<experts>.lora.gate_up_proj.A`` ... and their PEFT form is
+``target_parameters`` (:func:`peft_state_dict`).
 """
 
 from __future__ import annotations
@@ -31,7 +47,14 @@ if TYPE_CHECKING:
     from quarl.quant.ops import LoRATerm
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # dense MLP linears: none adapted in an MoE model
+EXPERT_TARGET = "experts"  # opt-in: grouped adapters on every MoE block's experts
+ALL_TARGETS = DEFAULT_TARGETS + (EXPERT_TARGET,)
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # the stacked expert parameters an ExpertsLoRA adapts
 PEFT_PREFIX = "base_model.model.model."
+# PEFT nests one ParamWrapper per targeted parameter of a module, in the module's parameter order
+# (transformers' Qwen3MoeExperts: gate_up_proj, then down_proj): the first is the inner one, under base_layer
+_PEFT_EXPERT_KEYS = {"gate_up_proj": ".base_layer", "down_proj": ""}
 
 
 class LoRAAdapter(nn.Module):
@@ -112,23 +135,105 @@ def _is_target(name: str, targets: tuple[str, ...]) -> bool:
     return name.startswith("layers.") and name.rpartition(".")[2] in targets
 
 
+class GroupedLoRA(nn.Module):
+    """The adapters of one stacked expert projection ``W [E, N, K]``: ``A [E, r, K]`` and
+    ``B [E, N, r]``, expert ``e``'s update ``scaling * B[e] A[e]``. ``A`` starts as
+    :class:`LoRAAdapter`'s (per expert: uniform in ``+-1 / sqrt(K)``, PEFT's Kaiming bound),
+    ``B`` at zero."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, alpha: float,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.rank, self.alpha = rank, float(alpha)
+        self.scaling = self.alpha / rank
+        self.A = nn.Parameter(torch.empty(num_experts, rank, in_features, device=device, dtype=dtype))
+        self.B = nn.Parameter(torch.zeros(num_experts, out_features, rank, device=device, dtype=dtype))
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) of one expert's [r, K]
+        nn.init.uniform_(self.A, -bound, bound)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``y + scaling * B[e] (A[e] x)`` for rows ``x [M, K]`` sorted by expert (``offsets``: the
+        end of each expert's rows, as :func:`quarl.model.moe.grouped_linear` takes them)."""
+        xa = _grouped(x.to(self.A.dtype), self.A, offsets)
+        return y + (_grouped(xa, self.B, offsets) * self.scaling).to(y.dtype)
+
+    @torch.no_grad()
+    def delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The update of the stacked weight, ``scaling * B A`` ``[E, N, K]``, in ``dtype``."""
+        return (torch.bmm(self.B.float(), self.A.float()) * self.scaling).to(dtype)
+
+    def extra_repr(self) -> str:
+        e, r, k = self.A.shape
+        return f"experts={e}, rank={r}, alpha={self.alpha:g}, in={k}, out={self.B.shape[1]}"
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`quarl.model.moe.grouped_linear`, but the padded batched GEMM where the output rows
+    (``weight.shape[1]``: a small rank) are not 16-byte multiples, which the grouped GEMM's
+    backward needs for its gradients (``grouped_linear`` checks the input's rows only)."""
+    from quarl.model.moe import grouped_linear, padded_grouped_linear
+
+    if (weight.shape[1] * weight.element_size()) % 16:
+        return padded_grouped_linear(x, weight, offsets)
+    return grouped_linear(x, weight, offsets)
+
+
+class ExpertsLoRA(nn.Module):
+    """The adapters of one MoE block's experts (module docstring): a :class:`GroupedLoRA` per
+    stacked projection, ``gate_up_proj`` (``K = H``, ``N = 2I``: one adapter over the fused
+    gate and up rows, as PEFT adapts transformers' parameter) and ``down_proj`` (``K = I``,
+    ``N = H``). The experts' forward adds them while ``enabled``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, rank: int, alpha: float,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.rank, self.alpha = rank, float(alpha)
+        self.gate_up_proj = GroupedLoRA(num_experts, hidden_size, 2 * intermediate_size, rank, alpha, device, dtype)
+        self.down_proj = GroupedLoRA(num_experts, intermediate_size, hidden_size, rank, alpha, device, dtype)
+        self.enabled = True
+
+
+def _expert_dims(name: str, mod: nn.Module) -> tuple[int, int, int] | None:
+    """``(E, H, I)`` of a module holding an MoE block's experts (None: not one). An experts module
+    takes adapters when it has a ``lora`` attribute (None until one is attached): the promise
+    that its forward adds them (:class:`quarl.model.moe.Experts`); one without is refused."""
+    if not (hasattr(mod, "num_experts") and hasattr(mod, "intermediate_size")):
+        return None
+    if not hasattr(mod, "lora"):
+        raise ValueError(f"{name}: experts of type {type(mod).__name__} do not run LoRA adapters (no `lora` "
+                         f"attribute); expert adapters need experts whose forward adds them")
+    hidden = getattr(mod, "hidden_size", None) or mod.gate_up_proj.shape[-1]
+    return mod.num_experts, hidden, mod.intermediate_size
+
+
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
              dtype: torch.dtype | None = None) -> list[str]:
     """Freeze every parameter of ``model`` and give each decoder linear named in ``targets``
     (the last component of its name: ``q_proj``, ``down_proj``, ...) an adapter of ``rank``
-    and ``alpha``; returns the adapted linears' names. Plain ``nn.Linear`` bases become
+    and ``alpha``, and with ``experts`` in ``targets`` every MoE block's experts an
+    :class:`ExpertsLoRA`; returns the adapted modules' names. Plain ``nn.Linear`` bases become
     :class:`LoRALinear`; quantized ones (``QuantLinear``: packed, a ``qweight``) carry the adapter
-    themselves. The adapters take ``dtype`` (default: the model's embedding dtype)."""
+    themselves. The adapters take ``dtype`` (default: the model's embedding dtype). In an MoE
+    model the MLP names adapt nothing (module docstring)."""
     targets = tuple(targets)
-    unknown = sorted(set(targets) - set(DEFAULT_TARGETS))
+    unknown = sorted(set(targets) - set(ALL_TARGETS))
     if unknown:
-        raise ValueError(f"unknown LoRA target(s) {', '.join(unknown)}; targets are {', '.join(DEFAULT_TARGETS)}")
+        raise ValueError(f"unknown LoRA target(s) {', '.join(unknown)}; targets are {', '.join(ALL_TARGETS)}")
     model.requires_grad_(False)
     ref = next(model.parameters())
     dtype = dtype or ref.dtype
+    moe = _is_moe(model)
     names = []
     for name, mod in list(model.named_modules()):
-        if not _is_target(name, targets):
+        if not _is_target(name, targets) or (moe and name.rpartition(".")[2] in MLP_TARGETS):
+            continue
+        if name.rpartition(".")[2] == EXPERT_TARGET:
+            dims = _expert_dims(name, mod)
+            if dims is not None:
+                mod.lora = ExpertsLoRA(*dims, rank, alpha, device=ref.device, dtype=dtype)
+                names.append(name)
             continue
         if hasattr(mod, "quantized_weight"):  # a QATLinear
             raise ValueError(f"{name} is a QATLinear (master weights): LoRA's base stays frozen in the rollout "
@@ -141,9 +246,21 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]
             continue
         mod.lora = LoRAAdapter(mod.in_features, mod.out_features, rank, alpha, device=ref.device, dtype=dtype)
         names.append(name)
+    if EXPERT_TARGET in targets and not any(n.endswith("." + EXPERT_TARGET) for n in names):
+        raise ValueError(f"LoRA target {EXPERT_TARGET!r} adapts the experts of MoE layers, and this model has "
+                         "none (a dense model): drop it from the targets")
+    if not names and moe:
+        raise ValueError(f"LoRA targets {', '.join(targets)} adapt nothing in an MoE model: its MLP names adapt "
+                         f"no layer (module docstring); name attention projections or {EXPERT_TARGET!r}")
     if not names:
         raise ValueError(f"no decoder linear named {', '.join(targets)} to put a LoRA adapter on")
     return names
+
+
+def _is_moe(model: nn.Module) -> bool:
+    from quarl.model.moe import SparseMoeBlock
+
+    return any(isinstance(m, SparseMoeBlock) for m in model.modules())
 
 
 def _is_packed(mod: nn.Module) -> bool:
@@ -159,19 +276,31 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, LoRAAdapter
             yield name, mod, ad
 
 
+def expert_lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertsLoRA]]:
+    """``(experts name, experts module, adapters)`` of every MoE block whose experts are adapted."""
+    for name, mod in model.named_modules():
+        ad = getattr(mod, "lora", None)
+        if isinstance(ad, ExpertsLoRA):
+            yield name, mod, ad
+
+
 def has_lora(model: nn.Module) -> bool:
-    return next(lora_modules(model), None) is not None
+    return next(lora_modules(model), None) is not None or next(expert_lora_modules(model), None) is not None
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors by parameter name (``layers.0.self_attn.q_proj.lora.A`` ...)."""
-    return {f"{name}.lora.{p}": getattr(ad, p).detach() for name, _, ad in lora_modules(model) for p in ("A", "B")}
+    """The adapters' tensors by parameter name (``layers.0.self_attn.q_proj.lora.A`` ...,
+    ``layers.0.mlp.experts.lora.gate_up_proj.A`` ...)."""
+    out = {f"{name}.lora.{p}": getattr(ad, p).detach() for name, _, ad in lora_modules(model) for p in ("A", "B")}
+    for name, _, ad in expert_lora_modules(model):
+        out.update({f"{name}.lora.{key}": t.detach() for key, t in ad.named_parameters()})
+    return out
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` as its base inside this block (the reference policy of a LoRA run)."""
-    ads = [ad for _, _, ad in lora_modules(model)]
+    ads = [ad for _, _, ad in lora_modules(model)] + [ad for _, _, ad in expert_lora_modules(model)]
     states = [ad.enabled for ad in ads]
     for ad in ads:
         ad.enabled = False
@@ -183,18 +312,35 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 
 def peft_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The adapters in PEFT's saved layout (``adapter_model.safetensors``)."""
-    out = {}
+    """The adapters in PEFT's saved layout (``adapter_model.safetensors``).
+
+    Expert adapters take the layout of PEFT's ``ParamWrapper`` on transformers' stacked
+    parameters (``target_parameters``): per projection ``lora_A.weight [E * r, K]`` (expert
+    ``e``'s rows ``e * r : (e + 1) * r``) and ``lora_B.weight [N, r * E]`` (column ``j * E + e``
+    is expert ``e``'s rank ``j``), under ``<experts>.base_layer`` for ``gate_up_proj`` (PEFT's
+    inner wrapper) and ``<experts>`` for ``down_proj``."""
+
+    def put(key: str, t: torch.Tensor) -> None:
+        out[key] = (t if dtype is None else t.to(dtype)).contiguous().cpu()
+
+    out: dict[str, torch.Tensor] = {}
     for name, _, ad in lora_modules(model):
         for p, peft in (("A", "lora_A"), ("B", "lora_B")):
-            t = getattr(ad, p).detach()
-            out[f"{PEFT_PREFIX}{name}.{peft}.weight"] = (t if dtype is None else t.to(dtype)).contiguous().cpu()
+            put(f"{PEFT_PREFIX}{name}.{peft}.weight", getattr(ad, p).detach())
+    for name, _, ad in expert_lora_modules(model):
+        for proj in EXPERT_PROJECTIONS:
+            grouped: GroupedLoRA = getattr(ad, proj)
+            a, b = grouped.A.detach(), grouped.B.detach()
+            e, r, k = a.shape
+            where = f"{PEFT_PREFIX}{name}{_PEFT_EXPERT_KEYS[proj]}"
+            put(f"{where}.lora_A.weight", a.reshape(e * r, k))
+            put(f"{where}.lora_B.weight", b.permute(1, 2, 0).reshape(b.shape[1], r * e))
     return out
 
 
 def peft_config(model: nn.Module, base_model_path: str | None) -> dict:
     """``adapter_config.json`` for the adapters of ``model`` (one rank and alpha for all)."""
-    ads = list(lora_modules(model))
+    ads = list(lora_modules(model)) + list(expert_lora_modules(model))
     if not ads:
         raise ValueError("the model has no LoRA adapters to export")
     ranks = {ad.rank for _, _, ad in ads}
@@ -202,13 +348,17 @@ def peft_config(model: nn.Module, base_model_path: str | None) -> dict:
     if len(ranks) != 1 or len(alphas) != 1:
         raise ValueError(f"adapters of several ranks {sorted(ranks)} / alphas {sorted(alphas)}: PEFT's "
                          "config takes one of each")
-    targets = sorted({name.rpartition(".")[2] for name, _, _ in ads})
-    return {
+    targets = sorted({name.rpartition(".")[2] for name, _, _ in lora_modules(model)})
+    config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
-        "r": ranks.pop(), "lora_alpha": alphas.pop(), "lora_dropout": 0.0, "target_modules": targets,
+        "r": ranks.pop(), "lora_alpha": alphas.pop(), "lora_dropout": 0.0, "target_modules": targets or None,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
+    if next(expert_lora_modules(model), None) is not None:
+        # PEFT's LoRA on transformers' stacked expert parameters (ParamWrapper), one A / B per expert
+        config["target_parameters"] = [f"mlp.experts.{proj}" for proj in EXPERT_PROJECTIONS]
+    return config
 
 
 @torch.no_grad()
@@ -220,3 +370,17 @@ def merged_weight(mod: nn.Module, dtype: torch.dtype = torch.float32) -> torch.T
     if ad is not None:
         base = base + ad.scaling * (ad.B.float() @ ad.A.float())
     return base.to(dtype)
+
+
+@torch.no_grad()
+def merged_experts(mod: nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The stacked expert weights (``gate_up_proj``, ``down_proj``) of an experts module with its
+    :class:`ExpertsLoRA` merged in: ``W[e] + scaling * B[e] A[e]``, in ``dtype``."""
+    ad = getattr(mod, "lora", None)
+    out = {}
+    for proj in EXPERT_PROJECTIONS:
+        w = getattr(mod, proj).detach().float()
+        if isinstance(ad, ExpertsLoRA):
+            w = w + getattr(ad, proj).delta(torch.float32)
+        out[proj] = w.to(dtype)
+    return out

@@ -45,7 +45,11 @@ run.
 Routing replay: a block's ``routing`` attribute (None, or a :class:`MoeRouting`) records the
 expert ids each call chose and can impose ids instead of the router's top-k; the gate
 weights are then the router's own probabilities of the imposed experts (renormalised as
-above), so the router still gets gradients. :func:`moe_routing` installs one on every block.
+above), so the router still gets gradients. A token whose imposed ids are ``-1`` (a position
+the rollout engine never ran: padding, a response's last token) routes itself.
+:func:`moe_routing` installs one on every block for a ``with`` block; the rollout engine keeps
+one installed (:func:`install_routing`) to record the experts of every step it runs
+(``rollout.routing_replay``, docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class MoeRouting:
 
     replay: ``{layer_idx: expert ids [N, k]}`` (any integer dtype): the experts the layer's
         tokens use instead of the router's top-k, in the order of the forward's flattened
-        tokens (``N = B * T`` of a batch, padding included). Layers not listed route themselves.
+        tokens (``N = B * T`` of a batch, padding included). Layers not listed route themselves,
+        and so do the tokens of a row holding a ``-1`` (unknown: never run by the engine).
     record: keep what each layer did in ``expert_ids`` / ``router_ids``.
     expert_ids: ``{layer_idx: [N, k] int16}`` the experts each layer's last call used.
     router_ids: ``{layer_idx: [N, k] int16}`` the router's own top-k of that call (the same
@@ -90,18 +95,46 @@ class MoeRouting:
 def moe_routing(model: nn.Module, replay: dict[int, torch.Tensor] | None = None,
                 record: bool = True) -> Iterator[MoeRouting]:
     """Install one :class:`MoeRouting` on every :class:`SparseMoeBlock` of ``model`` for the
-    block, and remove it at exit. A backward that recomputes layers (activation
-    checkpointing) must run inside the block too, or a replayed layer would be recomputed
-    with the router's own experts."""
+    block, and put back what each had at exit (None, or an engine's recording). A backward that
+    recomputes layers (activation checkpointing) must run inside the block too, or a replayed
+    layer would be recomputed with the router's own experts."""
     routing = MoeRouting(replay=replay, record=record)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    before = [block.routing for block in blocks]
     for block in blocks:
         block.routing = routing
     try:
         yield routing
     finally:
-        for block in blocks:
-            block.routing = None
+        for block, previous in zip(blocks, before):
+            block.routing = previous
+
+
+def install_routing(model: nn.Module, routing: MoeRouting | None) -> None:
+    """Set every :class:`SparseMoeBlock`'s ``routing`` of ``model`` (None: remove it); for a
+    holder that keeps one across calls (the rollout engine, whose CUDA graphs capture the
+    recording)."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            block.routing = routing
+
+
+def moe_layer_ids(model: nn.Module) -> list[int]:
+    """The layer indices of ``model``'s :class:`SparseMoeBlock` s, in order (empty: a dense model)."""
+    return sorted(m.layer_idx for m in model.modules() if isinstance(m, SparseMoeBlock))
+
+
+def stacked_routes(routing: MoeRouting, layers: list[int]) -> torch.Tensor:
+    """The recorded ``expert_ids`` of ``layers`` (the last call of each) as one ``[N, len(layers), k]``
+    int16 tensor: a token's experts in every MoE layer, the layout the engine stores per position."""
+    return torch.stack([routing.expert_ids[i] for i in layers], dim=1)
+
+
+def replay_of(routes: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """``routes [..., len(layers), k]`` (a batch's tokens, any leading shape, in the forward's
+    token order; ``-1`` unknown) as :attr:`MoeRouting.replay`: ``{layer: [N, k]}``."""
+    flat = routes.reshape(-1, *routes.shape[-2:])
+    return {layer: flat[:, j] for j, layer in enumerate(layers)}
 
 
 class Router(nn.Module):
@@ -124,7 +157,9 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.d
 
     Returns ``(weights [N, k] in dtype, expert ids [N, k] int64, router top-k [N, k] int64)``:
     softmax in float32, the ``top_k`` largest probabilities (``expert_ids`` given: those
-    experts' probabilities instead), divided by their sum when ``norm_topk_prob``."""
+    experts' probabilities instead, so the router's gradient flows through them; a row with a
+    negative id, ``-1`` for unknown, takes the router's own top-k), divided by their sum when
+    ``norm_topk_prob``. No host sync either way."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_p, top_ids = torch.topk(probs, top_k, dim=-1)
     if expert_ids is None:
@@ -133,7 +168,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.d
         if tuple(expert_ids.shape) != tuple(top_ids.shape):
             raise ValueError(f"replayed expert ids have shape {tuple(expert_ids.shape)}; the layer routes "
                              f"{tuple(top_ids.shape)} (tokens, top-k)")
-        ids = expert_ids.to(device=logits.device, dtype=torch.long)
+        given = expert_ids.to(device=logits.device, dtype=torch.long)
+        ids = torch.where((given >= 0).all(dim=-1, keepdim=True), given, top_ids)
         p = probs.gather(1, ids)
     if norm_topk_prob:
         p = p / p.sum(dim=-1, keepdim=True)
@@ -142,7 +178,12 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.d
 
 class Experts(nn.Module):
     """All experts of one MoE block, stacked (module docstring): ``gate_up_proj [E, 2I, H]``,
-    ``down_proj [E, H, I]``."""
+    ``down_proj [E, H, I]``.
+
+    ``lora``: None, or the experts' LoRA adapters (:class:`quarl.model.lora.ExpertsLoRA`,
+    attached by ``add_lora`` with the ``experts`` target): while enabled, each projection's
+    output gains its adapter's ``scaling * B[e] (A[e] x)``, two more grouped GEMMs over the
+    same expert-sorted rows (``GroupedLoRA.add_to``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
         super().__init__()
@@ -151,18 +192,28 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        self.lora = None  # a plain attribute until an adapter module is assigned
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x ``[N, H]``, expert_ids ``[N, k]`` (int64), weights ``[N, k]`` (x's dtype) -> ``[N, H]``:
-        ``sum_j weights[:, j] * expert_{ids[:, j]}(x)``."""
+        ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (each expert's projections with their
+        LoRA updates, if adapted)."""
         n, k = expert_ids.shape
         order, offsets = sort_by_expert(expert_ids, self.num_experts)
+        lora = getattr(self, "lora", None)
+        if lora is not None and not lora.enabled:
+            lora = None
         # each token's row once per slot, then in expert order; both steps have a deterministic
         # backward (a sum over the k copies, a permutation), unlike indexing x by token
         rows = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])[order]
         gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
+        if lora is not None:
+            gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
+        hidden = F.silu(gate) * up
+        out = grouped_linear(hidden, self.down_proj, offsets)
+        if lora is not None:
+            out = lora.down_proj.add_to(out, hidden, offsets)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         # back to (token, slot) order: the sum over slots runs in a fixed order
         inverse = torch.empty_like(order)

@@ -50,13 +50,15 @@ from quarl.model.loading import (
     open_weights,
 )
 from quarl.model.config import TransformerConfig
-from quarl.model.moe import ExpertLayout
+from quarl.model.moe import ExpertLayout, Experts
 from quarl.model.transformer import Rotary, Transformer
-from quarl.quant.linear import DEFAULT_INCLUDE, QuantLinear, selected_linears
+from quarl.quant.experts import PROJECTIONS, QuantExperts
+from quarl.quant.linear import DEFAULT_INCLUDE, QuantLinear, selected_experts, selected_linears
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
 
-CACHE_FORMAT_VERSION = 2  # 2: int-group scales are bf16 values (reference.bf16_scale)
+# 2: int-group scales are bf16 values (reference.bf16_scale); 3: MoE experts packed (QuantExperts)
+CACHE_FORMAT_VERSION = 3
 CACHE_SHARD_BYTES = 1 << 31  # host memory a cache write or read holds at once
 _MANIFEST = "manifest.json"
 
@@ -72,7 +74,10 @@ def load_quantized_model(
     exclude: Iterable[str] = (),
     cache_dir: str | Path | None = None,
 ) -> Transformer:
-    """The checkpoint at ``path`` with its selected linears as :class:`QuantLinear` in ``scheme``.
+    """The checkpoint at ``path`` with its selected linears as :class:`QuantLinear` in ``scheme``
+    (and its selected MoE experts as :class:`~quarl.quant.experts.QuantExperts`, each expert
+    quantized on its own, from either checkpoint layout: one layer's stacked projection at a
+    time is in full precision on the device).
 
     Equal, tensor for tensor, to ``m = load_model(path, dtype, device); quantize_model(m, scheme,
     QuantLinear, include, exclude)``, but no more than one linear's full-precision weight is on
@@ -114,15 +119,35 @@ def _meta_model(cfg: TransformerConfig, dtype: torch.dtype) -> Transformer:
         return Transformer(cfg).to(dtype)
 
 
+def _selected(model: Transformer, include: tuple[str, ...], exclude: tuple[str, ...]) -> list[str]:
+    """The module names ``quantize_model`` swaps: linears, then MoE experts."""
+    return selected_linears(model, include, exclude) + selected_experts(model, include, exclude)
+
+
 def _pack_linears(model: Transformer, names: Iterable[str], scheme: QuantScheme, dtype: torch.dtype) -> None:
-    """Swap the meta model's linears ``names`` for meta :class:`QuantLinear` in ``scheme``."""
+    """Swap the meta model's linears ``names`` for meta :class:`QuantLinear` in ``scheme``, and
+    its MoE experts among ``names`` for meta :class:`~quarl.quant.experts.QuantExperts`."""
     for name in names:
-        linear = model.get_submodule(name)
-        if type(linear) is not nn.Linear:
-            raise CheckpointError(f"{name} is a {type(linear).__name__}, not a linear of {model.config.model_type}")
+        mod = model.get_submodule(name)
         parent, _, child = name.rpartition(".")
-        packed = QuantLinear(linear.in_features, linear.out_features, scheme, linear.bias is not None, "meta", dtype)
+        if type(mod) is Experts:
+            packed = QuantExperts(mod.down_proj.shape[1], mod.intermediate_size, mod.num_experts, scheme, "meta",
+                                  dtype, name)
+        elif type(mod) is nn.Linear:
+            packed = QuantLinear(mod.in_features, mod.out_features, scheme, mod.bias is not None, "meta", dtype)
+        else:
+            raise CheckpointError(f"{name} is a {type(mod).__name__}, not a linear of {model.config.model_type}")
         setattr(model.get_submodule(parent) if parent else model, child, packed)
+
+
+def _place_packed(model: nn.Module, name: str, value: torch.Tensor, scheme: QuantScheme) -> None:
+    """Quantize ``value`` (a linear's weight, or a stacked expert projection ``[E, N, K]``, each
+    expert on its own: its ``[E * N, K]`` view) and make the packed tensors the buffers of
+    the module ``name`` stands for (the linear, or the experts' projection)."""
+    packed = quantize_weight(value.reshape(-1, value.shape[-1]), scheme)
+    module = name.removesuffix(".weight")
+    for field, t in packed.tensors().items():
+        _place(model, f"{module}.{field}", t)
 
 
 def _place(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -148,23 +173,23 @@ def _stream_quantized(path: Path, cfg: TransformerConfig, scheme: QuantScheme, d
     experts = ExpertLayout(checkpoint_keys(path) if cfg.is_moe else (),
                            {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()})
     plan = checkpoint_plan(path, cfg, experts.expected)
-    modules = selected_linears(model, include, exclude)
+    modules = _selected(model, include, exclude)
     _pack_linears(model, modules, scheme, dtype)
-    quantized_weights = {f"{m}.weight" for m in modules}
+    quantized_weights = {f"{m}.weight" for m in modules} | {f"{m}.{p}" for m in modules for p in PROJECTIONS}
     for file, keys in plan:
         with open_weights(file) as f:
             for key in keys:
-                name = key.removeprefix("model.")
                 tensor = f.get_tensor(key).to(device=device, dtype=dtype)
-                if name not in quantized_weights:  # (expert tensors among them: never a selected linear)
-                    for whole, value in experts.take(key, tensor):
-                        _place(model, whole.removeprefix("model."), value)
-                    continue
-                packed = quantize_weight(tensor, scheme)
-                del tensor  # the one full-precision linear on the device goes before the next is read
-                module = name.removesuffix(".weight")
-                for field, t in packed.tensors().items():
-                    _place(model, f"{module}.{field}", t)
+                # a stacked expert projection comes once all of its experts are read (one
+                # layer's at a time: ExpertLayout); anything else as it is
+                for whole, value in experts.take(key, tensor):
+                    name = whole.removeprefix("model.")
+                    if name in quantized_weights:
+                        _place_packed(model, name, value, scheme)
+                    else:
+                        _place(model, name, value)
+                    del value
+                del tensor  # the one full-precision weight on the device goes before the next is read
     model.rotary = Rotary(cfg).to(device)
     return model.eval(), modules
 
@@ -281,7 +306,7 @@ def random_quantized_model(
     ``device``, so the values differ from ``build_random_model``'s."""
     scheme, device = get_scheme(scheme), torch.device(device)
     model = _meta_model(cfg, dtype)
-    modules = selected_linears(model, tuple(DEFAULT_INCLUDE if include is None else include), tuple(exclude))
+    modules = _selected(model, tuple(DEFAULT_INCLUDE if include is None else include), tuple(exclude))
     if scheme.quantizes_weights:
         _pack_linears(model, modules, scheme, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -295,9 +320,11 @@ def random_quantized_model(
     if scheme.quantizes_weights:
         for module in modules:
             mod = model.get_submodule(module)
-            w = (torch.randn(mod.out_features, mod.in_features, generator=gen, device=device) * std).to(dtype)
-            for field, t in quantize_weight(w, scheme).tensors().items():
-                _place(model, f"{module}.{field}", t)
-            del w
+            shapes = {f"{module}.{p}": getattr(mod, p).shape for p in PROJECTIONS} if isinstance(mod, QuantExperts) \
+                else {f"{module}.weight": (mod.out_features, mod.in_features)}
+            for name, shape in shapes.items():
+                w = (torch.randn(shape, generator=gen, device=device) * std).to(dtype)
+                _place_packed(model, name, w, scheme)
+                del w
     model.rotary = Rotary(cfg).to(device)
     return model.eval()

@@ -41,8 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.model.lora import LoRALinear, apply_adapter
+from quarl.model.moe import Experts
 from quarl.quant import ops
 from quarl.quant.dense_leaf import DequantizedLeaf, deferring
+from quarl.quant.experts import QATExperts, QuantExperts, check_expert_scheme
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, concat_quantized, empty_quantized, quantize_weight, quantize_weights
 from quarl.quant.scheme import QuantScheme, get_scheme
@@ -441,23 +443,37 @@ def quantize_model(
     include: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
 ) -> list[str]:
-    """Swap the selected ``nn.Linear`` modules of ``model`` in place; returns their names.
+    """Swap the selected ``nn.Linear`` modules and MoE experts of ``model`` in place; returns
+    their names (the linears', then the experts').
 
     ``layer=QATLinear`` (the learner's: master weights, the engine's GEMM in the forward,
     straight-through backward) or ``QuantLinear`` (the engine's: packed weights only).
     ``include``/``exclude`` are ``fnmatch`` patterns over module names; the default
     ``("layers.*",)`` takes every linear of the decoder layers and leaves embeddings,
-    norms and the LM head alone.
+    norms and the LM head alone. An MoE block's experts (:class:`~quarl.model.moe.Experts`,
+    module name ``layers.L.mlp.experts``) are selected by the same patterns and become
+    :class:`~quarl.quant.experts.QATExperts` / :class:`~quarl.quant.experts.QuantExperts`
+    (every expert quantized on its own); its router (``mlp.gate``) is no linear and stays
+    in the model's dtype. A scheme with a per-tensor scale (nvfp4) cannot quantize stacked
+    experts: a ValueError names them and the fix (exclude ``layers.*.mlp.experts``).
     """
     scheme = get_scheme(scheme)
     if layer not in (QATLinear, QuantLinear):
         raise ValueError(f"layer must be QATLinear or QuantLinear, got {layer!r}")
     targets = selected_linears(model, include, exclude)
+    experts = selected_experts(model, include, exclude)
+    for name in experts:  # (refused before anything is swapped)
+        check_expert_scheme(scheme, name)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer.from_linear(model.get_submodule(name), scheme))
-    return targets
+    experts_layer = QATExperts if layer is QATLinear else QuantExperts
+    for name in experts:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, experts_layer.from_experts(model.get_submodule(name), scheme, name))
+    return targets + experts
 
 
 def selected_linears(model: nn.Module, include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
@@ -466,6 +482,18 @@ def selected_linears(model: nn.Module, include: Iterable[str] | None = None, exc
     include = tuple(DEFAULT_INCLUDE if include is None else include)
     exclude = tuple(exclude)
     return [name for name, mod in model.named_modules() if type(mod) is nn.Linear and _selected(name, include, exclude)]
+
+
+def selected_experts(model: nn.Module, include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
+    """Names of the MoE blocks' plain :class:`~quarl.model.moe.Experts` (``layers.L.mlp.experts``)
+    that :func:`quantize_model` swaps, selected as :func:`selected_linears` selects linears."""
+    include = tuple(DEFAULT_INCLUDE if include is None else include)
+    exclude = tuple(exclude)
+    return [name for name, mod in model.named_modules() if type(mod) is Experts and _selected(name, include, exclude)]
+
+
+def _qat_experts(model: nn.Module) -> list[QATExperts]:
+    return [m for m in model.modules() if isinstance(m, QATExperts)]
 
 
 def _qat_holders(model: nn.Module) -> Iterator[QATLinear | QATGroup]:
@@ -481,6 +509,8 @@ def drop_dequantized(model: nn.Module) -> None:
     LoRA learner's frozen bases: :func:`quarl.learner.memory.drop_dense_bases`)."""
     for holder in _qat_holders(model):
         holder.drop_dequantized()
+    for experts in _qat_experts(model):
+        experts.drop_dequantized()
 
 
 def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:
@@ -493,6 +523,8 @@ def set_per_use_dequant(model: nn.Module, on: bool = True) -> None:
     for holder in _qat_holders(model):
         holder.drop_dequantized()
         holder._leaf.keep = not on
+    for experts in _qat_experts(model):  # (their straight-through gradient needs no leaf: only the copy's lifetime)
+        experts.keep_dequantized = not on
 
 
 def set_straight_through(model: nn.Module) -> None:
@@ -507,6 +539,8 @@ def set_straight_through(model: nn.Module) -> None:
         holder.drop_dequantized()
         holder._leaf.keep = False
         holder._leaf.straight_through = True
+    for experts in _qat_experts(model):
+        experts.keep_dequantized = False
 
 
 @contextlib.contextmanager
@@ -524,20 +558,27 @@ def deferred_master_grads(model: nn.Module) -> Iterator[None]:
 
 
 def invalidate_quantized(model: nn.Module) -> None:
-    """Forget every :class:`QATLinear`'s cached quantized weight (after writes its version
-    counter may not show: loads into shards, ``.data``)."""
+    """Forget every :class:`QATLinear`'s (and :class:`~quarl.quant.experts.QATExperts`') cached
+    quantized weight (after writes its version counter may not show: loads into shards, ``.data``)."""
     for m in model.modules():
-        if isinstance(m, QATLinear):
+        if isinstance(m, (QATLinear, QATExperts)):
             m.invalidate()
 
 
-def requantize_stale(mods: list[QATLinear]) -> None:
+def requantize_stale(mods: list[QATLinear | QATExperts]) -> None:
     """Quantize the master weight of every module in ``mods`` that changed since its last
     quantization (after an optimizer step: all of them) with a few stacked quantizer calls
     (:func:`~quarl.quant.qweight.quantize_weights`) instead of one chain of small kernels per
-    module. The results are the ones each module would make itself."""
+    module. The results are the ones each module would make itself.
+    :class:`~quarl.quant.experts.QATExperts` in ``mods`` (two stacked weights: one call each
+    already) quantize themselves; other modules are skipped."""
     stale: dict[QuantScheme, list[QATLinear]] = {}
     for m in mods:
+        if isinstance(m, QATExperts):
+            m.quantized_weights()
+            continue
+        if not isinstance(m, QATLinear):
+            continue
         if m._qw is None or m._qw_key != m._key():
             stale.setdefault(m.scheme, []).append(m)
     for scheme, ms in stale.items():

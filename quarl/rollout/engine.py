@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from quarl.model.transformer import Transformer
@@ -21,7 +22,7 @@ from quarl.rollout.model_runner import DecodeHandle, ModelRunner
 from quarl.rollout.sampler import completion_key
 from quarl.rollout.sampling_params import SamplingParams
 from quarl.rollout.scheduler import ScheduledBatch, Scheduler
-from quarl.rollout.sequence import Sequence
+from quarl.rollout.sequence import RouteLog, Sequence, SequenceStatus
 
 
 class LogprobMismatchError(RuntimeError):
@@ -34,6 +35,12 @@ class Completion:
 
     ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under ``softmax(logits / T)``
     before top-k/top-p truncation (under ``softmax(logits)`` for greedy requests).
+
+    ``routes`` (an engine that records routes, on an MoE model; else None): ``[len(prompt) +
+    len(token_ids), moe layers, k]`` int16, the experts each prompt and response position ran
+    in each MoE layer (the layers in order), as the engine ran them: the prompt's rows from
+    the prefill its samples shared (or the recompute after a preemption), the response's from
+    the decode steps. The last token was sampled but never fed: its row is ``-1``.
     """
 
     prompt_index: int
@@ -41,6 +48,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
+    routes: np.ndarray | None = None
 
 
 @dataclass
@@ -68,6 +76,10 @@ class Engine:
     selected by ``include``/``exclude`` (fnmatch patterns over module names, default
     every ``layers.*`` linear) for ``quarl.quant.QuantLinear`` holding packed weights;
     embeddings, norms and the LM head stay in the model dtype.
+
+    ``record_routes``: on an MoE model, every completion carries the experts its positions
+    ran (:attr:`Completion.routes`; :class:`~quarl.rollout.model_runner.ModelRunner`); off, or
+    on a dense model, nothing is recorded.
     """
 
     def __init__(
@@ -80,6 +92,7 @@ class Engine:
         include: list[str] | None = None,
         exclude: list[str] | tuple[str, ...] = (),
         kv_cache: bool = True,
+        record_routes: bool = False,
     ) -> None:
         """``kv_cache=False``: the KV cache is sized and made at the first
         :meth:`reallocate_kv_cache`, from the memory free then (for a caller that frees memory
@@ -107,7 +120,8 @@ class Engine:
             [] if mc.eos_token_id is None
             else [mc.eos_token_id] if isinstance(mc.eos_token_id, int) else mc.eos_token_id
         )
-        self.runner = ModelRunner(self.model, self.config, self.max_model_len, allocate=kv_cache)
+        self.runner = ModelRunner(self.model, self.config, self.max_model_len, allocate=kv_cache,
+                                  record_routes=record_routes)
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         if kv_cache:
@@ -157,6 +171,8 @@ class Engine:
                 batch = self.scheduler.schedule()
                 if batch.is_prefill:
                     token_ids, logprobs = self.runner.step(True, batch.groups, batch.block_copies)
+                    if self.records_routes:
+                        self._record_prefill(batch.groups, self.runner.prefill_routes)
                     self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
                     stats.prefill_steps += 1
                     stats.prefill_s += time.perf_counter() - t0
@@ -173,7 +189,10 @@ class Engine:
                 pending = (following, self.runner.launch_decode())
                 stats.planned_steps += 1
             # (rows of sequences that stopped at the step ahead are dropped by postprocess)
-            self.scheduler.postprocess(batch.seqs, *self.runner.collect_decode(handle))
+            token_ids, logprobs = self.runner.collect_decode(handle)
+            if self.records_routes:  # (read before the step after next reuses this host slot)
+                self._record_decode(batch.seqs, self.runner.decode_routes(handle))
+            self.scheduler.postprocess(batch.seqs, token_ids, logprobs)
             dt = time.perf_counter() - t0
             stats.decode_steps += 1
             stats.decode_s += dt
@@ -183,9 +202,36 @@ class Engine:
         stats.generated_tokens = sum(s.num_generated for s in seqs)
         self.stats = stats
         return [
-            Completion(s.prompt_index, s.sample_index, s.generated_token_ids, s.logprobs, s.finish_reason or "length")
+            Completion(s.prompt_index, s.sample_index, s.generated_token_ids, s.logprobs, s.finish_reason or "length",
+                       s.routes.rows(len(s)) if s.routes is not None else None)
             for s in seqs
         ]
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether completions carry their routes (``record_routes`` on an MoE model)."""
+        return self.runner.routing is not None
+
+    @staticmethod
+    def _record_prefill(groups: list[list[Sequence]], routes: np.ndarray) -> None:
+        """A prefill's expert ids (its leaders' tokens in order) as each group's prefix: one
+        array the group's members share (the prompt's K/V, which they all read, came from it)."""
+        start = 0
+        for group in groups:
+            end = start + len(group[0])
+            rows = routes[start:end].copy()  # (its own array: the step's may be much larger)
+            for seq in group:
+                seq.routes.set_prefix(rows)
+            start = end
+
+    @staticmethod
+    def _record_decode(seqs: list[Sequence], routes: np.ndarray) -> None:
+        """A decode step's expert ids: row ``i`` is the input token of ``seqs[i]``, at position
+        ``len(seq) - 1`` until this step's token is appended. A sequence that stopped at the
+        step before (a row planned ahead) ran a token nobody reads: not kept."""
+        for seq, row in zip(seqs, routes):
+            if seq.status != SequenceStatus.FINISHED:
+                seq.routes.put(len(seq) - 1, row)
 
     def _make_group(self, prompt_index: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
         if not prompt:
@@ -199,10 +245,14 @@ class Engine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        return [
+        group = [
             Sequence(next(self._seq_ids), prompt, params, prompt_index, j, completion_key(seed, j), stop)
             for j in range(params.n)
         ]
+        if self.records_routes:
+            for seq in group:
+                seq.routes = RouteLog(len(self.runner.moe_layers), self.runner.route_k)
+        return group
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, published: dict[str, Any]) -> None:

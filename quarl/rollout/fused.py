@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import nn
 
 from quarl.model.lora import LoRALinear
+from quarl.model.moe import SparseMoeBlock
 from quarl.model.transformer import AttnFn, TorchOps, Transformer
 from quarl.quant import ops
 from quarl.quant.linear import QuantLinear, stackable
@@ -559,13 +560,15 @@ def fuse_projections(model: Transformer) -> int:
     ``[q+k+v]`` and one ``[2 I]`` product per layer replace five. Plain linears and
     ``QuantLinear`` groups of one scheme are fused (the quantized formats here keep their
     scales per output row, so concatenating rows gives the same products); nvfp4 (one
-    tensor scale per module) and mixed groups are left alone. Returns the number of
-    fused groups.
+    tensor scale per module) and mixed groups are left alone, and so are an MoE layer's experts
+    (already one stacked weight per projection). Returns the number of fused groups.
     """
     count = 0
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        groups = (("qkv", a, [a.q_proj, a.k_proj, a.v_proj]), ("gate_up", m, [m.gate_proj, m.up_proj]))
+        groups = [("qkv", a, [a.q_proj, a.k_proj, a.v_proj])]
+        if not isinstance(m, SparseMoeBlock):
+            groups.append(("gate_up", m, [m.gate_proj, m.up_proj]))
         for name, owner, mods in groups:
             if hasattr(owner, f"_fused_{name}"):
                 count += 1
@@ -634,6 +637,8 @@ class FusedOps(TorchOps):
         return a.o_proj(out.reshape(b * t, -1))
 
     def mlp(self, mlp: nn.Module, h) -> torch.Tensor:
+        if isinstance(mlp, SparseMoeBlock):  # its own forward on the rows (``norm`` gave plain rows: no fused gate/up)
+            return mlp(h)
         fused_gu = getattr(mlp, "_fused_gate_up", None)
         if fused_gu is None:
             return mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))

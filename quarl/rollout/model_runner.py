@@ -8,10 +8,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from quarl.model.moe import MoeRouting, install_routing, moe_layer_ids, stacked_routes
 from quarl.model.transformer import Transformer
 from quarl.quant.kernels.device import dependent_launches
 from quarl.rollout.attention import PagedAttention, StepContext
 from quarl.rollout.config import EngineConfig
+from quarl.rollout.dense_weights import use_dense_weights, weight_only_caches
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampler import Sampler, SamplingBatch, row_seeds
 from quarl.rollout.sequence import Sequence
@@ -40,35 +42,6 @@ def _check_fp8_kv_support(kv_cache_dtype: str, device: torch.device, backend: st
 
 _QUEUE_AHEAD_CYCLES = 1_000_000  # ~0.6 ms of GPU clock
 _L2_FLUSH_BYTES = 64 << 20  # more than the L2 of the GPUs we tune on (H100 / H200: 50 MB)
-DENSE_AUTO_FRACTION = 0.10  # dense_weights="auto": keep the copies when they take at most this share of the GPU
-
-
-def use_dense_weights(setting: str, need_bytes: int, total_bytes: int) -> bool:
-    """Whether the engine keeps dense copies of its weight-only quantized weights: ``"on"``,
-    ``"off"``, or ``"auto"`` (on a GPU, when they take at most :data:`DENSE_AUTO_FRACTION`
-    of its memory: every model a full fine-tune fits on one GPU, not a large frozen base)."""
-    if setting == "auto":
-        return 0 < need_bytes <= DENSE_AUTO_FRACTION * total_bytes
-    return setting == "on"
-
-
-def weight_only_caches(model: torch.nn.Module) -> list:
-    """``(RepackCache, QuantizedWeight)`` of each GEMM of ``model`` over a weight-only quantized
-    weight, as the engine runs them (a fused q/k/v or gate/up group once)."""
-    from quarl.quant.linear import QuantLinear
-    from quarl.quant.qweight import QuantizedWeight
-
-    out = []
-    for mod in model.modules():
-        if isinstance(mod, QuantLinear) and not hasattr(mod, "_fused_owner"):
-            out.append((mod.repacked, mod.qweight))
-        for name in ("_fused_qkv", "_fused_gate_up"):
-            fused = mod.__dict__.get(name)
-            if fused is not None and isinstance(fused.weight, QuantizedWeight):
-                out.append((fused.repacked, fused.weight))
-    return [(c, qw) for c, qw in out if qw.scheme.quantizes_weights and qw.scheme.act_format == "none"]
-
-
 def decode_splits(programs: int, sms: int, per_sm: int, max_model_len: int) -> int:
     """Context splits of the decode kernel for ``programs`` (sequence, kv head) pairs: at most
     ``per_sm`` programs per SM in all, so that they run in one wave when that many fit on an
@@ -91,10 +64,25 @@ class ModelRunner:
     holds the batch (rows beyond the batch write the cache's scratch block); the graph
     reads its inputs from static buffers, so a step costs a few host-to-device copies,
     one replay, the sampling kernel and one device-to-host copy of the sampled tokens.
+
+    ``record_routes`` (an MoE model): every step also keeps the experts each token it ran
+    used in each MoE layer, ``[tokens, moe layers, k]`` int16: a prefill's in
+    :attr:`prefill_routes`, a decode step's from :meth:`decode_routes`. A :class:`MoeRouting`
+    stays installed on the model's blocks, so the decode graphs are captured recording: their
+    stacked expert ids are one more static output, copied to a host slot beside the sampled
+    tokens right after each replay (before the next step's replay can overwrite it). A dense
+    model, or ``record_routes`` off, records nothing and costs nothing.
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int, allocate: bool = True) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, max_model_len: int, allocate: bool = True,
+                 record_routes: bool = False) -> None:
         self.model = model
+        self.moe_layers = moe_layer_ids(model) if record_routes else []
+        self.routing = MoeRouting(record=True) if self.moe_layers else None
+        self.route_k = model.config.num_experts_per_tok
+        if self.routing is not None:
+            install_routing(model, self.routing)
+        self.prefill_routes: np.ndarray | None = None  # [tokens of the last prefill's leaders, moe layers, k]
         self.config = config
         self.max_model_len = max_model_len
         param = next(model.parameters())
@@ -125,7 +113,8 @@ class ModelRunner:
         self.dense_weight_bytes = self._plan_dense_weights()
         self.num_blocks: int | None = None  # (sized by the first allocate())
         self.kv: KVCache | None = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+        # batch size -> (graph, logits, context splits, stacked expert ids [bs, moe layers, k] or None)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int, torch.Tensor | None]] = {}
         if allocate:
             self.allocate()
 
@@ -400,6 +389,9 @@ class ModelRunner:
         # two host slots for the sampled tokens and log-probs: a step queued behind the one
         # being collected writes the other (steps alternate)
         self._host_out = torch.zeros(2, 2, max_bs, dtype=torch.float64, pin_memory=pin)
+        # and, recording routes, each step's expert ids ([rows, moe layers, k]) beside them
+        self._host_routes = torch.full((2, max_bs, len(self.moe_layers), self.route_k), -1, dtype=torch.int16,
+                                       pin_memory=pin) if self.routing is not None else None
         self._out_slot = 0
         self._dev_tokens = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self._dev_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)
@@ -489,13 +481,14 @@ class ModelRunner:
         if ahead:
             self._d_ids[:n].copy_(self._dev_tokens[:n])
         if use_graph:
-            graph, out, _ = self.graphs[padded]
+            graph, out, _, routes = self.graphs[padded]
             graph.replay()
             logits = out[:n]
         else:
             host_lens = self._h_ctx[:n].tolist() if self.backend == "torch" else None
             ctx = self._decode_context(n, splits, host_lens)
             logits = self._decode_forward(self._d_ids[:n], self._d_pos[:n], ctx)
+            routes = stacked_routes(self.routing, self.moe_layers) if self.routing is not None else None
         tokens, logprobs = self.sampler(
             logits, SamplingBatch(rows, self._d_seed[:n]), out=(self._dev_tokens[:n], self._dev_logprobs[:n])
         )
@@ -504,6 +497,8 @@ class ModelRunner:
         host = self._host_out[slot, :, :n]
         host[0].copy_(tokens, non_blocking=True)
         host[1].copy_(logprobs, non_blocking=True)
+        if routes is not None:  # (queued before the next replay rewrites a graph's static output)
+            self._host_routes[slot, :n].copy_(routes[:n], non_blocking=True)
         if self.is_cuda:
             self._outputs_ready[slot].record()
         return DecodeHandle(n, slot)
@@ -514,6 +509,11 @@ class ModelRunner:
             self._outputs_ready[handle.slot].synchronize()
         host = self._host_out[handle.slot, :, : handle.rows]
         return host[0].long().tolist(), host[1].tolist()
+
+    def decode_routes(self, handle: DecodeHandle) -> np.ndarray:
+        """The expert ids ``[rows, moe layers, k]`` of a collected step (:meth:`collect_decode`
+        first): a view of its host slot, valid until the step after next is launched."""
+        return self._host_routes[handle.slot, : handle.rows].numpy()
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         attn = PagedAttention(self.kv, ctx, self.backend)
@@ -541,8 +541,10 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
                     out = self._decode_forward(self._d_ids[:bs], self._d_pos[:bs], ctx)
+                    # the blocks' recorded ids are the graph's tensors: stacked by it too
+                    routes = stacked_routes(self.routing, self.moe_layers) if self.routing is not None else None
                 pool = graph.pool() if pool is None else pool
-                self.graphs[bs] = (graph, out, splits)
+                self.graphs[bs] = (graph, out, splits, routes)
         self._graph_pool = pool
         torch.cuda.synchronize()
 
@@ -562,6 +564,8 @@ class ModelRunner:
             rows = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         with torch.inference_mode():
             logits = self._prefill_logits([g[0] for g in groups], rows=rows)
+            if self.routing is not None:
+                self.prefill_routes = stacked_routes(self.routing, self.moe_layers).cpu().numpy()
             tokens, logprobs = self.sampler(logits, self.sampler.prepare(members))
         return tokens.tolist(), logprobs.tolist()
 

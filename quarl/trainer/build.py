@@ -103,8 +103,13 @@ def build_engine(cfg: RunConfig, base: Transformer, dist: Dist, notices: Notices
                  ) -> tuple[Engine, Publisher | LoRAPublisher]:
     """The engine in ``quant.scheme`` and the publisher that keeps it equal to ``base`` (which
     becomes the learner's model: :func:`~quarl.trainer.weights.build_engine_and_publisher`)."""
+    # an MoE model's engine always records its experts: route agreement is measured every step,
+    # replayed or not (rollout.routing_replay, docs/configuration.md)
     engine, publisher = build_engine_and_publisher(base, cfg.quant, engine_config(cfg), lora_settings(cfg.model),
-                                                   dist, kv_cache=kv_cache)
+                                                   dist, kv_cache=kv_cache, record_routes=base.config.is_moe)
+    if cfg.rollout.routing_replay == "r3" and not base.config.is_moe:
+        notices.say("rollout.routing_replay=r3: the model has no MoE layers, so there are no routes to replay "
+                    "(nothing changes)")
     if engine.runner.dense_weight_bytes:
         notices.say(f"engine keeps its {cfg.quant.scheme.name} weights dense too: "
                     f"{engine.runner.dense_weight_bytes / 2**30:.1f} GB (rollout.engine.dense_weights)")
@@ -117,7 +122,7 @@ def build_learner(cfg: RunConfig, model: Transformer, ref: Transformer | None, c
     return Learner(
         model, o.name, o.lr, o.weight_decay, tuple(o.betas), o.muon_lr, o.warmup_steps, ref, critic, o.fp32_master,
         t.compile, state_dtype=DTYPES[o.state_dtype], activation_checkpointing=t.activation_checkpointing,
-        seed=t.seed, dist=dist, shard=t.shard_learner,
+        seed=t.seed, dist=dist, shard=t.shard_learner, routing_replay=cfg.rollout.routing_replay == "r3",
     )
 
 

@@ -113,7 +113,7 @@ class RolloutCollector:
         On several ranks the choice is made over every rank's groups (each rank samples its
         share of a refill too), and the kept groups are then shared out again."""
         n, want = self.rollout.n, self.trainer.prompts_per_step
-        kept, current, dropped, rounds, preempted = None, union_of_ranks(self.dist, first), 0, 0, 0
+        kept, current, dropped, rounds, preempted = None, union_of_ranks(self.dist, first, routes=True), 0, 0, 0
         while True:
             take = []
             for g, informative in enumerate(informative_groups(current.rewards, n).tolist()):
@@ -134,7 +134,7 @@ class RolloutCollector:
             completions, more = self.sample(prompts, step, seed_offset=rounds, first=mine.start)
             preempted += more
             rewards, _ = self.verify(completions, examples, stop)
-            current = union_of_ranks(self.dist, Rollout(prompts, examples, completions, rewards, {}, 0))
+            current = union_of_ranks(self.dist, Rollout(prompts, examples, completions, rewards, {}, 0), routes=True)
         # every group was uniform: train on the last batch as is (zero advantages); so too when
         # fewer groups than ranks are left (a rank cannot train on none)
         if len(kept.prompts) < self.dist.world:

@@ -11,12 +11,17 @@ from quarl.distributed import Dist
 from quarl.trainer.stages import Rollout
 
 
-def union_of_ranks(dist: Dist, rollout: Rollout) -> Rollout:
+def union_of_ranks(dist: Dist, rollout: Rollout, routes: bool = False) -> Rollout:
     """Every rank's groups of ``rollout`` in rank order (the step's prompt order), the
     verifier's counts and the generated tokens summed over the ranks (DAPO's counts were
-    taken over every rank already)."""
+    taken over every rank already). The completions' MoE routes (``Completion.routes``,
+    ~100x the bytes of their tokens) go along only where asked: the step's metrics do not
+    read them, DAPO's choice hands the kept groups back to the ranks' learners."""
     if dist.world == 1:
         return rollout
+    if not routes and any(c.routes is not None for c in rollout.completions):
+        rollout = dataclasses.replace(rollout, completions=[dataclasses.replace(c, routes=None)
+                                                            for c in rollout.completions])
     parts = dist.gather(rollout)
     union = parts[0]
     for part in parts[1:]:

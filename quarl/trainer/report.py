@@ -60,6 +60,7 @@ PANELS: tuple[Panel, ...] = (
                                      "errors/first_pos", "errors/token_frac_after")),
     Panel("mismatch", "Sampler / learner mismatch", ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/ppl_ratio"),
           log=True),
+    Panel("moe", "MoE routing", ("moe/route_agreement", "moe/expert_load_max", "mismatch/kl_k3_noreplay")),
     Panel("clipping", "Clipped and dropped", ("loss/clip_frac", "tbpo/drop_frac_pos", "tbpo/drop_frac_neg")),
     Panel("entropy", "Entropy", ("entropy",)),
     Panel("grad_norm", "Gradient norm", ("grad_norm",), log=True),

@@ -1,6 +1,12 @@
 """Stages 5-6 of a step: the learner's old / reference log-probs where the update needs them,
 the tokens the mismatch correction (and ``algo.truncate_at_error``) takes out, then
-``ppo_epochs`` x ``mini_batches`` steps of the configured loss."""
+``ppo_epochs`` x ``mini_batches`` steps of the configured loss.
+
+An MoE policy whose batch has the engine's routes also gets its ``moe/*`` metrics: the route
+agreement is counted in a pass where the policy routes itself (without replay: the pass whose
+log-probs give the mismatch metrics, the old-logp pass or the update's own forward; with
+``rollout.routing_replay=r3``: one extra no-grad pass without replay before the update, whose
+log-probs also give ``mismatch/kl_k3_noreplay``), docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -53,14 +59,21 @@ def update_policy(batch: RolloutBatch, learner: Learner, algo: AlgoConfig, setti
     budget, temp = settings.token_budget, settings.temperature
     spec = algo.correction_spec()
     removes = spec.rejects or algo.truncate_at_error
+    # an MoE batch with the engine's routes: where the policy's own routing is counted (module docstring)
+    tally = learner.route_tally() if batch.routes is not None else None
+    replayed = tally is not None and learner.routing_replay
     # else the update's own forward gives old_logp; what the update removes is known before
     # it (from old_logp), so that every micro-batch's share of the loss counts kept tokens
     if (settings.ppo_epochs, settings.mini_batches) != (1, 1) or removes:
-        batch.old_logp = learner.logprobs(batch, budget, temp)
+        batch.old_logp = learner.logprobs(batch, budget, temp, tally=None if replayed else tally)
     if algo.kl_coef > 0:
         batch.ref_logp = learner.logprobs(batch, budget, temp, ref=True)
+    # with replay, the policy's log-probs routing itself, before the update moves it
+    free_logp = learner.logprobs(batch, budget, temp, replay=False, tally=tally) if replayed else None
     returns = gae(batch, learner, algo, budget, dist) if algo.advantage == "gae" else None
-    extra = (batch.old_logp is not None) + (batch.ref_logp is not None) + (returns is not None)
+    extra = (batch.old_logp is not None) + (batch.ref_logp is not None) + (returns is not None) + \
+        (free_logp is not None)
+    update_tally = tally if tally is not None and not replayed and batch.old_logp is None else None
     full_mask = batch.response_mask
     removed: dict[str, float] = {}
     scan = None
@@ -73,13 +86,19 @@ def update_policy(batch: RolloutBatch, learner: Learner, algo: AlgoConfig, setti
         tokens, n_kept = dist.sum([float(batch.response_mask.sum()), float(kept.sum())])
         batch.response_mask = kept
         removed["positive_only/drop_frac"] = 1.0 - n_kept / max(tokens, 1.0)
-    metrics = learner.update(batch, settings, returns)
+    metrics = learner.update(batch, settings, returns, tally=update_tally)
     batch.response_mask = full_mask
     metrics.update(removed)
     old_logp = batch.old_logp if batch.old_logp is not None else learner.last_logp
     rows = rows_of_all_ranks(dist, old_logp, batch.sampler_logp, batch.response_mask)
+    mismatch = mismatch_metrics(*rows)
+    if free_logp is not None:
+        free_rows = rows_of_all_ranks(dist, free_logp, batch.sampler_logp, batch.response_mask)
+        mismatch["mismatch/kl_k3_noreplay"] = mismatch_metrics(*free_rows)["mismatch/kl_k3"]
+    if tally is not None:
+        mismatch.update(tally.metrics(dist, learner.model.config.num_experts_per_tok))
     (tokens,) = dist.sum([int(batch.attention_mask.sum())])
-    return UpdateResult(metrics, mismatch_metrics(*rows), tokens=int(tokens), extra_forwards=int(extra)), scan
+    return UpdateResult(metrics, mismatch, tokens=int(tokens), extra_forwards=int(extra)), scan
 
 
 def removals(batch: RolloutBatch, spec: CorrectionSpec, algo: AlgoConfig, dist: Dist

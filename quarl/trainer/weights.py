@@ -36,12 +36,13 @@ from quarl.quant import (
     rel_update,
     update_visible_frac,
 )
+from quarl.quant.experts import PackedExperts
 from quarl.rollout import Engine, EngineConfig
 
 
 def build_engine_and_publisher(
     learner_model: Transformer, quant: QuantConfig, engine_config: EngineConfig, lora: LoRASettings | None = None,
-    dist: Dist = Dist(), kv_cache: bool = True,
+    dist: Dist = Dist(), kv_cache: bool = True, record_routes: bool = False,
 ) -> tuple[Engine, "Publisher | LoRAPublisher"]:
     """The one place where the quantization mode shapes the models.
 
@@ -54,11 +55,12 @@ def build_engine_and_publisher(
     With ``lora`` the base is frozen and shared instead (:func:`build_lora_engine`).
     ``kv_cache=False``: the engine's KV cache is sized and made later
     (``engine.reallocate_kv_cache()``, once the learner has freed what it will free).
+    ``record_routes``: the engine records the experts of an MoE model's rollouts.
     """
     if lora is not None:
-        return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache)
+        return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache, record_routes)
     engine = Engine(copy.deepcopy(learner_model), scheme=quant.scheme, config=engine_config,
-                    include=quant.include, exclude=quant.exclude, kv_cache=kv_cache)
+                    include=quant.include, exclude=quant.exclude, kv_cache=kv_cache, record_routes=record_routes)
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
     learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
@@ -73,7 +75,8 @@ class LoRASettings:
 
 
 def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: EngineConfig,
-                      lora: LoRASettings, kv_cache: bool = True) -> tuple[Engine, "LoRAPublisher"]:
+                      lora: LoRASettings, kv_cache: bool = True,
+                      record_routes: bool = False) -> tuple[Engine, "LoRAPublisher"]:
     """A LoRA run (docs/lora.md): ``model``'s selected linears become
     frozen :class:`QuantLinear` in ``quant.scheme`` (left plain in ``bf16`` mode, or kept if
     they already are: a base loaded quantized), every parameter is frozen, and the target
@@ -95,7 +98,7 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
             fuse_projections(engine_model)
             share_frozen(model, engine_model)
     engine = Engine(engine_model, scheme=quant.scheme, config=engine_config, include=quant.include,
-                    exclude=quant.exclude, kv_cache=kv_cache)
+                    exclude=quant.exclude, kv_cache=kv_cache, record_routes=record_routes)
     share_frozen(model, engine.model)
     for m in model.modules():
         if isinstance(m, QuantLinear):
@@ -110,7 +113,8 @@ def _copy_sharing_frozen(model: nn.Module) -> nn.Module:
     the learner is moved onto the fused buffers, nothing may keep the unfused ones alive while
     the engine sizes its KV cache from the free memory."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    frozen += [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False)]
+    packed = (QuantLinear, PackedExperts)
+    frozen += [b for m in model.modules() if isinstance(m, packed) for b in m.buffers(recurse=False)]
     return copy.deepcopy(model, memo={id(t): t for t in frozen})
 
 
@@ -128,7 +132,7 @@ def share_frozen(learner: nn.Module, engine_model: nn.Module) -> None:
             other = getattr(twin, pname, None)
             if not p.requires_grad and isinstance(other, torch.Tensor) and other is not p:
                 setattr(mod, pname, other if isinstance(other, nn.Parameter) else nn.Parameter(other, False))
-        if isinstance(mod, QuantLinear):
+        if isinstance(mod, (QuantLinear, PackedExperts)):
             for f in mod._fields:
                 setattr(mod, f, getattr(twin, f))
 

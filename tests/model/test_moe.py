@@ -250,8 +250,10 @@ def test_activation_checkpointing_gives_the_same_gradients_with_replay():
 @pytest.mark.parametrize("per_expert", [True, False])
 def test_quantized_loading_equals_load_then_quantize(tmp_path, per_expert):
     """``load_quantized_model`` reads either expert layout; the linears it packs (attention, the
-    dense layer's MLP) are those ``quantize_model`` swaps, the router and experts keep their dtype."""
+    dense layer's MLP) and experts are those ``quantize_model`` swaps; the router keeps its dtype, the
+    experts are packed per expert."""
     from quarl.model.quantized_loading import load_quantized_model
+    from quarl.quant.experts import QuantExperts
     from quarl.quant.linear import QuantLinear, quantize_model
 
     make_moe_checkpoint(tmp_path, seed=6, per_expert=per_expert)
@@ -262,7 +264,8 @@ def test_quantized_loading_equals_load_then_quantize(tmp_path, per_expert):
     for name, t in ref.state_dict().items():
         assert torch.equal(packed.state_dict()[name], t), name
     assert isinstance(packed.layers[1].mlp.down_proj, QuantLinear)
-    assert packed.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert isinstance(packed.layers[0].mlp.experts, QuantExperts)
+    assert packed.layers[0].mlp.gate.weight.dtype == torch.float32
     ids = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
         assert torch.equal(packed(ids), ref(ids))
@@ -335,3 +338,65 @@ def test_presets():
     hf = json.loads(json.dumps(big.to_hf_dict()))
     assert TransformerConfig.from_hf_dict(hf) == big
     assert 95e6 < preset_config("moe-100m").num_parameters() < 105e6
+
+
+def test_route_takes_the_routers_own_top_k_where_replayed_ids_are_unknown():
+    """Replayed rows holding -1 (positions the engine never ran: padding, a response's last
+    token) route themselves; the other rows take the given experts with the router's own
+    probabilities of them, renormalised, and those probabilities carry the router's gradient."""
+    from quarl.model.moe import route
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8, requires_grad=True)
+    given = torch.tensor([[3, 1], [-1, -1], [0, 7], [-1, -1], [6, 2]], dtype=torch.int16)
+    weights, ids, own = route(logits, 2, True, torch.float32, given)
+    probs = torch.softmax(logits.detach(), -1)
+    top = probs.topk(2, -1).indices
+    assert torch.equal(own, top)
+    known = torch.tensor([True, False, True, False, True])
+    assert torch.equal(ids[known], given[known].long()) and torch.equal(ids[~known], top[~known])
+    p = probs.gather(1, ids)
+    torch.testing.assert_close(weights.detach(), p / p.sum(-1, keepdim=True))
+    weights[:, 0].sum().backward()  # each row's first weight: a softmax over the row's pair
+    assert (logits.grad[known].abs().sum(-1) > 0).all()
+    # all unknown: exactly the router's own routing
+    free = route(logits.detach(), 2, True, torch.float32)
+    unknown = route(logits.detach(), 2, True, torch.float32, torch.full((5, 2), -1, dtype=torch.int16))
+    assert all(torch.equal(a, b) for a, b in zip(free, unknown))
+
+
+def test_a_partly_unknown_replay_trains_the_router_and_matches_routing_itself():
+    """Through the model: the recorded routes with some tokens' rows set to -1 replay the
+    recorded forward (those tokens route themselves, as they did); any replay still gives the
+    routers their gradient."""
+    model = build_random_model("moe-tiny", seed=6, std=0.2)
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad(), moe_routing(model) as recorded:
+        logits = model(ids)
+    partial = {i: t.clone() for i, t in recorded.expert_ids.items()}
+    for t in partial.values():
+        t[::3] = -1
+    with torch.no_grad(), moe_routing(model, replay=partial) as replayed:
+        assert torch.equal(model(ids), logits)
+    assert all(torch.equal(replayed.expert_ids[i], recorded.expert_ids[i]) for i in partial)
+    forced = {i: torch.where(t >= 0, (t.long() + 3) % 8, -1) for i, t in partial.items()}
+    with moe_routing(model, replay=forced):
+        model(ids).logsumexp(-1).sum().backward()
+    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.layers
+               if isinstance(layer.mlp, SparseMoeBlock))
+
+
+def test_moe_routing_restores_a_routing_installed_before_it():
+    """An engine keeps a recording routing installed on its model; a ``with moe_routing`` on the
+    same model (a test's teacher-forced forward) puts it back at exit."""
+    from quarl.model.moe import MoeRouting, install_routing
+
+    model = build_random_model("moe-tiny", seed=7)
+    kept = MoeRouting()
+    install_routing(model, kept)
+    with moe_routing(model):
+        pass
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(b.routing is kept for b in blocks)
+    install_routing(model, None)
+    assert all(b.routing is None for b in blocks)

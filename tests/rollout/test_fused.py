@@ -263,7 +263,7 @@ def test_dense_weight_copies_follow_published_weights_in_the_fused_model():
     refresh their rows) the fused forward on the copies equals a model that dequantizes per
     call, bit for bit, and the copies kept their addresses. W8A8 GEMMs have no copy."""
     from quarl.quant import ops
-    from quarl.rollout.model_runner import use_dense_weights, weight_only_caches
+    from quarl.rollout.dense_weights import use_dense_weights, weight_only_caches
 
     torch.manual_seed(0)
     master = build_random_model("tiny", seed=2, std=0.2)
@@ -303,7 +303,7 @@ def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():
     """``EngineConfig.dense_weights``: "on" marks every weight-only GEMM's cache and reports
     the bytes its copies take; "auto" off a GPU keeps none; a bad value is a clear error."""
     from quarl.rollout import Engine, EngineConfig
-    from quarl.rollout.model_runner import weight_only_caches
+    from quarl.rollout.dense_weights import weight_only_caches
 
     model = build_random_model("tiny", seed=2)
     cfg = dict(max_model_len=32, block_size=4, num_kv_blocks=16, attention_backend="triton")
@@ -360,3 +360,25 @@ def test_fused_projections_with_lora_adapters_match_and_load_in_place(scheme):
         want2 = ref.hidden_states(ids, positions, attn)
     torch.testing.assert_close(got, want2, rtol=1e-5, atol=1e-5)
     assert (want2 - want).abs().max() > 1e-2
+
+
+def test_dense_copies_of_moe_experts_give_the_same_samples():
+    """``dense_weights="on"`` keeps one dense copy per MoE projection of all experts too (the
+    bytes reported with the rest), and the engine samples the same tokens with the same
+    log-probs as one that dequantizes at each step."""
+    from quarl.quant.experts import PackedExperts
+    from quarl.rollout import Engine, EngineConfig, SamplingParams
+    from quarl.rollout.dense_weights import weight_only_caches
+
+    model = build_random_model("moe-tiny", seed=4)
+    cfg = dict(max_model_len=32, block_size=4, num_kv_blocks=32)
+    on = Engine(copy.deepcopy(model), "w4a16", EngineConfig(**cfg, dense_weights="on"))
+    off = Engine(copy.deepcopy(model), "w4a16", EngineConfig(**cfg, dense_weights="off"))
+    experts = [m for m in on.model.modules() if isinstance(m, PackedExperts)]
+    caches = weight_only_caches(on.model)
+    assert len(experts) == 4 and all(any(c is m.repacked for c, _ in caches) for m in experts)
+    assert on.runner.dense_weight_bytes == sum(qw.shape[0] * qw.shape[1] for _, qw in caches) * 4
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5, ignore_eos=True)
+    a, b = on.generate([[1, 2, 3], [7, 8]], params), off.generate([[1, 2, 3], [7, 8]], params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
