@@ -132,11 +132,12 @@ def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch
 
 def experts_forward(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, intermediate_size: int,
                     weights_of: dict[str, QuantizedWeight], repacked: dict[str, RepackCache] | None = None,
-                    masters: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                    masters: dict[str, torch.Tensor] | None = None, lora=None) -> torch.Tensor:
     """:meth:`quarl.model.moe.Experts.forward` over quantized weights (``weights_of``: the
     ``[E * N, K]`` :class:`QuantizedWeight` of each projection): x ``[N, H]``, expert_ids
     ``[N, k]``, weights ``[N, k]`` -> ``[N, H]``. The same sort, gathers and fixed-order sum over
-    the slots as the bf16 experts; each projection is :func:`grouped_quant_linear`."""
+    the slots as the bf16 experts; each projection is :func:`grouped_quant_linear`, plus its
+    adapter's term where ``lora`` (enabled :class:`~quarl.model.lora.ExpertsLoRA`) is given."""
     gate_up_qw = weights_of["gate_up_proj"]
     num_experts = gate_up_qw.out_features // (2 * intermediate_size)
     n, k = expert_ids.shape
@@ -148,12 +149,24 @@ def experts_forward(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     def project(r: torch.Tensor, name: str) -> torch.Tensor:
         return grouped_quant_linear(r, weights_of[name], offsets, num_experts, cache.get(name), master.get(name))
 
-    gate, up = project(rows, "gate_up_proj").split(intermediate_size, dim=-1)
-    out = project(F.silu(gate) * up, "down_proj")
+    gate_up = project(rows, "gate_up_proj")
+    if lora is not None:
+        gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    hidden = F.silu(gate) * up
+    out = project(hidden, "down_proj")
+    if lora is not None:
+        out = lora.down_proj.add_to(out, hidden, offsets)
     out = out * weights.reshape(-1)[order].unsqueeze(-1)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return out[inverse].view(n, k, out.shape[-1]).sum(dim=1)
+
+
+def _enabled(experts: nn.Module):
+    """The experts' LoRA adapters while enabled, else None."""
+    lora = getattr(experts, "lora", None)
+    return lora if lora is not None and lora.enabled else None
 
 
 class PackedExperts(nn.Module):
@@ -220,6 +233,7 @@ class QuantExperts(nn.Module):
             setattr(self, proj, PackedExperts(e, n, k, self.scheme, device, dtype))
         # buffer names under this module (what a packed export writes as quantized)
         self._fields = tuple(f"{p}.{f}" for p in PROJECTIONS for f in getattr(self, p)._fields)
+        self.lora = None  # the experts' LoRA adapters (quarl.model.lora.ExpertsLoRA); a plain attribute until set
 
     @classmethod
     def from_experts(cls, experts: Experts, scheme: QuantScheme | str, name: str = "experts") -> "QuantExperts":
@@ -251,7 +265,8 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         cache = {p: getattr(self, p).repacked for p in PROJECTIONS}
-        return experts_forward(x, expert_ids, weights, self.intermediate_size, self.quantized_weights(), cache)
+        return experts_forward(x, expert_ids, weights, self.intermediate_size, self.quantized_weights(), cache,
+                               lora=_enabled(self))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
@@ -275,6 +290,7 @@ class QATExperts(nn.Module):
             nn.init.normal_(p, std=0.02)
             setattr(self, proj, p)
         self._init_caches()
+        self.lora = None
 
     def _init_caches(self) -> None:
         self._qw: dict[str, QuantizedWeight] = {}
@@ -295,6 +311,7 @@ class QATExperts(nn.Module):
         mod.num_experts = experts.num_experts
         mod.gate_up_proj, mod.down_proj = experts.gate_up_proj, experts.down_proj
         mod._init_caches()
+        mod.lora = getattr(experts, "lora", None)
         return mod
 
     def to_experts(self) -> Experts:
@@ -354,7 +371,7 @@ class QATExperts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         masters = {p: getattr(self, p) for p in PROJECTIONS}
         return experts_forward(x, expert_ids, weights, self.intermediate_size, self.quantized_weights(),
-                               self.repacked, masters)
+                               self.repacked, masters, lora=_enabled(self))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

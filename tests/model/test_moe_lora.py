@@ -239,3 +239,38 @@ def test_short_lora_runs_on_an_moe_model_train_and_export(tmp_path):
     assert len(rows) == 2
     adapted = {n for n, _ in trainer.learner.model.named_parameters() if ".lora." in n}
     assert adapted and all(".self_attn." in n for n in adapted)
+
+
+@pytest.mark.parametrize("layer", ["QuantExperts", "QATExperts"])
+def test_expert_adapters_on_quantized_experts_equal_a_loop_over_the_dequantized_base(layer):
+    """A frozen low-bit expert base (the engine's QuantExperts, the aligned learner's QATExperts)
+    runs the adapters too: the loop reference over the dequantized experts, and the gradient
+    reaches A and B but not the base."""
+    from quarl.quant.experts import QATExperts, QuantExperts
+    from quarl.quant.linear import QATLinear, QuantLinear, quantize_model
+
+    model = _moe(seed=3)
+    quantize_model(model, "w4a16", QuantLinear if layer == "QuantExperts" else QATLinear)
+    experts = model.layers[0].mlp.experts
+    assert type(experts).__name__ == layer
+    add_lora(model, rank=3, alpha=6, targets=("experts",))
+    randomize_expert_adapters(model, seed=4)
+    qws = experts.quantized_weights()
+    plain = Experts(64, experts.intermediate_size, experts.num_experts)
+    with torch.no_grad():
+        plain.gate_up_proj.copy_(qws["gate_up_proj"].dequantize().view(plain.gate_up_proj.shape))
+        plain.down_proj.copy_(qws["down_proj"].dequantize().view(plain.down_proj.shape))
+    plain.lora = experts.lora
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=g)
+    eids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=g)
+    got = experts(x, eids, w)
+    with torch.no_grad():
+        want = _loop_reference(plain, x, eids, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.square().sum().backward()
+    ad = experts.lora
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in ad.parameters())
+    assert isinstance(experts, (QuantExperts, QATExperts))
+    assert all(p.grad is None for n, p in experts.named_parameters() if ".lora." not in n and "lora" not in n)
