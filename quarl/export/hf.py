@@ -48,7 +48,6 @@ from torch import nn
 from quarl.model.config import TransformerConfig
 from quarl.io import atomic_path
 from quarl.model.loading import CheckpointError, hf_name, normal_permissions
-from quarl.model.moe import SparseMoeBlock
 from quarl.model.presets import preset_config
 from quarl.model.transformer import Rotary, Transformer
 from quarl.quant import QuantScheme, get_scheme
@@ -260,22 +259,10 @@ def hf_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]
 @torch.no_grad()
 def rescale_uaq(model: nn.Module, scale: float) -> None:
     """UAQ's invariant scaling by ``scale`` on a model of plain (float) weights, MoE layers
-    included: each norm times ``scale``, the inputs it feeds divided by it. ``1 / s`` removes
-    UAQ ``s``. A sparse layer's ``post_attention_layernorm`` feeds its router (whose top-k
-    would otherwise see scaled logits) and its experts' ``gate_up_proj``, which take the
-    factor as a dense layer's gate/up do."""
-    from quarl.quant.uaq import ATTN_INPUTS, MLP_INPUTS
+    included (:func:`quarl.quant.apply_uaq`); ``1 / s`` removes UAQ ``s``."""
+    from quarl.quant.uaq import apply_uaq
 
-    for layer in model.layers:
-        layer.input_layernorm.weight.mul_(scale)
-        layer.post_attention_layernorm.weight.mul_(scale)
-        inputs = [getattr(layer.self_attn, n).weight for n in ATTN_INPUTS]
-        if isinstance(layer.mlp, SparseMoeBlock):
-            inputs += [layer.mlp.gate.weight, layer.mlp.experts.gate_up_proj]
-        else:
-            inputs += [getattr(layer.mlp, n).weight for n in MLP_INPUTS]
-        for w in inputs:
-            w.mul_(1.0 / scale)
+    apply_uaq(model, scale)
 
 
 def copy_tokenizer(ckpt: PolicyCheckpoint, out: Path) -> list[str]:

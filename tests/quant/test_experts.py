@@ -426,3 +426,27 @@ def test_random_quantized_model_packs_experts():
     assert model.layers[2].mlp.experts.gate_up_proj.qdata.abs().sum() > 0
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 128, (1, 5)))).all()
+
+
+def test_uaq_on_an_moe_model_keeps_its_function_and_routes():
+    """UAQ scales an MoE layer's router and stacked gate/up with the norm that feeds them: the
+    same logits and expert choices (float64), and removing it restores the weights."""
+    import copy
+
+    from quarl.model.moe import moe_routing
+    from quarl.model.presets import build_random_model, preset_config
+    from quarl.quant import apply_uaq, remove_uaq
+
+    model = build_random_model(preset_config("moe-tiny"), seed=8, std=0.1).double().eval()
+    scaled = apply_uaq(copy.deepcopy(model), 1.5)
+    assert torch.equal(scaled.layers[0].mlp.gate.weight, model.layers[0].mlp.gate.weight * (1 / 1.5))
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad(), moe_routing(model) as a:
+        want = model(ids)
+    with torch.no_grad(), moe_routing(scaled) as b:
+        got = scaled(ids)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert all(torch.equal(a.expert_ids[layer], b.expert_ids[layer]) for layer in a.expert_ids)
+    back = remove_uaq(scaled, 1.5)
+    for (n, p), q in zip(back.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=0, msg=n)
