@@ -44,7 +44,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 # shapes whose bf16 weights would leave a GPU little for the KV cache (a 32B model's are 65 GB):
 # a low-bit format packs their random weights one linear at a time, never holding them in bf16
-PACKED_ON_LOAD = ("qwen2.5-14b", "qwen2.5-32b")
+PACKED_ON_LOAD = ("qwen2.5-14b", "qwen2.5-32b", "qwen3-30b-a3b")
 
 
 def shape_config(shape: str, max_len: int) -> TransformerConfig:
