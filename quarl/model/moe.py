@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -198,27 +198,39 @@ class Experts(nn.Module):
         """x ``[N, H]``, expert_ids ``[N, k]`` (int64), weights ``[N, k]`` (x's dtype) -> ``[N, H]``:
         ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (each expert's projections with their
         LoRA updates, if adapted)."""
-        n, k = expert_ids.shape
-        order, offsets = sort_by_expert(expert_ids, self.num_experts)
         lora = getattr(self, "lora", None)
-        if lora is not None and not lora.enabled:
-            lora = None
-        # each token's row once per slot, then in expert order; both steps have a deterministic
-        # backward (a sum over the k copies, a permutation), unlike indexing x by token
-        rows = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])[order]
-        gate_up = grouped_linear(rows, self.gate_up_proj, offsets)
-        if lora is not None:
-            gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = F.silu(gate) * up
-        out = grouped_linear(hidden, self.down_proj, offsets)
-        if lora is not None:
-            out = lora.down_proj.add_to(out, hidden, offsets)
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
-        # back to (token, slot) order: the sum over slots runs in a fixed order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return out[inverse].view(n, k, out.shape[-1]).sum(dim=1)
+        params = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
+        return run_experts(x, expert_ids, weights, self.num_experts, self.intermediate_size,
+                           lambda rows, name, offsets: grouped_linear(rows, params[name], offsets),
+                           lora if lora is not None and lora.enabled else None)
+
+
+def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                intermediate_size: int, project: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor],
+                lora=None) -> torch.Tensor:
+    """The expert computation over any weights: x ``[N, H]``, expert_ids ``[N, k]``, weights
+    ``[N, k]`` -> ``[N, H]``. ``project(rows, name, offsets)`` runs projection ``name``
+    (``gate_up_proj`` / ``down_proj``) of all experts on rows sorted by expert (the stacked
+    bf16 weights here, the low-bit ones in :mod:`quarl.quant.experts`); ``lora``: the
+    experts' enabled adapters (:class:`quarl.model.lora.ExpertsLoRA`), or None."""
+    n, k = expert_ids.shape
+    order, offsets = sort_by_expert(expert_ids, num_experts)
+    # each token's row once per slot, then in expert order; both steps have a deterministic
+    # backward (a sum over the k copies, a permutation), unlike indexing x by token
+    rows = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])[order]
+    gate_up = project(rows, "gate_up_proj", offsets)
+    if lora is not None:
+        gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    hidden = F.silu(gate) * up
+    out = project(hidden, "down_proj", offsets)
+    if lora is not None:
+        out = lora.down_proj.add_to(out, hidden, offsets)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1)
+    # back to (token, slot) order: the sum over slots runs in a fixed order
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return out[inverse].view(n, k, out.shape[-1]).sum(dim=1)
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,10 +43,9 @@ and dequantized activations for W8A8 / W4A8).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from quarl.model.moe import Experts, grouped_linear, sort_by_expert
+from quarl.model.moe import Experts, grouped_linear, run_experts
 from quarl.quant import ops
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
@@ -138,29 +137,14 @@ def experts_forward(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     ``[N, k]``, weights ``[N, k]`` -> ``[N, H]``. The same sort, gathers and fixed-order sum over
     the slots as the bf16 experts; each projection is :func:`grouped_quant_linear`, plus its
     adapter's term where ``lora`` (enabled :class:`~quarl.model.lora.ExpertsLoRA`) is given."""
-    gate_up_qw = weights_of["gate_up_proj"]
-    num_experts = gate_up_qw.out_features // (2 * intermediate_size)
-    n, k = expert_ids.shape
-    order, offsets = sort_by_expert(expert_ids, num_experts)
-    rows = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])[order]
+    num_experts = weights_of["gate_up_proj"].out_features // (2 * intermediate_size)
     cache = repacked or {}
     master = masters or {}
 
-    def project(r: torch.Tensor, name: str) -> torch.Tensor:
-        return grouped_quant_linear(r, weights_of[name], offsets, num_experts, cache.get(name), master.get(name))
+    def project(rows: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        return grouped_quant_linear(rows, weights_of[name], offsets, num_experts, cache.get(name), master.get(name))
 
-    gate_up = project(rows, "gate_up_proj")
-    if lora is not None:
-        gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
-    gate, up = gate_up.split(intermediate_size, dim=-1)
-    hidden = F.silu(gate) * up
-    out = project(hidden, "down_proj")
-    if lora is not None:
-        out = lora.down_proj.add_to(out, hidden, offsets)
-    out = out * weights.reshape(-1)[order].unsqueeze(-1)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return out[inverse].view(n, k, out.shape[-1]).sum(dim=1)
+    return run_experts(x, expert_ids, weights, num_experts, intermediate_size, project, lora)
 
 
 def _enabled(experts: nn.Module):

@@ -149,13 +149,18 @@ def test_an_moe_run_with_r3_resumes_exactly(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_two_gloo_ranks_train_an_moe_model_as_one_process(tmp_path):
+@pytest.mark.parametrize("mode", [["--quant.mode=bf16"],
+                                  ["--quant.mode=aligned", "--quant.scheme=w4a16", "--trainer.shard_learner=true"]],
+                         ids=["bf16", "aligned-w4a16-sharded"])
+def test_two_gloo_ranks_train_an_moe_model_as_one_process(tmp_path, mode):
     """Each rank's engine records its rollouts' routes and its learner replays them: the two
-    ranks' steps (route agreement counts summed over the ranks) are the one process's."""
+    ranks' steps (route agreement counts summed over the ranks) are the one process's; with
+    the learner sharded (FSDP2: the stacked experts split by rows like every other weight) and
+    aligned low-bit experts too."""
     from tests.trainer.test_data_parallel import _assert_same_steps, _rows
     from tests.trainer.test_data_parallel import _train as launch
 
-    moe = ["--model.builtin=moe-tiny", "--quant.mode=bf16", R3, "--trainer.steps=2"]
+    moe = ["--model.builtin=moe-tiny", *mode, R3, "--trainer.steps=2"]
     for name, ranks in (("one", 1), ("two", 2)):
         res = launch(tmp_path / name, ranks, *moe)
         assert res.returncode == 0, res.stderr[-4000:]
