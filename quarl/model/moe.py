@@ -278,7 +278,10 @@ def padded_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
     counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     group = torch.repeat_interleave(torch.arange(g, device=x.device), counts, output_size=m)
     slot = torch.arange(m, device=x.device) - (offsets.long() - counts)[group]
-    capacity = int(counts.max()) if m else 0
+    # the busiest group's count, read back from the device; inside a CUDA graph capture (the
+    # engine's decode graphs, small M) no read-back is allowed: room for every row in each group
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    capacity = m if capturing else (int(counts.max()) if m else 0)
     padded = x.new_zeros(g, capacity, x.shape[-1])
     padded = padded.index_put((group, slot), x)
     return torch.bmm(padded, weight.transpose(1, 2))[group, slot]
