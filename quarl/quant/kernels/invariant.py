@@ -1,0 +1,362 @@
+"""Batch-invariant GEMMs ``y [M, N] = x [M, K] @ W.T (+ bias)`` (exact mode, issue [Z]).
+
+Batch-invariant: every output row is a function of that row of ``x`` (and of the weight and
+bias) only, bit for bit, whatever M is and wherever the row sits in the batch. The rollout
+engine decodes at M = its batch of sequences, the learner recomputes at M = thousands of
+packed tokens; with these GEMMs the two get the same bits for the same token. The other
+kernels of :mod:`.triton_kernels` are not invariant: their tile and split-K plan are chosen
+from M (``dispatch``), and split-K, a different BK or a different MMA shape changes the order
+in which a row's K products are summed; cuBLAS picks its algorithm by M as well.
+
+Invariance by construction, not by tuning:
+
+* one tile ``(BM, BN, BK)``, ``num_warps`` and ``num_stages`` per (N, K, kind)
+  (:func:`invariant_config`), never a function of M, nor of the GPU's SM count (engine and
+  learner may run on different GPUs of one kind). The grid grows with M: ``cdiv(M, BM)``
+  tiles of rows (grid axis 0) times ``cdiv(N, BN)`` tiles of columns;
+* no split-K, no stream-K, no atomics: one program owns full rows of its ``[BM, BN]`` output
+  tile and walks K from 0 to the end in the same fixed blocks, ``acc = dot(x_blk, w_blk, acc)``
+  in fp32 (int32 for int8 x int8), then the epilogue (scales, bias, one rounding to the
+  output dtype) element by element;
+* rows past M are loaded as zeros and never stored: they meet a row's values only inside the
+  MMA, where each output element is its own row's dot product.
+
+On real hardware the per-row instruction sequence must not depend on M. What fixes it here:
+BM, BN, BK (the dot's shape and so the MMA instruction and its K-steps), num_warps (how the
+tile is cut into warp MMAs: on Hopper one warpgroup's ``wgmma m64nBNk16``), the dot's
+input precision (fp32 inputs use ``"ieee"``, not tf32) and fp8's accumulator promotion every
+BK products (``max_num_imprecise_acc = BK``, as :func:`.triton_kernels._w8a8_dot`). BM could in
+principle vary with M only where the MMA instruction per row does not change (e.g. 64 vs 128
+rows on one wgmma shape); it is fixed here to be safe. ``M`` is not specialized on
+(``do_not_specialize``): Triton would otherwise compile other variants for M == 1 and
+M % 16 == 0. Alignment specialization of the pointers (a row sliced out of a batch may be
+less aligned) changes only load vectorization, not arithmetic. num_stages only pipelines
+loads. Nothing of this is checked on a GPU yet (docs/kernels.md).
+
+Kinds (:func:`invariant_linear` picks one from the weight):
+
+* dense: a 16-bit (or fp32) weight ``[N, K]`` (a tensor, or a ``bf16``-scheme
+  :class:`~quarl.quant.qweight.QuantizedWeight`), converted to x's dtype first as
+  ``quant_linear`` does;
+* weight-only packed formats (int4 g128 sym / asym, int2, nvfp4, mxfp4): the packed
+  ``[N, Kp * bits / 8]`` layout of :mod:`quarl.quant.reference` read directly, each
+  ``[SUB, BN]`` sub-tile dequantized in registers to x's dtype (``value(code) * scale``
+  rounded once, the weight :func:`.weight_only.dequantize` writes), then the dot; K runs over
+  the 128-column chunks of the padded layout (x masked past K, padding codes are zeros);
+* W8A8 int8 / fp8 on per-token codes ``xq [M, K]`` and fp32 scales ``sx [M]`` (what
+  :func:`.act_quant.act_quant` makes, one program per row: itself row-local), epilogue
+  ``acc * sx[:, None] * sw[None, :] (+ bias)`` as the existing W8A8 kernels.
+
+W4A8 (int4 weights on int8 codes) is not covered yet.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from quarl.quant.kernels.act_quant import act_quant, interpreting
+from quarl.quant.kernels.splitk import cdiv
+from quarl.quant.kernels.triton_kernels import _e2m1_value, _e4m3_value, _group_param
+from quarl.quant.kernels.weight_only import _fmt, _group_params, _nchunk
+from quarl.quant.qweight import QuantizedWeight
+
+KINDS = ("dense", "weight_only", "w8a8")
+
+
+class InvariantConfig(NamedTuple):
+    """One GEMM's fixed tile: a function of (kind, N, K) and of compiled-vs-interpreted only."""
+
+    bm: int
+    bn: int
+    bk: int  # dense / w8a8 K block; weight-only kernels step by the packed sub-chunk instead
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def invariant_config(kind: str, n: int, k: int, interpret: bool = False) -> InvariantConfig:
+    """The tile of ``kind`` for an ``[N, K]`` weight. Deliberately has no M argument.
+
+    GPU values are a first guess, not tuned (no split-K means small-M parallelism comes
+    from N / BN programs only, so BN is narrower for narrow N). ``k`` is accepted so that a
+    tuned table may depend on it; it must never depend on M or on the device's SM count.
+    The interpreter (CPU tests) takes small tiles for speed."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(KINDS)}")
+    del k  # (not used by this first table)
+    if interpret:
+        return InvariantConfig(16, 16, 32, num_warps=4, num_stages=1)
+    bn = 64 if n >= 8192 else 32
+    bk = 128 if kind == "w8a8" else 64
+    return InvariantConfig(64, bn, bk, num_warps=4, num_stages=3)
+
+
+# --------------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["M"])
+def inv_dense_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+):
+    """``out = x [M, K] @ w [N, K].T (+ bias)``; x and w of one dtype, fp32 accumulation."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mmask = offs_m[:, None] < M
+    nmask = offs_n[None, :] < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BK)):  # one fixed order over K, whatever M
+        ks = kb * BK + offs_k
+        a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
+        acc = _dot16(a, b, acc, PRECISION, INTERP_BF16)
+    _inv_store(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def inv_weight_only_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr, M, N, K, NCHUNK,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+):
+    """``out = x @ deq(W).T (+ bias)`` on quarl's packed sub-byte layout: per 128-column chunk,
+    ``8 / BITS`` sub-tiles ``[SUB, BN]`` (one shift and mask each), each dequantized to x's
+    dtype then one dot, always in the order chunk 0, sub 0 .. chunk NCHUNK - 1, last sub.
+    FMT as :data:`.triton_kernels.FMT_INT_SYM` etc."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    NSUB: tl.constexpr = 8 // BITS
+    SUB: tl.constexpr = 128 // NSUB
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_j = tl.arange(0, SUB)
+    mmask = offs_m[:, None] < M
+    nmask = offs_n[None, :] < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    gscale = 1.0
+    if FMT == 2:
+        gscale = tl.load(gs_ptr)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for c in range(0, NCHUNK):
+        packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+        for i in tl.static_range(NSUB):
+            k_first = c * 128 + i * SUB
+            code = (packed >> (BITS * i)) & CODE_MASK
+            if FMT == 2 or FMT == 3:
+                val = _e2m1_value(code)
+            else:
+                val = code.to(tl.float32)
+            s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+            if FMT == 0:
+                val = val - HALF
+            elif FMT == 1:
+                val = val - _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.float32)
+            if FMT == 2:
+                s = _e4m3_value(s.to(tl.int32)) * gscale
+            elif FMT == 3:
+                s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
+                w = _bf16_rne(val * s)
+            else:
+                w = (val * s).to(x_ptr.dtype.element_ty)
+            ks = k_first + offs_j
+            a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+            acc = _dot16(a, w, acc, PRECISION, INTERP_BF16)
+    _inv_store(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def inv_w8a8_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
+):
+    """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :] (+ bias)``: int8 codes with an
+    int32 accumulator (exact: the order cannot matter) or e4m3 codes with fp32 accumulation,
+    promoted every BK products."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mmask = offs_m[:, None] < M
+    nmask = offs_n[None, :] < N
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+    b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
+    if ACC_INT:
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BK)):
+        ks = kb * BK + offs_k
+        a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
+        if ACC_INT:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+    sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+    sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+    y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    _inv_store(y, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _dot16(a, b, acc, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation. INTERP_BF16 (Triton's CPU interpreter only, which
+    multiplies bf16 tiles as raw integers): the bf16 operands as fp32, whose products are the
+    same exact values the GPU's bf16 MMA forms."""
+    if INTERP_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _bf16_rne(v):
+    """fp32 ``v`` rounded to the nearest bf16 value (ties to even), kept in fp32 (finite v)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _inv_store(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    """fp32 tile (+ bias in fp32), rounded once to out's dtype; elementwise, so row-local."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# ------------------------------------------------------------------------------- launchers
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _out(m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # The interpreter's float -> 16-bit cast truncates: there the kernel writes fp32 and torch
+    # rounds (to nearest even, as the GPU's store conversion does); elementwise either way.
+    return torch.empty(m, n, dtype=torch.float32 if device.type != "cuda" else dtype, device=device)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 operands: true fp32 products, never tf32 (whose use could differ between builds)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _interp_bf16(x: torch.Tensor) -> bool:
+    return interpreting(x) and x.dtype == torch.bfloat16
+
+
+def _grid(m: int, n: int, cfg: InvariantConfig) -> tuple[int, int]:
+    return (cdiv(m, cfg.bm), cdiv(n, cfg.bn))
+
+
+def dense_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               cfg: InvariantConfig | None = None) -> torch.Tensor:
+    """Batch-invariant ``x [M, K] @ w [N, K].T (+ bias)`` in x's dtype (w is cast to it)."""
+    x = _rows(x)
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"x has K = {k}, weight {tuple(w.shape)}")
+    w = w.to(x.dtype)
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    cfg = cfg or invariant_config("dense", n, k, interpreting(x))
+    out = _out(m, n, x.dtype, x.device)
+    if m and n:
+        inv_dense_kernel[_grid(m, n, cfg)](
+            x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype),
+            INTERP_BF16=_interp_bf16(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out.to(x.dtype)
+
+
+def weight_only_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                     cfg: InvariantConfig | None = None) -> torch.Tensor:
+    """Batch-invariant ``x [M, K] @ deq(W).T (+ bias)`` for a packed weight-only scheme."""
+    sc = qw.scheme
+    if not sc.packed or sc.quantizes_activations:
+        raise ValueError(f"{sc.name}: the weight-only invariant GEMM takes packed weight-only schemes")
+    x = _rows(x)
+    m, k = x.shape
+    n = qw.shape[0]
+    if qw.shape[1] != k:
+        raise ValueError(f"x has K = {k}, weight {qw.shape}")
+    cfg = cfg or invariant_config("weight_only", n, k, interpreting(x))
+    scales, zeros, gs = _group_params(qw)
+    out = _out(m, n, x.dtype, x.device)
+    if m and n:
+        inv_weight_only_kernel[_grid(m, n, cfg)](
+            x, qw.qdata, scales, zeros, gs, bias if bias is not None else scales, out, m, n, k, _nchunk(qw),
+            x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(0),
+            FMT=_fmt(qw), BITS=sc.weight_bits, G=sc.group_size, BM=cfg.bm, BN=cfg.bn,
+            HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype), INTERP_BF16=_interp_bf16(x),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out.to(x.dtype)
+
+
+def w8a8_gemm(xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+              out_dtype: torch.dtype, cfg: InvariantConfig | None = None) -> torch.Tensor:
+    """Batch-invariant ``(xq [M, K] @ W.T) * sx[:, None] * sw[None, :] (+ bias)`` on per-token
+    codes (int8 or e4m3, matching the weight's) and their fp32 scales."""
+    sc = qw.scheme
+    if sc.act_format not in ("int8", "fp8") or sc.packed or sc.group_size is not None:
+        raise ValueError(f"{sc.name}: the W8A8 invariant GEMM takes w8a8-int8 / w8a8-fp8 weights")
+    if xq.dtype != qw.qdata.dtype:
+        raise ValueError(f"codes of dtype {xq.dtype} on a {qw.qdata.dtype} weight")
+    xq = xq if xq.stride(-1) == 1 else xq.contiguous()
+    m, k = xq.shape
+    n = qw.shape[0]
+    if qw.shape[1] != k:
+        raise ValueError(f"codes have K = {k}, weight {qw.shape}")
+    cfg = cfg or invariant_config("w8a8", n, k, interpreting(xq))
+    out = _out(m, n, out_dtype, xq.device)
+    if m and n:
+        inv_w8a8_kernel[_grid(m, n, cfg)](
+            xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, m, n, k,
+            xq.stride(0), qw.qdata.stride(0), out.stride(0),
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, ACC_INT=xq.dtype == torch.int8,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out.to(out_dtype)
+
+
+def invariant_linear(x: torch.Tensor, qw_or_weight: QuantizedWeight | torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [..., N]``: the scheme's GEMM of ``x [..., K]`` (per-token quantization first for
+    W8A8), batch-invariant in every row; output in x's dtype. A tensor weight is dense."""
+    lead = x.shape[:-1]
+    x2 = _rows(x)
+    w = qw_or_weight
+    if isinstance(w, torch.Tensor):
+        y = dense_gemm(x2, w, bias)
+    elif not w.scheme.quantizes_weights:
+        y = dense_gemm(x2, w.qdata, bias)
+    elif w.scheme.quantizes_activations:
+        if w.scheme.packed:
+            raise NotImplementedError(f"{w.scheme.name}: no batch-invariant W4A8 kernel yet")
+        xq, sx = act_quant(x2.contiguous(), w.scheme.act_format)  # one program per row: row-local
+        y = w8a8_gemm(xq, sx, w, bias, x.dtype)
+    else:
+        y = weight_only_gemm(x2, w, bias)
+    return y.view(*lead, y.shape[-1])
