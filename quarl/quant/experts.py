@@ -13,17 +13,33 @@ per-tensor scale would be one scale for all experts of a projection, not one per
 :func:`check_expert_scheme` refuses it (and any scheme with a per-tensor scale).
 
 One function runs a projection of all experts on rows sorted by expert
-(:func:`grouped_quant_linear`): the weight dequantized to ``[E, N, K]`` and one grouped GEMM
-(:func:`quarl.model.moe.grouped_linear`); for schemes that quantize activations (W8A8 / W4A8)
-the rows are first quantized per token with the dense linears' quantizer
-(:func:`quarl.quant.ops.quantize_input`) and the GEMM runs on them as the GEMM sees them
-(codes times scales). On CUDA the GEMM runs in the activations' dtype (``F.grouped_mm`` with
-the expert offsets on the device: no host sync, so CUDA graphs capture it); elsewhere (the
-CPU, where the reference kernels run) in float64, rounded once to the activations' dtype, as
-:func:`~quarl.quant.reference.codes_linear` sums the dense W8A8 GEMM: a row's value then does
-not depend on how many rows the GEMM has, so the engine's decode steps and the learner's
-batches agree bit for bit. This is the simple correct path; low-bit grouped kernels come
-later.
+(:func:`grouped_quant_linear`), in one of two ways:
+
+* the grouped w4 kernel (:mod:`quarl.quant.kernels.moe_w4`) for the engine's weight-only
+  int4 group schemes (w4a16, w4a16-asym) on bf16 / fp16 rows under the Triton backend
+  (``quarl.quant.ops.use_backend("triton")``: the CPU tests run it in the interpreter; on a
+  GPU the ``auto`` backend does not pick it yet, as it has not been checked and timed there
+  against the path below): it reads the packed experts directly and dequantizes tiles
+  in registers (the same bf16 / fp16 weight values as the dequantized path, summed in fp32
+  in another order). Not for the learner's :class:`QATExperts` (a ``master`` weight: the
+  aligned learner keeps its dequantized-weight grouped GEMM, as the dense w4a16 learner
+  does, so the two sides share weight values, not summation order), not for a projection
+  whose owner keeps a dense copy (``rollout.engine.dense_weights``: the plain grouped GEMM
+  on it is the fastest at large M), and not where autograd needs ``grad_x`` (a LoRA
+  learner's frozen base);
+* otherwise the weight dequantized to ``[E, N, K]`` and one grouped GEMM
+  (:func:`quarl.model.moe.grouped_linear`); for schemes that quantize activations (W8A8 /
+  W4A8) the rows are first quantized per token with the dense linears' quantizer
+  (:func:`quarl.quant.ops.quantize_input`) and the GEMM runs on them as the GEMM sees them
+  (codes times scales). On CUDA the GEMM runs in the activations' dtype (``F.grouped_mm``
+  with the expert offsets on the device); elsewhere (the CPU, where the reference kernels
+  run) in float64, rounded once to the activations' dtype, as
+  :func:`~quarl.quant.reference.codes_linear` sums the dense W8A8 GEMM: a row's value then
+  does not depend on how many rows the GEMM has, so the engine's decode steps and the
+  learner's batches agree bit for bit on the CPU.
+
+Neither syncs with the host (the expert offsets stay on the device), so CUDA graphs capture
+both.
 
 The engine's :class:`QuantExperts` holds the packed tensors only, as buffers of one
 :class:`PackedExperts` per projection (``experts.gate_up_proj.qdata``, ``.scales``, ...: the
@@ -34,7 +50,9 @@ LoRA learner's frozen base), never in the codes.
 The learner's :class:`QATExperts` wraps the :class:`~quarl.model.moe.Experts`' own
 Parameters (same names: checkpoints, optimizer states and sharding are unchanged), quantizes
 them once per weight version, and runs :func:`grouped_quant_linear` on those codes: the
-engine's function on the engine's tensors, so both give the same bits for the same inputs.
+engine's function on the engine's tensors, so both give the same bits for the same inputs,
+except where the engine runs the grouped w4 kernel (weight-only int4 on the fast path: the
+same weight values, summed in fp32 in another order than the learner's grouped GEMM).
 The backward is straight-through: ``grad_x`` through the dequantized weight, ``grad_W`` of
 each expert ``grad_y^T @ x_seen`` (``x_seen`` the rows as the GEMM saw them: the quantized
 and dequantized activations for W8A8 / W4A8).
@@ -112,6 +130,27 @@ def _seen_rows(rows: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch
     return seen
 
 
+def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None,
+                            master: torch.Tensor | None) -> bool:
+    """Whether :func:`grouped_quant_linear` runs the grouped w4 kernel: a weight-only int4
+    group scheme, bf16 / fp16 rows on the fast path, no learner ``master``, no dense copy
+    kept by the owner, and no gradient wanted through the rows (the kernel has no backward)."""
+    if master is not None or (repacked is not None and repacked.dense):
+        return False
+    sc = qw.scheme
+    if not (sc.weight_format == "int" and sc.weight_bits == 4 and sc.group_size is not None
+            and not sc.quantizes_activations and not sc.per_tensor_scale):  # (moe_w4.supports, without triton)
+        return False
+    if rows.dtype not in (torch.bfloat16, torch.float16) or not ops.uses_fast_path(rows):
+        return False
+    if rows.is_cuda and ops.get_backend() != "triton":
+        # the `auto` backend keeps the dequantize path on a GPU until the kernel has been
+        # checked against it there (tests_gpu/quant/test_moe_kernels_gpu.py) and timed
+        # (`quarl bench gemm --moe`); `use_backend("triton")` runs it
+        return False
+    return not (rows.requires_grad and torch.is_grad_enabled())
+
+
 def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch.Tensor, num_experts: int,
                          repacked: RepackCache | None = None, master: torch.Tensor | None = None) -> torch.Tensor:
     """One projection of all experts on ``rows [M, K]`` sorted by expert (expert ``e`` owns rows
@@ -120,7 +159,15 @@ def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch
 
     ``qw``: the projection's ``[E * N, K]`` quantized weight; ``repacked``: the owner's cache of
     its dequantized form (None: made for this call); ``master`` (``[E, N, K]``, the learner's):
-    the parameter that gets the straight-through gradient of the dequantized weight."""
+    the parameter that gets the straight-through gradient of the dequantized weight.
+
+    Runs the grouped w4 kernel where :func:`_grouped_kernel_applies` (module docstring: the
+    engine's weight-only int4 experts on the fast path), else the dequantized weight and one
+    grouped GEMM."""
+    if _grouped_kernel_applies(rows, qw, repacked, master):
+        from quarl.quant.kernels.moe_w4 import moe_w4_gemm
+
+        return moe_w4_gemm(rows, offsets, qw, num_experts)
     cdt = _compute_dtype(rows)
     w = _dequantized(qw, num_experts, cdt, repacked)
     if master is not None and master.requires_grad and torch.is_grad_enabled():

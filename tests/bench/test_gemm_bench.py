@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from quarl.bench.gemm import MODELS, check_targets, layer_speedups, linear_shapes
 
 
@@ -116,3 +118,90 @@ def test_engine_rows_of_a_gated_mlp(monkeypatch):
         else:
             assert (t_gu, t_down) == (5.0 + 0.5, 5.0 + 3.0)
             assert note_down["input"] == "quantized by the fused silu_mul"
+
+
+# ---------------------------------------------------------------------------------- MoE mode
+def test_moe_shapes_and_methods():
+    from quarl.bench.gemm import MOE_MODELS, moe_methods, moe_shapes
+
+    assert "qwen3-30b-a3b" in MOE_MODELS and "qwen2.5-7b" not in MOE_MODELS
+    shapes = {s.label: s for s in moe_shapes("qwen3-30b-a3b")}
+    assert tuple(shapes["gate_up_proj"]) == ("gate_up_proj", 128, 2 * 768, 2048)  # N = 2 I, K = H
+    assert tuple(shapes["down_proj"]) == ("down_proj", 128, 2048, 768)  # N = H, K = I
+    assert moe_methods("bf16") == ("grouped_mm",)
+    assert moe_methods("w4a16") == moe_methods("w4a16-asym") == ("dequant", "kernel")
+    assert moe_methods("w8a8-fp8") == moe_methods("w4a8-int8") == moe_methods("w2a16") == ("dequant",)
+    with pytest.raises(ValueError, match="per-tensor"):
+        moe_methods("nvfp4")
+    with pytest.raises(ValueError, match="not an MoE preset"):
+        moe_shapes("qwen2.5-7b")
+
+
+def test_moe_floor_counts_every_experts_weight_once():
+    from quarl.bench.gemm import moe_floor_seconds
+    from quarl.bench.timing import Ceilings
+
+    ceil = Ceilings(bandwidth=3e12, bf16_flops=1e15, fp8_flops=2e15)
+    e, n, k = 128, 1536, 2048
+    # decode: bandwidth-bound; w4a16 stores 4 + 32 / 128 bits a weight
+    t = 8
+    want = (e * n * k * 4.25 / 8 + 2 * e * t * (k + n)) / 3e12
+    assert math.isclose(moe_floor_seconds("w4a16", e, t, n, k, ceil), want)
+    want16 = (e * n * k * 2 + 2 * e * t * (k + n)) / 3e12
+    assert math.isclose(moe_floor_seconds("bf16", e, t, n, k, ceil), want16)
+    # prefill: compute-bound at the bf16 rate (weight-only) or the fp8 rate (W8A8)
+    t = 4096
+    assert math.isclose(moe_floor_seconds("w4a16", e, t, n, k, ceil), 2 * e * t * n * k / 1e15)
+    assert math.isclose(moe_floor_seconds("w8a8-fp8", e, t, n, k, ceil), 2 * e * t * n * k / 2e15)
+
+
+def test_moe_calls_agree_on_the_cpu():
+    """The three methods' closures (the kernel under the interpreter) compute one projection on
+    the same operands, and the offsets give every expert t rows."""
+    import torch
+
+    from quarl.bench.gemm import even_offsets, make_moe_calls, moe_shapes
+
+    assert even_offsets(3, 4).tolist() == [4, 8, 12]
+    shape = moe_shapes("moe-tiny")[1]  # down: N = H = 64, K = I = 32
+    out = {m: make_moe_calls("w4a16" if m != "grouped_mm" else "bf16", m, shape, 2, torch.device("cpu"), 0)[0]()
+           for m in ("grouped_mm", "dequant", "kernel")}
+    assert out["kernel"].shape == (shape.e * 2, shape.n)
+    scale = out["grouped_mm"].float().norm()
+    assert float((out["kernel"].float() - out["dequant"].float()).norm() / scale) < 1e-2
+    assert float((out["dequant"].float() - out["grouped_mm"].float()).norm() / scale) < 0.2  # int4 rounding
+
+
+def test_moe_benchmark_rows_totals_and_table(monkeypatch):
+    """run_moe_benchmark with the GPU parts replaced: per row the speedup over bf16's grouped
+    GEMM and the floor fraction, per layer the sum of both projections, and the table."""
+    import types
+
+    import torch
+
+    from quarl.bench import gemm as bench
+    from quarl.bench.timing import Ceilings
+
+    ceil = Ceilings(bandwidth=1e12, bf16_flops=1e15, fp8_flops=2e15)
+    cost = {"grouped_mm": 4e-3, "dequant": 5e-3, "kernel": 1e-3}
+    monkeypatch.setattr(bench, "measure_ceilings", lambda *a: ceil)
+    monkeypatch.setattr(bench, "make_moe_calls", lambda fmt, method, *a: method)
+    monkeypatch.setattr(bench, "time_per_call", lambda calls, **kw: cost[calls])
+    monkeypatch.setattr(bench, "git_commit", lambda: "c" * 12)
+    props = types.SimpleNamespace(name="gpu", L2_cache_size=1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    result = bench.run_moe_benchmark(["qwen3-30b-a3b"], [8], ["w4a16"], power=(None,), log=lambda s: None)
+    rows = {(r["layer"], r["method"]): r for r in result["rows"]}
+    assert len(rows) == 6 and result["formats"] == ["bf16", "w4a16"]
+    k = rows[("gate_up_proj", "kernel")]
+    assert (k["M"], k["N"], k["K"], k["E"]) == (128 * 8, 1536, 2048, 128)
+    assert math.isclose(k["speedup"], 4.0) and math.isclose(rows[("down_proj", "dequant")]["speedup"], 0.8)
+    assert math.isclose(k["floor_frac"], bench.moe_floor_seconds("w4a16", 128, 8, 1536, 2048, ceil) / 1e-3)
+    totals = {(t["format"], t["method"]): t for t in result["layer_totals"]}
+    assert math.isclose(totals[("w4a16", "kernel")]["layer_ms"], 2.0)
+    assert math.isclose(totals[("w4a16", "kernel")]["speedup"], 4.0)
+    text = bench.format_moe_table(result)
+    assert "(MoE experts)" in text and "MoE layer (gate_up + down):" in text
+    line = next(s for s in text.splitlines() if "gate_up_proj" in s and "kernel" in s)
+    assert line.split()[-4:] == ["1000.0", "4.00x", f"{k['floor_ms'] * 1e3:.1f}", f"{k['floor_frac']:.2f}"]

@@ -1,0 +1,243 @@
+"""The grouped int4 MoE kernel (quarl.quant.kernels.moe_w4, TRITON_INTERPRET=1 on CPU) against
+a float64 loop over experts, and its dispatch in quarl.quant.experts.grouped_quant_linear."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from quarl.model.moe import sort_by_expert
+from quarl.quant import SCHEMES, get_scheme, quantize_weight, use_backend
+from quarl.quant.experts import QATExperts, QuantExperts, grouped_quant_linear
+from quarl.quant.kernels.w4_layout import RepackCache
+
+pytestmark = pytest.mark.usefixtures("needs_triton")
+
+SUPPORTED = ["w4a16", "w4a16-asym"]
+UNSUPPORTED = ["w4a8-int8", "w2a16", "mxfp4", "w8a8-int8", "w8a8-fp8"]
+DTYPES = [torch.bfloat16, torch.float16]  # bf16: the interpreter's fp32 stand-in (moe_w4_gemm); fp16: as on GPU
+N, K = 40, 200  # N not a multiple of the tile, K not of the 128-column chunk (Kp = 256)
+
+
+def _moe_w4():
+    from quarl.quant.kernels import moe_w4
+
+    return moe_w4
+
+
+def _weight(name: str, e: int, n: int = N, k: int = K, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e * n, k, generator=g) * torch.logspace(-2, 0, e).repeat_interleave(n)[:, None]
+    return quantize_weight(w, name)
+
+
+def _reference(x: torch.Tensor, offsets: torch.Tensor, qw, e: int) -> torch.Tensor:
+    """float64 ``x_e @ W_e^T`` per expert over the weight dequantized to x's dtype (the values
+    the dequantize path and the kernel both multiply)."""
+    n = qw.out_features // e
+    w = qw.dequantize(x.dtype).double().view(e, n, qw.in_features)
+    y = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    start = 0
+    for i, end in enumerate(offsets.tolist()):
+        y[start:end] = x[start:end].double() @ w[i].T
+        start = end
+    return y
+
+
+def _assert_rounded_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """``y`` is ``ref`` rounded to y's dtype, up to fp32 accumulation (which may move a value
+    across a rounding midpoint: one half-ulp bound plus a tiny absolute slack)."""
+    half_ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[y.dtype]
+    err = (y.double() - ref).abs()
+    bound = half_ulp * ref.abs() + 1e-5 * ref.abs().max().clamp_min(1e-30)
+    assert (err <= bound).all(), float((err - bound).max())
+    assert (y == ref.to(y.dtype)).float().mean() > 0.97  # nearly all rounded like the float64 sum
+
+
+def _counts_offsets(counts: list[int]) -> tuple[torch.Tensor, int]:
+    return torch.tensor(counts).cumsum(0).to(torch.int32), sum(counts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_kernel_equals_float64_loop_over_experts(name, dtype):
+    """Experts with 0 rows (first and last too), 1 row, rows over several tiles, a tile's worth
+    plus one (17 rows of 16-row tiles: the tile bound's worst case); two tile configs."""
+    moe_w4 = _moe_w4()
+    counts = [0, 1, 37, 5, 0, 17, 16, 0]
+    e = len(counts)
+    qw = _weight(name, e)
+    offsets, m = _counts_offsets(counts)
+    x = torch.randn(m, K).to(dtype)
+    ref = _reference(x, offsets, qw, e)
+    for cfg in (None, moe_w4.MoeConfig(16, 16, group_m=2), moe_w4.MoeConfig(32, 64, group_m=1)):
+        y = moe_w4.moe_w4_gemm(x, offsets, qw, e, cfg)
+        assert y.dtype == dtype and y.shape == (m, N)
+        _assert_rounded_close(y, ref)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_kernel_on_sorted_top_k_rows(name, top_k):
+    """Rows gathered in the order sort_by_expert gives (top-1 and top-k routing), with the
+    offsets it makes on the device; the down projection's shape too (K = I, N = H)."""
+    moe_w4 = _moe_w4()
+    e, tokens, hidden, inter = 6, 11, 72, 48
+    g = torch.Generator().manual_seed(top_k)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    order, offsets = sort_by_expert(ids, e)
+    for n, k in ((2 * inter, hidden), (hidden, inter)):
+        qw = _weight(name, e, n, k, seed=n)
+        x = torch.randn(tokens, k, dtype=torch.float16)[order // top_k]
+        _assert_rounded_close(moe_w4.moe_w4_gemm(x, offsets, qw, e), _reference(x, offsets, qw, e))
+
+
+def test_kernel_edge_shapes():
+    """No rows at all, one row in the last expert, every row in one expert, a single expert."""
+    moe_w4 = _moe_w4()
+    qw = _weight("w4a16", 4)
+    for counts in ([0, 0, 0, 0], [0, 0, 0, 1], [0, 40, 0, 0]):
+        offsets, m = _counts_offsets(counts)
+        x = torch.randn(m, K, dtype=torch.float16)
+        y = moe_w4.moe_w4_gemm(x, offsets, qw, 4)
+        assert y.shape == (m, N)
+        if m:
+            _assert_rounded_close(y, _reference(x, offsets, qw, 4))
+    one = _weight("w4a16-asym", 1, 24, 130)
+    offsets, m = _counts_offsets([33])
+    x = torch.randn(m, 130, dtype=torch.float16)
+    _assert_rounded_close(moe_w4.moe_w4_gemm(x, offsets, one, 1), _reference(x, offsets, one, 1))
+
+
+def test_tile_bound_covers_every_routing_and_config_rule():
+    moe_w4 = _moe_w4()
+    rnd = random.Random(0)
+    for _ in range(300):
+        e, bm = rnd.choice([1, 3, 8, 128]), rnd.choice([16, 32, 64, 128])
+        m = rnd.randint(0, 600)
+        cuts = sorted(rnd.randint(0, m) for _ in range(e - 1))
+        counts = [b - a for a, b in zip([0] + cuts, cuts + [m])]
+        assert sum(-(-c // bm) for c in counts) <= moe_w4.tile_bound(m, e, bm)
+    # decode (a few rows per expert) takes 16-row tiles, prefill larger ones
+    assert moe_w4.pick_config(64 * 8, 128).bm == 16
+    assert moe_w4.pick_config(4096 * 8, 128).bm == 128
+    sizes = [moe_w4.pick_config(m, 128).bm for m in (1, 2048, 8192, 16384, 1 << 17)]
+    assert sizes == sorted(sizes)
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    moe_w4 = _moe_w4()
+    qw = _weight("w4a16", 2)
+    offsets = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int4"):
+        moe_w4.moe_w4_gemm(torch.randn(5, K).half(), offsets, _weight("w2a16", 2), 2)
+    with pytest.raises(ValueError, match="bf16"):
+        moe_w4.moe_w4_gemm(torch.randn(5, K), offsets, qw, 2)
+    with pytest.raises(ValueError, match="offsets"):
+        moe_w4.moe_w4_gemm(torch.randn(5, K).half(), offsets.long(), qw, 2)
+
+
+# ------------------------------------------------------------------------------ the dispatch
+E, H, INTER = 5, 64, 48  # K = 64 and 48: both padded to the 128-column chunk
+
+
+def _engine(name: str, dtype: torch.dtype) -> QuantExperts:
+    g = torch.Generator().manual_seed(0)
+    qx = QuantExperts(H, INTER, E, name, dtype=dtype)
+    qx.load_quantized({"gate_up_proj": torch.randn(E, 2 * INTER, H, generator=g) * 0.1,
+                       "down_proj": torch.randn(E, H, INTER, generator=g) * 0.1})
+    return qx
+
+
+def _routing(tokens: int, k: int, dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(tokens)])  # expert 4: no rows
+    return ids, torch.softmax(torch.randn(tokens, k, generator=g), -1).to(dtype)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The grouped kernel's calls (it still runs)."""
+    moe_w4 = _moe_w4()
+    calls = []
+    real = moe_w4.moe_w4_gemm
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(moe_w4, "moe_w4_gemm", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_quant_experts_forward_on_the_kernel_equals_the_reference_path(name, dtype, kernel_calls):
+    """QuantExperts with the Triton backend forced runs the kernel for both projections and
+    gives the reference path's values up to 16-bit rounding of the weights (the reference
+    dequantizes to float64 on the CPU) and fp32 accumulation."""
+    qx = _engine(name, dtype)
+    x = torch.randn(9, H).to(dtype)
+    ids, w = _routing(9, 2, dtype)
+    with torch.inference_mode():
+        with use_backend("reference"):
+            want = qx(x, ids, w)
+        assert not kernel_calls
+        with use_backend("triton"):
+            got = qx(x, ids, w)
+    assert kernel_calls == [(18, H), (18, INTER)]
+    assert got.dtype == dtype
+    rel = float((got.double() - want.double()).norm() / want.double().norm())
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_dispatch_falls_back_for_other_schemes(name, kernel_calls):
+    sc = get_scheme(name)
+    qw = quantize_weight(torch.randn(E * 2 * INTER, H) * 0.1, sc)
+    offsets = torch.tensor([2, 4, 6, 8, 9], dtype=torch.int32)
+    with use_backend("triton"), torch.inference_mode():
+        y = grouped_quant_linear(torch.randn(9, H).bfloat16(), qw, offsets, E)
+    assert y.shape == (9, 2 * INTER) and not kernel_calls
+
+
+def test_dispatch_keeps_the_dequantized_path_where_it_should(kernel_calls):
+    """The learner (a master weight), a dense copy kept by the owner, rows that need a
+    gradient, fp32 rows and the auto backend on the CPU keep the dequantize + grouped GEMM."""
+    qw = quantize_weight(torch.randn(E * 2 * INTER, H) * 0.1, "w4a16")
+    offsets = torch.tensor([2, 4, 6, 8, 9], dtype=torch.int32)
+    x = torch.randn(9, H).bfloat16()
+    master = torch.zeros(E, 2 * INTER, H, dtype=torch.bfloat16)
+    with use_backend("triton"):
+        grouped_quant_linear(x, qw, offsets, E, master=master)
+        grouped_quant_linear(x, qw, offsets, E, RepackCache(dense=True))
+        grouped_quant_linear(x.clone().requires_grad_(), qw, offsets, E)
+        grouped_quant_linear(x.float(), qw, offsets, E)
+        assert not kernel_calls
+        with torch.no_grad():
+            grouped_quant_linear(x.clone().requires_grad_(), qw, offsets, E)
+        assert len(kernel_calls) == 1
+    with use_backend("auto"):
+        grouped_quant_linear(x, qw, offsets, E)
+    assert len(kernel_calls) == 1
+    # the aligned learner's experts never take it
+    qat = QATExperts(H, INTER, E, "w4a16", dtype=torch.bfloat16)
+    ids, w = _routing(4, 2, torch.bfloat16)
+    with use_backend("triton"), torch.no_grad():
+        qat(x[:4], ids, w)
+    assert len(kernel_calls) == 1
+
+
+def test_dispatch_scheme_check_is_the_kernels():
+    """experts.py tests the scheme without importing triton; it must agree with moe_w4.supports."""
+    from quarl.quant.experts import _grouped_kernel_applies
+
+    moe_w4 = _moe_w4()
+    x = torch.randn(3, 128).bfloat16()
+    with use_backend("triton"):
+        for name, sc in SCHEMES.items():
+            qw = quantize_weight(torch.randn(2, 128), sc)
+            assert _grouped_kernel_applies(x, qw, None, None) == moe_w4.supports(sc), name
+    assert {n for n, s in SCHEMES.items() if moe_w4.supports(s)} == set(SUPPORTED)
