@@ -3,7 +3,7 @@
 Wired by the CLI as a ``bench`` subcommand through :func:`add_parser` / :func:`run`;
 also runnable alone: ``python3 -m quarl.cli.bench_gemm --out bench/baselines/gemm_h100.json``.
 ``--moe qwen3-30b-a3b --tokens-per-expert 8,32,128,1024 --formats bf16,w4a16`` times an MoE
-preset's expert projections instead (grouped GEMMs; :func:`quarl.bench.gemm.run_moe_benchmark`).
+preset's expert projections instead (grouped GEMMs; :func:`quarl.bench.gemm_moe.run_moe_benchmark`).
 """
 
 from __future__ import annotations
@@ -12,16 +12,8 @@ import argparse
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from quarl.bench.gemm import (
-        ALL_FORMATS,
-        DEFAULT_MODELS,
-        M_VALUES,
-        MOE_FORMATS,
-        MOE_MODELS,
-        MOE_TOKENS_PER_EXPERT,
-        MODELS,
-        SHAPE_SETS,
-    )
+    from quarl.bench.gemm import ALL_FORMATS, DEFAULT_MODELS, M_VALUES, MODELS, SHAPE_SETS
+    from quarl.bench.gemm_moe import MOE_FORMATS, MOE_MODELS, MOE_TOKENS_PER_EXPERT
 
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (tokens)")
@@ -46,7 +38,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _moe_models(spec: str) -> list[str]:
-    from quarl.bench.gemm import MOE_MODELS
+    from quarl.bench.gemm_moe import MOE_MODELS
 
     models = [x for x in spec.split(",") if x]
     bad = [x for x in models if x not in MOE_MODELS]
@@ -56,7 +48,8 @@ def _moe_models(spec: str) -> list[str]:
 
 
 def _formats(args: argparse.Namespace) -> list[str]:
-    from quarl.bench.gemm import ALL_FORMATS, MOE_FORMATS, moe_methods
+    from quarl.bench.gemm import ALL_FORMATS
+    from quarl.bench.gemm_moe import MOE_FORMATS, moe_methods
 
     if args.formats is None:
         return list(MOE_FORMATS if args.moe else ALL_FORMATS)
@@ -101,7 +94,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from quarl.bench.gemm import format_moe_table, format_table, run_benchmark, run_moe_benchmark, save
+    from quarl.bench.gemm import format_table, run_benchmark, save
+    from quarl.bench.gemm_moe import format_moe_table, run_moe_benchmark
 
     formats = _formats(args)
     moe = _moe_models(args.moe) if args.moe else None

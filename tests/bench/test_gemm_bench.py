@@ -122,7 +122,7 @@ def test_engine_rows_of_a_gated_mlp(monkeypatch):
 
 # ---------------------------------------------------------------------------------- MoE mode
 def test_moe_shapes_and_methods():
-    from quarl.bench.gemm import MOE_MODELS, moe_methods, moe_shapes
+    from quarl.bench.gemm_moe import MOE_MODELS, moe_methods, moe_shapes
 
     assert "qwen3-30b-a3b" in MOE_MODELS and "qwen2.5-7b" not in MOE_MODELS
     shapes = {s.label: s for s in moe_shapes("qwen3-30b-a3b")}
@@ -138,7 +138,7 @@ def test_moe_shapes_and_methods():
 
 
 def test_moe_floor_counts_every_experts_weight_once():
-    from quarl.bench.gemm import moe_floor_seconds
+    from quarl.bench.gemm_moe import moe_floor_seconds
     from quarl.bench.timing import Ceilings
 
     ceil = Ceilings(bandwidth=3e12, bf16_flops=1e15, fp8_flops=2e15)
@@ -160,7 +160,7 @@ def test_moe_calls_agree_on_the_cpu():
     the same operands, and the offsets give every expert t rows."""
     import torch
 
-    from quarl.bench.gemm import even_offsets, make_moe_calls, moe_shapes
+    from quarl.bench.gemm_moe import even_offsets, make_moe_calls, moe_shapes
 
     assert even_offsets(3, 4).tolist() == [4, 8, 12]
     shape = moe_shapes("moe-tiny")[1]  # down: N = H = 64, K = I = 32
@@ -179,7 +179,7 @@ def test_moe_benchmark_rows_totals_and_table(monkeypatch):
 
     import torch
 
-    from quarl.bench import gemm as bench
+    from quarl.bench import gemm_moe as bench
     from quarl.bench.timing import Ceilings
 
     ceil = Ceilings(bandwidth=1e12, bf16_flops=1e15, fp8_flops=2e15)

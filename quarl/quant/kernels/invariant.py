@@ -1,4 +1,4 @@
-"""Batch-invariant GEMMs ``y [M, N] = x [M, K] @ W.T (+ bias)`` (exact mode, issue [Z]).
+"""Batch-invariant GEMMs ``y [M, N] = x [M, K] @ W.T (+ bias)`` (exact mode).
 
 Batch-invariant: every output row is a function of that row of ``x`` (and of the weight and
 bias) only, bit for bit, whatever M is and wherever the row sits in the batch. The rollout
