@@ -60,7 +60,7 @@ import triton.language as tl
 
 from quarl.quant.kernels.act_quant import act_quant, interpreting
 from quarl.quant.kernels.splitk import cdiv
-from quarl.quant.kernels.triton_kernels import _e2m1_value, _e4m3_value, _group_param
+from quarl.quant.kernels.triton_kernels import dequant_subtile
 from quarl.quant.kernels.weight_only import _fmt, _group_params, _nchunk
 from quarl.quant.qweight import QuantizedWeight
 
@@ -137,8 +137,6 @@ def inv_weight_only_kernel(
     pid_n = tl.program_id(1)
     NSUB: tl.constexpr = 8 // BITS
     SUB: tl.constexpr = 128 // NSUB
-    CODE_MASK: tl.constexpr = (1 << BITS) - 1
-    HALF: tl.constexpr = 1 << (BITS - 1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_j = tl.arange(0, SUB)
@@ -154,24 +152,11 @@ def inv_weight_only_kernel(
         packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
         for i in tl.static_range(NSUB):
             k_first = c * 128 + i * SUB
-            code = (packed >> (BITS * i)) & CODE_MASK
-            if FMT == 2 or FMT == 3:
-                val = _e2m1_value(code)
-            else:
-                val = code.to(tl.float32)
-            s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
-            if FMT == 0:
-                val = val - HALF
-            elif FMT == 1:
-                val = val - _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.float32)
-            if FMT == 2:
-                s = _e4m3_value(s.to(tl.int32)) * gscale
-            elif FMT == 3:
-                s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS, SUB, G)
             if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
-                w = _bf16_rne(val * s)
+                w = _bf16_rne(val)
             else:
-                w = (val * s).to(x_ptr.dtype.element_ty)
+                w = val.to(x_ptr.dtype.element_ty)
             ks = k_first + offs_j
             a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
             acc = _dot16(a, w, acc, PRECISION, INTERP_BF16)

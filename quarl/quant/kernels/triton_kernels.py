@@ -316,6 +316,32 @@ def _group_param(ptr, offs_n, stride_n, k_first, N, SUB: tl.constexpr, G: tl.con
 
 
 @triton.jit
+def dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale,
+                    FMT: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr):
+    """Sub-tile ``i`` of a packed ``[SUB, BN]`` chunk (columns ``k_first ..`` of the weight)
+    as fp32 weight values: the codes' values (int formats minus their zero point, fp4 by
+    table) times their group scale (nvfp4: e4m3 times ``gscale``; mxfp4: e8m0). FMT as
+    :data:`FMT_INT_SYM` etc."""
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    code = (packed >> (BITS * i)) & CODE_MASK
+    if FMT == 2 or FMT == 3:
+        val = _e2m1_value(code)
+    else:
+        val = code.to(tl.float32)
+    s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+    if FMT == 0:
+        val = val - HALF
+    elif FMT == 1:
+        val = val - _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.float32)
+    if FMT == 2:
+        s = _e4m3_value(s.to(tl.int32)) * gscale
+    elif FMT == 3:
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return val * s
+
+
+@triton.jit
 def wo_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, NCHUNK, CHUNKS_PER_SPLIT, N_SPLIT,
@@ -363,22 +389,8 @@ def wo_gemm_kernel(
         else:
             for i in tl.static_range(NSUB):
                 k_first = c * 128 + i * SUB
-                code = (packed >> (BITS * i)) & CODE_MASK
-                if FMT == 2 or FMT == 3:
-                    val = _e2m1_value(code)
-                else:
-                    val = code.to(tl.float32)
-                s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
-                if FMT == 0:
-                    val = val - HALF
-                elif FMT == 1:
-                    z = _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G)
-                    val = val - z.to(tl.float32)
-                if FMT == 2:
-                    s = _e4m3_value(s.to(tl.int32)) * gscale
-                elif FMT == 3:
-                    s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                w = (val * s).to(x_ptr.dtype.element_ty)
+                w = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale,
+                                    FMT, BITS, SUB, G).to(x_ptr.dtype.element_ty)
                 ks = k_first + offs_j
                 x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
                 acc += tl.dot(x, w)
