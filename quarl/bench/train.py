@@ -102,6 +102,11 @@ WORKLOADS: dict[str, Workload] = {
                                         "--rollout.engine.gpu_memory_utilization=0.45")),
     # a quick check that everything runs (seconds per mode on a GPU)
     "smoke": Workload("100m", prompts=8, n=4, gen=64, token_budget=4096, steps=3),
+    # a Qwen3-30B-A3B-shape base (128 experts, 8 per token, 61 GB in bf16) + LoRA 64 on attention, 64
+    # rollouts x 1024 tokens: the bf16 base fits one H200, a w4a16 base one 80 GB H100 (packed as made)
+    "moe-30b-lora": Workload("qwen3-30b-a3b", prompts=8, n=8, gen=1024, token_budget=4096, steps=3, random_base=True,
+                             extra=("--model.lora_rank=64", "--trainer.activation_checkpointing=true",
+                                    "--rollout.engine.gpu_memory_utilization=0.6")),
     # a small MoE (moe-100m: 32 experts, 4 per token) through whole steps: compare bf16, aligned modes
     # and routing replay (+r3) by step time, kl_k3 and route agreement
     "moe-small": Workload("moe-100m", prompts=8, n=8, gen=256, token_budget=4096, steps=4),
