@@ -168,22 +168,32 @@ def published_quantized(weights: dict[str, torch.Tensor], scheme: QuantScheme, d
     each weight (in ``dtype``, the gathered weights' dtype) and the ranks exchange the packed
     row blocks, so what travels is the low-bit tensors, not the weights. Every scale is per
     row or per group of a row, so the result is bit for bit the quantization of the whole
-    weight. A scheme with a per-tensor scale (nvfp4) gathers each weight in ``dtype`` and
-    quantizes it whole (a replicated weight is whole already)."""
+    weight. A stacked MoE projection ``[E, N, K]`` (sharded by experts) is quantized as its
+    ``[E * N, K]`` view, each expert's rows as a block. A scheme with a per-tensor scale
+    (nvfp4) gathers each weight in ``dtype`` and quantizes it whole (a replicated weight is
+    whole already)."""
     whole = [n for n in weights if scheme.per_tensor_scale or not is_sharded(weights[n])]
-    out = dict(zip(whole, quantize_weights([full(weights[n], dtype) for n in whole], scheme)))
+    out = dict(zip(whole, quantize_weights([_rows(full(weights[n], dtype)) for n in whole], scheme)))
     names = [n for n in weights if n not in out]
-    shards = [weights[n].to_local().to(dtype) for n in names]
+    shards = [_rows(weights[n].to_local().to(dtype)) for n in names]
     # (a rank whose shard of a small weight is empty quantizes a row of zeros and sends none)
     local = quantize_weights([w if len(w) else w.new_zeros(1, w.shape[1]) for w in shards], scheme)
-    out.update((n, _gather_rows(qw, len(w), weights[n].shape[0], dist)) for n, w, qw in zip(names, shards, local))
+    for n, w, qw in zip(names, shards, local):
+        full_shape = weights[n].shape
+        per_item = math.prod(full_shape[1:-1])  # rows of one index of the sharded dim (an expert's N)
+        per = math.ceil(full_shape[0] / dist.world) * per_item
+        out[n] = _gather_rows(qw, len(w), full_shape[0] * per_item, dist, per)
     return out
 
 
-def _gather_rows(qw: QuantizedWeight, mine: int, rows: int, dist: Dist) -> QuantizedWeight:
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A weight as ``[rows, K]`` (a stacked ``[E, N, K]`` as ``[E * N, K]``)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _gather_rows(qw: QuantizedWeight, mine: int, rows: int, dist: Dist, per: int) -> QuantizedWeight:
     """The whole ``[rows, K]`` quantized weight from every rank's first ``mine`` rows of
-    ``qw`` (FSDP's row shards: ``ceil(rows / world)`` each, the last ones shorter or empty)."""
-    per = math.ceil(rows / dist.world)
+    ``qw`` (FSDP's shards: ``per`` rows each, the last ones shorter or empty)."""
     tensors = {}
     for field, t in qw.tensors().items():
         padded = t.new_zeros((per, *t.shape[1:]))

@@ -36,7 +36,7 @@ from quarl.quant import (
     rel_update,
     update_visible_frac,
 )
-from quarl.quant.experts import PackedExperts
+from quarl.quant.experts import PROJECTIONS, PackedExperts, QATExperts
 from quarl.rollout import Engine, EngineConfig
 
 
@@ -201,10 +201,16 @@ class Publisher:
         params = dict(self.learner_model.named_parameters())
         dtype = self.learner_model.compute_dtype
         if self.mode.learner_quantized:
-            qat = {f"{n}.weight": m for n, m in self.learner_model.named_modules() if isinstance(m, QATLinear)}
+            # every quantized master by published name: a linear's weight, an MoE block's projections
+            qat = {}
+            for n, m in self.learner_model.named_modules():
+                if isinstance(m, QATLinear):
+                    qat[f"{n}.weight"] = (m.scheme, m.weight)
+                elif isinstance(m, QATExperts):
+                    qat.update((f"{n}.{proj}", (m.scheme, getattr(m, proj))) for proj in PROJECTIONS)
             quantized = {}
-            for scheme in {m.scheme for m in qat.values()}:
-                weights = {n: m.weight.detach() for n, m in qat.items() if m.scheme == scheme}
+            for scheme in {sc for sc, _ in qat.values()}:
+                weights = {n: w.detach() for n, (sc, w) in qat.items() if sc == scheme}
                 quantized.update(published_quantized(weights, scheme, self.dist, dtype))
         else:
             quantized = published_quantized({n: params[n].detach() for n in self.quantized}, self.scheme, self.dist,
