@@ -57,16 +57,20 @@ PEFT_PREFIX = "base_model.model.model."
 _PEFT_EXPERT_KEYS = {"gate_up_proj": ".base_layer", "down_proj": ""}
 
 
+def _rank_alpha_scaling(rank: int, alpha: float) -> tuple[int, float, float]:
+    """An adapter's ``(rank, alpha, scaling = alpha / rank)``, the rank checked."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    return rank, float(alpha), float(alpha) / rank
+
+
 class LoRAAdapter(nn.Module):
     """The low-rank update of one linear: ``forward(x) = scaling * B (A x)``, in ``x``'s dtype."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.rank, self.alpha = rank, float(alpha)
-        self.scaling = self.alpha / rank
+        self.rank, self.alpha, self.scaling = _rank_alpha_scaling(rank, alpha)
         self.A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
         self.B = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
@@ -144,10 +148,7 @@ class GroupedLoRA(nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, alpha: float,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.rank, self.alpha = rank, float(alpha)
-        self.scaling = self.alpha / rank
+        self.rank, self.alpha, self.scaling = _rank_alpha_scaling(rank, alpha)
         self.A = nn.Parameter(torch.empty(num_experts, rank, in_features, device=device, dtype=dtype))
         self.B = nn.Parameter(torch.zeros(num_experts, out_features, rank, device=device, dtype=dtype))
         bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) of one expert's [r, K]

@@ -136,12 +136,19 @@ def _unscaled(qw: QuantizedWeight, s: float) -> QuantizedWeight:
     return QuantizedWeight(qw.scheme, qw.shape, **t)
 
 
-@pytest.mark.parametrize("scheme", EXPORTED)
-def test_compressed_experts_decompress_to_the_trained_codes(tmp_path, moe_base, scheme):
+def _aligned_compressed_export(tmp_path: Path, moe_base: Path, scheme: str):
+    """A one-step aligned run of ``scheme`` on ``moe_base`` (UAQ 1.5, none for mxfp4) exported as
+    compressed-tensors to ``tmp_path / "ct"``: ``(the base model, the run, the UAQ scale)``."""
     uaq = 1.0 if scheme == "mxfp4" else 1.5
     original = quarl.load_model(moe_base)
     run = _full_run(tmp_path / "run", original, {"path": str(moe_base)}, "aligned", scheme, uaq)
     export_checkpoint(run, tmp_path / "ct", "compressed-tensors")
+    return original, run, uaq
+
+
+@pytest.mark.parametrize("scheme", EXPORTED)
+def test_compressed_experts_decompress_to_the_trained_codes(tmp_path, moe_base, scheme):
+    original, run, uaq = _aligned_compressed_export(tmp_path, moe_base, scheme)
     qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     sparse = [i for i, layer in enumerate(original.layers) if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse == [0, 2, 3]
@@ -196,10 +203,7 @@ TRANSFORMERS_LOADS = ("w4a16", "w8a8-fp8", "mxfp4")
 def test_transformers_loads_the_moe_export(tmp_path, moe_base, scheme):
     from transformers import CompressedTensorsConfig
 
-    uaq = 1.0 if scheme == "mxfp4" else 1.5
-    original = quarl.load_model(moe_base)
-    run = _full_run(tmp_path / "run", original, {"path": str(moe_base)}, "aligned", scheme, uaq)
-    export_checkpoint(run, tmp_path / "ct", "compressed-tensors")
+    original, run, uaq = _aligned_compressed_export(tmp_path, moe_base, scheme)
     # (the fp4 formats decompress to bf16 weights, which transformers leaves so in a float32 model)
     hf = _hf(tmp_path / "ct", quantization_config=CompressedTensorsConfig(dequantize=True)).float()
     engine = _engine(original, scheme, uaq)
