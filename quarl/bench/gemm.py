@@ -21,7 +21,7 @@ projection of an MoE preset (gate_up: ``N = 2 I``, ``K = H``; down: ``N = H``, `
 experts) on ``E x t`` rows sorted by expert, ``t`` rows per expert (an even routing: every
 expert reached), timed three ways per format: bf16's grouped GEMM (``F.grouped_mm``), the
 dequantize + grouped GEMM path the experts ran before the grouped kernel (``dequant``), and
-the grouped w4 kernel (``kernel``, :mod:`quarl.quant.kernels.moe_w4`, for the schemes it
+the grouped w4 kernel (``kernel``, :mod:`quarl.quant.kernels.moe_gemm`, for the schemes it
 runs). Each against its floor: all ``E`` experts' weights read once at the format's storage
 cost plus x and y in bf16, over the measured bandwidth, vs the FLOPs over the matrix rate.
 """

@@ -1,7 +1,7 @@
 """``quarl bench gemm --moe``: an MoE preset's expert projections (all experts of one
 projection on rows sorted by expert) timed per format and method against the floor of
 reading every expert: bf16's grouped GEMM, a low-bit format's dequantize + grouped GEMM path
-and its grouped kernel (:mod:`quarl.quant.kernels.moe_w4`)."""
+and its grouped kernel (:mod:`quarl.quant.kernels.moe_gemm`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from quarl.bench.common import git_commit
 from quarl.bench.gemm import _power_label, _triton_version, save
 from quarl.bench.timing import POWER_MODES, Ceilings, PowerGate, measure_ceilings, n_sets, time_per_call
 from quarl.model.presets import PRESETS
+from quarl.quant.kernels.moe_rules import moe_kernel_supports
 from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import get_scheme
 
@@ -48,9 +49,7 @@ def moe_methods(fmt: str) -> tuple[str, ...]:
         return ("grouped_mm",)
     if sc.per_tensor_scale:
         raise ValueError(f"{fmt}: a per-tensor scale, which quantized experts refuse (quarl.quant.experts)")
-    kernel = (sc.weight_format == "int" and sc.weight_bits == 4 and sc.group_size is not None
-              and not sc.quantizes_activations)  # (moe_w4.supports, without importing triton)
-    return ("dequant", "kernel") if kernel else ("dequant",)
+    return ("dequant", "kernel") if moe_kernel_supports(sc) else ("dequant",)
 
 
 def moe_floor_seconds(fmt: str, e: int, t: int, n: int, k: int, ceil: Ceilings) -> float:
@@ -91,9 +90,9 @@ def make_moe_calls(fmt: str, method: str, shape: MoeShape, t: int, device: torch
         return [lambda i=i: grouped_linear(xs[i], ws[i], offsets) for i in range(sets)]
     qws = [quantize_weight(weight().view(e * n, k), sc) for _ in range(sets)]  # (one bf16 copy at a time)
     if method == "kernel":
-        from quarl.quant.kernels.moe_w4 import moe_w4_gemm
+        from quarl.quant.kernels.moe_gemm import grouped_gemm
 
-        return [lambda i=i: moe_w4_gemm(xs[i], offsets, qws[i], e) for i in range(sets)]
+        return [lambda i=i: grouped_gemm(xs[i], offsets, qws[i], e) for i in range(sets)]
     if method != "dequant":
         raise ValueError(f"unknown MoE method {method!r}; one of {MOE_METHODS}")
 

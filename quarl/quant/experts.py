@@ -15,7 +15,7 @@ per-tensor scale would be one scale for all experts of a projection, not one per
 One function runs a projection of all experts on rows sorted by expert
 (:func:`grouped_quant_linear`), in one of two ways:
 
-* the grouped w4 kernel (:mod:`quarl.quant.kernels.moe_w4`) for the engine's weight-only
+* the grouped w4 kernel (:mod:`quarl.quant.kernels.moe_gemm`) for the engine's weight-only
   int4 group schemes (w4a16, w4a16-asym) on bf16 / fp16 rows under the Triton backend
   (``quarl.quant.ops.use_backend("triton")``: the CPU tests run it in the interpreter; on a
   GPU the ``auto`` backend does not pick it yet, as it has not been checked and timed there
@@ -65,6 +65,7 @@ from torch import nn
 
 from quarl.model.moe import Experts, grouped_linear, run_experts
 from quarl.quant import ops
+from quarl.quant.kernels.moe_rules import moe_kernel_supports
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
@@ -132,14 +133,13 @@ def _seen_rows(rows: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch
 
 def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None,
                             master: torch.Tensor | None) -> bool:
-    """Whether :func:`grouped_quant_linear` runs the grouped w4 kernel: a weight-only int4
-    group scheme, bf16 / fp16 rows on the fast path, no learner ``master``, no dense copy
-    kept by the owner, and no gradient wanted through the rows (the kernel has no backward)."""
+    """Whether :func:`grouped_quant_linear` runs the grouped kernel: a scheme it reads
+    (int4 groups, 8-bit per channel), bf16 / fp16 rows on the fast path, no learner
+    ``master``, no dense copy kept by the owner, and no gradient wanted through the rows (the
+    kernel has no backward)."""
     if master is not None or (repacked is not None and repacked.dense):
         return False
-    sc = qw.scheme
-    if not (sc.weight_format == "int" and sc.weight_bits == 4 and sc.group_size is not None
-            and not sc.quantizes_activations and not sc.per_tensor_scale):  # (moe_w4.supports, without triton)
+    if not moe_kernel_supports(qw.scheme):
         return False
     if rows.dtype not in (torch.bfloat16, torch.float16) or not ops.uses_fast_path(rows):
         return False
@@ -161,14 +161,14 @@ def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch
     its dequantized form (None: made for this call); ``master`` (``[E, N, K]``, the learner's):
     the parameter that gets the straight-through gradient of the dequantized weight.
 
-    Runs the grouped w4 kernel where :func:`_grouped_kernel_applies` (module docstring: the
-    engine's weight-only int4 experts on the fast path), else the dequantized weight and one
-    grouped GEMM."""
-    if _grouped_kernel_applies(rows, qw, repacked, master):
-        from quarl.quant.kernels.moe_w4 import moe_w4_gemm
-
-        return moe_w4_gemm(rows, offsets, qw, num_experts)
+    Runs the grouped kernel where :func:`_grouped_kernel_applies` (module docstring: the
+    engine's int4 / 8-bit experts on the fast path), else the dequantized weight and one
+    grouped GEMM; both on the rows as the GEMM sees them."""
     cdt = _compute_dtype(rows)
+    if _grouped_kernel_applies(rows, qw, repacked, master):
+        from quarl.quant.kernels.moe_gemm import grouped_gemm
+
+        return grouped_gemm(_seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num_experts)
     w = _dequantized(qw, num_experts, cdt, repacked)
     if master is not None and master.requires_grad and torch.is_grad_enabled():
         w = _StraightThrough.apply(w, master)

@@ -24,32 +24,73 @@ def _rows(tokens: int, k_dim: int, seed: int):
     return x, offsets
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
+SCHEMES = ["w4a16", "w4a16-asym", "w8a8-int8", "w8a8-fp8"]
+
+
+def _configs():
+    from quarl.quant.kernels.moe_gemm import MoeConfig
+
+    return [None, MoeConfig(16, 64, 4, 4), MoeConfig(16, 64, 4, 4, swap=True), MoeConfig(64, 128, 4, 3, swap=True)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("proj", list(SHAPES))
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
 def test_kernel_equals_the_dequantize_path(scheme, proj, tokens):
-    from quarl.quant.kernels.moe_w4 import moe_w4_gemm
+    """Every tile config (both operand orders) against dequantize + grouped_mm; W8A8's rows go
+    in as the GEMM sees them (quantized and dequantized per token), as grouped_quant_linear
+    gives them to the kernel."""
+    from quarl.quant import ops
+    from quarl.quant.kernels.moe_gemm import grouped_gemm
 
     n, k = SHAPES[proj]
     qw = quantize_weight(0.02 * torch.randn(E * n, k, device=DEV), scheme)
     x, offsets = _rows(tokens, k, seed=tokens)
     with use_backend("auto"):
         want = grouped_quant_linear(x, qw, offsets, E).float()  # dequantize + grouped_mm
-    got = moe_w4_gemm(x, offsets, qw, E).float()
-    rel = float((got - want).norm() / want.norm())
-    assert rel < 5e-3, rel  # the same bf16 weights, fp32 sums in another order, one bf16 rounding each
+    fmt = qw.scheme.act_format
+    seen = x if fmt == "none" else ops.quantize_input(x, fmt, torch.bfloat16)[2]
+    for cfg in _configs():
+        got = grouped_gemm(seen, offsets, qw, E, cfg).float()
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 5e-3, (cfg, rel)  # the same bf16 operands, fp32 sums in another order, one rounding each
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_engine_experts_on_the_kernel_equal_the_dequantize_path(scheme):
+    """QuantExperts (the engine's) of Qwen3-30B-A3B's expert shape, one layer: the Triton
+    backend (the kernel) against auto's dequantize path, decode and prefill row counts."""
+    from quarl.quant.experts import QuantExperts
+
+    hidden, inter = SHAPES["down"][0], SHAPES["down"][1]
+    qx = QuantExperts(hidden, inter, E, scheme, dtype=torch.bfloat16, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    qx.load_quantized({"gate_up_proj": 0.02 * torch.randn(E, 2 * inter, hidden, device=DEV, generator=g),
+                       "down_proj": 0.02 * torch.randn(E, hidden, inter, device=DEV, generator=g)})
+    for tokens in (4, 64, 1024):
+        x = torch.randn(tokens, hidden, device=DEV, generator=g, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device=DEV, generator=g)[:TOP_K] for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, TOP_K, device=DEV, generator=g), -1).bfloat16()
+        with torch.inference_mode():
+            with use_backend("auto"):
+                want = qx(x, ids, w).float()
+            with use_backend("triton"):
+                got = qx(x, ids, w).float()
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 1e-2, (tokens, rel)
 
 
 def test_kernel_runs_inside_a_cuda_graph():
-    from quarl.quant.kernels.moe_w4 import moe_w4_gemm
+    from quarl.quant.kernels.moe_gemm import grouped_gemm
 
     n, k = SHAPES["gate_up"]
     qw = quantize_weight(0.02 * torch.randn(E * n, k, device=DEV), "w4a16")
     x, offsets = _rows(16, k, seed=3)
-    eager = moe_w4_gemm(x, offsets, qw, E)  # (compiles)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_w4_gemm(x, offsets, qw, E)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    for cfg in _configs():
+        eager = grouped_gemm(x, offsets, qw, E, cfg)  # (compiles)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = grouped_gemm(x, offsets, qw, E, cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), cfg
