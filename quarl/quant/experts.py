@@ -15,18 +15,19 @@ per-tensor scale would be one scale for all experts of a projection, not one per
 One function runs a projection of all experts on rows sorted by expert
 (:func:`grouped_quant_linear`), in one of two ways:
 
-* the grouped w4 kernel (:mod:`quarl.quant.kernels.moe_gemm`) for the engine's weight-only
-  int4 group schemes (w4a16, w4a16-asym) on bf16 / fp16 rows under the Triton backend
-  (``quarl.quant.ops.use_backend("triton")``: the CPU tests run it in the interpreter; on a
-  GPU the ``auto`` backend does not pick it yet, as it has not been checked and timed there
-  against the path below): it reads the packed experts directly and dequantizes tiles
-  in registers (the same bf16 / fp16 weight values as the dequantized path, summed in fp32
-  in another order). Not for the learner's :class:`QATExperts` (a ``master`` weight: the
-  aligned learner keeps its dequantized-weight grouped GEMM, as the dense w4a16 learner
-  does, so the two sides share weight values, not summation order), not for a projection
-  whose owner keeps a dense copy (``rollout.engine.dense_weights``: the plain grouped GEMM
-  on it is the fastest at large M), and not where autograd needs ``grad_x`` (a LoRA
-  learner's frozen base);
+* the grouped kernel (:mod:`quarl.quant.kernels.moe_gemm`) for the engine's int4 group
+  schemes (w4a16, w4a16-asym) and 8-bit per-channel ones (w8a8-int8 / fp8, on the rows as
+  the GEMM sees them) on bf16 / fp16 rows: always under the Triton backend
+  (``quarl.quant.ops.use_backend("triton")``; the CPU tests run it in the interpreter), and
+  on a GPU under ``auto`` where it beats the path below, by the measured rule on the average
+  rows per expert (:func:`quarl.quant.kernels.moe_rules.kernel_wins`: decode steps). It reads
+  the packed experts directly and dequantizes tiles in registers (the same bf16 / fp16 weight
+  values as the dequantized path, summed in fp32 in another order). Not for the learner's
+  :class:`QATExperts` (a ``master`` weight: the aligned learner keeps its dequantized-weight
+  grouped GEMM, as the dense w4a16 learner does, so the two sides share weight values, not
+  summation order), not for a projection whose owner keeps a dense copy
+  (``rollout.engine.dense_weights``: the plain grouped GEMM on it is the fastest at large
+  M), and not where autograd needs ``grad_x`` (a LoRA learner's frozen base);
 * otherwise the weight dequantized to ``[E, N, K]`` and one grouped GEMM
   (:func:`quarl.model.moe.grouped_linear`); for schemes that quantize activations (W8A8 /
   W4A8) the rows are first quantized per token with the dense linears' quantizer
@@ -51,8 +52,8 @@ The learner's :class:`QATExperts` wraps the :class:`~quarl.model.moe.Experts`' o
 Parameters (same names: checkpoints, optimizer states and sharding are unchanged), quantizes
 them once per weight version, and runs :func:`grouped_quant_linear` on those codes: the
 engine's function on the engine's tensors, so both give the same bits for the same inputs,
-except where the engine runs the grouped w4 kernel (weight-only int4 on the fast path: the
-same weight values, summed in fp32 in another order than the learner's grouped GEMM).
+except where the engine runs the grouped kernel (the same weight values, summed in fp32 in
+another order than the learner's grouped GEMM).
 The backward is straight-through: ``grad_x`` through the dequantized weight, ``grad_W`` of
 each expert ``grad_y^T @ x_seen`` (``x_seen`` the rows as the GEMM saw them: the quantized
 and dequantized activations for W8A8 / W4A8).
@@ -65,7 +66,7 @@ from torch import nn
 
 from quarl.model.moe import Experts, grouped_linear, run_experts
 from quarl.quant import ops
-from quarl.quant.kernels.moe_rules import moe_kernel_supports
+from quarl.quant.kernels.moe_rules import kernel_wins, moe_kernel_supports
 from quarl.quant.kernels.w4_layout import RepackCache
 from quarl.quant.qweight import QuantizedWeight, empty_quantized, quantize_weight
 from quarl.quant.scheme import QuantScheme, get_scheme
@@ -131,8 +132,8 @@ def _seen_rows(rows: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch
     return seen
 
 
-def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, repacked: RepackCache | None,
-                            master: torch.Tensor | None) -> bool:
+def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, num_experts: int,
+                            repacked: RepackCache | None, master: torch.Tensor | None) -> bool:
     """Whether :func:`grouped_quant_linear` runs the grouped kernel: a scheme it reads
     (int4 groups, 8-bit per channel), bf16 / fp16 rows on the fast path, no learner
     ``master``, no dense copy kept by the owner, and no gradient wanted through the rows (the
@@ -143,12 +144,13 @@ def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, repacked: R
         return False
     if rows.dtype not in (torch.bfloat16, torch.float16) or not ops.uses_fast_path(rows):
         return False
-    if rows.is_cuda and ops.get_backend() != "triton":
-        # the `auto` backend keeps the dequantize path on a GPU until the kernel has been
-        # checked against it there (tests_gpu/quant/test_moe_kernels_gpu.py) and timed
-        # (`quarl bench gemm --moe`); `use_backend("triton")` runs it
+    if rows.requires_grad and torch.is_grad_enabled():
         return False
-    return not (rows.requires_grad and torch.is_grad_enabled())
+    if rows.is_cuda and ops.get_backend() != "triton":
+        # `auto` on a GPU: the kernel where it beats dequantize + grouped GEMM (few rows per
+        # expert: decode), by the measured rule; `use_backend("triton")` always runs it
+        return kernel_wins(qw.scheme, rows.shape[0], num_experts)
+    return True
 
 
 def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch.Tensor, num_experts: int,
@@ -165,7 +167,7 @@ def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch
     engine's int4 / 8-bit experts on the fast path), else the dequantized weight and one
     grouped GEMM; both on the rows as the GEMM sees them."""
     cdt = _compute_dtype(rows)
-    if _grouped_kernel_applies(rows, qw, repacked, master):
+    if _grouped_kernel_applies(rows, qw, num_experts, repacked, master):
         from quarl.quant.kernels.moe_gemm import grouped_gemm
 
         return grouped_gemm(_seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num_experts)

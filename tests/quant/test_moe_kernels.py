@@ -246,5 +246,18 @@ def test_dispatch_takes_the_kernel_for_exactly_its_schemes(kernel_calls):
     with use_backend("triton"):
         for name, sc in SCHEMES.items():
             qw = quantize_weight(torch.randn(2, 128), sc)
-            assert _grouped_kernel_applies(x, qw, None, None) == moe_kernel_supports(sc), name
+            assert _grouped_kernel_applies(x, qw, 1, None, None) == moe_kernel_supports(sc), name
     assert {n for n, s in SCHEMES.items() if moe_kernel_supports(s)} == set(SUPPORTED)
+
+
+def test_auto_rule_is_rows_per_expert_by_weight_bits(monkeypatch):
+    """kernel_wins decides by shapes alone: rows <= the measured average rows per expert
+    times the experts, per weight bits; schemes the kernel cannot read never."""
+    from quarl.quant.kernels import moe_rules
+
+    monkeypatch.setattr(moe_rules, "KERNEL_MAX_AVG_ROWS", {4: 8.0, 8: 2.0})
+    w4, fp8 = get_scheme("w4a16"), get_scheme("w8a8-fp8")
+    assert moe_rules.kernel_wins(w4, 1024, 128) and not moe_rules.kernel_wins(w4, 1025, 128)
+    assert moe_rules.kernel_wins(fp8, 256, 128) and not moe_rules.kernel_wins(fp8, 257, 128)
+    assert not moe_rules.kernel_wins(get_scheme("w2a16"), 1, 128)
+    assert not moe_rules.kernel_wins(get_scheme("bf16"), 1, 128)

@@ -17,3 +17,18 @@ def moe_kernel_supports(scheme: QuantScheme) -> bool:
     if scheme.weight_bits == 4:
         return scheme.weight_format == "int" and scheme.group_size is not None and not scheme.quantizes_activations
     return scheme.weight_bits == 8 and scheme.weight_format in ("int", "fp8") and scheme.group_size is None
+
+
+# Average rows per expert up to which the grouped kernel runs on a GPU under the `auto`
+# backend, by weight bits: past it, dequantizing every expert once and one grouped GEMM cost
+# less. From `quarl bench gemm --moe qwen3-30b-a3b` (bench/baselines/gemm_moe_*.json).
+KERNEL_MAX_AVG_ROWS = {4: 0.0, 8: 0.0}
+
+
+def kernel_wins(scheme: QuantScheme, rows: int, num_experts: int) -> bool:
+    """Whether the `auto` backend runs the grouped kernel for ``rows`` sorted rows over
+    ``num_experts`` experts on a GPU (:data:`KERNEL_MAX_AVG_ROWS`). Decided by shapes alone,
+    so a CUDA graph keeps its choice."""
+    if not moe_kernel_supports(scheme):
+        return False
+    return rows <= KERNEL_MAX_AVG_ROWS.get(scheme.weight_bits, 0.0) * max(num_experts, 1)
