@@ -28,7 +28,9 @@ def mismatch_metrics(
 
     - ``mismatch/kl_k1``              token mean of ``-d``
     - ``mismatch/kl_k3``              token mean of ``exp(d) - d - 1``
-    - ``mismatch/abs_logp_diff_mean`` / ``_max``  of ``|d|``
+    - ``mismatch/abs_logp_diff_mean``  token mean of ``|d|``
+    - ``mismatch/max_abs_logp_diff``  ``max |d|`` over the response tokens: the check of exact
+      mode (``quant.exact``), 0 exactly when every token's two log-probs are equal
     - ``mismatch/ppl_ratio``          learner / sampler perplexity of the sampled tokens,
       ``exp(-mean old_logp) / exp(-mean sampler_logp)`` over all response tokens
     - ``mismatch/seq_w_max``          ``max_i exp(mean_t d)``, the largest sequence weight
@@ -58,7 +60,7 @@ def mismatch_metrics(
             "mismatch/kl_k1": masked_mean(k1, m),
             "mismatch/kl_k3": masked_mean(k3, m),
             "mismatch/abs_logp_diff_mean": masked_mean(abs_d, m),
-            "mismatch/abs_logp_diff_max": masked_max(abs_d, m > 0),
+            "mismatch/max_abs_logp_diff": masked_max(abs_d, m > 0),
             "mismatch/ppl_ratio": torch.exp(learner_nll - sampler_nll),
             "mismatch/seq_w_max": masked_max(seq_w, valid),
         }

@@ -42,7 +42,7 @@ def _kl_k3(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, fl
     m = mismatch_metrics(a, b, mask)
     differ = ((a != b) & (mask > 0)).sum() / mask.sum().clamp(min=1)
     return {"kl_k3": m["mismatch/kl_k3"], "abs_logp_diff_mean": m["mismatch/abs_logp_diff_mean"],
-            "abs_logp_diff_max": m["mismatch/abs_logp_diff_max"], "tokens_differ": float(differ)}
+            "abs_logp_diff_max": m["mismatch/max_abs_logp_diff"], "tokens_differ": float(differ)}
 
 
 def nudge_inputs(model: torch.nn.Module, frac: float, seed: int = 0) -> list:

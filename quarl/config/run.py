@@ -198,6 +198,10 @@ class QuantConfig:
     uaq_scale: float = 1.0  # QuRL's invariant scaling s (1.0 = off; the paper uses 1.5)
     include: list[str] = field(default_factory=lambda: ["layers.*"])
     exclude: list[str] = field(default_factory=list)
+    # exact mode: engine and learner to run the batch-invariant kernels (quarl/quant/kernels/invariant*.py)
+    # for every op of the forward they share, so that the learner recomputes the sampler's log-probs bit
+    # for bit. Not wired into either forward yet: true is refused when the config loads, naming why
+    exact: bool = False
 
     def validate(self) -> None:
         _positive("quant", self, "uaq_scale")
@@ -437,6 +441,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> None:
+        self._check_exact()
         if self.model.lora_rank:
             if self.quant.mode is QuantMode.ROLLOUT:
                 raise ConfigError("model.lora_rank with quant.mode=rollout: a LoRA run's base is frozen in the "
@@ -445,6 +450,26 @@ class RunConfig:
             if self.algo.advantage == "gae":
                 raise ConfigError("model.lora_rank with algo.advantage=gae: the critic would be a full copy of "
                                   "the model; use algo.advantage=grpo, dr_grpo or rloo with LoRA")
+
+    def _check_exact(self) -> None:
+        """``quant.exact`` only where every op both forwards share runs its batch-invariant kernel."""
+        if not self.quant.exact:
+            return
+        # the kernels exist and are tested (quarl/quant/kernels/invariant*.py), the forwards do not call them
+        why = ["neither the engine's forward nor the learner's runs the batch-invariant kernels yet, so no "
+               "configuration is exact"]
+        if self.quant.mode is not QuantMode.BF16:
+            why.append(f"quant.mode={self.quant.mode} (quant.scheme={self.quant.scheme.name}) would also need the "
+                       "low-bit linears wired (the invariant GEMMs cover every scheme but w4a8-int8)")
+        if self.model.lora_rank:
+            why.append("model.lora_rank > 0: LoRA adapters have no batch-invariant path")
+        if self.model._is_moe():
+            why.append("an MoE model: its router and experts have no batch-invariant kernels")
+        if self.model.dtype == "float16":
+            why.append("model.dtype=float16: the invariant attention is tested in bfloat16 and float32 only")
+        raise ConfigError("quant.exact=true is refused: " + "; ".join(why) + ". What works: quant.exact=false "
+                          "(the default); the kernels can be called directly (docs/kernels.md, batch-invariant "
+                          "kernels)")
 
 
 def load_run_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:

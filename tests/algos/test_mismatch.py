@@ -25,10 +25,28 @@ def test_hand_values():
     assert math.isclose(m["mismatch/kl_k1"], -LOG2 / 3)
     assert math.isclose(m["mismatch/kl_k3"], (1.5 - LOG2) / 3)
     assert math.isclose(m["mismatch/abs_logp_diff_mean"], LOG2)
-    assert math.isclose(m["mismatch/abs_logp_diff_max"], LOG2)
+    assert math.isclose(m["mismatch/max_abs_logp_diff"], LOG2)
     assert math.isclose(m["mismatch/ppl_ratio"], 2 ** (-1 / 3))
     assert math.isclose(m["mismatch/seq_w_max"], 2.0)
     assert all(isinstance(v, float) for v in m.values())
+
+
+def test_max_abs_logp_diff_hand_values():
+    """max |sampler - learner| over response tokens only: the padding's 9.0 and the masked-out
+    token's 5.0 do not count; the largest real gap is |-1.25 - (-0.5)| = 0.75 (exact in float32)."""
+    sampler = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, 0.0, 0.0]])
+    learner = torch.tensor([[-1.5, -2.0, -1.25], [-0.25, 9.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert mismatch_metrics(learner, sampler, mask)["mismatch/max_abs_logp_diff"] == 0.75
+    # one ulp apart is not exact: the metric sees the float32 difference
+    ulp = torch.nextafter(torch.tensor(-1.0), torch.tensor(0.0))
+    nudged = sampler.clone()
+    nudged[0, 0] = ulp
+    assert mismatch_metrics(nudged, sampler, mask)["mismatch/max_abs_logp_diff"] == 2.0**-24
+    # identical values on every response token: exactly 0, whatever the padding holds
+    same = sampler.clone()
+    same[1, 1:] = 7.0
+    assert mismatch_metrics(same, sampler, mask)["mismatch/max_abs_logp_diff"] == 0.0
 
 
 def test_length_quartiles():
@@ -53,5 +71,5 @@ def test_zero_when_aligned_and_empty_batch():
     assert m["mismatch/kl_k1"] == 0.0 and m["mismatch/kl_k3"] == 0.0
     assert m["mismatch/ppl_ratio"] == 1.0 and m["mismatch/seq_w_max"] == 1.0
     m = mismatch_metrics(logp, logp, torch.zeros_like(logp))
-    assert m["mismatch/kl_k3"] == 0.0 and m["mismatch/abs_logp_diff_max"] == 0.0
+    assert m["mismatch/kl_k3"] == 0.0 and m["mismatch/max_abs_logp_diff"] == 0.0
     assert math.isnan(m["mismatch/kl_k3_q1"])

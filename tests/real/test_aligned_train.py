@@ -48,7 +48,7 @@ def test_aligned_steps_on_real_checkpoint(real_model, tmp_path, mode, scheme):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2]
     kl = [m["mismatch/kl_k3"] for m in rows]
-    print(f"\n{scheme}: mismatch/kl_k3 per step {kl}, max |dlogp| {[m['mismatch/abs_logp_diff_max'] for m in rows]}")
+    print(f"\n{scheme}: mismatch/kl_k3 per step {kl}, max |dlogp| {[m['mismatch/max_abs_logp_diff'] for m in rows]}")
     assert all(math.isfinite(k) and 0.0 <= k <= KL_K3_MAX for k in kl), (scheme, kl)
 
 
