@@ -105,7 +105,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: Literal["arith", "countdown", "file"] = "arith"
+    task: Literal["arith", "countdown", "cycle", "file"] = "arith"
     path: str | None = None  # JSONL or parquet when task == "file"
     eval_path: str | None = None
     prompt_key: str = "prompt"

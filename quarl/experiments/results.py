@@ -1,7 +1,8 @@
 """A suite's results directory: its summary JSON and its page (markdown tables, PNG plots).
 
 The directory (:func:`quarl.experiments.suite.collect`) holds ``suite.yaml``,
-``meta.json``, ``base.json``, ``runs.json`` and ``runs/<name>/seed<k>/metrics.jsonl``.
+``meta.json``, ``base.json``, ``runs.json`` and ``runs/<name>/seed<k>/metrics.jsonl`` (and
+``flagged.jsonl``, the run's error-token examples, where it had any).
 :func:`summarize` reduces every run's series to the suite's table columns, per seed,
 and over the seeds (mean, sample standard deviation, min, max); a ratio column divides
 each seed's value by the baseline run's value of the same seed, so a seed's noise
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from quarl import plots
+from quarl.experiments.flagged import flagged_section
 from quarl.experiments.spec import SUITE_FILE, Column, Plot, Suite, load_suite
 from quarl.experiments.suite import steps_done
 
@@ -307,6 +309,7 @@ def render(out: str | Path, suite_dir: str | Path | None = None) -> Path:
         drawn = (plot_bars if plot.kind == "bars" else plot_lines)(plot, runs, out / name)
         if drawn:
             lines += [f"![{plot.title}]({name})", ""]
+    lines += flagged_section(out, list(suite.runs), suite.seeds)
     if summary["failed"]:
         lines += ["Failed runs:", ""]
         for r in summary["failed"]:

@@ -46,6 +46,7 @@ from typing import Any
 import yaml
 
 from quarl.config.typed import merge, parse_overrides, read_yaml
+from quarl.experiments.flagged import FLAGGED_FILE, copy_flagged
 from quarl.experiments.spec import (  # noqa: F401 (the spec's names, for the CLI and the tests)
     AT, BASE_SECTIONS, SUITE_FILE, Column, Plot, Suite, check_seeds, load_suite,
 )
@@ -433,8 +434,9 @@ def _headline(run_dir: Path) -> str:
 
 
 def collect(suite: Suite, work: str | Path, out: str | Path) -> Path:
-    """Copy every run's ``metrics.jsonl`` and ``config.yaml`` (and the base's ``base.json``
-    and the runs' status) into ``out``; returns ``out``."""
+    """Copy every run's ``metrics.jsonl`` and ``config.yaml`` (and some of its flagged
+    responses: :mod:`quarl.experiments.flagged`; the base's ``base.json`` and the runs'
+    status) into ``out``; returns ``out``."""
     from quarl.bench.common import git_commit
 
     work, out = Path(work), Path(out)
@@ -454,6 +456,7 @@ def collect(suite: Suite, work: str | Path, out: str | Path) -> Path:
             for f in ("metrics.jsonl", "config.yaml"):
                 if (src / f).is_file():
                     shutil.copyfile(src / f, dst / f)
+            copy_flagged(src / "samples.jsonl", dst / FLAGGED_FILE)  # the error-token detector's hits
             copied.append(f"{name} seed {seed}")
     base = json.loads((work / "base/base.json").read_text()) if (work / "base/base.json").is_file() else None
     if base is not None:

@@ -543,29 +543,6 @@ def test_weights_digest_follows_the_bytes(tmp_path):
     assert weights_digest(tmp_path / "a") != weights_digest(tmp_path / "b")
 
 
-EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
-
-
-@pytest.mark.parametrize("suite_dir", sorted(p.parent.name for p in EXPERIMENTS.glob("*/suite.yaml")))
-def test_the_repository_suites_load_and_every_run_config_is_valid(suite_dir, tmp_path):
-    from quarl.config import load_run_config
-
-    suite = load_suite(EXPERIMENTS / suite_dir)
-    assert suite.base == (EXPERIMENTS / "base.yaml").resolve() and len(suite.seeds) >= 3
-    plan = plan_runs(suite, tmp_path, tmp_path / "base")
-    assert len(plan) == len(suite.runs) * len(suite.seeds)
-    for r in plan:
-        cfg = load_run_config(str(r.config_file))
-        mode = cfg.quant.mode.value
-        # bf16 runs are named so; a quantized run names its mode and its scheme, or its suite's title does
-        assert (mode == "bf16") == r.name.startswith("bf16"), r.name
-        if mode != "bf16":
-            assert mode in r.name or mode in suite.title.lower(), r.name
-            assert cfg.quant.scheme.name.removeprefix("w8a8-") in r.name + suite.title, r.name
-        assert cfg.model.path == str(tmp_path / "base") and cfg.trainer.sft_warmup_steps == 0
-        assert cfg.rollout.max_new_tokens == 384 and cfg.data.task == "arith"  # the base recipe's sections
-
-
 def test_runs_from_an_earlier_base_start_again(tmp_path):
     """A changed base recipe rebuilds the base; the runs trained from the old one are run again,
     not reported as finished."""
