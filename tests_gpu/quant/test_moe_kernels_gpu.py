@@ -59,7 +59,10 @@ def test_kernel_equals_the_dequantize_path(scheme, proj, tokens):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_engine_experts_on_the_kernel_equal_the_dequantize_path(scheme):
     """QuantExperts (the engine's) of Qwen3-30B-A3B's expert shape, one layer: the Triton
-    backend (the kernel) against auto's dequantize path, decode and prefill row counts."""
+    backend (the kernel) against the reference backend's dequantize path, decode and prefill
+    row counts; and `auto` takes the kernel exactly where moe_rules.kernel_wins says."""
+    from quarl.quant.kernels import moe_gemm
+    from quarl.quant.kernels.moe_rules import kernel_wins
     from quarl.quant.experts import QuantExperts
 
     hidden, inter = SHAPES["down"][0], SHAPES["down"][1]
@@ -71,13 +74,27 @@ def test_engine_experts_on_the_kernel_equal_the_dequantize_path(scheme):
         x = torch.randn(tokens, hidden, device=DEV, generator=g, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device=DEV, generator=g)[:TOP_K] for _ in range(tokens)])
         w = torch.softmax(torch.randn(tokens, TOP_K, device=DEV, generator=g), -1).bfloat16()
+        calls = []
+        real = moe_gemm.grouped_gemm
+
+        def spy(*args, **kw):
+            calls.append(1)
+            return real(*args, **kw)
+
         with torch.inference_mode():
-            with use_backend("auto"):
+            with use_backend("reference"):
                 want = qx(x, ids, w).float()
             with use_backend("triton"):
                 got = qx(x, ids, w).float()
+            moe_gemm.grouped_gemm = spy
+            try:
+                with use_backend("auto"):
+                    qx(x, ids, w)
+            finally:
+                moe_gemm.grouped_gemm = real
         rel = float((got - want).norm() / want.norm())
         assert rel < 1e-2, (tokens, rel)
+        assert len(calls) == (2 if kernel_wins(qx.scheme, tokens * TOP_K, E) else 0), tokens
 
 
 def test_kernel_runs_inside_a_cuda_graph():
