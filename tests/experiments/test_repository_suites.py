@@ -147,6 +147,11 @@ TINY = ["--model.dtype=float32", "--data.num_train=64", "--data.num_eval=4", "--
         "--rollout.max_new_tokens=24", "--trainer.eval_every=1"]
 
 
+# the long suite at difficulty 2: worked solutions of tens of tokens, not ~1.3k (the CPU run
+# checks the plumbing; its task's lengths are checked in tests/tasks/test_cycles.py)
+SHRINK = {"long": ["--data.difficulty=2"]}
+
+
 @pytest.mark.parametrize("suite_dir, model", [("moe", "moe-tiny"), ("long", "tiny"), ("w2", "tiny")])
 def test_a_regime_suite_runs_end_to_end_at_tiny_scale(suite_dir, model, tmp_path):
     """The suite's own files through ``quarl suite run`` (seed 0, every run, 2 at once), the
@@ -155,7 +160,8 @@ def test_a_regime_suite_runs_end_to_end_at_tiny_scale(suite_dir, model, tmp_path
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = main(["suite", "run", str(EXPERIMENTS / suite_dir), "--work", str(work), "--out", str(out),
-                     "--seeds", "0", "--parallel", "2", f"--model.builtin={model}", *TINY])
+                     "--seeds", "0", "--parallel", "2", f"--model.builtin={model}", *TINY,
+                     *SHRINK.get(suite_dir, [])])
     logs = {f.name: f.read_text()[-2000:] for f in (work / "logs").glob("*.log")}
     runs = REGIMES[suite_dir]
     assert code == 0 and f"{len(runs)} of {len(runs)} runs complete" in buf.getvalue(), (buf.getvalue(), logs)
