@@ -107,6 +107,24 @@ WORKLOADS: dict[str, Workload] = {
     "moe-30b-lora": Workload("qwen3-30b-a3b", prompts=8, n=8, gen=1024, token_budget=4096, steps=3, random_base=True,
                              extra=("--model.lora_rank=64", "--trainer.activation_checkpointing=true",
                                     "--rollout.engine.gpu_memory_utilization=0.6")),
+    # a full fine-tune of the Qwen3-30B-A3B shape (30.5B parameters, 3.0B active a token) in the lean
+    # settings, its learner sharded over the ranks; run it with --gpus 4 (H200s) or --gpus 8, modes
+    # aligned-w4a16+r3 and bf16 (docs/distributed.md, "Qwen3-30B-A3B on several GPUs"). Per GPU, GiB:
+    # learner state 30.5B x 8 bytes = 227 / N (the 2 bytes of gradients only in the update, the 4 of
+    # Adam moments from step 1 on) + the engine's replicated copy (w4a16 15.5, bf16 57) + KV (96 KiB a
+    # token; 48 answers of ~1090 tokens: 4.8) + the update's transients (~10-15, estimated) + context.
+    # KV released through the update: w4a16 ~87 on 4 GPUs (H200s), ~59 on 8; bf16 ~127 on 4, ~99 on 8
+    # (H200s). Setup holds more: each rank makes the whole bf16 base and the engine's bf16 copy of it
+    # (114) before sharding, which no H100 holds yet. The engine sizes its cache after sharding
+    # (2 bytes a parameter / N and its own weights held): 0.6 of the GPU leaves >= 8 of KV wherever
+    # the run fits, with room for the moments added at step 1. 6 prompts a GPU: 24 a step on 4 GPUs,
+    # 48 on 8, which 3 and 6 GPUs divide too (a resume on another count). 2 steps (the first compiles)
+    "moe-30b-full-sharded": Workload("qwen3-30b-a3b", prompts=6, n=8, gen=1024, token_budget=4096, steps=2,
+                                     random_base=True,
+                                     extra=("--trainer.shard_learner=true", "--trainer.activation_checkpointing=true",
+                                            "--optim.fp32_master=false", "--optim.state_dtype=bfloat16",
+                                            "--rollout.kv_cache_in_update=release",
+                                            "--rollout.engine.gpu_memory_utilization=0.6")),
     # a small MoE (moe-100m: 32 experts, 4 per token) through whole steps: compare bf16, aligned modes
     # and routing replay (+r3) by step time, kl_k3 and route agreement
     "moe-small": Workload("moe-100m", prompts=8, n=8, gen=256, token_budget=4096, steps=4),
@@ -344,7 +362,7 @@ def run_benchmark(workload: str, modes: list[str], extra: list[str], out: Path |
     With ``gpus`` (e.g. ``[1, 2, 4]``) each mode runs once per count, under ``torchrun`` with
     that many ranks and the workload's prompts per GPU (weak scaling: ``prompts x count``
     prompts a step), as ``<mode>@<count>gpu``; :func:`save_result` adds each count's
-    scaling efficiency (the one-GPU step time over its own).
+    scaling efficiency (the one-GPU step time over its own; and its rollout's alone).
     With ``resume`` the runs already in ``out`` (a call cut short: the result is saved after
     each run) are kept and only the missing ones run; :func:`resumed` checks that the file
     is of the same workload, commit and flags."""
@@ -466,6 +484,8 @@ def save_result(result: dict[str, Any], out: Path | None) -> None:
         one = modes.get(f"{mode}@1gpu", {}).get("median", {})
         if count and one.get("step_s") and m.get("step_s"):  # the same work per GPU: ideally the same step time
             r["scaling_efficiency"] = one["step_s"] / m["step_s"]
+        if count and one.get("rollout_s") and m.get("rollout_s"):  # the engines' part alone (each rank its own)
+            r["rollout_scaling_efficiency"] = one["rollout_s"] / m["rollout_s"]
         if "baseline" in r:
             r["speedup_vs_baseline"] = _speedups(r["baseline"]["median"], m)
     write_json(result, out)
@@ -494,8 +514,9 @@ def summary_table(result: dict[str, Any]) -> str:
                 f"{step_speedup} |")
         return line + (f" {vs_base} |" if vs_base is not None else "")
 
-    scaling = [f"{mode}: {r['scaling_efficiency']:.0%}" for mode, r in result["modes"].items()
-               if "scaling_efficiency" in r and not mode.endswith("@1gpu")]
+    scaling = [f"{mode}: {r['scaling_efficiency']:.0%}" + (f" (rollout {r['rollout_scaling_efficiency']:.0%})"
+                                                          if "rollout_scaling_efficiency" in r else "")
+               for mode, r in result["modes"].items() if "scaling_efficiency" in r and not mode.endswith("@1gpu")]
     for mode, r in result["modes"].items():
         vs = r.get("speedup_vs_baseline")
         cell = None if not with_base else "-" if vs is None else " / ".join(

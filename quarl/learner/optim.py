@@ -58,7 +58,9 @@ class StochasticRounding:
     def generator(self, device: torch.device, shard: bool = False) -> torch.Generator:
         key = device.type + ("/shard" if shard else "")
         if key not in self.generators:
-            seed = self.seed * 1_000_003 + 1 + torch.distributed.get_rank() if shard else self.seed
+            # (a checkpoint of sharded ranks restores "/shard" generators in one process too: rank 0)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            seed = self.seed * 1_000_003 + 1 + rank if shard else self.seed
             self.generators[key] = torch.Generator(device=device).manual_seed(seed)
         return self.generators[key]
 

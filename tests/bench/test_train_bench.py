@@ -174,6 +174,26 @@ def test_every_workload_and_mode_makes_a_valid_run_config(tmp_path):
     assert not lean.optim.fp32_master and lean.optim.state_dtype == "bfloat16" and lean.trainer.activation_checkpointing
 
 
+def test_the_sharded_moe_workload_is_the_lean_full_fine_tune_of_qwen3_30b_a3b():
+    """``moe-30b-full-sharded``: the released MoE shape on random weights made in each rank,
+    every weight trained (no LoRA), sharded, the lean settings; ``+r3`` turns routing replay
+    on for that mode alone; its prompts per GPU split evenly over 3 and 6 GPUs at 4 and 8."""
+    from quarl.bench.train import WORKLOADS, mode_overrides, workload_overrides
+    from quarl.config import load_run_config
+
+    w = WORKLOADS["moe-30b-full-sharded"]
+    assert w.random_base and preset_config(w.shape).num_experts == 128
+    flags = workload_overrides(w, None)
+    for mode, replay in (("aligned-w4a16+r3", "r3"), ("bf16", "off")):
+        cfg = load_run_config(None, flags + mode_overrides(mode))
+        assert cfg.model.builtin == "qwen3-30b-a3b" and cfg.model.lora_rank == 0
+        assert cfg.trainer.shard_learner and cfg.trainer.activation_checkpointing
+        assert not cfg.optim.fp32_master and cfg.optim.state_dtype == "bfloat16"
+        assert cfg.rollout.kv_cache_in_update == "release" and cfg.rollout.routing_replay == replay
+        assert cfg.rollout.engine.gpu_memory_utilization == 0.6
+    assert all(w.prompts * gpus % ranks == 0 for gpus, ranks in ((4, 3), (8, 6), (8, 4)))
+
+
 def test_a_scaling_run_launches_ranks_and_reports_efficiency(tmp_path):
     """``--gpus``: a count above one runs the mode under torchrun with that many ranks and the
     workload's prompts per GPU (rank 0 writes the result); ``save_result`` gives each count
@@ -199,12 +219,18 @@ def test_a_scaling_run_launches_ranks_and_reports_efficiency(tmp_path):
     got = run_child("w1", "bf16", ["--trainer.prompts_per_step=32"], tmp_path / "fake", "abc", tmp_path, gpus=2)
     assert got["median"] == {"step_s": 8.0}
     result = {"workload": "w1", "device": "cpu", "git_commit": "def5678", "modes": {
-        "bf16@1gpu": {"median": {"step_s": 7.0}}, "bf16@2gpu": got, "aligned-w4a16@1gpu": {"median": {"step_s": 5.0}},
-        "aligned-w4a16@2gpu": {"median": {"step_s": 6.25}}}}
+        "bf16@1gpu": {"median": {"step_s": 7.0}}, "bf16@2gpu": got,
+        "aligned-w4a16@1gpu": {"median": {"step_s": 5.0, "rollout_s": 2.0}},
+        "aligned-w4a16@2gpu": {"median": {"step_s": 6.25, "rollout_s": 2.5}}}}
     save_result(result, None)
     assert result["modes"]["bf16@2gpu"]["scaling_efficiency"] == 7.0 / 8.0
-    assert result["modes"]["aligned-w4a16@2gpu"]["speedup_vs_bf16"] == {"step_s": 8.0 / 6.25}
-    assert summary_table(result).endswith("scaling efficiency vs 1 GPU: bf16@2gpu: 88%, aligned-w4a16@2gpu: 80%")
+    assert "rollout_scaling_efficiency" not in result["modes"]["bf16@2gpu"]  # (no rollout times)
+    two = result["modes"]["aligned-w4a16@2gpu"]
+    assert two["speedup_vs_bf16"] == {"step_s": 8.0 / 6.25}
+    # the rollout's own weak-scaling efficiency: the engines run apart, so it shows the step's losses elsewhere
+    assert two["rollout_scaling_efficiency"] == 2.0 / 2.5
+    assert summary_table(result).endswith("scaling efficiency vs 1 GPU: bf16@2gpu: 88%, aligned-w4a16@2gpu: 80% "
+                                          "(rollout 80%)")
     json.dumps(result)
     assert parse_gpus("4,1,2,2", 4) == [1, 2, 4]
     for bad, why in (("1,8", "between 1 and the 4 GPU"), ("0", "between 1"), ("two", "separated by commas")):
@@ -248,3 +274,33 @@ def test_a_benchmark_cut_short_resumes_with_the_runs_it_has(tmp_path, monkeypatc
     ran.clear()
     fresh = bt.run_benchmark("smoke", ["bf16"], [], tmp_path / "new.json", gpus=[1], resume=True)  # nothing yet
     assert ran == [1] and fresh["device"] == "H0"
+
+
+def test_the_documented_multi_gpu_commands_run_the_workloads_settings():
+    """docs/distributed.md's commands for Qwen3-30B-A3B on several GPUs: each ``quarl bench
+    train`` names a workload and modes that exist, and the ``torchrun ... quarl train`` of the
+    resume is the sharded workload's aligned-w4a16+r3 run on 4 GPUs (the same run config),
+    saving its one step."""
+    import shlex
+
+    from quarl.bench.train import WORKLOADS, check_workload, mode_overrides, workload_overrides
+    from quarl.config import load_run_config
+    from quarl.config.typed import to_dict
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    section = text[text.index("## Qwen3-30B-A3B on several GPUs"):]
+    lines = [line.strip() for line in section.splitlines()]
+    bench = [shlex.split(line) for line in lines if line.startswith("quarl bench train ")]
+    assert len(bench) == 3
+    for argv in bench:
+        workload, modes = argv[argv.index("--workload") + 1], argv[argv.index("--modes") + 1]
+        check_workload(workload, modes.split(","))
+    first, resume = [shlex.split(line) for line in lines if line.startswith("torchrun ")]
+    assert first[:5] == ["torchrun", "--nproc_per_node=4", "-m", "quarl", "train"]
+    w = WORKLOADS["moe-30b-full-sharded"]
+    want = workload_overrides(w, None) + mode_overrides("aligned-w4a16+r3") + [
+        f"--trainer.prompts_per_step={w.prompts * 4}", "--trainer.steps=1", "--trainer.save_every=1",
+        "--trainer.keep_last=1", "--trainer.run_dir=/tmp/moe30b"]
+    assert to_dict(load_run_config(None, first[5:])) == to_dict(load_run_config(None, want))
+    assert resume[:6] == ["torchrun", "--nproc_per_node=3", "-m", "quarl", "train", "--resume"]
+    assert "--trainer.run_dir=/tmp/moe30b" in resume and w.prompts * 4 % 3 == 0
