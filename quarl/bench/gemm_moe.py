@@ -20,8 +20,8 @@ from quarl.quant.qweight import quantize_weight
 from quarl.quant.scheme import get_scheme
 
 MOE_MODELS = tuple(n for n, c in PRESETS.items() if c.get("num_experts"))
-MOE_TOKENS_PER_EXPERT = (8, 32, 128, 1024)
-MOE_FORMATS = ("bf16", "w4a16")
+MOE_TOKENS_PER_EXPERT = (4, 8, 32, 128, 1024)  # 4: a decode step of 64 sequences, top-8 of 128
+MOE_FORMATS = ("bf16", "w4a16", "w8a8-fp8")
 MOE_METHODS = ("grouped_mm", "dequant", "kernel")  # bf16's grouped GEMM; a low-bit format's two paths
 
 
@@ -43,7 +43,7 @@ def moe_shapes(model: str) -> list[MoeShape]:
 
 def moe_methods(fmt: str) -> tuple[str, ...]:
     """How format ``fmt``'s experts are timed: bf16 by its grouped GEMM; a low-bit format by the
-    dequantize + grouped GEMM path, and by the grouped w4 kernel where that runs the scheme."""
+    dequantize + grouped GEMM path, and by the grouped kernel where that runs the scheme."""
     sc = get_scheme(fmt)
     if not sc.quantizes_weights:
         return ("grouped_mm",)
@@ -92,7 +92,11 @@ def make_moe_calls(fmt: str, method: str, shape: MoeShape, t: int, device: torch
     if method == "kernel":
         from quarl.quant.kernels.moe_gemm import grouped_gemm
 
-        return [lambda i=i: grouped_gemm(xs[i], offsets, qws[i], e) for i in range(sets)]
+        def kernel(i: int):  # (W8A8: the rows quantized per token first, as in the dequantize path)
+            x = xs[i] if sc.act_format == "none" else ops.quantize_input(xs[i], sc.act_format, torch.bfloat16)[2]
+            return grouped_gemm(x, offsets, qws[i], e)
+
+        return [lambda i=i: kernel(i) for i in range(sets)]
     if method != "dequant":
         raise ValueError(f"unknown MoE method {method!r}; one of {MOE_METHODS}")
 
@@ -192,7 +196,7 @@ def format_moe_table(result: dict) -> str:
     lines.append("(t/exp: rows per expert, every expert reached; vs bf16: bf16 grouped_mm time / this time, same "
                  "power state; floor: max(weights of all experts at the format's storage cost + x + y in bf16 / "
                  "bandwidth, FLOPs / matrix rate), floor column = floor / time; methods: grouped_mm = bf16 "
-                 "F.grouped_mm, dequant = dequantize to bf16 + grouped_mm, kernel = grouped w4 kernel)")
+                 "F.grouped_mm, dequant = dequantize to bf16 + grouped_mm, kernel = the grouped kernel of quarl.quant.kernels.moe_gemm)")
     totals = result.get("layer_totals") or moe_layer_totals(result["rows"])
     if totals:
         lines.append("MoE layer (gate_up + down):")

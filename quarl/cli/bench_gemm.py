@@ -2,7 +2,7 @@
 
 Wired by the CLI as a ``bench`` subcommand through :func:`add_parser` / :func:`run`;
 also runnable alone: ``python3 -m quarl.cli.bench_gemm --out bench/baselines/gemm_h100.json``.
-``--moe qwen3-30b-a3b --tokens-per-expert 8,32,128,1024 --formats bf16,w4a16`` times an MoE
+``--moe qwen3-30b-a3b --tokens-per-expert 4,8,32,128,1024 --formats bf16,w4a16,w8a8-fp8`` times an MoE
 preset's expert projections instead (grouped GEMMs; :func:`quarl.bench.gemm_moe.run_moe_benchmark`).
 """
 
@@ -30,7 +30,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "sustained (after 0.5 s of the same load: the power cap's steady state), found (as it comes)")
     p.add_argument("--moe", default=None,
                    help=f"comma list of MoE presets ({', '.join(MOE_MODELS)}): time their expert projections "
-                        "(bf16 grouped_mm, dequantize + grouped_mm, the grouped w4 kernel) instead of --models")
+                        "(bf16 grouped_mm, dequantize + grouped_mm, the grouped kernel) instead of --models")
     p.add_argument("--tokens-per-expert", default=",".join(map(str, MOE_TOKENS_PER_EXPERT)),
                    help="with --moe: comma list of rows per expert (every expert reached)")
     p.add_argument("--out", default=None, help="write the JSON result here")

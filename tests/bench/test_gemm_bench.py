@@ -130,7 +130,8 @@ def test_moe_shapes_and_methods():
     assert tuple(shapes["down_proj"]) == ("down_proj", 128, 2048, 768)  # N = H, K = I
     assert moe_methods("bf16") == ("grouped_mm",)
     assert moe_methods("w4a16") == moe_methods("w4a16-asym") == ("dequant", "kernel")
-    assert moe_methods("w8a8-fp8") == moe_methods("w4a8-int8") == moe_methods("w2a16") == ("dequant",)
+    assert moe_methods("w8a8-fp8") == moe_methods("w8a8-int8") == ("dequant", "kernel")
+    assert moe_methods("w4a8-int8") == moe_methods("w2a16") == ("dequant",)
     with pytest.raises(ValueError, match="per-tensor"):
         moe_methods("nvfp4")
     with pytest.raises(ValueError, match="not an MoE preset"):
