@@ -196,7 +196,7 @@ def format_moe_table(result: dict) -> str:
     lines.append("(t/exp: rows per expert, every expert reached; vs bf16: bf16 grouped_mm time / this time, same "
                  "power state; floor: max(weights of all experts at the format's storage cost + x + y in bf16 / "
                  "bandwidth, FLOPs / matrix rate), floor column = floor / time; methods: grouped_mm = bf16 "
-                 "F.grouped_mm, dequant = dequantize to bf16 + grouped_mm, kernel = the grouped kernel of quarl.quant.kernels.moe_gemm)")
+                 "F.grouped_mm, dequant = dequantize to bf16 + grouped_mm, kernel = the grouped kernel, moe_gemm)")
     totals = result.get("layer_totals") or moe_layer_totals(result["rows"])
     if totals:
         lines.append("MoE layer (gate_up + down):")
