@@ -198,9 +198,9 @@ class QuantConfig:
     uaq_scale: float = 1.0  # QuRL's invariant scaling s (1.0 = off; the paper uses 1.5)
     include: list[str] = field(default_factory=lambda: ["layers.*"])
     exclude: list[str] = field(default_factory=list)
-    # exact mode: engine and learner to run the batch-invariant kernels (quarl/quant/kernels/invariant*.py)
+    # exact mode: engine and learner run the batch-invariant kernels (quarl/quant/kernels/invariant*.py)
     # for every op of the forward they share, so that the learner recomputes the sampler's log-probs bit
-    # for bit. Not wired into either forward yet: true is refused when the config loads, naming why
+    # for bit. bf16 mode on dense models only: other settings are refused when the config loads, naming why
     exact: bool = False
 
     def validate(self) -> None:
@@ -452,24 +452,27 @@ class RunConfig:
                                   "the model; use algo.advantage=grpo, dr_grpo or rloo with LoRA")
 
     def _check_exact(self) -> None:
-        """``quant.exact`` only where every op both forwards share runs its batch-invariant kernel."""
+        """``quant.exact`` only where every op both forwards share runs its batch-invariant kernel:
+        bf16 mode on a dense model (bfloat16 or float32), with either KV cache, one learner per rank."""
         if not self.quant.exact:
             return
-        # the kernels exist and are tested (quarl/quant/kernels/invariant*.py), the forwards do not call them
-        why = ["neither the engine's forward nor the learner's runs the batch-invariant kernels yet, so no "
-               "configuration is exact"]
+        why = []
         if self.quant.mode is not QuantMode.BF16:
-            why.append(f"quant.mode={self.quant.mode} (quant.scheme={self.quant.scheme.name}) would also need the "
-                       "low-bit linears wired (the invariant GEMMs cover every scheme but w4a8-int8)")
+            why.append(f"quant.mode={self.quant.mode} (quant.scheme={self.quant.scheme.name}): the low-bit linears "
+                       "are not wired to the invariant GEMMs yet")
         if self.model.lora_rank:
             why.append("model.lora_rank > 0: LoRA adapters have no batch-invariant path")
         if self.model._is_moe():
             why.append("an MoE model: its router and experts have no batch-invariant kernels")
         if self.model.dtype == "float16":
-            why.append("model.dtype=float16: the invariant attention is tested in bfloat16 and float32 only")
-        raise ConfigError("quant.exact=true is refused: " + "; ".join(why) + ". What works: quant.exact=false "
-                          "(the default); the kernels can be called directly (docs/kernels.md, batch-invariant "
-                          "kernels)")
+            why.append("model.dtype=float16: the invariant kernels are tested in bfloat16 and float32 only")
+        if self.trainer.shard_learner:
+            why.append("trainer.shard_learner=true: a sharded learner's linears have no exact path")
+        if why:
+            raise ConfigError("quant.exact=true is refused: " + "; ".join(why) + ". What works: quant.exact=true "
+                              "with quant.mode=bf16 on a dense model in bfloat16 or float32 (model.dtype), "
+                              "rollout.engine.kv_cache_dtype auto or fp8, trainer.shard_learner=false; or "
+                              "quant.exact=false")
 
 
 def load_run_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -15,6 +15,11 @@ other layer's backward.
 
 All log-probs are those of ``softmax(logits / temperature)``: the rollout engine
 reports the same quantity for the tokens it samples, so the two can be compared.
+
+Exact mode (``model.exact``, :mod:`quarl.quant.kernels.invariant_model`): the forward runs
+the batch-invariant kernels the engine runs (the trunk's ops, the attention over the
+micro-batch's sequences, the LM head GEMM and the log-softmax), so that each token's
+log-prob has the bits the engine reported for it; the backward stays the one above.
 """
 
 from __future__ import annotations
@@ -135,6 +140,42 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
+def _exact_stats(hidden, weight, targets, inv_t: float, chunk: int, want_entropy: bool):
+    """``(logp, lse, entropy or None)`` fp32 through the invariant LM head GEMM and log-softmax."""
+    from quarl.quant.kernels.invariant import dense_gemm
+    from quarl.quant.kernels.invariant_softmax import invariant_token_logprobs
+
+    n = hidden.shape[0]
+    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if want_entropy else None
+    for s in range(0, n, chunk):
+        out = invariant_token_logprobs(dense_gemm(hidden[s : s + chunk], weight), targets[s : s + chunk], inv_t,
+                                       want_entropy)
+        logp[s : s + chunk], lse[s : s + chunk] = out[0], out[1]
+        if want_entropy:
+            ent[s : s + chunk] = out[2]
+    return logp, lse, ent
+
+
+class _ExactFusedTokenLogprob(_FusedTokenLogprob):
+    """Exact mode's forward (the engine's kernels, :func:`_exact_stats`), the fused backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, chunk, want_entropy):  # type: ignore[override]
+        logp, lse, ent = _exact_stats(hidden, weight, targets, inv_t, chunk, want_entropy)
+        return _forward_outputs(ctx, (hidden, weight, targets, lse), inv_t, chunk, logp, ent)
+
+
+class _ExactChunkedTokenLogprob(_ChunkedTokenLogprob):
+    """Exact mode's forward (the engine's kernels, :func:`_exact_stats`), the chunked backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, chunk, want_entropy):  # type: ignore[override]
+        logp, _, ent = _exact_stats(hidden, weight, targets, inv_t, chunk, want_entropy)
+        return _forward_outputs(ctx, (hidden, weight, targets), inv_t, chunk, logp, ent)
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -143,18 +184,23 @@ def token_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     fused: bool | None = None,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(hidden @ weight.T / temperature)[targets]`` in float32 (float64 for float64 input).
 
     hidden ``[..., H]``, weight ``[V, H]``, targets ``[...]`` (long) -> logp ``[...]`` and,
     if asked, the entropy ``[...]`` of the same distribution (no gradient). ``fused``
     picks the Triton path (default: :func:`use_kernels`); ``chunk_size`` rows of logits
-    are live at a time (default 4096 fused, 1024 otherwise).
+    are live at a time (default 4096 fused, 1024 otherwise). ``exact``: the forward through
+    the batch-invariant LM head and log-softmax (exact mode, module doc; float32 out).
     """
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     fused = use_kernels(h) if fused is None else fused
-    fn = _FusedTokenLogprob if fused else _ChunkedTokenLogprob
+    if exact:
+        fn = _ExactFusedTokenLogprob if fused else _ExactChunkedTokenLogprob
+    else:
+        fn = _FusedTokenLogprob if fused else _ChunkedTokenLogprob
     chunk = chunk_size or (4096 if fused else 1024)
     logp, ent = fn.apply(h, weight, targets.reshape(-1).contiguous(), 1.0 / temperature, chunk, with_entropy)
     return logp.view(shape), (ent.view(shape) if with_entropy else None)
@@ -182,7 +228,16 @@ def sequence_logprobs(
     stores them (:func:`~quarl.model.transformer.batch_attention`). ``right_padded=True``
     (the learner's batches) spares reading the mask's layout back from the device.
     """
-    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant,
-                                      right_padded=right_padded)
+    exact = getattr(model, "exact", None)
+    if exact is not None:  # exact mode (module doc): the engine's kernels, whatever ``ops`` says
+        from quarl.quant.kernels.invariant_model import exact_batch_attention, exact_ops
+
+        positions, attn = exact_batch_attention(input_ids, exact, attention_mask, seq_ids, model.kv_quant,
+                                                right_padded)
+        ops = exact_ops(ops)
+    else:
+        positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant,
+                                          right_padded=right_padded)
     hidden = model.hidden_states(input_ids, positions, attn, ops, max_position=input_ids.shape[1])[:, :-1]
-    return token_logprobs(hidden, model.lm_head_weight, input_ids[:, 1:], temperature, chunk_size, with_entropy)
+    return token_logprobs(hidden, model.lm_head_weight, input_ids[:, 1:], temperature, chunk_size, with_entropy,
+                          exact=exact is not None)

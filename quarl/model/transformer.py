@@ -16,6 +16,11 @@ shared by all three, which is what keeps sampler and learner aligned.
 ``quarl.learner.sequence_logprobs``) round K (after rotary) and V as the engine's fp8 KV
 cache stores them, with a straight-through gradient (:func:`batch_attention`); the
 trainer sets it in ``aligned`` mode with ``rollout.engine.kv_cache_dtype=fp8``.
+
+``Transformer.exact`` (None, or a ``quarl.quant.kernels.invariant_model.ExactMode``): exact
+mode, set by the trainer on the engine's model and the learner's alike; the engine and
+``quarl.learner.sequence_logprobs`` then run the batch-invariant kernels for every op they
+share (``ExactOps`` of that module), so that both get the same bits for a token.
 """
 
 from __future__ import annotations
@@ -302,6 +307,8 @@ class Transformer(nn.Module):
         # K/V rounding of the batch forwards' attention: None, or "fp8" (quarl.quant.kv), the
         # engine's fp8 KV cache seen by an aligned learner. Not a buffer: not in checkpoints.
         self.kv_quant: str | None = None
+        # exact mode (module doc): None, or what the learner's exact forward knows of the engine
+        self.exact = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -326,7 +333,7 @@ class Transformer(nn.Module):
         # engine and learner: the same bits into each activation quantizer (not around the engine's
         # Triton kernels, which a CPU test may run interpreted: they take 16/32-bit inputs)
         if x.device.type == "cpu" and x.dtype != torch.float64 and getattr(attn, "backend", None) != "triton" \
-                and quantizes_activations(self.layers):
+                and self.exact is None and quantizes_activations(self.layers):
             attn = float64_attention(attn)
         return self.layers(ops, x, cos, sin, attn, self.norm).view(*input_ids.shape, -1)
 

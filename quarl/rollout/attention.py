@@ -8,6 +8,12 @@ one token per sequence as ``[B, 1]``. Backends: Triton kernels on GPU
 (:mod:`quarl.rollout.kernels`), and a torch loop over sequences (SDPA) on CPU, used
 for parity tests. An fp8 cache (:mod:`quarl.quant.kv`) is quantized on the way in and
 dequantized on the way out, by both backends, to the same values.
+
+Exact mode (``exact=True``): prefill, extend and decode alike run the batch-invariant kernel
+(:func:`quarl.quant.kernels.invariant_attention.invariant_paged_attention`; a decode step is
+its case of one new token per sequence, ``cu_seqlens_q = 0, 1, .., B``), on either backend
+(on the CPU through Triton's interpreter), the kernel the learner runs over its packed
+sequences.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ class StepContext:
     block_tables ``[S, max_blocks]`` int32; context_lens ``[S]`` int32: tokens of each
     sequence in the cache after this step's writes.
     Prefill: cu_seqlens_q ``[S+1]`` int32 offsets of each sequence's new tokens.
-    Decode: split_len ``[1]`` int32 tokens per split of the split-K kernel.
+    Decode: split_len ``[1]`` int32 tokens per split of the split-K kernel; in exact mode
+    cu_seqlens_q ``0 .. S`` too (one new token per sequence).
     ``host_*`` mirror the lengths on the host for the torch backend.
     """
 
@@ -51,10 +58,11 @@ class StepContext:
 class PagedAttention:
     """``attn(layer_idx, q, k, v) -> out`` over a paged KV cache for one step."""
 
-    def __init__(self, cache: KVCache, ctx: StepContext, backend: str) -> None:
+    def __init__(self, cache: KVCache, ctx: StepContext, backend: str, exact: bool = False) -> None:
         self.cache = cache
         self.ctx = ctx
         self.backend = backend
+        self.exact = exact
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         hkv, d = k.shape[2], k.shape[3]
@@ -74,7 +82,7 @@ class PagedAttention:
     def rope_store(self):
         """Triton backend: ``(layer_idx, q, k, v, cos, sin) -> rope(q)``, writing rope(k) and
         v into this step's cache slots in the same launch (then :meth:`attend`); else None."""
-        return self._rope_store if self.backend == "triton" else None
+        return self._rope_store if self.backend == "triton" and not self.exact else None
 
     def _rope_store(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
         from quarl.rollout.fused import rope_store_kv
@@ -90,7 +98,14 @@ class PagedAttention:
         kv_scales = (self.cache.k_scale[layer_idx], self.cache.v_scale[layer_idx])  # (None, None) unless fp8
         scale = d**-0.5
         q_flat = q.reshape(b * t, hq, d)
-        if self.backend == "triton":
+        if self.exact:
+            from quarl.quant.kernels.invariant_attention import invariant_paged_attention
+
+            out = invariant_paged_attention(
+                q_flat.contiguous(), k_cache, v_cache, self.ctx.block_tables, self.ctx.cu_seqlens_q,
+                self.ctx.context_lens, self.ctx.max_seqlen_q, scale, kv_scales,
+            )
+        elif self.backend == "triton":
             from quarl.rollout import kernels
 
             if self.ctx.is_prefill:

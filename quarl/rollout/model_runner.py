@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from quarl.model.moe import MoeRouting, install_routing, moe_layer_ids, stacked_routes
-from quarl.model.transformer import Transformer
+from quarl.model.transformer import TORCH_OPS, Transformer
 from quarl.quant.kernels.device import dependent_launches
 from quarl.rollout.attention import PagedAttention, StepContext
 from quarl.rollout.config import EngineConfig
@@ -65,6 +65,9 @@ class ModelRunner:
     reads its inputs from static buffers, so a step costs a few host-to-device copies,
     one replay, the sampling kernel and one device-to-host copy of the sampled tokens.
 
+    Exact mode (``model.exact``, :mod:`quarl.quant.kernels.invariant_model`): every step runs the
+    learner's batch-invariant kernels (no fused kernels, no decode tuning), CUDA graphs as before.
+
     ``record_routes`` (an MoE model): every step also keeps the experts each token it ran
     used in each MoE layer, ``[tokens, moe layers, k]`` int16: a prefill's in
     :attr:`prefill_routes`, a decode step's from :meth:`decode_routes`. A :class:`MoeRouting`
@@ -103,13 +106,22 @@ class ModelRunner:
         self.decode_tuning_ms = 0.0
         self.decode_tuning_table: dict[str, float] = {}  # "BLOCK_Nxwarpsxper_smxkernel" -> median ms
         self.fused = False
-        if self.backend == "triton" and config.fused_kernels:
-            from quarl.rollout.fused import fuse_projections, supports_fused
+        self.exact = getattr(model, "exact", None)
+        self.ops = TORCH_OPS  # the steps of the model's forward (Transformer.hidden_states)
+        if self.exact is not None:
+            from quarl.quant.kernels.invariant_model import EXACT_OPS, require_kernels
+
+            require_kernels(self.device)
+            self.ops = EXACT_OPS
+        elif self.backend == "triton" and config.fused_kernels:
+            from quarl.rollout.fused import FUSED_OPS, fuse_projections, supports_fused
 
             self.fused = supports_fused(model)
             if self.fused:
                 fuse_projections(model)
-        self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates)
+                self.ops = FUSED_OPS
+        self.sampler = Sampler(mc.vocab_size, self.device, self.backend == "triton", config.top_p_candidates,
+                               exact=self.exact is not None)
         self.dense_weight_bytes = self._plan_dense_weights()
         self.num_blocks: int | None = None  # (sized by the first allocate())
         self.kv: KVCache | None = None
@@ -205,7 +217,8 @@ class ModelRunner:
             self.num_blocks = self._num_kv_blocks()  # (its warm-up prefill makes the dense copies)
             self._make_decode_buffers(min(self.config.max_num_seqs, 256))
         self.kv = self._new_cache(self.num_blocks)
-        if self.is_cuda and self.backend == "triton" and self.config.tune_decode and self.decode_tuning_ms == 0.0:
+        if self.is_cuda and self.backend == "triton" and self.config.tune_decode and self.decode_tuning_ms == 0.0 \
+                and self.exact is None:
             self.tune_decode()
         if self.is_cuda and self.config.cuda_graphs:
             self.capture_graphs()
@@ -318,11 +331,7 @@ class ModelRunner:
         self.kv.zero_()
 
     def _hidden_states(self, ids: torch.Tensor, pos: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
-        if self.fused:
-            from quarl.rollout.fused import FUSED_OPS
-
-            return self.model.hidden_states(ids, pos, attn, FUSED_OPS)
-        return self.model.hidden_states(ids, pos, attn)
+        return self.model.hidden_states(ids, pos, attn, self.ops)
 
     # ---------------------------------------------------------------- prefill
     @torch.inference_mode()
@@ -352,12 +361,19 @@ class ModelRunner:
             host_context_lens=lens,
             host_cu_seqlens_q=cu.tolist(),
         )
-        attn = PagedAttention(self.kv, ctx, self.backend)
+        attn = PagedAttention(self.kv, ctx, self.backend, self.exact is not None)
         hidden = self._hidden_states(self._tensor(ids)[None], self._tensor(positions)[None], attn)[0]
         if not all_positions:
             hidden = hidden[torch.from_numpy(cu[1:] - 1).to(self.device).long()]
             if rows is not None:
                 hidden = hidden.index_select(0, rows)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.exact is not None:
+            from quarl.quant.kernels.invariant_model import exact_logits
+
+            return exact_logits(self.model, hidden)
         return self.model.logits(hidden)
 
     # ---------------------------------------------------------------- decode
@@ -384,6 +400,7 @@ class ModelRunner:
                                        pin_memory=pin)
         self._h_tables = self._host_tables.numpy()
         self._d_tables = torch.full((max_bs, self.max_blocks_per_seq), self.num_blocks, dtype=torch.int32, device=dev)
+        self._d_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)  # (exact mode's decode attention)
         self._row_owner: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, table epoch) per row
         self._row_len = [0] * max_bs
         # two host slots for the sampled tokens and log-probs: a step queued behind the one
@@ -412,6 +429,7 @@ class ModelRunner:
             decode_block_n=self.decode_tiling[0],
             decode_warps=self.decode_tiling[1],
             decode_kernel=self.decode_tiling[3],
+            cu_seqlens_q=self._d_cu[: n + 1] if self.exact is not None else None,
         )
 
     def _fill_decode_inputs(self, seqs: list[Sequence], padded: int, splits: int, keys: np.ndarray, ahead: int) -> int:
@@ -516,10 +534,10 @@ class ModelRunner:
         return self._host_routes[handle.slot, : handle.rows].numpy()
 
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        attn = PagedAttention(self.kv, ctx, self.backend)
+        attn = PagedAttention(self.kv, ctx, self.backend, self.exact is not None)
         with dependent_launches(self.config.dependent_launches):
             hidden = self._hidden_states(ids[:, None], pos[:, None], attn)
-        return self.model.logits(hidden[:, 0])
+        return self._logits(hidden[:, 0])
 
     def capture_graphs(self) -> None:
         max_bs = min(self.config.max_graph_batch or self.config.max_num_seqs, self.config.max_num_seqs)
@@ -572,6 +590,10 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, seq: Sequence) -> torch.Tensor:
         """log-probs ``[len-1]`` float32 of tokens ``1..`` of ``seq`` (its blocks allocated)."""
-        logits = self._prefill_logits([seq], all_positions=True)[:-1].float()
+        logits = self._prefill_logits([seq], all_positions=True)[:-1]
         targets = torch.tensor(seq.token_ids[1:], device=self.device)
-        return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+        if self.exact is not None:  # (the learner's log-probs in exact mode: the same kernel)
+            from quarl.quant.kernels.invariant_softmax import invariant_token_logprobs
+
+            return invariant_token_logprobs(logits, targets)[0]
+        return torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]

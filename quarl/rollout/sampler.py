@@ -18,6 +18,11 @@ Truncation (rows with ``top_k > 0`` or ``top_p < 1``) takes ``torch.topk`` of a 
 ``k`` (``top_k``, or ``EngineConfig.top_p_candidates`` when only top-p is set), keeps
 the smallest prefix whose mass reaches ``top_p`` (mass measured under the full
 softmax), and runs the race over those candidates: no full-vocabulary sort.
+
+Exact mode (``exact=True``): the reported log-probs come from the batch-invariant
+log-softmax (:func:`quarl.quant.kernels.invariant_softmax.invariant_token_logprobs`, each
+row's ``1 / T``), the kernel the learner's recomputation runs, on logits the invariant LM
+head made; the tokens are drawn as above.
 """
 
 from __future__ import annotations
@@ -104,11 +109,13 @@ class SamplingBatch:
 class Sampler:
     """Samples one token per row of logits; returns ``(token_ids [R] int64, logprobs [R] float32)``."""
 
-    def __init__(self, vocab_size: int, device: torch.device, use_triton: bool, top_p_candidates: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, use_triton: bool, top_p_candidates: int,
+                 exact: bool = False) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.use_triton = use_triton
         self.top_p_candidates = top_p_candidates
+        self.exact = exact
         self._rows_key: tuple[int, ...] = ()
         self._rows: SamplingRows | None = None
 
@@ -169,6 +176,10 @@ class Sampler:
                 tokens, logprobs = out
         if rows.truncated_rows:
             self._sample_truncated(logits, batch, tokens, logprobs, lse)
+        if self.exact:  # (of the full softmax, truncated rows too: what the learner recomputes)
+            from quarl.quant.kernels.invariant_softmax import invariant_token_logprobs
+
+            logprobs.copy_(invariant_token_logprobs(logits, tokens, rows.inv_temp)[0])
         return tokens, logprobs
 
     def _sample_truncated(

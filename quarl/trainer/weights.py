@@ -37,6 +37,8 @@ from quarl.quant import (
     update_visible_frac,
 )
 from quarl.quant.experts import PROJECTIONS, PackedExperts, QATExperts
+from quarl.quant.linear import selected_experts, selected_linears
+from quarl.quant.scheme import get_scheme
 from quarl.rollout import Engine, EngineConfig
 
 
@@ -53,17 +55,31 @@ def build_engine_and_publisher(
     In ``bf16`` / ``rollout`` mode the learner stays full precision: the fp8 cache is then
     part of the rollout-only mismatch. The publisher keeps the engine equal to the learner.
     With ``lora`` the base is frozen and shared instead (:func:`build_lora_engine`).
+    ``quant.exact``: both models get ``exact`` (the engine's block size and fp8 cache, which the
+    learner's exact forward mirrors, :mod:`quarl.quant.kernels.invariant_model`) before the
+    engine's copy is made; the learner then mirrors an fp8 cache in every mode.
     ``kv_cache=False``: the engine's KV cache is sized and made later
     (``engine.reallocate_kv_cache()``, once the learner has freed what it will free).
     ``record_routes``: the engine records the experts of an MoE model's rollouts.
     """
     if lora is not None:
+        if quant.exact:
+            raise ValueError("exact mode has no LoRA path: use quant.exact=false with LoRA")
         return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache, record_routes)
-    engine = Engine(copy.deepcopy(learner_model), scheme=quant.scheme, config=engine_config,
+    if quant.exact:
+        from quarl.quant.kernels.invariant_model import ExactMode
+
+        learner_model.exact = ExactMode(engine_config.block_size, engine_config.kv_cache_dtype == "fp8")
+    engine = Engine(_engine_copy(learner_model, quant), scheme=quant.scheme, config=engine_config,
                     include=quant.include, exclude=quant.exclude, kv_cache=kv_cache, record_routes=record_routes)
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
-    learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype)
+    learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype, quant.exact)
+    if quant.exact:
+        # one rotary table for both: the engine's was grown to its max_model_len from the model
+        # dtype's inv_freq, the learner's may date from before a cast (a float32 warm start)
+        learner_model.rotary.cos_table = engine.model.rotary.cos_table
+        learner_model.rotary.sin_table = engine.model.rotary.sin_table
     return engine, Publisher(learner_model, engine, quant.mode, dist)
 
 
@@ -105,6 +121,20 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
             m.learner_path = True
     model.kv_quant = "fp8" if engine_config.kv_cache_dtype == "fp8" else None
     return engine, LoRAPublisher(model, engine)
+
+
+def _engine_copy(model: nn.Module, quant: QuantConfig) -> nn.Module:
+    """The engine's copy of the learner's model. Where the engine's scheme packs weights, the
+    tensors of the linears and experts it packs are the learner's own in the copy, not copies:
+    the engine quantizes them and swaps those modules out at once (reading, never writing
+    them), so no second full-precision copy of the model exists even briefly (a 30B MoE's
+    61 GB in bf16 twice would not fit one 80 GB GPU)."""
+    if not get_scheme(quant.scheme).quantizes_weights:
+        return copy.deepcopy(model)
+    packed = selected_linears(model, quant.include, quant.exclude) + selected_experts(model, quant.include,
+                                                                                      quant.exclude)
+    shared = [t for name in packed for t in model.get_submodule(name).parameters(recurse=False)]
+    return copy.deepcopy(model, memo={id(t): t for t in shared})
 
 
 def _copy_sharing_frozen(model: nn.Module) -> nn.Module:
@@ -159,9 +189,10 @@ class LoRAPublisher:
         return {"publish/bytes": float(self.last_bytes)}
 
 
-def learner_kv_quant(mode: QuantMode, kv_cache_dtype: str) -> str | None:
-    """The learner's K/V rounding: the engine's fp8 cache format in ``aligned`` mode, else none."""
-    return "fp8" if mode.learner_quantized and kv_cache_dtype == "fp8" else None
+def learner_kv_quant(mode: QuantMode, kv_cache_dtype: str, exact: bool = False) -> str | None:
+    """The learner's K/V rounding: the engine's fp8 cache format in ``aligned`` mode (and in
+    exact mode, whatever the mode), else none."""
+    return "fp8" if (mode.learner_quantized or exact) and kv_cache_dtype == "fp8" else None
 
 
 def _metric_layers(num_layers: int) -> set[int]:

@@ -140,7 +140,8 @@ def test_norm_block_has_no_row_count_argument():
 
     inv = _norm()
     assert list(inspect.signature(inv.norm_config).parameters) == ["n", "interpret"]
-    assert inv.norm_config(3584) == (4096, 8) and inv.norm_config(896) == (1024, 4)
+    assert inv.norm_config(3584) == (4096, 8, 1) and inv.norm_config(896) == (1024, 4, 1)
+    assert inv.norm_config(200, interpret=True) == (64, 4, 16)  # several rows per program: a tile's rows never mix
 
 
 # ---------------------------------------------------------------------------- log-softmax
@@ -229,3 +230,22 @@ def test_logsoftmax_leading_dims_and_empty():
     assert e_logp.shape == (0,)
     with pytest.raises(ValueError, match="targets"):
         inv.invariant_token_logprobs(logits, targets[0])
+
+
+def test_logsoftmax_per_row_temperatures_equal_one_temperature_per_call():
+    """The engine's rows carry their own ``1 / T`` (a tensor), the learner one float for the
+    batch: a row gets the same bits either way, and a row of 1 / T = 1 the plain log-softmax's."""
+    inv = _softmax()
+    logits, targets = _logits(5, V, BF16), torch.randint(0, V, (5,))
+    temps = [1.0, 0.7, 1.3, 0.7, 1.0]
+    inv_t = torch.tensor([1.0 / t for t in temps], dtype=F32)
+    per_row = inv.invariant_token_logprobs(logits, targets, inv_t, with_entropy=True)
+    for i, t in enumerate(temps):
+        one = inv.invariant_token_logprobs(logits, targets, 1.0 / t, with_entropy=True)
+        for a, b in zip(per_row, one):
+            assert _same_bits(a[i], b[i]), (i, t)
+    r_logp = _softmax_reference(logits, targets, 1 / 0.7)[0]
+    assert bool(((per_row[0][1].double() - r_logp[1]).abs() < 1e-4))
+    assert not _same_bits(per_row[0][1], inv.invariant_token_logprobs(logits, targets)[0][1])
+    with pytest.raises(ValueError, match="temperatures"):
+        inv.invariant_token_logprobs(logits, targets, inv_t[:3])

@@ -111,3 +111,30 @@ def test_compiled_ops_run_moe_layers_with_the_eager_values_and_grads(scheme):
     assert g0.keys() == g1.keys() and "layers.0.mlp.experts.gate_up_proj" in g0
     for n in g0:  # (float32 sums in another order: relative to each gradient's scale)
         assert (g1[n] - g0[n]).abs().max() <= 2e-5 * g0[n].abs().max(), n
+
+
+@pytest.mark.parametrize("mode, scheme", [("aligned", "w4a16"), ("rollout", "w8a8-fp8"), ("bf16", "bf16")])
+def test_the_engine_copy_never_holds_a_second_full_precision_model(mode, scheme):
+    """The engine's copy shares the tensors it is about to pack (linears and experts) with the
+    learner instead of copying them; once built, no engine tensor aliases a learner tensor (the
+    engine packed and dropped them), the learner's values are untouched, and a bf16 engine
+    keeps a copy of its own."""
+    from quarl.trainer.weights import _engine_copy
+
+    base = build_random_model("moe-tiny", seed=5, std=0.3)
+    quant = QuantConfig(mode=QuantMode(mode), scheme=get_scheme(scheme))
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    copied = _engine_copy(base, quant)
+    shares = copied.layers[0].mlp.experts.gate_up_proj is base.layers[0].mlp.experts.gate_up_proj
+    assert shares == (scheme != "bf16")
+    assert (copied.layers[0].self_attn.q_proj.weight is base.layers[0].self_attn.q_proj.weight) == (scheme != "bf16")
+    assert copied.embed_tokens.weight is not base.embed_tokens.weight and copied.norm.weight is not base.norm.weight
+    config = EngineConfig(max_model_len=48, block_size=4, num_kv_blocks=96)
+    engine, publisher = build_engine_and_publisher(base, quant, config)
+    learner_ptrs = {t.data_ptr() for t in publisher.learner_model.state_dict().values() if t.numel()}
+    engine_ptrs = {t.data_ptr() for t in engine.model.state_dict().values() if t.numel()}
+    assert not learner_ptrs & engine_ptrs
+    after = publisher.learner_model.state_dict()
+    for k, v in before.items():
+        if k in after:
+            assert torch.equal(after[k], v), k

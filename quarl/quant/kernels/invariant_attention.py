@@ -232,19 +232,27 @@ class PagedKV(NamedTuple):
     v: torch.Tensor
     k_scale: torch.Tensor | None  # [blocks, page, Hkv] fp32 (fp8 only)
     v_scale: torch.Tensor | None
-    block_tables: torch.Tensor  # [S, max_blocks] int32
+    block_tables: torch.Tensor  # `[S, max_blocks]` int32
     kv_lens: torch.Tensor  # one int32 length per sequence
 
 
-def page_packed_kv(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], page: int, kv_fp8: bool = False) -> PagedKV:
-    """K / V ``[T, Hkv, D]`` of packed sequences (lengths ``seq_lens``, summing to T) written
-    into whole pages of ``page`` tokens, sequence after sequence, as the engine's cache holds
-    them; with ``kv_fp8`` as e4m3 codes and scales (:func:`quarl.quant.kv.quantize_kv`)."""
-    t, hkv, d = k.shape
-    if sum(seq_lens) != t or v.shape != k.shape:
-        raise ValueError(f"sequence lengths {seq_lens} for K {tuple(k.shape)}, V {tuple(v.shape)}")
-    dev = k.device
+class PageLayout(NamedTuple):
+    """Where packed sequences' tokens go in an engine-like cache (:func:`page_layout`)."""
+
+    slots: torch.Tensor  # int64 page * page_size + offset of each token
+    block_tables: torch.Tensor  # `[S, max_blocks]` int32
+    kv_lens: torch.Tensor  # one int32 length per sequence
+    cu_seqlens: torch.Tensor  # int32 offsets of the sequences, 0 first
+    num_pages: int
+    max_len: int
+
+
+def page_layout(seq_lens: list[int], page: int, device: torch.device) -> PageLayout:
+    """Whole pages of ``page`` tokens for each of the packed sequences (lengths ``seq_lens``),
+    sequence after sequence, as the engine's cache holds them. Computed on the host and sent
+    once: a caller with several layers (the learner) makes it once per forward."""
     lens = torch.tensor(seq_lens, dtype=torch.int64)
+    t = int(lens.sum())
     pages = (lens + page - 1) // page
     first_page = torch.cumsum(pages, 0) - pages  # sequence after sequence
     width = max(int(pages.max()), 1) if len(seq_lens) else 1
@@ -252,35 +260,49 @@ def page_packed_kv(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], page: 
     table = torch.where(cols[None, :] < pages[:, None], first_page[:, None] + cols[None, :], 0).to(torch.int32)
     seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
     token_in_seq = torch.arange(t) - (torch.cumsum(lens, 0) - lens)[seq_of]
-    slots = (first_page[seq_of] * page + token_in_seq).to(dev)
-    n_pages = int(pages.sum())
+    slots = first_page[seq_of] * page + token_in_seq
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    return PageLayout(slots.to(device), table.to(device), lens.to(torch.int32).to(device), cu.to(device),
+                      int(pages.sum()), max(seq_lens, default=0))
+
+
+def page_packed_kv(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], page: int, kv_fp8: bool = False,
+                   layout: PageLayout | None = None) -> PagedKV:
+    """K / V ``[T, Hkv, D]`` of packed sequences (lengths ``seq_lens``, summing to T) written
+    into whole pages of ``page`` tokens, sequence after sequence, as the engine's cache holds
+    them; with ``kv_fp8`` as e4m3 codes and scales (:func:`quarl.quant.kv.quantize_kv`).
+    ``layout``: :func:`page_layout` of the same lengths, made once for several calls."""
+    t, hkv, d = k.shape
+    if sum(seq_lens) != t or v.shape != k.shape:
+        raise ValueError(f"sequence lengths {seq_lens} for K {tuple(k.shape)}, V {tuple(v.shape)}")
+    dev = k.device
+    layout = layout or page_layout(seq_lens, page, dev)
     caches, scales = [], []
     for x in (k, v):
         if kv_fp8:
             codes, sc = quantize_kv(x)
-            cache = torch.zeros(n_pages, page, hkv, d, dtype=codes.dtype, device=dev)
-            cache.view(torch.uint8).view(-1, hkv, d).index_copy_(0, slots, codes.view(torch.uint8))
-            s_cache = torch.ones(n_pages, page, hkv, dtype=torch.float32, device=dev)
-            s_cache.view(-1, hkv).index_copy_(0, slots, sc)
+            cache = torch.zeros(layout.num_pages, page, hkv, d, dtype=codes.dtype, device=dev)
+            cache.view(torch.uint8).view(-1, hkv, d).index_copy_(0, layout.slots, codes.view(torch.uint8))
+            s_cache = torch.ones(layout.num_pages, page, hkv, dtype=torch.float32, device=dev)
+            s_cache.view(-1, hkv).index_copy_(0, layout.slots, sc)
             scales.append(s_cache)
         else:
-            cache = torch.zeros(n_pages, page, hkv, d, dtype=x.dtype, device=dev)
-            cache.view(-1, hkv, d).index_copy_(0, slots, x)
+            cache = torch.zeros(layout.num_pages, page, hkv, d, dtype=x.dtype, device=dev)
+            cache.view(-1, hkv, d).index_copy_(0, layout.slots, x)
             scales.append(None)
         caches.append(cache)
-    return PagedKV(caches[0], caches[1], scales[0], scales[1], table.to(dev), lens.to(torch.int32).to(dev))
+    return PagedKV(caches[0], caches[1], scales[0], scales[1], layout.block_tables, layout.kv_lens)
 
 
 def invariant_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float,
-                               page: int, kv_fp8: bool = False) -> torch.Tensor:
+                               page: int, kv_fp8: bool = False, layout: PageLayout | None = None) -> torch.Tensor:
     """Causal attention within each of the packed sequences of ``q [T, Hq, D]``, ``k, v
     [T, Hkv, D]`` (lengths ``seq_lens``): the learner's side of exact mode. K / V are paged
     as the engine's cache (``page`` = its block size; ``kv_fp8``: its fp8 cache) and the
-    kernel of :func:`invariant_paged_attention` runs with every token a new one."""
-    kv = page_packed_kv(k.contiguous(), v.contiguous(), seq_lens, page, kv_fp8)
-    cu = [0]
-    for n in seq_lens:
-        cu.append(cu[-1] + n)
-    cu_q = torch.tensor(cu, dtype=torch.int32, device=q.device)
-    return invariant_paged_attention(q.contiguous(), kv.k, kv.v, kv.block_tables, cu_q, kv.kv_lens,
-                                     max(seq_lens, default=0), scale, (kv.k_scale, kv.v_scale))
+    kernel of :func:`invariant_paged_attention` runs with every token a new one. ``layout``:
+    :func:`page_layout` of ``seq_lens`` and ``page`` on q's device, made once per forward."""
+    layout = layout or page_layout(seq_lens, page, q.device)
+    kv = page_packed_kv(k.contiguous(), v.contiguous(), seq_lens, page, kv_fp8, layout)
+    return invariant_paged_attention(q.contiguous(), kv.k, kv.v, kv.block_tables, layout.cu_seqlens, kv.kv_lens,
+                                     layout.max_len, scale, (kv.k_scale, kv.v_scale))

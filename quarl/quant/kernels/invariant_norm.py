@@ -6,11 +6,12 @@ an order that depends only on the row's length. torch's own reduction over the l
 not batch-invariant on CUDA: how it splits a row among threads and blocks is chosen from the
 number of rows. Here:
 
-* one program per row (grid ``(M,)``), which walks the row in fixed ``BLOCK``-wide chunks
-  from column 0, adding each chunk's squares into a ``[BLOCK]`` fp32 vector, then one
-  ``tl.sum`` of that vector (the same reduction tree for every row: the layout of a
-  ``[BLOCK]`` vector over ``num_warps`` warps is fixed by BLOCK and num_warps);
-* ``BLOCK`` and ``num_warps`` are functions of the row length N only
+* a program owns ``ROWS`` rows (one on a GPU, grid ``(M,)``; 16 in the interpreter) as a
+  ``[ROWS, BLOCK]`` tile and walks them in fixed ``BLOCK``-wide chunks from column 0, adding
+  each chunk's squares into a ``[ROWS, BLOCK]`` fp32 tile, then one ``tl.sum`` along the rows
+  (the same reduction tree for every row: the layout of the tile over ``num_warps`` warps is
+  fixed by ROWS, BLOCK and num_warps; rows never mix);
+* ``BLOCK``, ``num_warps`` and ``ROWS`` are functions of the row length N only
   (:func:`norm_config`), M is not specialized on;
 * ``sqrt_rn`` and an IEEE division for ``rstd`` (correctly rounded, the same on any GPU).
 
@@ -29,12 +30,14 @@ from quarl.quant.kernels.act_quant import interpreting, next_pow2
 from quarl.quant.kernels.invariant import _bf16_rne
 
 
-def norm_config(n: int, interpret: bool = False) -> tuple[int, int]:
-    """``(BLOCK, num_warps)`` for rows of ``n`` columns. Deliberately has no M argument."""
+def norm_config(n: int, interpret: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK, num_warps, ROWS)`` for rows of ``n`` columns, ROWS rows per program. Deliberately
+    has no M argument. One row per program on a GPU; 16 in the interpreter, where every tile
+    operation costs a fixed ~ms of Python whatever its size (the rows of a tile never mix)."""
     if interpret:
-        return min(next_pow2(n), 64), 4
+        return min(next_pow2(n), 64), 4, 16
     block = min(next_pow2(n), 4096)
-    return block, (4 if block <= 1024 else 8)
+    return block, (4 if block <= 1024 else 8), 1
 
 
 @triton.jit
@@ -60,32 +63,35 @@ def _stream_chunk(x_ptr, r_ptr, cols, mask, dt: tl.constexpr, HAS_RES: tl.conste
 @triton.jit(do_not_specialize=["M"])
 def inv_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, M, N, eps, stride_x, stride_r, stride_y, stride_ro,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, INTERP_BF16: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Row ``program_id(0)``: ``y = w * round_dt(s * rstd)`` with ``s = x`` (or
-    ``round_dt(residual + x)``, written to ``r_out``); dt is x's dtype."""
-    row = tl.program_id(0).to(tl.int64)
+    """Rows ``program_id(0) * ROWS + i``, ``i < ROWS`` (:func:`norm_config`), as one
+    ``[ROWS, BLOCK]`` tile whose rows never mix: ``y = w * round_dt(s * rstd)`` with ``s = x``
+    (or ``round_dt(residual + x)``, written to ``r_out``); dt is x's dtype."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
     dt: tl.constexpr = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
-    x_row = x_ptr + row * stride_x
-    r_row = r_ptr + row * stride_r
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None] * stride_x
+    r_rows = r_ptr + rows[:, None] * stride_r
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for c in range(0, tl.cdiv(N, BLOCK)):  # one fixed order over the row, whatever M
         cols = c * BLOCK + offs
-        mask = cols < N
-        s = _stream_chunk(x_row, r_row, cols, mask, dt, HAS_RES, INTERP_BF16)
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        s = _stream_chunk(x_rows, r_rows, cols[None, :], mask, dt, HAS_RES, INTERP_BF16)
         if HAS_RES:
-            tl.store(r_out_ptr + row * stride_ro + cols, s.to(r_out_ptr.dtype.element_ty), mask=mask)
+            tl.store(r_out_ptr + rows[:, None] * stride_ro + cols[None, :], s.to(r_out_ptr.dtype.element_ty),
+                     mask=mask)
         acc += s * s
-    mean = tl.sum(acc, axis=0) / N
+    mean = tl.sum(acc, axis=1) / N  # per row: the same [BLOCK] reduction for every row
     rstd = 1.0 / tl.sqrt_rn(mean + eps)
     for c in range(0, tl.cdiv(N, BLOCK)):
         cols = c * BLOCK + offs
-        mask = cols < N
-        s = _stream_chunk(x_row, r_row, cols, mask, dt, HAS_RES, INTERP_BF16)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = w * round_to(s * rstd, dt, INTERP_BF16)
-        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        s = _stream_chunk(x_rows, r_rows, cols[None, :], mask, dt, HAS_RES, INTERP_BF16)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = w[None, :] * round_to(s * rstd[:, None], dt, INTERP_BF16)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -115,11 +121,11 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r_out = torch.empty(m, n, dtype=torch.float32 if interp else x.dtype, device=x.device) \
         if residual is not None else y
     if m and n:
-        block, warps = norm_config(n, interp)
-        inv_rms_norm_kernel[(m,)](
+        block, warps, rows = norm_config(n, interp)
+        inv_rms_norm_kernel[(triton.cdiv(m, rows),)](
             x2, r2, weight.contiguous(), y, r_out, m, n, float(eps), x2.stride(0), r2.stride(0), y.stride(0),
             r_out.stride(0), BLOCK=block, HAS_RES=residual is not None,
-            INTERP_BF16=interp and x.dtype == torch.bfloat16, num_warps=warps,
+            INTERP_BF16=interp and x.dtype == torch.bfloat16, ROWS=rows, num_warps=warps,
         )
     y = y.to(out_dtype).view(*lead, n)
     if residual is None:

@@ -1,6 +1,6 @@
 """Batch-invariant log-softmax over the vocabulary (exact mode): per row of logits, the
-log-sum-exp of ``x = logits * inv_t`` (fp32), the log-prob of one chosen token and, if asked,
-the entropy of the distribution.
+log-sum-exp of ``x = logits * inv_t`` (fp32; ``inv_t`` one scalar for every row, or one value
+per row), the log-prob of one chosen token and, if asked, the entropy of the distribution.
 
 The engine reports ``x[token] - logsumexp(x)`` for the tokens it samples and the learner
 recomputes the same quantity over packed sequences; both call :func:`invariant_token_logprobs`
@@ -52,11 +52,14 @@ def _lane_update(m, s, t, x, mask, WANT_ENT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R"])
 def inv_logsoftmax_kernel(
-    logits_ptr, tgt_ptr, logp_ptr, lse_ptr, ent_ptr, R, V, stride_l, inv_t,
+    logits_ptr, tgt_ptr, inv_t_ptr, logp_ptr, lse_ptr, ent_ptr, R, V, stride_l, stride_t,
     BLOCK: tl.constexpr, WANT_ENT: tl.constexpr,
 ):
-    """Row ``program_id(0)`` of ``logits [R, V]``: lse, the target's log-prob and the entropy."""
+    """Row ``program_id(0)`` of ``logits [R, V]``: lse, the target's log-prob and the entropy.
+    The row's fp32 ``1 / T`` is read from ``inv_t_ptr + row * stride_t`` (stride 0: one for all
+    rows), the same load and multiply whether the caller has one temperature or one per row."""
     row = tl.program_id(0).to(tl.int64)
+    inv_t = tl.load(inv_t_ptr + row * stride_t)
     offs = tl.arange(0, BLOCK)
     base_ptr = logits_ptr + row * stride_l
     m = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -79,11 +82,14 @@ def inv_logsoftmax_kernel(
         tl.store(ent_ptr + row, lse - tl.sum(t * w, axis=0) / total)
 
 
-def invariant_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, inv_t: float = 1.0,
+def invariant_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, inv_t: float | torch.Tensor = 1.0,
                              with_entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """``(logp, lse)`` (and with ``with_entropy`` the entropy), fp32 ``[...]``, of
     ``log_softmax(logits.float() * inv_t)`` at ``targets``: logits ``[..., V]`` (any float
-    dtype), targets ``[...]`` integer. Each row's values depend on that row only."""
+    dtype), targets ``[...]`` integer. ``inv_t``: a Python float (rounded to fp32, as a
+    float32 tensor of the same value holds it) for every row, or a tensor of one value per
+    row (``[...]``, the rows' ``1 / T``: the engine's per-request temperatures). Each row's
+    values depend on that row (and its ``inv_t``) only."""
     lead, v = logits.shape[:-1], logits.shape[-1]
     if targets.shape != lead:
         raise ValueError(f"targets {tuple(targets.shape)} for logits {tuple(logits.shape)}")
@@ -91,14 +97,26 @@ def invariant_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, inv_t:
     x = x if x.stride(-1) == 1 else x.contiguous()
     tgt = targets.reshape(-1).to(torch.int64).contiguous()
     r = x.shape[0]
+    inv = _row_inv_t(inv_t, r, x.device)
     logp = torch.empty(r, dtype=torch.float32, device=x.device)
     lse = torch.empty_like(logp)
     ent = torch.empty_like(logp) if with_entropy else lse
     if r and v:
         block, warps = softmax_config(v, interpreting(x))
         inv_logsoftmax_kernel[(r,)](
-            x, tgt, logp, lse, ent, r, v, x.stride(0), float(inv_t), BLOCK=block, WANT_ENT=with_entropy,
+            x, tgt, inv, logp, lse, ent, r, v, x.stride(0), inv.stride(0), BLOCK=block, WANT_ENT=with_entropy,
             num_warps=warps,
         )
     out = (logp.view(lead), lse.view(lead))
     return out + (ent.view(lead),) if with_entropy else out
+
+
+def _row_inv_t(inv_t: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """fp32 ``[rows]`` (a stride-0 view of one value for a scalar) of the rows' ``1 / T``."""
+    if not isinstance(inv_t, torch.Tensor):
+        return torch.tensor([float(inv_t)], dtype=torch.float32, device=device).expand(rows)
+    if inv_t.numel() == 1:
+        return inv_t.reshape(1).to(device=device, dtype=torch.float32).expand(rows)
+    if inv_t.numel() != rows:
+        raise ValueError(f"{inv_t.numel()} temperatures for {rows} rows of logits")
+    return inv_t.reshape(rows).to(device=device, dtype=torch.float32).contiguous()

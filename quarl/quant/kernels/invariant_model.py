@@ -1,0 +1,218 @@
+"""Exact mode's forward: the steps of :meth:`~quarl.model.transformer.Transformer.hidden_states`
+over the batch-invariant kernels, run alike by the rollout engine and the learner.
+
+With ``model.exact`` set (an :class:`ExactMode`, by ``quarl.trainer.weights`` on the engine's
+model and the learner's), both sides run :class:`ExactOps`:
+
+* every linear (q/k/v/o, gate/up/down) through :func:`.invariant.invariant_linear`, the LM
+  head through :func:`.invariant.dense_gemm` (:func:`exact_logits`; the learner's
+  ``quarl.learner.logprobs``), each row's bits independent of the batch;
+* every RMSNorm (the layers', the final one, Qwen3's per-head q / k norms) through
+  :func:`.invariant_norm.invariant_rms_norm`; the residual adds, rotary and SiLU-and-mul stay
+  torch's elementwise ops, the same per element whatever the shape;
+* attention through the one paged kernel of :mod:`.invariant_attention`: the engine's prefill
+  and decode over its cache, the learner's micro-batch through
+  :func:`.invariant_attention.invariant_varlen_attention` (its K / V paged as the engine's
+  cache, fp8 codes included) (:func:`exact_batch_attention`).
+
+The learner's forward runs under autograd: each op is a :class:`torch.autograd.Function`
+whose forward is the invariant kernel and whose backward is the ordinary one (a linear's
+two GEMMs; a norm or the attention recomputed through the differentiable torch path, whose
+gradient is that of the same function up to rounding). Only plain ``nn.Linear`` layers and
+dense MLPs are covered: a quantized, LoRA or MoE layer raises (the run config refuses those
+settings first, ``RunConfig._check_exact``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, apply_rotary, batch_attention, rms_norm
+from quarl.quant.kernels.invariant import dense_gemm, invariant_linear
+from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
+from quarl.quant.kernels.invariant_norm import invariant_rms_norm
+
+
+class ExactMode(NamedTuple):
+    """What the learner's exact forward must know of the engine: its KV block size (the
+    learner pages its K / V the same way) and whether its cache holds fp8 K / V."""
+
+    page: int
+    kv_fp8: bool = False
+
+
+def require_kernels(device: torch.device) -> None:
+    """Exact mode runs Triton kernels: on a CUDA device, or on the CPU through Triton's
+    interpreter (``TRITON_INTERPRET=1`` before quarl loads its kernels; slow, for tests)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"exact mode (quant.exact=true) runs Triton kernels, which need a CUDA device; on "
+                           f"{device.type} only through Triton's interpreter (TRITON_INTERPRET=1, slow): run on a "
+                           "GPU, or set quant.exact=false")
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _InvariantLinear(torch.autograd.Function):
+    """Forward: the batch-invariant GEMM. Backward: ``g @ W`` and ``g.T @ x`` (as ``F.linear``'s)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return invariant_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = (g2 @ weight.to(g2.dtype)).view(x.shape) if need_x else None
+        gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype) if need_w else None
+        gb = g2.sum(0) if ctx.has_bias and need_b else None
+        return gx, gw, gb
+
+
+class _Recomputed(torch.autograd.Function):
+    """``fast(*inputs)`` forward (the invariant kernel); the backward differentiates
+    ``ref(*inputs)`` (the ordinary torch path of the same function), recomputed from the
+    saved inputs."""
+
+    @staticmethod
+    def forward(ctx, fast, ref, *inputs):  # type: ignore[override]
+        ctx.ref = ref
+        ctx.save_for_backward(*inputs)
+        return fast(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+            out = ctx.ref(*leaves)
+            wanted = [t for t, need in zip(leaves, needs) if need]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (None, None, *[next(grads) if need else None for need in needs])
+
+
+def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` through the batch-invariant GEMM (differentiable where gradients are on)."""
+    if type(module) is not nn.Linear or getattr(module, "lora", None) is not None:
+        raise NotImplementedError(f"exact mode runs plain nn.Linear layers only, not {type(module).__name__} "
+                                  "(quantized and LoRA layers have no exact path yet)")
+    w, b = module.weight, module.bias
+    if _needs_grad(x, w, b):
+        return _InvariantLinear.apply(x, w, b)
+    return invariant_linear(x, w, b)
+
+
+def exact_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """``norm(x)`` (an RMSNorm module) through the batch-invariant kernel."""
+    w, eps = norm.weight, norm.eps
+    if _needs_grad(x, w):
+        return _Recomputed.apply(lambda a, b: invariant_rms_norm(a, b, eps), lambda a, b: rms_norm(a, b, eps), x, w)
+    return invariant_rms_norm(x, w, eps)
+
+
+class ExactOps(TorchOps):
+    """:class:`~quarl.model.transformer.TorchOps` over the batch-invariant kernels (module doc)."""
+
+    def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
+        residual = x if residual is None else residual + x
+        return exact_rms_norm(residual, norm), residual
+
+    def attention(self, module: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn: AttnFn) -> torch.Tensor:
+        b, t, _ = h.shape
+        q = exact_linear(module.q_proj, h).view(b, t, module.n_heads, module.head_dim)
+        k = exact_linear(module.k_proj, h).view(b, t, module.n_kv, module.head_dim)
+        v = exact_linear(module.v_proj, h).view(b, t, module.n_kv, module.head_dim)
+        if module.q_norm is not None:
+            q, k = exact_rms_norm(q, module.q_norm), exact_rms_norm(k, module.k_norm)
+        out = attn(module.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return exact_linear(module.o_proj, out.reshape(b, t, -1))
+
+    def mlp(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if not isinstance(module, MLP):
+            raise NotImplementedError(f"exact mode runs dense MLPs only, not {type(module).__name__}")
+        gate, up = exact_linear(module.gate_proj, h), exact_linear(module.up_proj, h)
+        return exact_linear(module.down_proj, F.silu(gate) * up)
+
+
+EXACT_OPS = ExactOps()
+
+
+def exact_ops(ops: TorchOps | CheckpointedOps) -> ExactOps | CheckpointedOps:
+    """:data:`EXACT_OPS` in place of the learner's ``ops`` (compiled regions fuse elementwise
+    steps the engine rounds one by one), keeping its activation checkpointing."""
+    return CheckpointedOps(EXACT_OPS) if isinstance(ops, CheckpointedOps) else EXACT_OPS
+
+
+def exact_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head of ``model`` on ``hidden [..., H]`` through the batch-invariant GEMM (no gradient)."""
+    return dense_gemm(hidden, model.lm_head_weight).view(*hidden.shape[:-1], -1)
+
+
+def packed_lengths(attention_mask: torch.Tensor | None, seq_ids: torch.Tensor | None, shape: torch.Size,
+                   right_padded: bool | None) -> list[int]:
+    """The lengths of the runs of tokens that attend among themselves in a ``[B, T]`` batch,
+    row after row: a whole row where the batch is right-padded and not packed (padding comes
+    after every real token: causal attention keeps it out of theirs), else each row's runs of
+    equal (sequence id, real) (a host sync; left padding is a run of its own)."""
+    b, t = shape
+    real = None if attention_mask is None else attention_mask.bool()
+    if seq_ids is None and (real is None or right_padded
+                            or (right_padded is None and bool((real[:, 1:] <= real[:, :-1]).all()))):
+        return [t] * b
+    key = torch.zeros(b, t, dtype=torch.int64) if seq_ids is None else seq_ids.detach().cpu().long() * 2
+    if real is not None:
+        key = key + real.cpu().long()
+    lengths = []
+    for row in key.tolist():
+        run = 1
+        for prev, cur in zip(row, row[1:]):
+            if cur == prev:
+                run += 1
+            else:
+                lengths.append(run)
+                run = 1
+        lengths.append(run)
+    return lengths
+
+
+def exact_batch_attention(
+    input_ids: torch.Tensor, mode: ExactMode, attention_mask: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None, kv_quant: str | None = None, right_padded: bool | None = None,
+) -> tuple[torch.Tensor, AttnFn]:
+    """Positions ``[B, T]`` and the learner's exact attention for a padded and/or packed batch
+    (the arguments of :func:`~quarl.model.transformer.batch_attention`): the invariant kernel
+    over the batch's runs (:func:`packed_lengths`) paged as the engine's cache; with gradients
+    on, the backward recomputes :func:`batch_attention`'s SDPA (``kv_quant``: its fp8 K / V
+    rounding, straight through)."""
+    positions, ref_attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=kv_quant,
+                                          right_padded=right_padded)
+    lengths = packed_lengths(attention_mask, seq_ids, input_ids.shape, right_padded)
+    fast = _varlen(lengths, mode, page_layout(lengths, mode.page, input_ids.device))  # (one layout for every layer)
+
+    def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if _needs_grad(q, k, v):
+            return _Recomputed.apply(fast, lambda *qkv: ref_attn(layer_idx, *qkv), q, k, v)
+        return fast(q, k, v)
+
+    return positions, attn
+
+
+def _varlen(lengths: list[int], mode: ExactMode, layout: PageLayout) -> Callable[..., torch.Tensor]:
+    def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t, hq, d = q.shape
+        out = invariant_varlen_attention(q.reshape(b * t, hq, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d),
+                                         lengths, d**-0.5, mode.page, mode.kv_fp8, layout)
+        return out.view(b, t, hq, d)
+
+    return fast

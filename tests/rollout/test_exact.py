@@ -1,0 +1,148 @@
+"""Exact mode end to end on a tiny random Qwen3-shaped model (hidden 64, 2 layers, q/k norms,
+GQA, vocabulary 256) on the CPU, the batch-invariant kernels under Triton's interpreter.
+
+A completion's per-token log-probs are bit-identical (i) decoded alone and decoded among 7
+other sequences of other lengths, per-request temperatures and a cache too small for all of
+them (preempted sequences are recomputed by a prefill); (ii) recomputed by the learner
+(``Learner.logprobs``) with every row in one micro-batch and with a row or two per
+micro-batch; by ``sequence_logprobs`` under autograd (the update's forward, which then
+back-propagates) at another temperature; and with sequences packed into one row
+(``seq_ids``); (iii) the engine's ``check_logprobs`` of a sequence against the learner's is
+exactly 0. Cases: bfloat16 and float32 weights, and bfloat16 with the fp8 KV cache (which the
+learner mirrors). In bfloat16 the ordinary learner forward gives other bits: the exact path
+is the one taken. One test per case (the interpreter is slow: each case generates once)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from quarl.config.run import QuantConfig
+from quarl.learner.batch import build_batch
+from quarl.learner.learner import Learner
+from quarl.learner.logprobs import sequence_logprobs
+from quarl.model.presets import build_random_model, preset_config
+from quarl.model.transformer import TORCH_OPS, CheckpointedOps
+from quarl.quant.mode import QuantMode
+from quarl.rollout import EngineConfig, SamplingParams
+from quarl.trainer.weights import build_engine_and_publisher
+
+CFG = dataclasses.replace(preset_config("tiny"), vocab_size=256)
+PROMPTS = [[5, 17, 33, 2], [9, 10, 11, 12, 13, 40, 41], [60], [7, 8, 9, 10, 11]]
+TEMPS = [1.0, 0.7, 1.0, 1.3]
+NEW = 6
+CASES = [(torch.bfloat16, "auto"), (torch.bfloat16, "fp8"), (torch.float32, "auto")]
+IDS = ["bf16", "bf16-kvfp8", "fp32"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().view(torch.int32)
+
+
+def _exact_pair(dtype: torch.dtype, kv: str):
+    """The learner's model and its exact-mode engine, as the trainer builds them."""
+    model = build_random_model(CFG, dtype=dtype, std=0.1)
+    quant = QuantConfig(mode=QuantMode.BF16, exact=True)
+    quant.validate()
+    # 8 sequences of 7-13 tokens need 24 blocks of 4 (less the prompts their pairs share): 10 make the
+    # scheduler preempt
+    config = EngineConfig(max_model_len=16, block_size=4, num_kv_blocks=10, kv_cache_dtype=kv)
+    engine, _ = build_engine_and_publisher(model, quant, config)
+    return model, engine
+
+
+def _params(temp: float, n: int = 2) -> SamplingParams:
+    return SamplingParams(n=n, temperature=temp, max_new_tokens=NEW, ignore_eos=True, seed=11)
+
+
+def _batch(comps):
+    return build_batch([PROMPTS[c.prompt_index] for c in comps], [c.token_ids for c in comps],
+                       [c.logprobs for c in comps], [0.0] * len(comps), torch.zeros(len(comps)))
+
+
+def _assert_same_bits(learner_logp: torch.Tensor, batch, what: str) -> None:
+    mask = batch.response_mask.bool()
+    assert int(mask.sum()) == NEW * batch.size
+    assert torch.equal(_bits(learner_logp[mask]), _bits(batch.sampler_logp[mask])), what
+
+
+def _check_alone_and_together(engine) -> list:
+    """Prompt 0's first sample decoded alone, then among 7 others; returns the others."""
+    alone = engine.generate([PROMPTS[0]], _params(TEMPS[0], n=1))[0]
+    together = engine.generate(PROMPTS, [_params(t) for t in TEMPS])
+    assert engine.stats.preemptions > 0  # some sequences were recomputed by a prefill after preemption
+    same = [c for c in together if c.prompt_index == 0 and c.sample_index == 0][0]
+    assert same.token_ids == alone.token_ids
+    assert torch.equal(_bits(torch.tensor(same.logprobs)), _bits(torch.tensor(alone.logprobs))), "alone vs batch"
+    assert all(len(c.logprobs) == NEW for c in together)
+    return together
+
+
+def _check_learner_budgets(model, together) -> None:
+    batch = _batch([c for c in together if TEMPS[c.prompt_index] == 1.0])
+    learner = Learner(model)
+    for budget in (1 << 20, 24):  # every row in one micro-batch; a row or two per micro-batch
+        _assert_same_bits(learner.logprobs(batch, budget, temperature=1.0), batch, f"token budget {budget}")
+
+
+def _check_update_forward(model, together) -> None:
+    """The update's forward (autograd on) at the engine's other temperature, then its backward."""
+    batch = _batch([c for c in together if TEMPS[c.prompt_index] == 0.7])
+    model.zero_grad()
+    logp, ent = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7, with_entropy=True,
+                                  right_padded=True)
+    assert logp.requires_grad and bool(torch.isfinite(ent).all())
+    _assert_same_bits(logp.detach(), batch, "update forward")
+    (logp * batch.response_mask).sum().backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def _check_packed_row(model, together) -> None:
+    """Three sequences packed into one row (``seq_ids``), under activation checkpointing's ops."""
+    ids, seq, want = [], [], []
+    for i, c in enumerate([c for c in together if TEMPS[c.prompt_index] == 1.0][:3]):
+        full = PROMPTS[c.prompt_index] + c.token_ids
+        want += [float("nan")] * len(PROMPTS[c.prompt_index]) + c.logprobs  # (predicted by the token before)
+        ids += full
+        seq += [i] * len(full)
+    with torch.no_grad():
+        logp = sequence_logprobs(model, torch.tensor([ids]), seq_ids=torch.tensor([seq]),
+                                 ops=CheckpointedOps(TORCH_OPS))[0][0]
+    want = torch.tensor(want[1:])
+    real = ~torch.isnan(want)
+    assert torch.equal(_bits(logp[real]), _bits(want[real])), "packed row"
+
+
+def _check_engine_sync(model, engine, c) -> None:
+    ids = PROMPTS[c.prompt_index] + c.token_ids
+    batch = build_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], [0.0], torch.zeros(1))
+    assert engine.check_logprobs(ids, Learner(model).logprobs(batch, 1 << 20)[0]) == 0.0
+
+
+def _check_not_ordinary(model, together) -> None:
+    """The ordinary learner forward (exact off) rounds otherwise: the exact path is the one taken."""
+    batch = _batch([c for c in together if TEMPS[c.prompt_index] == 1.0])
+    exact, model.exact = model.exact, None
+    try:
+        with torch.no_grad():
+            ordinary = sequence_logprobs(model, batch.input_ids, batch.attention_mask, right_padded=True)[0]
+    finally:
+        model.exact = exact
+    mask = batch.response_mask.bool()
+    assert not torch.equal(_bits(ordinary[mask]), _bits(batch.sampler_logp[mask]))
+    assert (ordinary[mask] - batch.sampler_logp[mask]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("dtype,kv", CASES, ids=IDS)
+def test_a_token_has_the_same_log_prob_bits_wherever_it_is_computed(dtype, kv):
+    model, engine = _exact_pair(dtype, kv)
+    together = _check_alone_and_together(engine)
+    _check_learner_budgets(model, together)
+    _check_update_forward(model, together)
+    _check_packed_row(model, together)
+    _check_engine_sync(model, engine, together[-1])
+    if dtype == torch.bfloat16:  # (float32: the ordinary forward may well round the same way)
+        _check_not_ordinary(model, together)
