@@ -110,12 +110,28 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         inv, scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.attention_scaling = scale
         self.auto_grow = True
         self.register_buffer("cos_table", torch.empty(0, cfg.head_dim), persistent=False)
         self.register_buffer("sin_table", torch.empty(0, cfg.head_dim), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves follow the model; casts do not: ``inv_freq`` and the tables stay float32 (made
+        from the float32 frequencies and rounded to the activations' dtype only when indexed),
+        so every copy of a model indexes the same values, whichever dtype it was cast to and
+        whether its table was grown before or after the cast (an engine's copy grows it to its
+        max_model_len; a learner's may have grown it in a float32 warm start)."""
+        rows = self.cos_table.shape[0]
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and self.inv_freq.device.type != "meta":
+            self.inv_freq = rope_inv_freq(self.cfg)[0].to(self.inv_freq.device)
+            self.cos_table = self.sin_table = self.inv_freq.new_empty(0, self.cfg.head_dim)
+            if rows:
+                self.ensure(rows)
+        return self
 
     def ensure(self, length: int) -> None:
         if self.cos_table.shape[0] >= length:

@@ -75,11 +75,6 @@ def build_engine_and_publisher(
     if quant.mode.learner_quantized:
         quantize_model(learner_model, quant.scheme, QATLinear, include=quant.include, exclude=quant.exclude)
     learner_model.kv_quant = learner_kv_quant(quant.mode, engine_config.kv_cache_dtype, quant.exact)
-    if quant.exact:
-        # one rotary table for both: the engine's was grown to its max_model_len from the model
-        # dtype's inv_freq, the learner's may date from before a cast (a float32 warm start)
-        learner_model.rotary.cos_table = engine.model.rotary.cos_table
-        learner_model.rotary.sin_table = engine.model.rotary.sin_table
     return engine, Publisher(learner_model, engine, quant.mode, dist)
 
 
