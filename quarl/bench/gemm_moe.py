@@ -69,8 +69,10 @@ def even_offsets(e: int, t: int, device: torch.device | str = "cpu") -> torch.Te
 
 
 def make_moe_calls(fmt: str, method: str, shape: MoeShape, t: int, device: torch.device, l2: int,
-                   seed: int = 0) -> list[Callable[[], object]]:
-    """One closure per rotating set: one projection of all experts on ``E x t`` sorted rows."""
+                   seed: int = 0, tile=None) -> list[Callable[[], object]]:
+    """One closure per rotating set: one projection of all experts on ``E x t`` sorted rows
+    (``tile``: the grouped kernel's :class:`~quarl.quant.kernels.moe_gemm.MoeConfig`; None,
+    its own choice)."""
     from quarl.model.moe import grouped_linear
     from quarl.quant import ops
 
@@ -94,7 +96,7 @@ def make_moe_calls(fmt: str, method: str, shape: MoeShape, t: int, device: torch
 
         def kernel(i: int):  # (W8A8: the rows quantized per token first, as in the dequantize path)
             x = xs[i] if sc.act_format == "none" else ops.quantize_input(xs[i], sc.act_format, torch.bfloat16)[2]
-            return grouped_gemm(x, offsets, qws[i], e)
+            return grouped_gemm(x, offsets, qws[i], e, tile)
 
         return [lambda i=i: kernel(i) for i in range(sets)]
     if method != "dequant":
@@ -109,10 +111,11 @@ def make_moe_calls(fmt: str, method: str, shape: MoeShape, t: int, device: torch
 
 def run_moe_benchmark(
     models: list[str], tokens_per_expert: list[int], formats: list[str], reps: int = 20, graph: bool = True,
-    log=print, partial_path: str | None = None, power: tuple[str | None, ...] = POWER_MODES,
+    log=print, partial_path: str | None = None, power: tuple[str | None, ...] = POWER_MODES, tiles: bool = False,
 ) -> dict:
     """Every MoE expert projection of ``models`` at ``t`` rows per expert, each format's methods
-    (:func:`moe_methods`) against bf16's grouped GEMM in the same power state."""
+    (:func:`moe_methods`) against bf16's grouped GEMM in the same power state; with ``tiles``
+    the grouped kernel also at each of ``moe_gemm.TILE_CANDIDATES`` (method ``kernel@...``)."""
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
@@ -120,17 +123,22 @@ def run_moe_benchmark(
     ceils = {p: measure_ceilings(device, p, gate) for p in power}
     if "bf16" not in formats:
         formats = ["bf16"] + list(formats)
-    plan = [(fmt, method) for fmt in formats for method in moe_methods(fmt)]
+    plan = [(fmt, method, None) for fmt in formats for method in moe_methods(fmt)]
+    if tiles:
+        from quarl.quant.kernels.moe_gemm import TILE_CANDIDATES, tile_label
+
+        kernels = [fmt for fmt, method, _ in plan if method == "kernel"]
+        plan += [(fmt, tile_label(c), c) for fmt in kernels for c in TILE_CANDIDATES]
     rows: list[dict] = []
     for model in models:
         for shape in moe_shapes(model):
             for t in tokens_per_expert:
                 for p in power:
                     base = None
-                    for fmt, method in plan:
+                    for fmt, method, tile in plan:
                         info: dict = {}
                         try:
-                            calls = make_moe_calls(fmt, method, shape, t, device, l2)
+                            calls = make_moe_calls(fmt, "kernel" if tile else method, shape, t, device, l2, tile=tile)
                             sec = time_per_call(calls, reps=reps, graph=graph, power=p, gate=gate, info=info)
                             err = None
                         except Exception as e:  # keep going; the failure is part of the result
@@ -164,7 +172,7 @@ def run_moe_benchmark(
 def _moe_line(r: dict) -> str:
     err = f"  ERROR {r['error']}" if r.get("error") else ""
     return (f"{r['model']:>13} {r['layer']:>12} {r['tokens_per_expert']:>6} {r['M']:>7} {_power_label(r):>9} "
-            f"{r['format']:>10} {r['method']:>10} {r['ms'] * 1e3:>10.1f} {r['speedup']:>7.2f}x "
+            f"{r['format']:>10} {r['method']:>22} {r['ms'] * 1e3:>10.1f} {r['speedup']:>7.2f}x "
             f"{r['floor_ms'] * 1e3:>9.1f} {r['floor_frac']:>6.2f}{err}")
 
 
@@ -190,7 +198,7 @@ def format_moe_table(result: dict) -> str:
     for p, c in (result.get("ceilings_by_power") or {"None": result["ceilings"]}).items():
         lines.append(f"# ceilings{'' if p == 'None' else ' (' + p + ')'}: {c['bandwidth'] / 1e12:.2f} TB/s, bf16 "
                      f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
-    lines.append(f"{'model':>13} {'layer':>12} {'t/exp':>6} {'M':>7} {'power':>9} {'format':>10} {'method':>10} "
+    lines.append(f"{'model':>13} {'layer':>12} {'t/exp':>6} {'M':>7} {'power':>9} {'format':>10} {'method':>22} "
                  f"{'us':>10} {'vs bf16':>8} {'floor us':>9} {'floor':>6}")
     lines += [_moe_line(r) for r in result["rows"]]
     lines.append("(t/exp: rows per expert, every expert reached; vs bf16: bf16 grouped_mm time / this time, same "

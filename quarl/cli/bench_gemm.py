@@ -33,6 +33,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(bf16 grouped_mm, dequantize + grouped_mm, the grouped kernel) instead of --models")
     p.add_argument("--tokens-per-expert", default=",".join(map(str, MOE_TOKENS_PER_EXPERT)),
                    help="with --moe: comma list of rows per expert (every expert reached)")
+    p.add_argument("--moe-tiles", action="store_true",
+                   help="with --moe: also time the grouped kernel at each candidate tile "
+                        "(quarl.quant.kernels.moe_gemm.TILE_CANDIDATES; methods kernel@BMxBN/w/s, T: swapped operands)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p
 
@@ -107,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     partial = args.out + ".partial" if args.out else None
     if moe:
         result = run_moe_benchmark(models=moe, tokens_per_expert=tokens, formats=formats, reps=args.reps,
-                                   graph=not args.no_graph, partial_path=partial, power=_power_states(args.power))
+                                   graph=not args.no_graph, partial_path=partial, power=_power_states(args.power),
+                                   tiles=args.moe_tiles)
         print(format_moe_table(result))
     else:
         result = run_benchmark(

@@ -184,9 +184,9 @@ def test_moe_benchmark_rows_totals_and_table(monkeypatch):
     from quarl.bench.timing import Ceilings
 
     ceil = Ceilings(bandwidth=1e12, bf16_flops=1e15, fp8_flops=2e15)
-    cost = {"grouped_mm": 4e-3, "dequant": 5e-3, "kernel": 1e-3}
+    cost = {"grouped_mm": 4e-3, "dequant": 5e-3, "kernel": 1e-3, "tile": 0.5e-3}
     monkeypatch.setattr(bench, "measure_ceilings", lambda *a: ceil)
-    monkeypatch.setattr(bench, "make_moe_calls", lambda fmt, method, *a: method)
+    monkeypatch.setattr(bench, "make_moe_calls", lambda fmt, method, *a, tile=None: "tile" if tile else method)
     monkeypatch.setattr(bench, "time_per_call", lambda calls, **kw: cost[calls])
     monkeypatch.setattr(bench, "git_commit", lambda: "c" * 12)
     props = types.SimpleNamespace(name="gpu", L2_cache_size=1)
@@ -206,3 +206,12 @@ def test_moe_benchmark_rows_totals_and_table(monkeypatch):
     assert "(MoE experts)" in text and "MoE layer (gate_up + down):" in text
     line = next(s for s in text.splitlines() if "gate_up_proj" in s and "kernel" in s)
     assert line.split()[-4:] == ["1000.0", "4.00x", f"{k['floor_ms'] * 1e3:.1f}", f"{k['floor_frac']:.2f}"]
+    # --moe-tiles: every candidate tile of the kernel gets its own rows (and layer totals) next to these
+    from quarl.quant.kernels.moe_gemm import TILE_CANDIDATES, tile_label
+
+    tiled = bench.run_moe_benchmark(["qwen3-30b-a3b"], [8], ["w4a16"], power=(None,), log=lambda s: None, tiles=True)
+    methods = {r["method"] for r in tiled["rows"]}
+    assert methods == {"grouped_mm", "dequant", "kernel"} | {tile_label(c) for c in TILE_CANDIDATES}
+    assert len(tiled["rows"]) == 2 * (3 + len(TILE_CANDIDATES))
+    tile_row = next(r for r in tiled["rows"] if r["method"] == tile_label(TILE_CANDIDATES[1]))
+    assert math.isclose(tile_row["speedup"], 8.0) and tile_label(TILE_CANDIDATES[1]).endswith("T")

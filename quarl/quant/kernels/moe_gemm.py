@@ -72,6 +72,20 @@ class MoeConfig(NamedTuple):
     swap: bool = False  # out^T = W x^T: the dequantized weight as the dot's first operand (few rows)
 
 
+# The tiles `quarl bench gemm --moe --moe-tiles` times next to pick_config's choice: both
+# operand orders at decode sizes, larger tiles for prefill.
+TILE_CANDIDATES = (
+    MoeConfig(16, 64, 4, 4), MoeConfig(16, 64, 4, 4, swap=True), MoeConfig(16, 128, 8, 3, swap=True),
+    MoeConfig(32, 64, 4, 4), MoeConfig(32, 64, 4, 4, swap=True), MoeConfig(64, 128, 4, 3),
+    MoeConfig(64, 128, 8, 3, swap=True), MoeConfig(128, 128, 8, 3),
+)
+
+
+def tile_label(cfg: MoeConfig) -> str:
+    """``kernel@BMxBN/wWARPS/sSTAGES`` (``T``: the swapped operand order)."""
+    return f"kernel@{cfg.bm}x{cfg.bn}/w{cfg.num_warps}/s{cfg.num_stages}{'T' if cfg.swap else ''}"
+
+
 def pick_config(m: int, num_experts: int, interpret: bool = False) -> MoeConfig:
     """The tile for ``m`` sorted rows over ``num_experts`` experts, from the average rows per
     expert: decode (<= 8) 16-row tiles, then 32, 64 and 128 rows as experts fill up. Under the
