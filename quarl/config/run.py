@@ -200,7 +200,8 @@ class QuantConfig:
     exclude: list[str] = field(default_factory=list)
     # exact mode: engine and learner run the batch-invariant kernels (quarl/quant/kernels/invariant*.py)
     # for every op of the forward they share, so that the learner recomputes the sampler's log-probs bit
-    # for bit. bf16 mode on dense models only: other settings are refused when the config loads, naming why
+    # for bit. bf16 mode, or aligned mode with w4a16 / w4a16-asym / w2a16, on dense models only: other
+    # settings are refused when the config loads, naming why
     exact: bool = False
 
     def validate(self) -> None:
@@ -453,13 +454,24 @@ class RunConfig:
 
     def _check_exact(self) -> None:
         """``quant.exact`` only where every op both forwards share runs its batch-invariant kernel:
-        bf16 mode on a dense model (bfloat16 or float32), with either KV cache, one learner per rank."""
+        bf16 mode, or aligned mode with a weight-only int scheme (the invariant packed GEMM's), on a
+        dense model (bfloat16 or float32), with either KV cache, one learner per rank."""
         if not self.quant.exact:
             return
+        exact_schemes = ("w4a16", "w4a16-asym", "w2a16")
         why = []
-        if self.quant.mode is not QuantMode.BF16:
-            why.append(f"quant.mode={self.quant.mode} (quant.scheme={self.quant.scheme.name}): the low-bit linears "
-                       "are not wired to the invariant GEMMs yet")
+        mode, scheme = self.quant.mode, self.quant.scheme.name
+        if mode is QuantMode.ROLLOUT:
+            why.append(f"quant.mode=rollout (quant.scheme={scheme}): the learner's full-precision weights are not "
+                       "the engine's quantized ones, so their log-probs differ by design (aligned mode shares "
+                       "the codes)")
+        elif mode is QuantMode.ALIGNED and scheme not in exact_schemes:
+            kind = ("its activation quantizer is not wired to the invariant GEMMs yet"
+                    if self.quant.scheme.quantizes_activations else "the fp4 formats have not been run in exact mode")
+            why.append(f"quant.mode=aligned with quant.scheme={scheme}: {kind}")
+        if mode is not QuantMode.BF16 and any(fnmatch.fnmatchcase("lm_head", p) for p in self.quant.include) \
+                and not any(fnmatch.fnmatchcase("lm_head", p) for p in self.quant.exclude):
+            why.append("quant.include selects lm_head: exact mode's LM head is dense")
         if self.model.lora_rank:
             why.append("model.lora_rank > 0: LoRA adapters have no batch-invariant path")
         if self.model._is_moe():
@@ -470,7 +482,8 @@ class RunConfig:
             why.append("trainer.shard_learner=true: a sharded learner's linears have no exact path")
         if why:
             raise ConfigError("quant.exact=true is refused: " + "; ".join(why) + ". What works: quant.exact=true "
-                              "with quant.mode=bf16 on a dense model in bfloat16 or float32 (model.dtype), "
+                              "with quant.mode=bf16, or quant.mode=aligned and quant.scheme "
+                              f"{' / '.join(exact_schemes)}, on a dense model in bfloat16 or float32 (model.dtype), "
                               "rollout.engine.kv_cache_dtype auto or fp8, trainer.shard_learner=false; or "
                               "quant.exact=false")
 

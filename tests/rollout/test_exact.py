@@ -8,9 +8,12 @@ them (preempted sequences are recomputed by a prefill); (ii) recomputed by the l
 micro-batch; by ``sequence_logprobs`` under autograd (the update's forward, which then
 back-propagates) at another temperature; and with sequences packed into one row
 (``seq_ids``); (iii) the engine's ``check_logprobs`` of a sequence against the learner's is
-exactly 0. Cases: bfloat16 and float32 weights, and bfloat16 with the fp8 KV cache (which the
-learner mirrors). In bfloat16 the ordinary learner forward gives other bits: the exact path
-is the one taken. One test per case (the interpreter is slow: each case generates once)."""
+exactly 0. Cases: bfloat16 and float32 weights, bfloat16 with the fp8 KV cache (which the
+learner mirrors), and aligned mode (the engine's packed linears and the learner's QAT linears
+on the same codes, the update's backward straight-through to the master weights): w4a16 in
+bfloat16, w4a16-asym in bfloat16 with the fp8 cache, w2a16 in float32. In bfloat16 the ordinary
+learner forward gives other bits: the exact path is the one taken. One test per case (the
+interpreter is slow: each case generates once)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from quarl.learner.learner import Learner
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.model.presets import build_random_model, preset_config
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps
+from quarl.quant import QATLinear, QuantLinear
 from quarl.quant.mode import QuantMode
+from quarl.quant.scheme import get_scheme
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.trainer.weights import build_engine_and_publisher
 
@@ -33,18 +38,21 @@ CFG = dataclasses.replace(preset_config("tiny"), vocab_size=256)
 PROMPTS = [[5, 17, 33, 2], [9, 10, 11, 12, 13, 40, 41], [60], [7, 8, 9, 10, 11]]
 TEMPS = [1.0, 0.7, 1.0, 1.3]
 NEW = 6
-CASES = [(torch.bfloat16, "auto"), (torch.bfloat16, "fp8"), (torch.float32, "auto")]
-IDS = ["bf16", "bf16-kvfp8", "fp32"]
+CASES = [(torch.bfloat16, "auto", "bf16"), (torch.bfloat16, "fp8", "bf16"), (torch.float32, "auto", "bf16"),
+         (torch.bfloat16, "auto", "w4a16"), (torch.bfloat16, "fp8", "w4a16-asym"), (torch.float32, "auto", "w2a16")]
+IDS = ["bf16", "bf16-kvfp8", "fp32", "aligned-w4a16", "aligned-w4a16-asym-kvfp8", "aligned-w2a16-fp32"]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous().view(torch.int32)
 
 
-def _exact_pair(dtype: torch.dtype, kv: str):
-    """The learner's model and its exact-mode engine, as the trainer builds them."""
+def _exact_pair(dtype: torch.dtype, kv: str, scheme: str):
+    """The learner's model and its exact-mode engine, as the trainer builds them (``scheme``
+    other than bf16: aligned mode in that scheme)."""
     model = build_random_model(CFG, dtype=dtype, std=0.1)
-    quant = QuantConfig(mode=QuantMode.BF16, exact=True)
+    mode = QuantMode.BF16 if scheme == "bf16" else QuantMode.ALIGNED
+    quant = QuantConfig(mode=mode, scheme=get_scheme(scheme), exact=True)
     quant.validate()
     # 8 sequences of 7-13 tokens need 24 blocks of 4 (less the prompts their pairs share): 10 make the
     # scheduler preempt
@@ -136,9 +144,20 @@ def _check_not_ordinary(model, together) -> None:
     assert (ordinary[mask] - batch.sampler_logp[mask]).abs().max() < 0.1
 
 
-@pytest.mark.parametrize("dtype,kv", CASES, ids=IDS)
-def test_a_token_has_the_same_log_prob_bits_wherever_it_is_computed(dtype, kv):
-    model, engine = _exact_pair(dtype, kv)
+def _check_layers(model, engine, scheme: str) -> None:
+    """Aligned mode: the learner's linears are QAT linears and the engine's packed ones, on the same codes."""
+    learner, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
+    if scheme == "bf16":
+        assert type(learner) is torch.nn.Linear and type(served) is torch.nn.Linear
+        return
+    assert type(learner) is QATLinear and type(served) is QuantLinear and served.scheme.name == scheme
+    assert torch.equal(learner.quantized_weight().qdata, served.qweight.qdata)
+
+
+@pytest.mark.parametrize("dtype,kv,scheme", CASES, ids=IDS)
+def test_a_token_has_the_same_log_prob_bits_wherever_it_is_computed(dtype, kv, scheme):
+    model, engine = _exact_pair(dtype, kv, scheme)
+    _check_layers(model, engine, scheme)
     together = _check_alone_and_together(engine)
     _check_learner_budgets(model, together)
     _check_update_forward(model, together)

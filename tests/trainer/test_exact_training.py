@@ -3,8 +3,9 @@ batch-invariant kernels under Triton's interpreter), 2 steps each. The learner's
 the engine's samples equal the engine's bit for bit at every step: ``mismatch/kl_k3`` and
 ``mismatch/max_abs_logp_diff`` are exactly 0, whether they come from the update's own forward
 (autograd on) or from a separate old-log-prob pass, with the fp8 KV cache, activation
-checkpointing, a temperature and a nucleus cut. The same run without exact mode has a
-non-zero difference (what the check would catch)."""
+checkpointing, a temperature and a nucleus cut, and in aligned mode with w4a16 (the learner's
+QAT linears and the engine's packed linears on the codes published at each step). The same
+run without exact mode has a non-zero difference (what the check would catch)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ RUNS = {
     "exact-kvfp8-oldlogp": ["--quant.exact=true", "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2",
                             "--trainer.activation_checkpointing=true", "--rollout.temperature=0.8",
                             "--rollout.top_p=0.9"],
+    "exact-aligned-w4a16": ["--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16"],
     "not-exact": ["--quant.exact=false"],
 }
 

@@ -17,11 +17,12 @@ position; a row sliced at an odd element offset, so a less aligned pointer):
   prefill over shuffled pages, in extend steps over cached prefixes, and decoded from the
   cache in batches of 1-256 sequences at several positions.
 
-End to end: an exact-mode engine (CUDA graphs on and off, bf16 and fp8 KV caches) on two
-small random models (Qwen2-shaped with attention bias, GQA 7, head dim 64, the 151936 LM
-head; Qwen3-shaped with q / k norms, GQA 4, head dim 128) generates with per-request
-temperatures and a nucleus cut; the learner recomputes every sampled token's log-prob bit
-for bit, at three token budgets and under autograd. Run: ``PYTHONPATH=. python3 -m pytest
+End to end: an exact-mode engine (CUDA graphs on and off, bf16 and fp8 KV caches; bf16 mode,
+and aligned w4a16 on two of those settings) on two small random models (Qwen2-shaped with
+attention bias, GQA 7, head dim 64, the 151936 LM head; Qwen3-shaped with q / k norms, GQA 4,
+head dim 128) generates with per-request temperatures and a nucleus cut; the learner
+recomputes every sampled token's log-prob bit for bit, at three token budgets and under
+autograd. Run: ``PYTHONPATH=. python3 -m pytest
 tests_gpu/quant/test_invariant_gpu.py -q -x``.
 """
 
@@ -49,6 +50,7 @@ from quarl.quant.kernels.invariant_norm import invariant_rms_norm
 from quarl.quant.kernels.invariant_softmax import invariant_token_logprobs
 from quarl.quant.kv import dequantize_kv
 from quarl.quant.mode import QuantMode
+from quarl.quant.scheme import get_scheme
 from quarl.rollout import EngineConfig, SamplingParams
 from quarl.trainer.weights import build_engine_and_publisher
 
@@ -298,9 +300,10 @@ QWEN3 = TransformerConfig(model_type="qwen3", vocab_size=32000, hidden_size=1024
 TEMPS = (1.0, 0.7, 1.3)
 
 
-def _exact_engine(cfg: TransformerConfig, kv: str, graphs: bool):
+def _exact_engine(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str = "bf16"):
     model = build_random_model(cfg, dtype=BF16, device=DEV, std=0.05)
-    quant = QuantConfig(mode=QuantMode.BF16, exact=True)
+    mode = QuantMode.BF16 if scheme == "bf16" else QuantMode.ALIGNED
+    quant = QuantConfig(mode=mode, scheme=get_scheme(scheme), exact=True)
     quant.validate()
     config = EngineConfig(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=4096, num_kv_blocks=2048,
                           gpu_memory_utilization=0.5, cuda_graphs=graphs, kv_cache_dtype=kv)
@@ -323,8 +326,23 @@ def _params(i: int, n: int = 2) -> SamplingParams:
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("cfg", [QWEN2, QWEN3], ids=["qwen2-gqa7", "qwen3-gqa4"])
 def test_exact_engine_and_learner_agree_bit_for_bit(cfg, kv, graphs):
-    model, engine = _exact_engine(cfg, kv, graphs)
+    _check_engine_and_learner(cfg, kv, graphs, "bf16")
+
+
+@pytest.mark.parametrize("cfg,kv,graphs", [(QWEN3, "auto", True), (QWEN2, "fp8", False)],
+                         ids=["qwen3-gqa4-auto-graphs", "qwen2-gqa7-fp8-eager"])
+def test_exact_aligned_w4a16_engine_and_learner_agree_bit_for_bit(cfg, kv, graphs):
+    """Aligned w4a16: the engine's QuantLinear and the learner's QATLinear on the same codes."""
+    _check_engine_and_learner(cfg, kv, graphs, "w4a16")
+
+
+def _check_engine_and_learner(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str) -> None:
+    model, engine = _exact_engine(cfg, kv, graphs, scheme)
     assert engine.runner.exact is not None and not engine.runner.fused
+    learner_linear, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
+    assert type(served).__name__ == ("Linear" if scheme == "bf16" else "QuantLinear")
+    if scheme != "bf16":
+        assert type(learner_linear).__name__ == "QATLinear"
     prompts = _prompts(cfg.vocab_size, 24)
     alone = engine.generate([prompts[0]], _params(0, n=1))[0]
     comps = engine.generate(prompts, [_params(i) for i in range(len(prompts))])

@@ -6,7 +6,11 @@ model and the learner's), both sides run :class:`ExactOps`:
 
 * every linear (q/k/v/o, gate/up/down) through :func:`.invariant.invariant_linear`, the LM
   head through :func:`.invariant.dense_gemm` (:func:`exact_logits`; the learner's
-  ``quarl.learner.logprobs``), each row's bits independent of the batch;
+  ``quarl.learner.logprobs``), each row's bits independent of the batch. A weight-only
+  quantized linear (aligned mode) runs the invariant packed GEMM on its packed weight: the
+  engine's :class:`~quarl.quant.linear.QuantLinear` on its buffers, the learner's
+  :class:`~quarl.quant.linear.QATLinear` on the tensors it publishes (the engine's, once
+  published), so both multiply the same codes in the same order;
 * every RMSNorm (the layers', the final one, Qwen3's per-head q / k norms) through
   :func:`.invariant_norm.invariant_rms_norm`; the residual adds, rotary and SiLU-and-mul stay
   torch's elementwise ops, the same per element whatever the shape;
@@ -17,10 +21,12 @@ model and the learner's), both sides run :class:`ExactOps`:
 
 The learner's forward runs under autograd: each op is a :class:`torch.autograd.Function`
 whose forward is the invariant kernel and whose backward is the ordinary one (a linear's
-two GEMMs; a norm or the attention recomputed through the differentiable torch path, whose
-gradient is that of the same function up to rounding). Only plain ``nn.Linear`` layers and
-dense MLPs are covered: a quantized, LoRA or MoE layer raises (the run config refuses those
-settings first, ``RunConfig._check_exact``).
+two GEMMs, straight-through for a ``QATLinear``: ``grad_x = grad_y @ W_deq`` and ``grad_W =
+grad_y^T @ x`` to its master weight; a norm or the attention recomputed through the
+differentiable torch path, whose gradient is that of the same function up to rounding).
+Covered: plain ``nn.Linear`` layers, weight-only ``QuantLinear`` / ``QATLinear`` and dense
+MLPs; a linear whose scheme quantizes activations (W8A8, W4A8), a LoRA layer or an MoE block
+raises (the run config refuses those settings first, ``RunConfig._check_exact``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, appl
 from quarl.quant.kernels.invariant import dense_gemm, invariant_linear
 from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
 from quarl.quant.kernels.invariant_norm import invariant_rms_norm
+from quarl.quant.linear import QATLinear, QuantLinear
+from quarl.quant.ops import dequantize
+from quarl.quant.qweight import QuantizedWeight
 
 
 class ExactMode(NamedTuple):
@@ -60,23 +69,27 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 class _InvariantLinear(torch.autograd.Function):
-    """Forward: the batch-invariant GEMM. Backward: ``g @ W`` and ``g.T @ x`` (as ``F.linear``'s)."""
+    """Forward: the batch-invariant GEMM on ``weight`` (dense), or on ``qw`` (a packed
+    weight-only weight, the quantized ``weight``). Backward: ``g @ W`` and ``g.T @ x`` (as
+    ``F.linear``'s), with ``W`` the dequantized ``qw`` where there is one (straight-through:
+    the gradient of ``W_deq`` goes to the master ``weight``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, qw):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return invariant_linear(x, weight, bias)
+        ctx.has_bias, ctx.qw = bias is not None, qw
+        return invariant_linear(x, weight if qw is None else qw, bias)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        need_x, need_w, need_b = ctx.needs_input_grad
-        gx = (g2 @ weight.to(g2.dtype)).view(x.shape) if need_x else None
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        w = weight.to(g2.dtype) if ctx.qw is None else dequantize(ctx.qw, g2.dtype)
+        gx = (g2 @ w).view(x.shape).to(x.dtype) if need_x else None
         gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype) if need_w else None
         gb = g2.sum(0) if ctx.has_bias and need_b else None
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
 class _Recomputed(torch.autograd.Function):
@@ -102,14 +115,35 @@ class _Recomputed(torch.autograd.Function):
 
 
 def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` through the batch-invariant GEMM (differentiable where gradients are on)."""
-    if type(module) is not nn.Linear or getattr(module, "lora", None) is not None:
-        raise NotImplementedError(f"exact mode runs plain nn.Linear layers only, not {type(module).__name__} "
-                                  "(quantized and LoRA layers have no exact path yet)")
-    w, b = module.weight, module.bias
+    """``module(x)`` through the batch-invariant GEMM (differentiable where gradients are on):
+    a plain ``nn.Linear`` on its weight, a weight-only :class:`QuantLinear` (the engine's) on
+    its packed buffers, a weight-only :class:`QATLinear` (the learner's) on its quantized
+    master weight, straight-through to the master."""
+    w, qw = _exact_weights(module)
+    b = module.bias
     if _needs_grad(x, w, b):
-        return _InvariantLinear.apply(x, w, b)
-    return invariant_linear(x, w, b)
+        return _InvariantLinear.apply(x, w, b, qw)
+    return invariant_linear(x, w if qw is None else qw, b)
+
+
+def _exact_weights(module: nn.Module) -> tuple[torch.Tensor | None, QuantizedWeight | None]:
+    """``(weight, packed)`` of a linear that :func:`exact_linear` runs: the dense (or master)
+    weight, and the packed weight the GEMM reads (None: dense); raises for the rest."""
+    if getattr(module, "lora", None) is not None or getattr(module, "learner_path", False):
+        raise NotImplementedError(f"exact mode has no path for a LoRA layer ({type(module).__name__} with an "
+                                  "adapter or a LoRA learner's frozen base)")
+    if type(module) is nn.Linear:
+        return module.weight, None
+    if type(module) not in (QuantLinear, QATLinear):
+        raise NotImplementedError(f"exact mode runs nn.Linear, QuantLinear and QATLinear layers only, not "
+                                  f"{type(module).__name__}")
+    sc = module.scheme
+    if sc.quantizes_activations or not (sc.packed or not sc.quantizes_weights):
+        raise NotImplementedError(f"exact mode runs weight-only packed schemes only, not {sc.name} on "
+                                  f"{type(module).__name__} (its activation quantizer has no exact path yet)")
+    if isinstance(module, QuantLinear):
+        return None, module.qweight
+    return module.weight, module.quantized_weight()
 
 
 def exact_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
