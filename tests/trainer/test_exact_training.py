@@ -2,8 +2,8 @@
 batch-invariant kernels under Triton's interpreter), 2 steps each. The learner's log-probs of
 the engine's samples equal the engine's bit for bit at every step: ``mismatch/kl_k3`` and
 ``mismatch/max_abs_logp_diff`` are exactly 0, whether they come from the update's own forward
-(autograd on) or from a separate old-log-prob pass, with the fp8 KV cache, activation
-checkpointing, a temperature and a nucleus cut, and in aligned mode with w4a16 (the learner's
+(autograd on) or from a separate old-log-prob pass, with the fp8 KV cache, a temperature and
+a nucleus cut, and in aligned mode with w4a16 (the learner's
 QAT linears and the engine's packed linears on the codes published at each step). The same
 run without exact mode has a non-zero difference (what the check would catch)."""
 
@@ -19,7 +19,7 @@ from quarl.trainer.loop import Trainer
 
 TINY = [
     "--model.builtin=tiny", "--model.dtype=bfloat16", "--quant.mode=bf16", "--trainer.prompts_per_step=2",
-    "--rollout.n=4", "--rollout.max_new_tokens=8", "--trainer.sft_warmup_steps=40", "--trainer.eval_every=0",
+    "--rollout.n=4", "--rollout.max_new_tokens=8", "--trainer.sft_warmup_steps=4", "--trainer.eval_every=0",
     "--trainer.save_every=0", "--optim.lr=1e-3", "--data.num_train=200", "--data.num_eval=8",
     "--data.reward_workers=0", "--trainer.tensorboard=false", "--data.reward=tests.trainer.reward_fns:digit_one",
     "--trainer.steps=2",
@@ -27,8 +27,7 @@ TINY = [
 RUNS = {
     "exact": ["--quant.exact=true"],
     "exact-kvfp8-oldlogp": ["--quant.exact=true", "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2",
-                            "--trainer.activation_checkpointing=true", "--rollout.temperature=0.8",
-                            "--rollout.top_p=0.9"],
+                            "--rollout.temperature=0.8", "--rollout.top_p=0.9"],
     "exact-aligned-w4a16": ["--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16"],
     "not-exact": ["--quant.exact=false"],
 }
