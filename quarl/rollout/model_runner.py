@@ -137,8 +137,8 @@ class ModelRunner:
         caches = weight_only_caches(self.model)
         need = sum(qw.shape[0] * qw.shape[1] for _, qw in caches) * self.dtype.itemsize
         total = torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else 0
-        if not caches or not use_dense_weights(self.config.dense_weights, need, total):
-            return 0
+        if not caches or self.model.exact or not use_dense_weights(self.config.dense_weights, need, total):
+            return 0  # (exact mode runs the packed invariant GEMM, never the dense copies)
         for cache, _ in caches:
             cache.dense = True
         return need

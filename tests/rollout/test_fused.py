@@ -313,6 +313,12 @@ def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():
     assert caches and all(c.dense for c, _ in caches) and on.runner.dense_weight_bytes == want
     auto = Engine(copy.deepcopy(model), "w4a16", EngineConfig(**cfg, dense_weights="auto"))
     assert auto.runner.dense_weight_bytes == 0 and not any(c.dense for c, _ in weight_only_caches(auto.model))
+    from quarl.quant.kernels.invariant_model import ExactMode
+
+    exact_model = copy.deepcopy(model)
+    exact_model.exact = ExactMode(4)  # exact mode's linears run the packed invariant GEMM: no copies, even "on"
+    exact = Engine(exact_model, "w4a16", EngineConfig(**cfg, dense_weights="on"))
+    assert exact.runner.dense_weight_bytes == 0 and not any(c.dense for c, _ in weight_only_caches(exact.model))
     with pytest.raises(ValueError, match="dense_weights must be auto, on or off"):
         EngineConfig(dense_weights="yes")
 
