@@ -454,11 +454,12 @@ class RunConfig:
 
     def _check_exact(self) -> None:
         """``quant.exact`` only where every op both forwards share runs its batch-invariant kernel:
-        bf16 mode, or aligned mode with a weight-only int scheme (the invariant packed GEMM's), on a
-        dense model (bfloat16 or float32), with either KV cache, one learner per rank."""
+        bf16 mode, or aligned mode with a weight-only int scheme (the invariant packed GEMM's) or
+        W8A8 (per-token codes, then the invariant code GEMM), full or LoRA, on a dense model
+        (bfloat16 or float32), with either KV cache, one learner per rank."""
         if not self.quant.exact:
             return
-        exact_schemes = ("w4a16", "w4a16-asym", "w2a16")
+        exact_schemes = ("w4a16", "w4a16-asym", "w2a16", "w8a8-int8", "w8a8-fp8")
         why = []
         mode, scheme = self.quant.mode, self.quant.scheme.name
         if mode is QuantMode.ROLLOUT:
@@ -466,14 +467,12 @@ class RunConfig:
                        "the engine's quantized ones, so their log-probs differ by design (aligned mode shares "
                        "the codes)")
         elif mode is QuantMode.ALIGNED and scheme not in exact_schemes:
-            kind = ("its activation quantizer is not wired to the invariant GEMMs yet"
-                    if self.quant.scheme.quantizes_activations else "the fp4 formats have not been run in exact mode")
+            kind = ("no batch-invariant W4A8 GEMM exists yet" if self.quant.scheme.quantizes_activations
+                    else "the fp4 formats have not been run in exact mode")
             why.append(f"quant.mode=aligned with quant.scheme={scheme}: {kind}")
         if mode is not QuantMode.BF16 and any(fnmatch.fnmatchcase("lm_head", p) for p in self.quant.include) \
                 and not any(fnmatch.fnmatchcase("lm_head", p) for p in self.quant.exclude):
             why.append("quant.include selects lm_head: exact mode's LM head is dense")
-        if self.model.lora_rank:
-            why.append("model.lora_rank > 0: LoRA adapters have no batch-invariant path")
         if self.model._is_moe():
             why.append("an MoE model: its router and experts have no batch-invariant kernels")
         if self.model.dtype == "float16":
@@ -483,7 +482,8 @@ class RunConfig:
         if why:
             raise ConfigError("quant.exact=true is refused: " + "; ".join(why) + ". What works: quant.exact=true "
                               "with quant.mode=bf16, or quant.mode=aligned and quant.scheme "
-                              f"{' / '.join(exact_schemes)}, on a dense model in bfloat16 or float32 (model.dtype), "
+                              f"{' / '.join(exact_schemes)}, full or LoRA, on a dense model in bfloat16 or float32 "
+                              "(model.dtype), "
                               "rollout.engine.kv_cache_dtype auto or fp8, trainer.shard_learner=false; or "
                               "quant.exact=false")
 

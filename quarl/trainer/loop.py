@@ -50,6 +50,7 @@ from quarl.trainer.evaluation import evaluation_of, release_after_forward
 from quarl.trainer.faults import EvaluationFailed, rolled_back_on_verifier_failure
 from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.memory_policy import larger_cache
+from quarl.trainer.exact_check import exact_warning, first_parting, parting_layer
 from quarl.trainer.notices import Notices
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.ranks import union_of_ranks
@@ -103,6 +104,7 @@ class Trainer:
         self.evaluation = evaluation_of(cfg, self.engine, data, self.dist)
         self.interrupted = False
         self._flagged_samples: list[dict] = []  # the last step's flagged responses, for samples.jsonl
+        self._exact_located = False  # exact mode: the stage where the forwards part was looked for
         self._in_flight: int | None = None  # the step being computed, for the interrupt message
         # where the run stands: its checkpoint's position (in the learner and the random state too)
         at = restore(found, self.learner, cfg, self.run_dir, self.notices, quarantine=not evaluation_only,
@@ -275,8 +277,26 @@ class Trainer:
         warn_about_step(self.notices, self.step + 1, preempted, runner.num_blocks * runner.block_size,
                         larger_cache(self.cfg.rollout.engine, self.device, runner.num_blocks), packing,
                         self.device.type == "cuda")
+        if self.cfg.quant.exact:
+            self._check_exact(batch, learner_logp, update.mismatch["mismatch/max_abs_logp_diff"])
         return step_metrics(union, update, errors, quant_metrics, timing, perf, preempted,
                             self.learner.scheduler.get_last_lr()[0], self.bad_steps)
+
+    def _check_exact(self, batch: RolloutBatch, learner_logp: torch.Tensor, max_diff: float) -> None:
+        """Exact mode: a step whose log-probs parted is a warning naming the first token and,
+        the first time in a run, the stage where the two forwards part (:mod:`.exact_check`)."""
+        if not max_diff > 0:
+            return
+        parting = first_parting(batch.input_ids, learner_logp, batch.sampler_logp, batch.response_mask)
+        layer = None
+        if parting is not None and not self._exact_located:
+            self._exact_located = True
+            ids = batch.input_ids[parting.row, : parting.position + 2].tolist()
+            try:
+                layer = parting_layer(self.engine, self.learner.model, ids, parting.position)
+            except (RuntimeError, ValueError) as e:
+                layer = f"(not located: {e})"
+        self.notices.warn(exact_warning(self.step + 1, max_diff, parting, layer))
 
     # ------------------------------------------------------------------ eval and checkpoints
     def evaluate(self, log: bool = True) -> dict[str, float]:

@@ -62,14 +62,10 @@ def build_engine_and_publisher(
     (``engine.reallocate_kv_cache()``, once the learner has freed what it will free).
     ``record_routes``: the engine records the experts of an MoE model's rollouts.
     """
-    if lora is not None:
-        if quant.exact:
-            raise ValueError("exact mode has no LoRA path: use quant.exact=false with LoRA")
-        return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache, record_routes)
     if quant.exact:
-        from quarl.quant.kernels.invariant_model import ExactMode
-
-        learner_model.exact = ExactMode(engine_config.block_size, engine_config.kv_cache_dtype == "fp8")
+        _set_exact(learner_model, engine_config)
+    if lora is not None:
+        return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache, record_routes)
     engine = Engine(_engine_copy(learner_model, quant), scheme=quant.scheme, config=engine_config,
                     include=quant.include, exclude=quant.exclude, kv_cache=kv_cache, record_routes=record_routes)
     if quant.mode.learner_quantized:
@@ -95,12 +91,14 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
     after the engine has fused its projections, the learner's linears are pointed at the
     engine's buffers, so one copy of the base exists. Only the adapters are the engine's own,
     refreshed by the publisher. The learner's base linears run :class:`_FrozenQuantMatmul`
-    (``learner_path``): the engine's weights, a gradient to their input, none to them."""
+    (``learner_path``): the engine's weights, a gradient to their input, none to them. In exact
+    mode (``model.exact`` set) the engine does not fuse, and both sides run every LoRA layer
+    through :func:`~quarl.quant.kernels.invariant_model.exact_lora`."""
     if quant.scheme.quantizes_weights or quant.scheme.quantizes_activations:
         quantize_model(model, quant.scheme, QuantLinear, include=quant.include, exclude=quant.exclude)
     add_lora(model, lora.rank, lora.alpha, lora.targets)
     engine_model = _copy_sharing_frozen(model)
-    if engine_config.fused_kernels and next(model.parameters()).is_cuda:
+    if engine_config.fused_kernels and next(model.parameters()).is_cuda and model.exact is None:
         from quarl.rollout.fused import fuse_projections, supports_fused
 
         if supports_fused(engine_model):
@@ -116,6 +114,14 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
             m.learner_path = True
     model.kv_quant = "fp8" if engine_config.kv_cache_dtype == "fp8" else None
     return engine, LoRAPublisher(model, engine)
+
+
+def _set_exact(model: Transformer, engine_config: EngineConfig) -> None:
+    """``quant.exact``: ``model.exact`` (the engine's block size and fp8 cache, which the learner's
+    exact forward mirrors), set before the engine's copy is made so that both carry it."""
+    from quarl.quant.kernels.invariant_model import ExactMode
+
+    model.exact = ExactMode(engine_config.block_size, engine_config.kv_cache_dtype == "fp8")
 
 
 def _engine_copy(model: nn.Module, quant: QuantConfig) -> nn.Module:

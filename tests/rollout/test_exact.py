@@ -9,11 +9,13 @@ micro-batch; by ``sequence_logprobs`` under autograd (the update's forward, whic
 back-propagates) at another temperature; and with sequences packed into one row
 (``seq_ids``); (iii) the engine's ``check_logprobs`` of a sequence against the learner's is
 exactly 0. Cases: bfloat16 and float32 weights, bfloat16 with the fp8 KV cache (which the
-learner mirrors), and aligned mode (the engine's packed linears and the learner's QAT linears
+learner mirrors), aligned mode (the engine's quantized linears and the learner's QAT linears
 on the same codes, the update's backward straight-through to the master weights): w4a16 in
-bfloat16, w4a16-asym in bfloat16 with the fp8 cache, w2a16 in float32. In bfloat16 the ordinary
-learner forward gives other bits: the exact path is the one taken. One test per case (the
-interpreter is slow: each case generates once)."""
+bfloat16, w4a16-asym in bfloat16 with the fp8 cache, w8a8-fp8 in bfloat16 with the fp8 cache,
+w8a8-int8 in float32; and LoRA on a frozen w4a16 base shared by both sides (the adapters
+trained, the engine's a published copy). In bfloat16 the ordinary learner forward gives other
+bits: the exact path is the one taken. One test per case (the interpreter is slow: each case
+generates once)."""
 
 from __future__ import annotations
 
@@ -26,21 +28,24 @@ from quarl.config.run import QuantConfig
 from quarl.learner.batch import build_batch
 from quarl.learner.learner import Learner
 from quarl.learner.logprobs import sequence_logprobs
+from quarl.model.lora import DEFAULT_TARGETS, has_lora, lora_modules
 from quarl.model.presets import build_random_model, preset_config
 from quarl.model.transformer import TORCH_OPS, CheckpointedOps
 from quarl.quant import QATLinear, QuantLinear
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import get_scheme
 from quarl.rollout import EngineConfig, SamplingParams
-from quarl.trainer.weights import build_engine_and_publisher
+from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
 
 CFG = dataclasses.replace(preset_config("tiny"), vocab_size=256)
 PROMPTS = [[5, 17, 33, 2], [9, 10, 11, 12, 13, 40, 41], [60], [7, 8, 9, 10, 11]]
 TEMPS = [1.0, 0.7, 1.0, 1.3]
 NEW = 6
 CASES = [(torch.bfloat16, "auto", "bf16"), (torch.bfloat16, "fp8", "bf16"), (torch.float32, "auto", "bf16"),
-         (torch.bfloat16, "auto", "w4a16"), (torch.bfloat16, "fp8", "w4a16-asym"), (torch.float32, "auto", "w2a16")]
-IDS = ["bf16", "bf16-kvfp8", "fp32", "aligned-w4a16", "aligned-w4a16-asym-kvfp8", "aligned-w2a16-fp32"]
+         (torch.bfloat16, "auto", "w4a16"), (torch.bfloat16, "fp8", "w4a16-asym"), (torch.bfloat16, "fp8", "w8a8-fp8"),
+         (torch.float32, "auto", "w8a8-int8"), (torch.bfloat16, "auto", "lora-w4a16")]
+IDS = ["bf16", "bf16-kvfp8", "fp32", "aligned-w4a16", "aligned-w4a16-asym-kvfp8", "aligned-w8a8-fp8-kvfp8",
+       "aligned-w8a8-int8-fp32", "lora-w4a16"]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -49,15 +54,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _exact_pair(dtype: torch.dtype, kv: str, scheme: str):
     """The learner's model and its exact-mode engine, as the trainer builds them (``scheme``
-    other than bf16: aligned mode in that scheme)."""
+    other than bf16: aligned mode in that scheme; ``lora-<scheme>``: rank-4 adapters on that
+    frozen base, B made non-zero and published)."""
     model = build_random_model(CFG, dtype=dtype, std=0.1)
+    lora = LoRASettings(4, 8.0, DEFAULT_TARGETS) if scheme.startswith("lora-") else None
+    scheme = scheme.removeprefix("lora-")
     mode = QuantMode.BF16 if scheme == "bf16" else QuantMode.ALIGNED
     quant = QuantConfig(mode=mode, scheme=get_scheme(scheme), exact=True)
     quant.validate()
     # 8 sequences of 7-13 tokens need 24 blocks of 4 (less the prompts their pairs share): 10 make the
     # scheduler preempt
     config = EngineConfig(max_model_len=16, block_size=4, num_kv_blocks=10, kv_cache_dtype=kv)
-    engine, _ = build_engine_and_publisher(model, quant, config)
+    engine, publisher = build_engine_and_publisher(model, quant, config, lora)
+    if lora is not None:
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for _, _, ad in lora_modules(model):
+                ad.B.normal_(0, 0.2, generator=gen)
+        publisher.publish()
     return model, engine
 
 
@@ -104,8 +118,10 @@ def _check_update_forward(model, together) -> None:
     assert logp.requires_grad and bool(torch.isfinite(ent).all())
     _assert_same_bits(logp.detach(), batch, "update forward")
     (logp * batch.response_mask).sum().backward()
-    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
-    assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in trained)
+    q = model.layers[0].self_attn.q_proj
+    assert (q.lora.A if has_lora(model) else q.weight).grad.abs().sum() > 0
 
 
 def _check_packed_row(model, together) -> None:
@@ -130,8 +146,9 @@ def _check_engine_sync(model, engine, c) -> None:
     assert engine.check_logprobs(ids, Learner(model).logprobs(batch, 1 << 20)[0]) == 0.0
 
 
-def _check_not_ordinary(model, together) -> None:
-    """The ordinary learner forward (exact off) rounds otherwise: the exact path is the one taken."""
+def _check_not_ordinary(model, together, tol: float) -> None:
+    """The ordinary learner forward (exact off) rounds otherwise: the exact path is the one taken;
+    its values within ``tol`` (a rounding apart, W8A8: a code step of an activation)."""
     batch = _batch([c for c in together if TEMPS[c.prompt_index] == 1.0])
     exact, model.exact = model.exact, None
     try:
@@ -141,12 +158,17 @@ def _check_not_ordinary(model, together) -> None:
         model.exact = exact
     mask = batch.response_mask.bool()
     assert not torch.equal(_bits(ordinary[mask]), _bits(batch.sampler_logp[mask]))
-    assert (ordinary[mask] - batch.sampler_logp[mask]).abs().max() < 0.1
+    assert (ordinary[mask] - batch.sampler_logp[mask]).abs().max() < tol
 
 
 def _check_layers(model, engine, scheme: str) -> None:
-    """Aligned mode: the learner's linears are QAT linears and the engine's packed ones, on the same codes."""
+    """Aligned mode: the learner's linears are QAT linears and the engine's packed ones, on the same
+    codes; LoRA: one shared frozen base, the engine's adapters equal to the learner's."""
     learner, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
+    if scheme.startswith("lora-"):
+        assert type(learner) is QuantLinear and learner.qweight.qdata.data_ptr() == served.qweight.qdata.data_ptr()
+        assert torch.equal(learner.lora.B, served.lora.B) and learner.lora.B.abs().sum() > 0
+        return
     if scheme == "bf16":
         assert type(learner) is torch.nn.Linear and type(served) is torch.nn.Linear
         return
@@ -164,4 +186,4 @@ def test_a_token_has_the_same_log_prob_bits_wherever_it_is_computed(dtype, kv, s
     _check_packed_row(model, together)
     _check_engine_sync(model, engine, together[-1])
     if dtype == torch.bfloat16:  # (float32: the ordinary forward may well round the same way)
-        _check_not_ordinary(model, together)
+        _check_not_ordinary(model, together, 0.5 if "w8a8" in scheme else 0.1)

@@ -3,9 +3,10 @@ batch-invariant kernels under Triton's interpreter), 2 steps each. The learner's
 the engine's samples equal the engine's bit for bit at every step: ``mismatch/kl_k3`` and
 ``mismatch/max_abs_logp_diff`` are exactly 0, whether they come from the update's own forward
 (autograd on) or from a separate old-log-prob pass, with the fp8 KV cache, a temperature and
-a nucleus cut, and in aligned mode with w4a16 (the learner's
-QAT linears and the engine's packed linears on the codes published at each step). The same
-run without exact mode has a non-zero difference (what the check would catch)."""
+a nucleus cut, and LoRA on an aligned w4a16 base (the shared frozen codes, the adapters
+published at each step). The same run without exact mode has a non-zero difference (what the
+check would catch); an exact run whose engine is broken on purpose (one layer's weights moved
+after each publish) warns, naming the first token that parted and that layer."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ TINY = [
     "--trainer.steps=2",
 ]
 RUNS = {
-    "exact": ["--quant.exact=true"],
+    "exact-lora-aligned-w4a16": ["--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16",
+                                 "--model.lora_rank=4"],
     "exact-kvfp8-oldlogp": ["--quant.exact=true", "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2",
                             "--rollout.temperature=0.8", "--rollout.top_p=0.9"],
-    "exact-aligned-w4a16": ["--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16"],
     "not-exact": ["--quant.exact=false"],
 }
 
@@ -55,3 +56,24 @@ def test_exact_mode_has_no_mismatch_at_any_step(tmp_path, name):
             assert diff > 0  # bfloat16 decode vs recompute: the ordinary kernels round otherwise
         else:
             assert diff == 0.0 and kl == 0.0, (name, rows.index(row), diff, kl)
+
+
+def test_an_exact_run_that_parts_warns_naming_the_token_and_the_layer(tmp_path, monkeypatch, capsys):
+    from quarl.trainer.weights import Publisher
+
+    publish = Publisher.publish
+
+    def broken(self):
+        out = publish(self)
+        with torch.no_grad():  # the engine's copy of layer 1's down projection, off by 1%
+            self.engine.model.layers[1].mlp.down_proj.weight.mul_(1.01)
+        return out
+
+    monkeypatch.setattr(Publisher, "publish", broken)
+    rows = _train(tmp_path, ["--quant.exact=true"])
+    assert all(row["mismatch/max_abs_logp_diff"] > 0 for row in rows)
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
+    assert "step 1: quant.exact=true, yet the sampler's and the learner's log-probs differ" in out
+    assert "step 2: quant.exact=true" in out and "first at response 0, the token at position" in out
+    assert out.count("the forwards part at decoder layer 1 (first at position") == 1  # (located once a run)

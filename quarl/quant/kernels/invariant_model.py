@@ -6,8 +6,9 @@ model and the learner's), both sides run :class:`ExactOps`:
 
 * every linear (q/k/v/o, gate/up/down) through :func:`.invariant.invariant_linear`, the LM
   head through :func:`.invariant.dense_gemm` (:func:`exact_logits`; the learner's
-  ``quarl.learner.logprobs``), each row's bits independent of the batch. A weight-only
-  quantized linear (aligned mode) runs the invariant packed GEMM on its packed weight: the
+  ``quarl.learner.logprobs``), each row's bits independent of the batch. A quantized linear
+  (aligned mode) runs the invariant GEMM of its scheme on its quantized weight (weight-only:
+  the packed GEMM; W8A8: each row's per-token codes, then the code GEMM): the
   engine's :class:`~quarl.quant.linear.QuantLinear` on its buffers, the learner's
   :class:`~quarl.quant.linear.QATLinear` on the tensors it publishes (the engine's, once
   published), so both multiply the same codes in the same order;
@@ -24,9 +25,10 @@ whose forward is the invariant kernel and whose backward is the ordinary one (a 
 two GEMMs, straight-through for a ``QATLinear``: ``grad_x = grad_y @ W_deq`` and ``grad_W =
 grad_y^T @ x`` to its master weight; a norm or the attention recomputed through the
 differentiable torch path, whose gradient is that of the same function up to rounding).
-Covered: plain ``nn.Linear`` layers, weight-only ``QuantLinear`` / ``QATLinear`` and dense
-MLPs; a linear whose scheme quantizes activations (W8A8, W4A8), a LoRA layer or an MoE block
-raises (the run config refuses those settings first, ``RunConfig._check_exact``).
+Covered: plain ``nn.Linear`` layers, weight-only and W8A8 ``QuantLinear`` / ``QATLinear`` (the
+W8A8 backward straight-through the activation quantizer too, as the ordinary aligned learner's)
+and dense MLPs; a W4A8 linear, a LoRA layer or an MoE block raises (the run config refuses those
+settings first, ``RunConfig._check_exact``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quarl.model.lora import LoRALinear
 from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, apply_rotary, batch_attention, rms_norm
 from quarl.quant.kernels.invariant import dense_gemm, invariant_linear
 from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
@@ -116,31 +119,78 @@ class _Recomputed(torch.autograd.Function):
 
 def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` through the batch-invariant GEMM (differentiable where gradients are on):
-    a plain ``nn.Linear`` on its weight, a weight-only :class:`QuantLinear` (the engine's) on
-    its packed buffers, a weight-only :class:`QATLinear` (the learner's) on its quantized
-    master weight, straight-through to the master."""
+    a plain ``nn.Linear`` on its weight, a :class:`QuantLinear` (the engine's) on its quantized
+    buffers, a :class:`QATLinear` (the learner's) on its quantized master weight, straight-through
+    to the master; a LoRA layer (a frozen base with an enabled adapter) as :func:`exact_lora`."""
     w, qw = _exact_weights(module)
     b = module.bias
+    ad = getattr(module, "lora", None)
+    if ad is not None and ad.enabled:
+        return exact_lora(x, w if qw is None else qw, b, ad.A, ad.B, ad.scaling)
     if _needs_grad(x, w, b):
         return _InvariantLinear.apply(x, w, b, qw)
     return invariant_linear(x, w if qw is None else qw, b)
 
 
+def _lora_forward(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
+                  a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, xa)``: ``y = base(x) + scaling * (x A^T) B^T`` with each GEMM batch-invariant and the
+    sum elementwise (in fp32, rounded once to x's dtype); ``xa = x A^T`` (x's dtype)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xa = dense_gemm(x2, a)
+    y = invariant_linear(x2, base, bias).float() + dense_gemm(xa, b).float() * scaling
+    return y.to(x.dtype).view(*x.shape[:-1], -1), xa
+
+
+class _InvariantLoRA(torch.autograd.Function):
+    """Forward :func:`_lora_forward`; backward that of ``F.linear(x, W) + scaling * B (A x)`` with
+    the base frozen (``W`` dequantized where it is quantized: straight-through to x)."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, base, bias, scaling):  # type: ignore[override]
+        y, xa = _lora_forward(x, base, bias, a, b, scaling)
+        ctx.save_for_backward(x, a, b, xa)
+        ctx.base, ctx.scaling = base, scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, a, b, xa = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)
+        gd = g * ctx.scaling
+        gxa = gd @ b.to(g.dtype)
+        ga = (gxa.t() @ x2).to(a.dtype)
+        gb = (gd.t() @ xa.to(g.dtype)).to(b.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.base.to(g.dtype) if isinstance(ctx.base, torch.Tensor) else dequantize(ctx.base, g.dtype)
+            gx = (g @ w + gxa @ a.to(g.dtype)).view(x.shape).to(x.dtype)
+        return gx, ga, gb, None, None, None
+
+
+def exact_lora(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
+               a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A LoRA layer ``base(x) + scaling * B (A x)`` over the batch-invariant GEMMs, the same bits
+    in the engine (its copy of the adapter) and the learner; gradients to x, A and B (the base
+    is frozen: a dense tensor, or a quantized weight, any scheme :func:`invariant_linear` runs)."""
+    if _needs_grad(x, a, b):
+        return _InvariantLoRA.apply(x, a, b, base, bias, scaling)
+    return _lora_forward(x, base, bias, a, b, scaling)[0]
+
+
 def _exact_weights(module: nn.Module) -> tuple[torch.Tensor | None, QuantizedWeight | None]:
-    """``(weight, packed)`` of a linear that :func:`exact_linear` runs: the dense (or master)
-    weight, and the packed weight the GEMM reads (None: dense); raises for the rest."""
-    if getattr(module, "lora", None) is not None or getattr(module, "learner_path", False):
-        raise NotImplementedError(f"exact mode has no path for a LoRA layer ({type(module).__name__} with an "
-                                  "adapter or a LoRA learner's frozen base)")
-    if type(module) is nn.Linear:
+    """``(weight, quantized)`` of a linear that :func:`exact_linear` runs: the dense (or master)
+    weight, and the quantized weight the GEMM reads (None: dense); raises for the rest."""
+    if isinstance(module, nn.Linear) and (type(module) is nn.Linear or isinstance(module, LoRALinear)):
         return module.weight, None
     if type(module) not in (QuantLinear, QATLinear):
         raise NotImplementedError(f"exact mode runs nn.Linear, QuantLinear and QATLinear layers only, not "
                                   f"{type(module).__name__}")
     sc = module.scheme
-    if sc.quantizes_activations or not (sc.packed or not sc.quantizes_weights):
-        raise NotImplementedError(f"exact mode runs weight-only packed schemes only, not {sc.name} on "
-                                  f"{type(module).__name__} (its activation quantizer has no exact path yet)")
+    if sc.quantizes_activations and sc.packed:
+        raise NotImplementedError(f"exact mode has no W4A8 GEMM ({sc.name} on {type(module).__name__}): it runs "
+                                  "weight-only packed schemes and W8A8 (w8a8-int8, w8a8-fp8)")
     if isinstance(module, QuantLinear):
         return None, module.qweight
     return module.weight, module.quantized_weight()
