@@ -456,7 +456,8 @@ class RunConfig:
         """``quant.exact`` only where every op both forwards share runs its batch-invariant kernel:
         bf16 mode, or aligned mode with a weight-only int scheme (the invariant packed GEMM's) or
         W8A8 (per-token codes, then the invariant code GEMM), full or LoRA, on a dense model
-        (bfloat16 or float32), with either KV cache, one learner per rank."""
+        (bfloat16 or float32) or an MoE model (bfloat16; not w2a16, no expert adapters), with
+        either KV cache, one learner per rank."""
         if not self.quant.exact:
             return
         exact_schemes = ("w4a16", "w4a16-asym", "w2a16", "w8a8-int8", "w8a8-fp8")
@@ -474,7 +475,14 @@ class RunConfig:
                 and not any(fnmatch.fnmatchcase("lm_head", p) for p in self.quant.exclude):
             why.append("quant.include selects lm_head: exact mode's LM head is dense")
         if self.model._is_moe():
-            why.append("an MoE model: its router and experts have no batch-invariant kernels")
+            if self.model.dtype != "bfloat16":
+                why.append(f"an MoE model in model.dtype={self.model.dtype}: the invariant grouped expert kernel "
+                           "takes bfloat16 rows (set model.dtype=bfloat16)")
+            if mode is QuantMode.ALIGNED and scheme == "w2a16":
+                why.append("an MoE model with quant.scheme=w2a16: the grouped expert kernel reads int4 and 8-bit "
+                           "experts only")
+            if self.model.lora_rank and "experts" in self.model.lora_targets:
+                why.append("model.lora_targets names experts: grouped expert adapters have no batch-invariant path")
         if self.model.dtype == "float16":
             why.append("model.dtype=float16: the invariant kernels are tested in bfloat16 and float32 only")
         if self.trainer.shard_learner:
@@ -483,7 +491,7 @@ class RunConfig:
             raise ConfigError("quant.exact=true is refused: " + "; ".join(why) + ". What works: quant.exact=true "
                               "with quant.mode=bf16, or quant.mode=aligned and quant.scheme "
                               f"{' / '.join(exact_schemes)}, full or LoRA, on a dense model in bfloat16 or float32 "
-                              "(model.dtype), "
+                              "(model.dtype) or an MoE model in bfloat16, "
                               "rollout.engine.kv_cache_dtype auto or fp8, trainer.shard_learner=false; or "
                               "quant.exact=false")
 

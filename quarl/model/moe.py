@@ -207,12 +207,15 @@ class Experts(nn.Module):
 
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                 intermediate_size: int, project: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor],
-                lora=None) -> torch.Tensor:
+                lora=None, slot_order: bool = False) -> torch.Tensor:
     """The expert computation over any weights: x ``[N, H]``, expert_ids ``[N, k]``, weights
     ``[N, k]`` -> ``[N, H]``. ``project(rows, name, offsets)`` runs projection ``name``
     (``gate_up_proj`` / ``down_proj``) of all experts on rows sorted by expert (the stacked
     bf16 weights here, the low-bit ones in :mod:`quarl.quant.experts`); ``lora``: the
-    experts' enabled adapters (:class:`quarl.model.lora.ExpertsLoRA`), or None."""
+    experts' enabled adapters (:class:`quarl.model.lora.ExpertsLoRA`), or None.
+    ``slot_order``: the sum over the k slots as k elementwise adds in float32, slot 0 first,
+    rounded once (exact mode: the same order whatever N; torch's reduction may pick its
+    order by the tensor's size)."""
     n, k = expert_ids.shape
     order, offsets = sort_by_expert(expert_ids, num_experts)
     # each token's row once per slot, then in expert order; both steps have a deterministic
@@ -230,7 +233,13 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     # back to (token, slot) order: the sum over slots runs in a fixed order
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return out[inverse].view(n, k, out.shape[-1]).sum(dim=1)
+    per_slot = out[inverse].view(n, k, out.shape[-1])
+    if not slot_order:
+        return per_slot.sum(dim=1)
+    total = per_slot[:, 0].float()
+    for j in range(1, k):
+        total = total + per_slot[:, j].float()
+    return total.to(out.dtype)
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,14 +312,20 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        weights, ids = self.route_tokens(self.gate(flat), x.dtype)
+        return self.experts(flat, ids, weights).view(shape)
+
+    def route_tokens(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [N, k] in dtype, expert ids [N, k])`` of the router ``logits [N, E]``
+        (:func:`route`), the experts replayed and recorded as ``routing`` says."""
         routing = self.routing
         given = routing.replay.get(self.layer_idx) if routing is not None and routing.replay else None
-        weights, ids, own = route(self.gate(flat), self.top_k, self.norm_topk_prob, x.dtype, given)
+        weights, ids, own = route(logits, self.top_k, self.norm_topk_prob, dtype, given)
         if routing is not None and routing.record:
             used = ids.to(ROUTING_ID_DTYPE)
             routing.expert_ids[self.layer_idx] = used
             routing.router_ids[self.layer_idx] = used if given is None else own.to(ROUTING_ID_DTYPE)
-        return self.experts(flat, ids, weights).view(shape)
+        return weights, ids
 
 
 class ExpertLayout:

@@ -12,9 +12,11 @@ exactly 0. Cases: bfloat16 and float32 weights, bfloat16 with the fp8 KV cache (
 learner mirrors), aligned mode (the engine's quantized linears and the learner's QAT linears
 on the same codes, the update's backward straight-through to the master weights): w4a16 in
 bfloat16, w4a16-asym in bfloat16 with the fp8 cache, w8a8-fp8 in bfloat16 with the fp8 cache,
-w8a8-int8 in float32; and LoRA on a frozen w4a16 base shared by both sides (the adapters
-trained, the engine's a published copy). In bfloat16 the ordinary learner forward gives other
-bits: the exact path is the one taken. One test per case (the interpreter is slow: each case
+w8a8-int8 in float32; LoRA on a frozen w4a16 base shared by both sides (the adapters
+trained, the engine's a published copy); and the MoE preset (router, grouped experts and the
+top-k combine invariant) in bf16, aligned w4a16 with the fp8 cache and aligned w8a8-int8. In
+bfloat16 the ordinary learner forward gives other bits (for MoE, W8A8: up to a routing or
+code flip): the exact path is the one taken. One test per case (the interpreter is slow: each case
 generates once)."""
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from quarl.learner.batch import build_batch
 from quarl.learner.learner import Learner
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.model.lora import DEFAULT_TARGETS, has_lora, lora_modules
+from quarl.model.moe import Experts
 from quarl.model.presets import build_random_model, preset_config
-from quarl.model.transformer import TORCH_OPS, CheckpointedOps
+from quarl.model.transformer import MLP, TORCH_OPS, CheckpointedOps
 from quarl.quant import QATLinear, QuantLinear
+from quarl.quant.experts import QATExperts, QuantExperts
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import get_scheme
 from quarl.rollout import EngineConfig, SamplingParams
@@ -43,9 +47,11 @@ TEMPS = [1.0, 0.7, 1.0, 1.3]
 NEW = 6
 CASES = [(torch.bfloat16, "auto", "bf16"), (torch.bfloat16, "fp8", "bf16"), (torch.float32, "auto", "bf16"),
          (torch.bfloat16, "auto", "w4a16"), (torch.bfloat16, "fp8", "w4a16-asym"), (torch.bfloat16, "fp8", "w8a8-fp8"),
-         (torch.float32, "auto", "w8a8-int8"), (torch.bfloat16, "auto", "lora-w4a16")]
+         (torch.float32, "auto", "w8a8-int8"), (torch.bfloat16, "auto", "lora-w4a16"),
+         (torch.bfloat16, "auto", "moe-bf16"), (torch.bfloat16, "fp8", "moe-w4a16"), (torch.bfloat16, "auto", "moe-w8a8-int8")]
 IDS = ["bf16", "bf16-kvfp8", "fp32", "aligned-w4a16", "aligned-w4a16-asym-kvfp8", "aligned-w8a8-fp8-kvfp8",
-       "aligned-w8a8-int8-fp32", "lora-w4a16"]
+       "aligned-w8a8-int8-fp32", "lora-w4a16", "moe-bf16", "moe-aligned-w4a16-kvfp8", "moe-aligned-w8a8-int8"]
+MOE_CFG = preset_config("moe-tiny")  # 8 experts, top-2, layer 1 dense
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -55,17 +61,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _exact_pair(dtype: torch.dtype, kv: str, scheme: str):
     """The learner's model and its exact-mode engine, as the trainer builds them (``scheme``
     other than bf16: aligned mode in that scheme; ``lora-<scheme>``: rank-4 adapters on that
-    frozen base, B made non-zero and published)."""
-    model = build_random_model(CFG, dtype=dtype, std=0.1)
+    frozen base, B made non-zero and published; ``moe-<scheme>``: the MoE preset, its
+    engine recording the experts it routes to)."""
+    moe = scheme.startswith("moe-")
+    model = build_random_model(MOE_CFG if moe else CFG, dtype=dtype, std=0.1)
     lora = LoRASettings(4, 8.0, DEFAULT_TARGETS) if scheme.startswith("lora-") else None
-    scheme = scheme.removeprefix("lora-")
+    scheme = scheme.removeprefix("lora-").removeprefix("moe-")
     mode = QuantMode.BF16 if scheme == "bf16" else QuantMode.ALIGNED
     quant = QuantConfig(mode=mode, scheme=get_scheme(scheme), exact=True)
     quant.validate()
     # 8 sequences of 7-13 tokens need 24 blocks of 4 (less the prompts their pairs share): 10 make the
     # scheduler preempt
     config = EngineConfig(max_model_len=16, block_size=4, num_kv_blocks=10, kv_cache_dtype=kv)
-    engine, publisher = build_engine_and_publisher(model, quant, config, lora)
+    engine, publisher = build_engine_and_publisher(model, quant, config, lora, record_routes=moe)
     if lora is not None:
         gen = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -164,7 +172,17 @@ def _check_not_ordinary(model, together, tol: float) -> None:
 def _check_layers(model, engine, scheme: str) -> None:
     """Aligned mode: the learner's linears are QAT linears and the engine's packed ones, on the same
     codes; LoRA: one shared frozen base, the engine's adapters equal to the learner's."""
-    learner, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
+    dense = next(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MLP))
+    learner, served = model.layers[dense].mlp.down_proj, engine.model.layers[dense].mlp.down_proj
+    if scheme.startswith("moe-"):
+        scheme = scheme.removeprefix("moe-")
+        experts, served_experts = model.layers[0].mlp.experts, engine.model.layers[0].mlp.experts
+        if scheme == "bf16":
+            assert type(experts) is Experts and type(served_experts) is Experts
+        else:
+            assert type(experts) is QATExperts and type(served_experts) is QuantExperts
+            assert torch.equal(experts.quantized_weight("down_proj").qdata,
+                               served_experts.quantized_weights()["down_proj"].qdata)
     if scheme.startswith("lora-"):
         assert type(learner) is QuantLinear and learner.qweight.qdata.data_ptr() == served.qweight.qdata.data_ptr()
         assert torch.equal(learner.lora.B, served.lora.B) and learner.lora.B.abs().sum() > 0
@@ -186,4 +204,4 @@ def test_a_token_has_the_same_log_prob_bits_wherever_it_is_computed(dtype, kv, s
     _check_packed_row(model, together)
     _check_engine_sync(model, engine, together[-1])
     if dtype == torch.bfloat16:  # (float32: the ordinary forward may well round the same way)
-        _check_not_ordinary(model, together, 0.5 if "w8a8" in scheme else 0.1)
+        _check_not_ordinary(model, together, 0.5 if "w8a8" in scheme or "moe" in scheme else 0.1)

@@ -27,8 +27,8 @@ grad_y^T @ x`` to its master weight; a norm or the attention recomputed through 
 differentiable torch path, whose gradient is that of the same function up to rounding).
 Covered: plain ``nn.Linear`` layers, weight-only and W8A8 ``QuantLinear`` / ``QATLinear`` (the
 W8A8 backward straight-through the activation quantizer too, as the ordinary aligned learner's)
-and dense MLPs; a W4A8 linear, a LoRA layer or an MoE block raises (the run config refuses those
-settings first, ``RunConfig._check_exact``).
+dense MLPs and MoE blocks (:mod:`.invariant_moe`); a W4A8 linear or experts with LoRA adapters
+raise (the run config refuses those settings first, ``RunConfig._check_exact``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quarl.model.lora import LoRALinear
+from quarl.model.moe import SparseMoeBlock
 from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, apply_rotary, batch_attention, rms_norm
 from quarl.quant.kernels.invariant import dense_gemm, invariant_linear
 from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
@@ -130,6 +131,13 @@ def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _needs_grad(x, w, b):
         return _InvariantLinear.apply(x, w, b, qw)
     return invariant_linear(x, w if qw is None else qw, b)
+
+
+def exact_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` through the batch-invariant GEMM, differentiable (an MoE router)."""
+    if _needs_grad(x, weight):
+        return _InvariantLinear.apply(x, weight, None, None)
+    return invariant_linear(x, weight)
 
 
 def _lora_forward(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
@@ -223,8 +231,12 @@ class ExactOps(TorchOps):
         return exact_linear(module.o_proj, out.reshape(b, t, -1))
 
     def mlp(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if isinstance(module, SparseMoeBlock):
+            from quarl.quant.kernels.invariant_moe import exact_moe_block
+
+            return exact_moe_block(module, h, exact_dense)
         if not isinstance(module, MLP):
-            raise NotImplementedError(f"exact mode runs dense MLPs only, not {type(module).__name__}")
+            raise NotImplementedError(f"exact mode runs dense MLPs and MoE blocks, not {type(module).__name__}")
         gate, up = exact_linear(module.gate_proj, h), exact_linear(module.up_proj, h)
         return exact_linear(module.down_proj, F.silu(gate) * up)
 

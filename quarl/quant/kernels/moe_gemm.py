@@ -151,7 +151,7 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
     """Columns ``128 c + 64 h ..`` of the weight tile (``[64, BN]``, or ``[BN, 64]`` when
     ``SWAP``) as the values ``ops.dequantize`` writes, in fp32 (the caller casts). BITS 4: half
     ``h`` of the packed chunk ``packed`` with its group scales (and zero points); BITS 8: int8 /
-    e4m3 codes loaded here, times their channel's scale."""
+    e4m3 codes loaded here, times their channel's scale; BITS 16: a dense 16-bit weight."""
     k_first = c * 128 + h * 64
     if SWAP:
         nmask = offs_n[:, None] < N
@@ -176,12 +176,17 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
         if SWAP:
             wmask = nmask & (ks[None, :] < K)
             code = tl.load(w_tile + ks[None, :], mask=wmask)
-            s = tl.load(s_base + offs_n[:, None], mask=nmask, other=0)
         else:
             wmask = nmask & (ks[:, None] < K)
             code = tl.load(w_tile + ks[:, None], mask=wmask)
-            s = tl.load(s_base + offs_n[None, :], mask=nmask, other=0)
         val = tl.where(wmask, code.to(tl.float32), 0.0)  # (no `other` for e4m3 codes: masked lanes are zeroed here)
+        if BITS == 8:
+            if SWAP:
+                s = tl.load(s_base + offs_n[:, None], mask=nmask, other=0)
+            else:
+                s = tl.load(s_base + offs_n[None, :], mask=nmask, other=0)
+        else:  # BITS 16: a dense weight, read as it is
+            s = 1.0
     w = val * s
     if ROUND_BF16:  # (the interpreter's fp32 operands that stand for bf16 ones)
         w = _round_bf16(w)
@@ -261,40 +266,61 @@ def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, qw: QuantizedWeight, nu
     written (there are none for :func:`~quarl.model.moe.sort_by_expert`'s offsets)."""
     if not moe_kernel_supports(qw.scheme):
         raise ValueError(f"the grouped MoE kernel runs int4 group and 8-bit per-channel weights, got {qw.scheme.name}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the grouped MoE kernel takes bf16 / fp16 rows, got {x.dtype}")
-    m, k = x.shape
+    k = x.shape[1]
     if qw.in_features != k or qw.out_features % num_experts:
-        raise ValueError(f"rows [{m}, {k}] vs experts' weight {tuple(qw.shape)} of {num_experts} experts")
-    if offsets.shape != (num_experts,) or offsets.dtype != torch.int32 or offsets.device != x.device:
-        raise ValueError(f"offsets must be int32 [{num_experts}] on {x.device}, got {offsets.dtype} "
-                         f"{tuple(offsets.shape)} on {offsets.device}")
-    n = qw.out_features // num_experts
-    dtype = x.dtype
-    # the interpreter's bf16 stand-in (module docstring)
-    emulate = interpreting(x) and dtype == torch.bfloat16
-    if emulate:
-        x = x.float()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out.to(dtype)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+        raise ValueError(f"rows [{x.shape[0]}, {k}] vs experts' weight {tuple(qw.shape)} of {num_experts} experts")
     bits = qw.scheme.weight_bits
     scales = qw.scales if bits == 4 else qw.scales.reshape(-1, 1)  # 8-bit: one fp32 scale per channel
     if qw.qdata.stride(1) != 1 or scales.stride(1) != 1 or (
             qw.zeros is not None and qw.zeros.stride() != scales.stride()):
         raise ValueError("the grouped MoE kernel reads row-contiguous codes, scales and zero points")
+    nchunk = qw.qdata.shape[1] // (PACK_K // 2) if bits == 4 else cdiv(k, PACK_K)
+    return _launch(x, offsets, qw.qdata, scales, qw.zeros, bits, qw.scheme.group_size or 1, num_experts, nchunk, cfg)
+
+
+def grouped_gemm_dense(x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor,
+                       cfg: MoeConfig | None = None) -> torch.Tensor:
+    """:func:`grouped_gemm` over dense experts ``weight [E, N, K]`` in x's dtype (bf16 / fp16),
+    read as they are: one kernel for every format, so that a fixed tile gives the same
+    per-row order of products for 16-bit and quantized experts alike (exact mode)."""
+    e, n, k = weight.shape
+    if weight.dtype != x.dtype or x.shape[1] != k:
+        raise ValueError(f"rows {x.dtype} [{x.shape[0]}, {x.shape[1]}] vs experts' weight {weight.dtype} "
+                         f"{tuple(weight.shape)}: one 16-bit dtype and K wanted")
+    w = weight.reshape(e * n, k)
+    w = w if w.stride(1) == 1 else w.contiguous()
+    return _launch(x, offsets, w, w, None, 16, 1, e, cdiv(k, PACK_K), cfg)
+
+
+def _launch(x: torch.Tensor, offsets: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None, bits: int, group: int, num_experts: int, nchunk: int,
+            cfg: MoeConfig | None) -> torch.Tensor:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the grouped MoE kernel takes bf16 / fp16 rows, got {x.dtype}")
+    if offsets.shape != (num_experts,) or offsets.dtype != torch.int32 or offsets.device != x.device:
+        raise ValueError(f"offsets must be int32 [{num_experts}] on {x.device}, got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
+    m, k = x.shape
+    n = qdata.shape[0] // num_experts
+    dtype = x.dtype
+    # the interpreter's bf16 stand-in (module docstring)
+    emulate = interpreting(x) and dtype == torch.bfloat16
+    if emulate:
+        x = x.float()
+        if bits == 16:
+            qdata = qdata.float()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.to(dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
     cfg = cfg or pick_config(m, num_experts, interpreting(x))
     m_tiles = tile_bound(m, num_experts, cfg.bm)
-    qdata = qw.qdata
-    zeros = qw.zeros if qw.zeros is not None else scales
-    nchunk = qdata.shape[1] // (PACK_K // 2) if bits == 4 else cdiv(k, PACK_K)
     grouped_gemm_kernel[(m_tiles * cdiv(n, cfg.bn),)](
-        x, offsets, qdata, scales, zeros, out,
+        x, offsets, qdata, scales, zeros if zeros is not None else scales, out,
         n, k, num_experts, nchunk, m_tiles,
         x.stride(0), qdata.stride(0), scales.stride(0), out.stride(0),
-        BITS=bits, ASYM=qw.zeros is not None, G=qw.scheme.group_size or 1, EP=max(2, next_pow2(num_experts)),
+        BITS=bits, ASYM=zeros is not None, G=group, EP=max(2, next_pow2(num_experts)),
         SWAP=cfg.swap, BM=cfg.bm, BN=cfg.bn, GROUP_M=cfg.group_m, ROUND_BF16=emulate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
