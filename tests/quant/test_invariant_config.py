@@ -40,9 +40,14 @@ def test_exact_is_off_by_default_and_false_loads():
     "--quant.mode=aligned --quant.scheme=w8a8-int8",
     "--quant.mode=aligned --quant.scheme=w4a16 --model.lora_rank=8",
     "--quant.mode=bf16 --model.lora_rank=8",
+    "--quant.mode=bf16 --model.builtin=moe-tiny --model.dtype=bfloat16",
+    "--quant.mode=aligned --quant.scheme=w4a16 --model.builtin=moe-tiny --model.dtype=bfloat16 "
+    "--rollout.routing_replay=r3 --rollout.engine.kv_cache_dtype=fp8",
+    "--quant.mode=aligned --quant.scheme=w8a8-fp8 --model.builtin=moe-tiny --model.dtype=bfloat16 --model.lora_rank=4",
 ], ids=["bf16", "bf16-bfloat16", "bf16-float32-kvfp8", "bf16-100m-checkpointing", "aligned-default-w4a16",
         "aligned-w4a16-kvfp8", "aligned-w4a16-asym", "aligned-w2a16-float32", "aligned-w4a16-exclude",
-        "aligned-fp8-kvfp8", "aligned-int8", "aligned-w4a16-lora", "bf16-lora"])
+        "aligned-fp8-kvfp8", "aligned-int8", "aligned-w4a16-lora", "bf16-lora", "moe-bf16", "moe-w4a16-r3-kvfp8",
+        "moe-fp8-lora"])
 def test_what_is_wired_loads(flags):
     assert load_run_config(None, ["--quant.exact=true", *flags.split()]).quant.exact is True
 
@@ -56,11 +61,15 @@ def test_what_is_wired_loads(flags):
     ("--quant.mode=aligned --quant.scheme=nvfp4", "quant.mode=aligned with quant.scheme=nvfp4: the fp4 formats"),
     ("--quant.mode=aligned --quant.scheme=mxfp4", "quant.mode=aligned with quant.scheme=mxfp4: the fp4 formats"),
     ("--quant.mode=aligned --quant.include=[layers.*,lm_head]", "quant.include selects lm_head: exact mode's LM head"),
-    ("--quant.mode=bf16 --model.builtin=moe-tiny", "an MoE model: its router and experts"),
+    ("--quant.mode=bf16 --model.builtin=moe-tiny", "an MoE model in model.dtype=auto: the invariant grouped"),
+    ("--quant.mode=aligned --quant.scheme=w2a16 --model.builtin=moe-tiny --model.dtype=bfloat16",
+     "an MoE model with quant.scheme=w2a16: the grouped expert kernel"),
+    ("--quant.mode=bf16 --model.builtin=moe-tiny --model.dtype=bfloat16 --model.lora_rank=4 "
+     "--model.lora_targets=[q_proj,experts]", "model.lora_targets names experts"),
     ("--quant.mode=bf16 --model.dtype=float16", "model.dtype=float16: the invariant kernels"),
     ("--quant.mode=bf16 --trainer.shard_learner=true", "trainer.shard_learner=true: a sharded learner"),
 ], ids=["rollout-w4a16", "rollout-nvfp4", "aligned-w4a8", "aligned-nvfp4", "aligned-mxfp4", "aligned-lm-head",
-        "moe", "fp16", "sharded"])
+        "moe-auto-dtype", "moe-w2a16", "moe-expert-lora", "fp16", "sharded"])
 def test_the_rest_is_refused_naming_why_and_what_works(flags, reason):
     with pytest.raises(ConfigError) as e:
         load_run_config(None, ["--quant.exact=true", *flags.split()])
@@ -87,15 +96,17 @@ def _tiny(scheme=None):
 
 
 def test_the_exact_forward_refuses_layers_it_has_no_path_for():
+    from quarl.model.lora import add_lora
     from quarl.quant.kernels.invariant_model import EXACT_OPS, exact_linear
 
     model = _tiny("w4a8-int8")
     with pytest.raises(NotImplementedError, match="no W4A8 GEMM \\(w4a8-int8 on QuantLinear\\)"):
         exact_linear(model.layers[0].self_attn.q_proj, torch.randn(2, 64))
-    moe = build_random_model("moe-tiny", dtype=torch.float32)
+    moe = build_random_model("moe-tiny", dtype=torch.bfloat16)
+    add_lora(moe, 4, 8.0, ("q_proj", "experts"))
     sparse = next(layer.mlp for layer in moe.layers if type(layer.mlp).__name__ == "SparseMoeBlock")
-    with pytest.raises(NotImplementedError, match="dense MLPs only, not SparseMoeBlock"):
-        EXACT_OPS.mlp(sparse, torch.randn(1, 2, 64))
+    with pytest.raises(NotImplementedError, match="no path for LoRA adapters on experts"):
+        EXACT_OPS.mlp(sparse, torch.randn(1, 2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.usefixtures("needs_triton")

@@ -80,6 +80,32 @@ def test_kernel_equals_float64_loop_over_experts(name, dtype):
         _assert_rounded_close(y, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_experts_equal_float64_and_a_row_keeps_its_bits_in_any_group(dtype):
+    """grouped_gemm_dense (16-bit experts read as they are, exact mode's path) against the float64
+    loop; at one fixed tile a row's output bits do not depend on the other rows of its expert
+    (alone, or among 36 others), in either operand order."""
+    moe_gemm = _moe_gemm()
+    counts = [0, 1, 37, 5, 0, 17, 16, 0]
+    e = len(counts)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(e, N, K, generator=g) * 0.1).to(dtype)
+    offsets, m = _counts_offsets(counts)
+    x = torch.randn(m, K, generator=g).to(dtype)
+    ref = torch.zeros(m, N, dtype=torch.float64)
+    for i, (start, end) in enumerate(zip([0] + offsets.tolist()[:-1], offsets.tolist())):
+        ref[start:end] = x[start:end].double() @ w[i].double().T
+    for cfg in (moe_gemm.MoeConfig(16, 32, 4, 1), moe_gemm.MoeConfig(16, 32, 4, 1, swap=True)):
+        y = moe_gemm.grouped_gemm_dense(x, offsets, w, cfg)
+        _assert_rounded_close(y, ref)
+        row = 1 + 20  # a row of expert 2 (rows 1..37)
+        alone = torch.zeros(e, dtype=torch.int32)
+        alone[2:] = 1
+        assert torch.equal(moe_gemm.grouped_gemm_dense(x[row:row + 1], alone, w, cfg)[0], y[row])
+    with pytest.raises(ValueError, match="one 16-bit dtype and K"):
+        moe_gemm.grouped_gemm_dense(x, offsets, w.float())
+
+
 @pytest.mark.parametrize("top_k", [1, 3])
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_kernel_on_sorted_top_k_rows(name, top_k):

@@ -48,7 +48,8 @@ NEW = 6
 CASES = [(torch.bfloat16, "auto", "bf16"), (torch.bfloat16, "fp8", "bf16"), (torch.float32, "auto", "bf16"),
          (torch.bfloat16, "auto", "w4a16"), (torch.bfloat16, "fp8", "w4a16-asym"), (torch.bfloat16, "fp8", "w8a8-fp8"),
          (torch.float32, "auto", "w8a8-int8"), (torch.bfloat16, "auto", "lora-w4a16"),
-         (torch.bfloat16, "auto", "moe-bf16"), (torch.bfloat16, "fp8", "moe-w4a16"), (torch.bfloat16, "auto", "moe-w8a8-int8")]
+         (torch.bfloat16, "auto", "moe-bf16"), (torch.bfloat16, "fp8", "moe-w4a16"),
+         (torch.bfloat16, "auto", "moe-w8a8-int8")]
 IDS = ["bf16", "bf16-kvfp8", "fp32", "aligned-w4a16", "aligned-w4a16-asym-kvfp8", "aligned-w8a8-fp8-kvfp8",
        "aligned-w8a8-int8-fp32", "lora-w4a16", "moe-bf16", "moe-aligned-w4a16-kvfp8", "moe-aligned-w8a8-int8"]
 MOE_CFG = preset_config("moe-tiny")  # 8 experts, top-2, layer 1 dense

@@ -35,6 +35,9 @@ experts with no rows own no tile. Tile numbers go through the grouped (``GROUP_M
 of the dense kernels, so neighbouring programs share an expert's weight tile in L2.
 
 The tile config comes from one rule on the average rows per expert (:func:`pick_config`).
+Exact mode (:mod:`.invariant_moe`) passes one fixed tile instead, and runs dense 16-bit experts
+through the same kernel (:func:`grouped_gemm_dense`, weights read as they are), so that a row's
+products are summed in one order whichever rows share its expert.
 
 Under the Triton interpreter (CPU tests), whose bf16 casts truncate and whose bf16 dots are
 wrong, bf16 rows run as fp32 operands holding the same values (the weights rounded to bf16
