@@ -20,7 +20,9 @@ position; a row sliced at an odd element offset, so a less aligned pointer):
 End to end: an exact-mode engine (CUDA graphs on and off, bf16 and fp8 KV caches; bf16 mode,
 and aligned w4a16 on two of those settings) on two small random models (Qwen2-shaped with
 attention bias, GQA 7, head dim 64, the 151936 LM head; Qwen3-shaped with q / k norms, GQA 4,
-head dim 128) generates with per-request temperatures and a nucleus cut; the learner
+head dim 128; aligned w8a8-fp8 / int8 and LoRA on w4a16 on some settings; a Qwen3-MoE shape with
+32 experts, top-4, in bf16, w4a16 and w8a8-fp8) generates with per-request temperatures and a
+nucleus cut; the learner
 recomputes every sampled token's log-prob bit for bit, at three token budgets and under
 autograd. Run: ``PYTHONPATH=. python3 -m pytest
 tests_gpu/quant/test_invariant_gpu.py -q -x``.
@@ -36,6 +38,7 @@ from quarl.learner.batch import build_batch
 from quarl.learner.learner import Learner
 from quarl.learner.logprobs import sequence_logprobs
 from quarl.model.config import TransformerConfig
+from quarl.model.lora import DEFAULT_TARGETS, lora_modules
 from quarl.model.presets import build_random_model
 from quarl.model.transformer import rms_norm
 from quarl.quant import quantize_weight
@@ -52,7 +55,7 @@ from quarl.quant.kv import dequantize_kv
 from quarl.quant.mode import QuantMode
 from quarl.quant.scheme import get_scheme
 from quarl.rollout import EngineConfig, SamplingParams
-from quarl.trainer.weights import build_engine_and_publisher
+from quarl.trainer.weights import LoRASettings, build_engine_and_publisher
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -300,14 +303,31 @@ QWEN3 = TransformerConfig(model_type="qwen3", vocab_size=32000, hidden_size=1024
 TEMPS = (1.0, 0.7, 1.3)
 
 
+QWEN3_MOE = TransformerConfig(model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+                              num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                              qk_norm=True, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                              max_position_embeddings=4096, num_experts=32, num_experts_per_tok=4,
+                              moe_intermediate_size=512, norm_topk_prob=True)
+
+
 def _exact_engine(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str = "bf16"):
+    """``scheme``: bf16 mode, an aligned scheme, or ``lora-<scheme>`` (rank-8 adapters on that frozen
+    base, B made non-zero and published)."""
     model = build_random_model(cfg, dtype=BF16, device=DEV, std=0.05)
+    lora = LoRASettings(8, 16.0, DEFAULT_TARGETS if not cfg.is_moe else ("q_proj", "k_proj", "v_proj", "o_proj")) \
+        if scheme.startswith("lora-") else None
+    scheme = scheme.removeprefix("lora-")
     mode = QuantMode.BF16 if scheme == "bf16" else QuantMode.ALIGNED
     quant = QuantConfig(mode=mode, scheme=get_scheme(scheme), exact=True)
     quant.validate()
     config = EngineConfig(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=4096, num_kv_blocks=2048,
                           gpu_memory_utilization=0.5, cuda_graphs=graphs, kv_cache_dtype=kv)
-    engine, _ = build_engine_and_publisher(model, quant, config)
+    engine, publisher = build_engine_and_publisher(model, quant, config, lora, record_routes=cfg.is_moe)
+    if lora is not None:
+        with torch.no_grad():
+            for _, _, ad in lora_modules(model):
+                ad.B.normal_(0, 0.05)
+        publisher.publish()
     return model, engine
 
 
@@ -336,13 +356,25 @@ def test_exact_aligned_w4a16_engine_and_learner_agree_bit_for_bit(cfg, kv, graph
     _check_engine_and_learner(cfg, kv, graphs, "w4a16")
 
 
+@pytest.mark.parametrize("cfg,kv,graphs,scheme", [
+    (QWEN3, "fp8", True, "w8a8-fp8"), (QWEN2, "auto", False, "w8a8-int8"), (QWEN3, "fp8", True, "lora-w4a16"),
+    (QWEN3_MOE, "auto", True, "bf16"), (QWEN3_MOE, "fp8", True, "w4a16"), (QWEN3_MOE, "auto", False, "w8a8-fp8"),
+], ids=["qwen3-w8a8-fp8-kvfp8", "qwen2-w8a8-int8-eager", "qwen3-lora-w4a16-kvfp8", "moe-bf16", "moe-w4a16-kvfp8",
+        "moe-w8a8-fp8-eager"])
+def test_exact_w8a8_lora_and_moe_engine_and_learner_agree_bit_for_bit(cfg, kv, graphs, scheme):
+    """Aligned W8A8 (per-token codes, the code GEMM), LoRA on a w4a16 base, and an MoE model
+    (router, grouped experts at one tile, the slot sum) in bf16, w4a16 and w8a8-fp8."""
+    _check_engine_and_learner(cfg, kv, graphs, scheme)
+
+
 def _check_engine_and_learner(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str) -> None:
     model, engine = _exact_engine(cfg, kv, graphs, scheme)
     assert engine.runner.exact is not None and not engine.runner.fused
-    learner_linear, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
-    assert type(served).__name__ == ("Linear" if scheme == "bf16" else "QuantLinear")
-    if scheme != "bf16":
-        assert type(learner_linear).__name__ == "QATLinear"
+    if not cfg.is_moe and not scheme.startswith("lora-"):
+        learner_linear, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
+        assert type(served).__name__ == ("Linear" if scheme == "bf16" else "QuantLinear")
+        if scheme != "bf16":
+            assert type(learner_linear).__name__ == "QATLinear"
     prompts = _prompts(cfg.vocab_size, 24)
     alone = engine.generate([prompts[0]], _params(0, n=1))[0]
     comps = engine.generate(prompts, [_params(i) for i in range(len(prompts))])
@@ -361,7 +393,8 @@ def _check_engine_and_learner(cfg: TransformerConfig, kv: str, graphs: bool, sch
                                     with_entropy=True)
         assert logp.requires_grad and _same(logp.detach()[mask], batch.sampler_logp[mask]), (t, "autograd")
         (logp * batch.response_mask).sum().backward()
-        assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert trained and all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in trained)
         model.zero_grad()
     _check_near_the_ordinary_forward(model, batch, t)
 
