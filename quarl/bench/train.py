@@ -145,6 +145,7 @@ MODE_OPTIONS: dict[str, list[str]] = {
     "kvfp8": ["--rollout.engine.kv_cache_dtype=fp8"],
     "dense": ["--rollout.engine.dense_weights=on"],
     "r3": ["--rollout.routing_replay=r3"],  # MoE: the learner replays the engine's expert choices
+    "exact": ["--quant.exact=true"],  # the batch-invariant kernels on both sides (docs/configuration.md)
 }
 
 

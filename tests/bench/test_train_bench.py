@@ -70,6 +70,8 @@ def test_mode_names_take_per_mode_options():
     assert mode_overrides("bf16") == MODES["bf16"]
     assert mode_overrides("aligned-w4a16+dense+kvfp8") == MODES["aligned-w4a16"] + [
         "--rollout.engine.dense_weights=on", "--rollout.engine.kv_cache_dtype=fp8"]
+    assert mode_overrides("aligned-w8a8-fp8+kvfp8+exact") == MODES["aligned-w8a8-fp8"] + [
+        "--rollout.engine.kv_cache_dtype=fp8", "--quant.exact=true"]
     with pytest.raises(ValueError, match="unknown mode option.*kvint4.*\\+kvfp8"):
         mode_overrides("bf16+kvint4")
     with pytest.raises(ValueError, match="unknown mode 'aligned-w3'.*bf16"):
