@@ -9,11 +9,11 @@ wrong), and the user is told where it shows:
   log-probs differ, with both values;
 * :func:`parting_layer` (the first time a run parts): the sequence up to that token run once
   more by the engine (a prefill through its paged cache) and by the learner, with a hook on
-  the embedding and on every decoder layer of both models; the first of them whose output
-  differs at a position up to the token names where the two forwards part. Both run the
-  weights of the moment (after the step's update), and a prefill, not the decode that
-  sampled the token: if every layer agrees there, the decode path (or the weights before the
-  update) is where they differed.
+  every decoder layer of both models (:mod:`quarl.rollout.parity`, as the start-up check);
+  the first layer whose residual stream differs names where the two forwards part. Both run
+  the weights of the moment (after the step's update), and a prefill, not the decode that
+  sampled the token: if every layer agrees there, the decode path, the LM head (or the
+  weights before the update) is where they differed.
 """
 
 from __future__ import annotations
@@ -54,59 +54,27 @@ def first_parting(input_ids: torch.Tensor, learner_logp: torch.Tensor, sampler_l
                    float(sampler_logp[row, pos]))
 
 
-class _Capture:
-    """Forward hooks that keep the output of ``modules`` (a tensor, or a layer's ``(h, residual)``)
-    of the next forward, each on the CPU in float32 with its row dimension dropped."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.outputs: list[list[torch.Tensor] | None] = [None] * len(modules)
-        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(modules)]
-
-    def _hook(self, i: int):
-        def keep(module, args, out):
-            outs = out if isinstance(out, tuple) else (out,)
-            self.outputs[i] = [o.detach().float().reshape(-1, o.shape[-1]).cpu() for o in outs
-                               if isinstance(o, torch.Tensor)]
-        return keep
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _stages(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
-    names = ["the embedding"] + [f"decoder layer {i}" for i in range(len(model.layers))]
-    return names, [model.embed_tokens, *model.layers]
-
-
 @torch.no_grad()
 def parting_layer(engine, model: nn.Module, token_ids: list[int], position: int) -> str:
     """Where the engine's prefill of ``token_ids[: position + 2]`` and the learner's forward of
-    it first part (module doc): ``"decoder layer 3 (first at position 7, max |diff| 0.0039)"``,
-    or a sentence saying that every stage agrees. ``engine`` idle with its KV cache allocated;
+    it first part (module doc; the residual streams of :func:`quarl.rollout.parity.layer_streams`
+    compared bit for bit): ``"layers.3 (token 7 differs most there, by 2.1e-03 of its norm)"``, or a
+    sentence saying that every layer agrees. ``engine`` idle with its KV cache allocated;
     ``model`` the learner's (exact mode)."""
     from quarl.learner.logprobs import sequence_logprobs
+    from quarl.rollout.parity import layer_streams, locate_parting
 
     ids = list(token_ids[: position + 2])
-    names, ours = _stages(model)
-    _, theirs = _stages(engine.model)
-    learner_cap, engine_cap = _Capture(ours), _Capture(theirs)
-    try:
-        ref = sequence_logprobs(model, torch.tensor([ids], device=next(model.parameters()).device))[0][0]
-        engine.check_logprobs(ids, ref.cpu())
-    finally:
-        learner_cap.remove()
-        engine_cap.remove()
-    for name, a, b in zip(names, learner_cap.outputs, engine_cap.outputs):
-        if a is None or b is None:
-            continue
-        for x, y in zip(a, b):
-            n = min(len(x), len(y), position + 1)
-            if not torch.equal(x[:n], y[:n]):
-                at = int((x[:n] != y[:n]).any(-1).nonzero()[0])
-                return f"{name} (first at position {at}, max |diff| {float((x[:n] - y[:n]).abs().max()):.3g})"
-    return ("no stage: the engine's prefill of that sequence equals the learner's forward at every layer, so the "
-            "two parted in the engine's decode path or on the weights before this step's update")
+    ref: list[torch.Tensor] = []
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    learner = layer_streams(model, lambda: ref.append(sequence_logprobs(model, x)[0][0].cpu()))
+    served = layer_streams(engine.runner.model, lambda: engine.check_logprobs(ids, ref[0]))
+    p = locate_parting(served, learner)
+    if p.first_layer is None:
+        return ("no layer: the engine's prefill of that sequence equals the learner's forward at every layer, so the "
+                "two parted in the engine's decode path, its LM head or log-softmax, or on the weights before this "
+                "step's update")
+    return f"layers.{p.first_layer} (token {p.first_token} differs most there, by {p.first_rel:.1e} of its norm)"
 
 
 def exact_warning(step: int, max_diff: float, parting: Parting | None, layer: str | None) -> str:

@@ -1,7 +1,7 @@
 """Exact mode's runtime check (quarl.trainer.exact_check): the first response token whose two
 log-probs differ (hand-made batches), and the stage where the engine's forward and the
 learner's part, on a tiny exact pair (Triton's interpreter) whose engine copy has one layer's
-weight moved by one ulp-sized step: named as that layer; with equal weights, no stage."""
+weights moved: named as that layer; with equal weights, no layer."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def test_the_first_parting_is_the_first_response_token_that_differs_row_major():
     assert (p.learner, p.sampler) == (float(torch.tensor(-0.126)), -0.125)
     learner[0, 1] = torch.nextafter(torch.tensor(-2.0), torch.tensor(0.0))  # one ulp is a parting too
     assert first_parting(ids, learner, sampler, mask).row == 0
-    msg = exact_warning(7, 0.5, p, "decoder layer 1 (first at position 0, max |diff| 0.01)")
+    msg = exact_warning(7, 0.5, p, "layers.1 (token 0 differs most there, by 1.0e-02 of its norm)")
     assert msg.startswith("step 7: quant.exact=true, yet") and "response 1, the token at position 3 (id 9)" in msg
-    assert "part at decoder layer 1" in msg and "on another rank" in exact_warning(7, 0.5, None, None)
+    assert "part at layers.1" in msg and "on another rank" in exact_warning(7, 0.5, None, None)
 
 
 def test_the_stage_where_the_forwards_part_is_named():
@@ -44,9 +44,9 @@ def test_the_stage_where_the_forwards_part_is_named():
     engine, _ = build_engine_and_publisher(model, quant, EngineConfig(max_model_len=16, block_size=4,
                                                                        num_kv_blocks=8))
     ids = [3, 9, 27, 17, 51, 25, 11, 33]
-    assert parting_layer(engine, model, ids, 5).startswith("no stage: the engine's prefill")
+    assert parting_layer(engine, model, ids, 5).startswith("no layer: the engine's prefill")
     w = engine.model.layers[1].mlp.down_proj.weight
     with torch.no_grad():
         w[:, 0] = w[:, 0] * 1.01 + 0.01
     found = parting_layer(engine, model, ids, 5)
-    assert found.startswith("decoder layer 1 (first at position 0"), found
+    assert found.startswith("layers.1 (token ") and "differs most there, by " in found, found

@@ -3,8 +3,9 @@ batch-invariant kernels under Triton's interpreter), 2 steps each. The learner's
 the engine's samples equal the engine's bit for bit at every step: ``mismatch/kl_k3`` and
 ``mismatch/max_abs_logp_diff`` are exactly 0, whether they come from the update's own forward
 (autograd on) or from a separate old-log-prob pass, with the fp8 KV cache, a temperature and
-a nucleus cut, and LoRA on an aligned w4a16 base (the shared frozen codes, the adapters
-published at each step). The same run without exact mode has a non-zero difference (what the
+a nucleus cut, LoRA on an aligned w4a16 base (the shared frozen codes, the adapters
+published at each step), and the MoE preset in aligned w4a16 with r3 routing replay (the
+routers agree on every token). The same run without exact mode has a non-zero difference (what the
 check would catch); an exact run whose engine is broken on purpose (one layer's weights moved
 after each publish) warns, naming the first token that parted and that layer."""
 
@@ -30,6 +31,9 @@ RUNS = {
                                  "--model.lora_rank=4"],
     "exact-kvfp8-oldlogp": ["--quant.exact=true", "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2",
                             "--rollout.temperature=0.8", "--rollout.top_p=0.9"],
+    "exact-moe-aligned-w4a16-r3": ["--quant.exact=true", "--model.builtin=moe-tiny", "--quant.mode=aligned",
+                                   "--quant.scheme=w4a16", "--rollout.routing_replay=r3",
+                                   "--trainer.sft_warmup_steps=0"],
     "not-exact": ["--quant.exact=false"],
 }
 
@@ -56,6 +60,8 @@ def test_exact_mode_has_no_mismatch_at_any_step(tmp_path, name):
             assert diff > 0  # bfloat16 decode vs recompute: the ordinary kernels round otherwise
         else:
             assert diff == 0.0 and kl == 0.0, (name, rows.index(row), diff, kl)
+        if "moe" in name:
+            assert row["moe/route_agreement"] == 1.0 and row["mismatch/kl_k3_noreplay"] == 0.0
 
 
 def test_an_exact_run_that_parts_warns_naming_the_token_and_the_layer(tmp_path, monkeypatch, capsys):
@@ -76,4 +82,4 @@ def test_an_exact_run_that_parts_warns_naming_the_token_and_the_layer(tmp_path, 
     out = " ".join((captured.out + captured.err).split())
     assert "step 1: quant.exact=true, yet the sampler's and the learner's log-probs differ" in out
     assert "step 2: quant.exact=true" in out and "first at response 0, the token at position" in out
-    assert out.count("the forwards part at decoder layer 1 (first at position") == 1  # (located once a run)
+    assert out.count("the forwards part at layers.1 (token") == 1  # (located once a run)
