@@ -2,9 +2,9 @@
 batch-invariant kernels under Triton's interpreter), 2 steps each. The learner's log-probs of
 the engine's samples equal the engine's bit for bit at every step: ``mismatch/kl_k3`` and
 ``mismatch/max_abs_logp_diff`` are exactly 0, whether they come from the update's own forward
-(autograd on) or from a separate old-log-prob pass, with the fp8 KV cache, a temperature and
-a nucleus cut, LoRA on an aligned w4a16 base (the shared frozen codes, the adapters
-published at each step), and the MoE preset in aligned w4a16 with r3 routing replay (the
+(autograd on) or from a separate old-log-prob pass: LoRA on an aligned w4a16 base (the shared
+frozen codes, the adapters published at each step) with the fp8 KV cache, two mini-batches, a
+temperature and a nucleus cut; and the MoE preset in aligned w4a16 with r3 routing replay (the
 routers agree on every token). The same run without exact mode has a non-zero difference (what the
 check would catch); an exact run whose engine is broken on purpose (one layer's weights moved
 after each publish) warns, naming the first token that parted and that layer."""
@@ -27,13 +27,13 @@ TINY = [
     "--trainer.steps=2",
 ]
 RUNS = {
-    "exact-lora-aligned-w4a16": ["--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16",
-                                 "--model.lora_rank=4"],
-    "exact-kvfp8-oldlogp": ["--quant.exact=true", "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2",
-                            "--rollout.temperature=0.8", "--rollout.top_p=0.9"],
+    "exact-lora-aligned-w4a16-kvfp8-oldlogp": [
+        "--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16", "--model.lora_rank=4",
+        "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2", "--rollout.temperature=0.8",
+        "--rollout.top_p=0.9"],
     "exact-moe-aligned-w4a16-r3": ["--quant.exact=true", "--model.builtin=moe-tiny", "--quant.mode=aligned",
                                    "--quant.scheme=w4a16", "--rollout.routing_replay=r3",
-                                   "--trainer.sft_warmup_steps=0"],
+                                   "--trainer.sft_warmup_steps=0", "--rollout.max_new_tokens=4"],
     "not-exact": ["--quant.exact=false"],
 }
 
