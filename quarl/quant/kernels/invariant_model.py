@@ -44,7 +44,9 @@ from quarl.model.lora import LoRALinear
 from quarl.model.moe import SparseMoeBlock
 from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, apply_rotary, batch_attention, rms_norm
 from quarl.quant.kernels.invariant import dense_gemm, invariant_linear
+from quarl.quant.kernels.invariant_autograd import Recomputed, needs_grad
 from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
+from quarl.quant.kernels.invariant_moe import exact_moe_block
 from quarl.quant.kernels.invariant_norm import invariant_rms_norm
 from quarl.quant.linear import QATLinear, QuantLinear
 from quarl.quant.ops import dequantize
@@ -66,10 +68,6 @@ def require_kernels(device: torch.device) -> None:
         raise RuntimeError(f"exact mode (quant.exact=true) runs Triton kernels, which need a CUDA device; on "
                            f"{device.type} only through Triton's interpreter (TRITON_INTERPRET=1, slow): run on a "
                            "GPU, or set quant.exact=false")
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _InvariantLinear(torch.autograd.Function):
@@ -96,28 +94,6 @@ class _InvariantLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-class _Recomputed(torch.autograd.Function):
-    """``fast(*inputs)`` forward (the invariant kernel); the backward differentiates
-    ``ref(*inputs)`` (the ordinary torch path of the same function), recomputed from the
-    saved inputs."""
-
-    @staticmethod
-    def forward(ctx, fast, ref, *inputs):  # type: ignore[override]
-        ctx.ref = ref
-        ctx.save_for_backward(*inputs)
-        return fast(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        needs = ctx.needs_input_grad[2:]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-            out = ctx.ref(*leaves)
-            wanted = [t for t, need in zip(leaves, needs) if need]
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (None, None, *[next(grads) if need else None for need in needs])
-
-
 def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` through the batch-invariant GEMM (differentiable where gradients are on):
     a plain ``nn.Linear`` on its weight, a :class:`QuantLinear` (the engine's) on its quantized
@@ -128,14 +104,14 @@ def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ad = getattr(module, "lora", None)
     if ad is not None and ad.enabled:
         return exact_lora(x, w if qw is None else qw, b, ad.A, ad.B, ad.scaling)
-    if _needs_grad(x, w, b):
+    if needs_grad(x, w, b):
         return _InvariantLinear.apply(x, w, b, qw)
     return invariant_linear(x, w if qw is None else qw, b)
 
 
 def exact_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` through the batch-invariant GEMM, differentiable (an MoE router)."""
-    if _needs_grad(x, weight):
+    if needs_grad(x, weight):
         return _InvariantLinear.apply(x, weight, None, None)
     return invariant_linear(x, weight)
 
@@ -182,7 +158,7 @@ def exact_lora(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torc
     """A LoRA layer ``base(x) + scaling * B (A x)`` over the batch-invariant GEMMs, the same bits
     in the engine (its copy of the adapter) and the learner; gradients to x, A and B (the base
     is frozen: a dense tensor, or a quantized weight, any scheme :func:`invariant_linear` runs)."""
-    if _needs_grad(x, a, b):
+    if needs_grad(x, a, b):
         return _InvariantLoRA.apply(x, a, b, base, bias, scaling)
     return _lora_forward(x, base, bias, a, b, scaling)[0]
 
@@ -207,8 +183,8 @@ def _exact_weights(module: nn.Module) -> tuple[torch.Tensor | None, QuantizedWei
 def exact_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """``norm(x)`` (an RMSNorm module) through the batch-invariant kernel."""
     w, eps = norm.weight, norm.eps
-    if _needs_grad(x, w):
-        return _Recomputed.apply(lambda a, b: invariant_rms_norm(a, b, eps), lambda a, b: rms_norm(a, b, eps), x, w)
+    if needs_grad(x, w):
+        return Recomputed.apply(lambda a, b: invariant_rms_norm(a, b, eps), lambda a, b: rms_norm(a, b, eps), x, w)
     return invariant_rms_norm(x, w, eps)
 
 
@@ -232,8 +208,6 @@ class ExactOps(TorchOps):
 
     def mlp(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if isinstance(module, SparseMoeBlock):
-            from quarl.quant.kernels.invariant_moe import exact_moe_block
-
             return exact_moe_block(module, h, exact_dense)
         if not isinstance(module, MLP):
             raise NotImplementedError(f"exact mode runs dense MLPs and MoE blocks, not {type(module).__name__}")
@@ -297,8 +271,8 @@ def exact_batch_attention(
     fast = _varlen(lengths, mode, page_layout(lengths, mode.page, input_ids.device))  # (one layout for every layer)
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if _needs_grad(q, k, v):
-            return _Recomputed.apply(fast, lambda *qkv: ref_attn(layer_idx, *qkv), q, k, v)
+        if needs_grad(q, k, v):
+            return Recomputed.apply(fast, lambda *qkv: ref_attn(layer_idx, *qkv), q, k, v)
         return fast(q, k, v)
 
     return positions, attn

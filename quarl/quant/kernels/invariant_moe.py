@@ -17,7 +17,7 @@ to the same expert (a few at decode, thousands in the learner). What fixes each 
   (``run_experts(slot_order=True)``).
 
 The learner runs the same forward under autograd; its backward is the ordinary one, recomputed
-(:class:`~.invariant_model._Recomputed`): the router's GEMM, and each projection's grouped GEMM
+(:class:`~.invariant_autograd.Recomputed`): the router's GEMM, and each projection's grouped GEMM
 over the (dequantized) weight, straight-through to a :class:`~quarl.quant.experts.QATExperts`
 master. Covered: :class:`~quarl.model.moe.Experts` (bf16 / fp16), the engine's
 :class:`~quarl.quant.experts.QuantExperts` and the learner's ``QATExperts`` in w4a16, w4a16-asym,
@@ -32,6 +32,7 @@ from torch import nn
 from quarl.model.moe import Experts, SparseMoeBlock, grouped_linear, run_experts
 from quarl.quant.experts import QATExperts, QuantExperts, _seen_rows, grouped_quant_linear
 from quarl.quant.kernels.act_quant import interpreting
+from quarl.quant.kernels.invariant_autograd import Recomputed, needs_grad
 from quarl.quant.kernels.moe_gemm import MoeConfig, grouped_gemm, grouped_gemm_dense
 from quarl.quant.kernels.moe_rules import moe_kernel_supports
 
@@ -55,8 +56,6 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:
     """``experts(x, expert_ids, weights)`` with every projection through the grouped kernel at
     :func:`exact_tile` and the slots summed in a fixed order."""
-    from quarl.quant.kernels.invariant_model import _needs_grad, _Recomputed
-
     if getattr(experts, "lora", None) is not None:
         raise NotImplementedError("exact mode has no path for LoRA adapters on experts (model.lora_targets "
                                   "names experts): adapt the attention projections only")
@@ -88,12 +87,12 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
         # the weight a gradient may reach (none for the engine's frozen QuantExperts)
         w = None if isinstance(experts, QuantExperts) else getattr(experts, name)
         extra = {} if isinstance(experts, Experts) else {"name": name}
-        if not _needs_grad(rows, w):
+        if not needs_grad(rows, w):
             return fast(rows, w, offsets, **extra)
         if w is None:
-            return _Recomputed.apply(lambda r: fast(r, None, offsets, **extra),
+            return Recomputed.apply(lambda r: fast(r, None, offsets, **extra),
                                      lambda r: ref(r, None, offsets, **extra), rows)
-        return _Recomputed.apply(lambda r, p: fast(r, p, offsets, **extra), lambda r, p: ref(r, p, offsets, **extra),
+        return Recomputed.apply(lambda r, p: fast(r, p, offsets, **extra), lambda r, p: ref(r, p, offsets, **extra),
                                  rows, w)
 
     return run_experts(x, expert_ids, weights, num, inter, project, slot_order=True)
