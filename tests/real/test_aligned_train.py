@@ -1,4 +1,4 @@
-"""Aligned training on the real checkpoint through the CLI, every scheme (issue 81).
+"""Aligned training on the real checkpoint through the CLI (issue 81): W8A8 and nvfp4.
 
 A real model's massive activations (residual streams in the tens of thousands at a few tokens)
 make a per-token activation quantizer (W8A8) turn any ulp the engine and the learner compute
@@ -30,8 +30,9 @@ ARGS = ["--trainer.sft_warmup_steps=0", "--trainer.steps=2", "--trainer.prompts_
         "--data.reward=tests.trainer.reward_fns:even_length", "--data.reward_workers=0",
         "--rollout.engine.num_kv_blocks=32", "--trainer.eval_every=0", "--trainer.eval_teacher_forced=false",
         "--trainer.tensorboard=false", "--trainer.save_every=0", "--optim.lr=1e-5"]
-SCHEMES = [("bf16", "bf16"), ("aligned", "w4a16"), ("aligned", "w8a8-int8"), ("aligned", "w8a8-fp8"),
-           ("aligned", "nvfp4")]
+# W8A8 (the issue's failure) and nvfp4 (the one aligned training run of an fp4 scheme); bf16 on this
+# checkpoint: test_hf_parity.py; aligned w4a16 (the default): the tiny-model training tests
+SCHEMES = [("aligned", "w8a8-int8"), ("aligned", "w8a8-fp8"), ("aligned", "nvfp4")]
 KL_K3_MAX = 1e-8  # the issue's failure was max |dlogp| ~1; a random model's int8 kl_k3 was 1.8e-5
 
 

@@ -8,16 +8,16 @@ them (preempted sequences are recomputed by a prefill); (ii) recomputed by the l
 micro-batch; by ``sequence_logprobs`` under autograd (the update's forward, which then
 back-propagates) at another temperature; and with sequences packed into one row
 (``seq_ids``); (iii) the engine's ``check_logprobs`` of a sequence against the learner's is
-exactly 0. Cases: bfloat16 weights, bfloat16 with the fp8 KV cache (which the learner
-mirrors), aligned mode (the engine's quantized linears and the learner's QAT linears on the
-same codes, the update's backward straight-through to the master weights): w4a16 in bfloat16,
-w8a8-fp8 in bfloat16 with the fp8 cache, w8a8-int8 in float32; LoRA on a frozen w4a16 base
-shared by both sides (the adapters trained, the engine's a published copy); and the MoE preset
-(router, grouped experts and the top-k combine invariant) in bf16 and in aligned w4a16 with the
-fp8 cache. (w4a16-asym, w2a16 and the grouped 8-bit experts: tests/quant/test_invariant_*.py,
-test_moe_kernels.py.) In bfloat16 the ordinary learner forward gives other bits (for MoE,
-W8A8: up to a routing or code flip): the exact path is the one taken. One test per case (the
-interpreter is slow: each case generates once)."""
+exactly 0. Cases: bfloat16 with the fp8 KV cache (which the learner mirrors); aligned mode (the
+engine's quantized linears and the learner's QAT linears on the same codes, the update's backward
+straight-through to the master weights) in w8a8-fp8 with the fp8 cache and w8a8-int8 in float32;
+LoRA on a frozen w4a16 base shared by both sides (the adapters trained, the engine's a published
+copy); and the MoE preset, whose attention and dense layer are plain linears, in bf16 (bf16 KV
+cache) and in aligned w4a16 with the fp8 cache (router, grouped experts and the top-k combine
+invariant; QAT / packed w4a16 attention). (w4a16-asym, w2a16, the grouped 8-bit experts:
+tests/quant/test_invariant_*.py, test_moe_kernels.py.) In bfloat16 the ordinary learner forward
+gives other bits (for MoE, W8A8: up to a routing or code flip): the exact path is the one taken.
+One test per case (the interpreter is slow: each case generates once)."""
 
 from __future__ import annotations
 
@@ -45,12 +45,11 @@ CFG = dataclasses.replace(preset_config("tiny"), vocab_size=256)
 PROMPTS = [[5, 17, 33, 2], [9, 10, 11, 12, 13, 40, 41], [60], [7, 8, 9, 10, 11]]
 TEMPS = [1.0, 0.7, 1.0, 1.3]
 NEW = 6
-CASES = [(torch.bfloat16, "auto", "bf16"), (torch.bfloat16, "fp8", "bf16"), (torch.bfloat16, "auto", "w4a16"),
-         (torch.bfloat16, "fp8", "w8a8-fp8"), (torch.float32, "auto", "w8a8-int8"),
+CASES = [(torch.bfloat16, "fp8", "bf16"), (torch.bfloat16, "fp8", "w8a8-fp8"), (torch.float32, "auto", "w8a8-int8"),
          (torch.bfloat16, "auto", "lora-w4a16"), (torch.bfloat16, "auto", "moe-bf16"),
          (torch.bfloat16, "fp8", "moe-w4a16")]
-IDS = ["bf16", "bf16-kvfp8", "aligned-w4a16", "aligned-w8a8-fp8-kvfp8", "aligned-w8a8-int8-fp32", "lora-w4a16",
-       "moe-bf16", "moe-aligned-w4a16-kvfp8"]
+IDS = ["bf16-kvfp8", "aligned-w8a8-fp8-kvfp8", "aligned-w8a8-int8-fp32", "lora-w4a16", "moe-bf16",
+       "moe-aligned-w4a16-kvfp8"]
 MOE_CFG = preset_config("moe-tiny")  # 8 experts, top-2, layer 1 dense
 
 
