@@ -119,7 +119,7 @@ def _dequantized(qw: QuantizedWeight, num_experts: int, dtype: torch.dtype,
     return w.view(num_experts, qw.out_features // num_experts, qw.in_features)
 
 
-def _seen_rows(rows: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch.Tensor:
+def seen_rows(rows: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch.Tensor:
     """``rows`` as the GEMM sees them, in ``dtype``: themselves for weight-only schemes, else
     their per-token codes times scales (the dense linears' quantizer), with a straight-through
     gradient to ``rows``."""
@@ -170,11 +170,11 @@ def grouped_quant_linear(rows: torch.Tensor, qw: QuantizedWeight, offsets: torch
     if _grouped_kernel_applies(rows, qw, num_experts, repacked, master):
         from quarl.quant.kernels.moe_gemm import grouped_gemm
 
-        return grouped_gemm(_seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num_experts)
+        return grouped_gemm(seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num_experts)
     w = _dequantized(qw, num_experts, cdt, repacked)
     if master is not None and master.requires_grad and torch.is_grad_enabled():
         w = _StraightThrough.apply(w, master)
-    x = _seen_rows(rows, qw.scheme.act_format, cdt)
+    x = seen_rows(rows, qw.scheme.act_format, cdt)
     return grouped_linear(x.contiguous(), w, offsets).to(rows.dtype)
 
 

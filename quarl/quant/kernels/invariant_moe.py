@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from quarl.model.moe import Experts, SparseMoeBlock, grouped_linear, run_experts
-from quarl.quant.experts import QATExperts, QuantExperts, _seen_rows, grouped_quant_linear
+from quarl.quant.experts import QATExperts, QuantExperts, grouped_quant_linear, seen_rows
 from quarl.quant.kernels.act_quant import interpreting
 from quarl.quant.kernels.invariant_autograd import Recomputed, needs_grad
 from quarl.quant.kernels.moe_gemm import MoeConfig, grouped_gemm, grouped_gemm_dense
@@ -74,7 +74,7 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
 
         def fast(rows, w, offsets, name=None):
             qw = qws[name]
-            return grouped_gemm(_seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num,
+            return grouped_gemm(seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num,
                                 exact_tile(rows))
 
         def ref(rows, w, offsets, name=None):
