@@ -61,10 +61,10 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
                                   "names experts): adapt the attention projections only")
     num, inter = experts.num_experts, experts.intermediate_size
     if isinstance(experts, Experts):
-        def fast(rows, w, offsets):
+        def fast(rows, w, offsets, name):
             return grouped_gemm_dense(rows, offsets, w.to(rows.dtype), exact_tile(rows))
 
-        def ref(rows, w, offsets):
+        def ref(rows, w, offsets, name):
             return grouped_linear(rows, w.to(rows.dtype), offsets)
     elif isinstance(experts, (QuantExperts, QATExperts)):
         if not moe_kernel_supports(experts.scheme):
@@ -72,12 +72,12 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
                                       f"{experts.scheme.name}")
         qws = experts.quantized_weights()
 
-        def fast(rows, w, offsets, name=None):
+        def fast(rows, w, offsets, name):
             qw = qws[name]
             return grouped_gemm(seen_rows(rows, qw.scheme.act_format, rows.dtype), offsets, qw, num,
                                 exact_tile(rows))
 
-        def ref(rows, w, offsets, name=None):
+        def ref(rows, w, offsets, name):
             return grouped_quant_linear(rows, qws[name], offsets, num, master=w)
     else:
         raise NotImplementedError(f"exact mode runs Experts, QuantExperts and QATExperts, not "
@@ -86,13 +86,9 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
     def project(rows: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
         # the weight a gradient may reach (none for the engine's frozen QuantExperts)
         w = None if isinstance(experts, QuantExperts) else getattr(experts, name)
-        extra = {} if isinstance(experts, Experts) else {"name": name}
         if not needs_grad(rows, w):
-            return fast(rows, w, offsets, **extra)
-        if w is None:
-            return Recomputed.apply(lambda r: fast(r, None, offsets, **extra),
-                                     lambda r: ref(r, None, offsets, **extra), rows)
-        return Recomputed.apply(lambda r, p: fast(r, p, offsets, **extra), lambda r, p: ref(r, p, offsets, **extra),
-                                 rows, w)
+            return fast(rows, w, offsets, name)
+        return Recomputed.apply(lambda r, p=None: fast(r, p, offsets, name),
+                                lambda r, p=None: ref(r, p, offsets, name), *((rows,) if w is None else (rows, w)))
 
     return run_experts(x, expert_ids, weights, num, inter, project, slot_order=True)
