@@ -47,10 +47,10 @@ from quarl.trainer.build import build_components, seed_everything, start_logging
 from quarl.trainer.checkpointing import RunPosition, preflight, restore, save
 from quarl.trainer.collect import PromptStream, RolloutCollector
 from quarl.trainer.evaluation import evaluation_of, release_after_forward
+from quarl.trainer.exact_check import exact_warning, first_parting, parting_layer
 from quarl.trainer.faults import EvaluationFailed, rolled_back_on_verifier_failure
 from quarl.trainer.interrupt import GracefulStop
 from quarl.trainer.memory_policy import larger_cache
-from quarl.trainer.exact_check import exact_warning, first_parting, parting_layer
 from quarl.trainer.notices import Notices
 from quarl.trainer.progress import StepProgress
 from quarl.trainer.ranks import union_of_ranks
