@@ -74,24 +74,36 @@ class _InvariantLinear(torch.autograd.Function):
     """Forward: the batch-invariant GEMM on ``weight`` (dense), or on ``qw`` (a packed
     weight-only weight, the quantized ``weight``). Backward: ``g @ W`` and ``g.T @ x`` (as
     ``F.linear``'s), with ``W`` the dequantized ``qw`` where there is one (straight-through:
-    the gradient of ``W_deq`` goes to the master ``weight``)."""
+    the gradient of ``W_deq`` goes to the master ``weight``), made by ``deq(dtype)``
+    (:func:`_dequantizer`: the module's cache of it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qw):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, qw, deq):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.qw = bias is not None, qw
+        ctx.has_bias, ctx.qw, ctx.deq = bias is not None, qw, deq
         return invariant_linear(x, weight if qw is None else qw, bias)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
-        w = weight.to(g2.dtype) if ctx.qw is None else dequantize(ctx.qw, g2.dtype)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(g2.dtype) if ctx.qw is None else ctx.deq(g2.dtype)
         gx = (g2 @ w).view(x.shape).to(x.dtype) if need_x else None
         gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype) if need_w else None
         gb = g2.sum(0) if ctx.has_bias and need_b else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
+
+
+def _dequantizer(module: nn.Module | None, qw: QuantizedWeight | None) -> Callable[[torch.dtype], torch.Tensor] | None:
+    """``dtype -> qw`` dequantized, through ``module``'s cache of it (``repacked``: a QAT linear
+    keeps it per weight version, as its ordinary forward does) where it has one (None: none)."""
+    if qw is None:
+        return None
+    cache = getattr(module, "repacked", None)
+    if cache is None:
+        return lambda dtype: dequantize(qw, dtype)
+    return lambda dtype: cache.dequantized(qw, dtype, dequantize)
 
 
 def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -103,16 +115,16 @@ def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     b = module.bias
     ad = getattr(module, "lora", None)
     if ad is not None and ad.enabled:
-        return exact_lora(x, w if qw is None else qw, b, ad.A, ad.B, ad.scaling)
+        return exact_lora(x, w if qw is None else qw, b, ad.A, ad.B, ad.scaling, _dequantizer(module, qw))
     if needs_grad(x, w, b):
-        return _InvariantLinear.apply(x, w, b, qw)
+        return _InvariantLinear.apply(x, w, b, qw, _dequantizer(module, qw))
     return invariant_linear(x, w if qw is None else qw, b)
 
 
 def exact_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` through the batch-invariant GEMM, differentiable (an MoE router)."""
     if needs_grad(x, weight):
-        return _InvariantLinear.apply(x, weight, None, None)
+        return _InvariantLinear.apply(x, weight, None, None, None)
     return invariant_linear(x, weight)
 
 
@@ -128,13 +140,13 @@ def _lora_forward(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: t
 
 class _InvariantLoRA(torch.autograd.Function):
     """Forward :func:`_lora_forward`; backward that of ``F.linear(x, W) + scaling * B (A x)`` with
-    the base frozen (``W`` dequantized where it is quantized: straight-through to x)."""
+    the base frozen (``W`` dequantized by ``deq`` where it is quantized: straight-through to x)."""
 
     @staticmethod
-    def forward(ctx, x, a, b, base, bias, scaling):  # type: ignore[override]
+    def forward(ctx, x, a, b, base, bias, scaling, deq):  # type: ignore[override]
         y, xa = _lora_forward(x, base, bias, a, b, scaling)
         ctx.save_for_backward(x, a, b, xa)
-        ctx.base, ctx.scaling = base, scaling
+        ctx.base, ctx.scaling, ctx.deq = base, scaling, deq
         return y
 
     @staticmethod
@@ -148,25 +160,29 @@ class _InvariantLoRA(torch.autograd.Function):
         gb = (gd.t() @ xa.to(g.dtype)).to(b.dtype)
         gx = None
         if ctx.needs_input_grad[0]:
-            w = ctx.base.to(g.dtype) if isinstance(ctx.base, torch.Tensor) else dequantize(ctx.base, g.dtype)
+            w = ctx.base.to(g.dtype) if isinstance(ctx.base, torch.Tensor) else ctx.deq(g.dtype)
             gx = (g @ w + gxa @ a.to(g.dtype)).view(x.shape).to(x.dtype)
-        return gx, ga, gb, None, None, None
+        return gx, ga, gb, None, None, None, None
 
 
 def exact_lora(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
-               a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+               a: torch.Tensor, b: torch.Tensor, scaling: float,
+               deq: Callable[[torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
     """A LoRA layer ``base(x) + scaling * B (A x)`` over the batch-invariant GEMMs, the same bits
     in the engine (its copy of the adapter) and the learner; gradients to x, A and B (the base
-    is frozen: a dense tensor, or a quantized weight, any scheme :func:`invariant_linear` runs)."""
+    is frozen: a dense tensor, or a quantized weight, any scheme :func:`invariant_linear` runs;
+    ``deq(dtype)``: its dequantized form for the backward, default made per call)."""
     if needs_grad(x, a, b):
-        return _InvariantLoRA.apply(x, a, b, base, bias, scaling)
+        if deq is None and not isinstance(base, torch.Tensor):
+            deq = _dequantizer(None, base)
+        return _InvariantLoRA.apply(x, a, b, base, bias, scaling, deq)
     return _lora_forward(x, base, bias, a, b, scaling)[0]
 
 
 def _exact_weights(module: nn.Module) -> tuple[torch.Tensor | None, QuantizedWeight | None]:
     """``(weight, quantized)`` of a linear that :func:`exact_linear` runs: the dense (or master)
     weight, and the quantized weight the GEMM reads (None: dense); raises for the rest."""
-    if isinstance(module, nn.Linear) and (type(module) is nn.Linear or isinstance(module, LoRALinear)):
+    if type(module) is nn.Linear or isinstance(module, LoRALinear):
         return module.weight, None
     if type(module) not in (QuantLinear, QATLinear):
         raise NotImplementedError(f"exact mode runs nn.Linear, QuantLinear and QATLinear layers only, not "
