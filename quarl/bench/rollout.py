@@ -117,10 +117,23 @@ def floors(cfg: TransformerConfig, weight_bytes: int, batch: int, prompt_len: in
     }
 
 
+def split_exact(fmt: str) -> tuple[str, bool]:
+    """``"w4a16+exact"`` -> ``("w4a16", True)``: a format with ``+exact`` runs the engine in
+    exact mode (the batch-invariant kernels, ``quant.exact``)."""
+    base = fmt.removesuffix("+exact")
+    return base, base != fmt
+
+
 def make_engine(model: Transformer, fmt: str, config: EngineConfig, lora_rank: int = 0) -> Engine:
-    """The engine of ``model`` in ``fmt``; with ``lora_rank`` the one a LoRA run builds
+    """The engine of ``model`` in ``fmt`` (``+exact``: in exact mode, as ``quant.exact`` builds
+    it); with ``lora_rank`` the one a LoRA run builds
     (:func:`~quarl.trainer.weights.build_lora_engine`: a frozen base in ``fmt`` with rank
     ``lora_rank`` adapters on every default target, B at zero as at step 0)."""
+    fmt, exact = split_exact(fmt)
+    if exact:
+        from quarl.quant.kernels.invariant_model import ExactMode
+
+        model.exact = ExactMode(config.block_size, config.kv_cache_dtype == "fp8")
     if not lora_rank:
         return Engine(model, scheme=None if fmt == "bf16" else fmt, config=config)
     from quarl.config.run import QuantConfig
@@ -139,7 +152,7 @@ def run_engine(shape: str, fmt: str, batch: int, prompt_len: int, gen_len: int, 
                device: torch.device, seed: int = 0, engine_kw: dict | None = None,
                lora_rank: int = 0) -> dict[str, Any]:
     cfg = shape_config(shape, prompt_len + gen_len)
-    model = bench_model(shape, fmt, device, prompt_len + gen_len, seed)
+    model = bench_model(shape, split_exact(fmt)[0], device, prompt_len + gen_len, seed)
     t0 = time.perf_counter()
     config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + gen_len, max_num_batched_tokens=32768,
                           **(engine_kw or {}))
@@ -326,7 +339,7 @@ def profile_kernels(shape: str, fmt: str, batch: int, prompt_len: int, reps: int
 
     device = device or torch.device("cuda")
     cfg = shape_config(shape, prompt_len + 64)
-    model = bench_model(shape, fmt, device, prompt_len + 64)
+    model = bench_model(shape, split_exact(fmt)[0], device, prompt_len + 64)
     engine = make_engine(model, fmt, EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 64,
                                                   kv_cache_dtype=kv_cache_dtype, **(engine_kw or {})), lora_rank)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len)).tolist()

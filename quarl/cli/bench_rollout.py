@@ -22,7 +22,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=1024)
-    p.add_argument("--formats", default="bf16", help="comma list: bf16,w8a8-fp8,w8a8-int8,w4a16,...")
+    p.add_argument("--formats", default="bf16",
+                   help="comma list: bf16,w8a8-fp8,w8a8-int8,w4a16,...; a format ending in +exact (e.g. w4a16+exact) "
+                        "runs the engine in exact mode (quant.exact: the batch-invariant kernels)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="comma list of KV-cache dtypes: auto (the model dtype), fp8 (e4m3 + per-token scales); "
                         "each format runs with each")

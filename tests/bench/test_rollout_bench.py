@@ -68,6 +68,30 @@ def test_lora_engine_is_the_one_a_lora_run_builds(fmt):
     assert [len(o.token_ids) for o in outs] == [3, 3]
 
 
+def test_exact_format_runs_the_engine_in_exact_mode():
+    """``w4a16+exact``: the engine of the base format in exact mode (the invariant kernels, no
+    fused decode), whose log-probs of a sequence are the same bits alone and in a batch."""
+    import torch
+
+    from quarl.bench.rollout import make_engine, random_model, split_exact
+    from quarl.model.config import TransformerConfig
+    from quarl.rollout.config import EngineConfig
+    from quarl.rollout.sampling_params import SamplingParams
+
+    assert split_exact("w4a16+exact") == ("w4a16", True) and split_exact("bf16") == ("bf16", False)
+    cfg = TransformerConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            max_position_embeddings=64)
+    model = random_model(cfg, torch.device("cpu")).float()
+    engine = make_engine(model, "w4a16+exact", EngineConfig(max_num_seqs=4, max_model_len=32))
+    assert engine.runner.exact is not None and not engine.runner.fused
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
+    alone = engine.generate([[1, 2, 3]], params)[0]
+    batch = engine.generate([[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]], params)[0]
+    assert batch.token_ids == alone.token_ids
+    assert torch.equal(torch.tensor(batch.logprobs), torch.tensor(alone.logprobs))
+
+
 def test_large_shapes_are_packed_as_they_are_made(monkeypatch):
     """``PACKED_ON_LOAD`` shapes (14B, 32B) in a low-bit format come packed from
     ``random_quantized_model``; in bf16, and other shapes, from ``random_model``."""
