@@ -8,7 +8,6 @@ K order, masking, epilogue, no M-dependent choice); invariance on real tensor co
 GPU run to check (docs/kernels.md).
 """
 
-import inspect
 
 import pytest
 import torch
@@ -128,12 +127,25 @@ def test_odd_k(name, k):
     assert _same_bits(y[1, 3], inv.invariant_linear(x[1, 3], w, b))
 
 
-def test_tile_choice_has_no_batch_size_argument():
+def test_tile_choice_follows_m_only_where_the_k_walk_stays():
+    """invariant_config may pick BM / BN / warps / stages by M, never the K walk: fp8's BK is
+    always 128 (its accumulator promotion), a dense 16-bit BK is 64 or 128 (the same k16
+    chain), every GPU tile a whole number of 64-row warpgroup MMAs; fp32 operands and the
+    interpreter take one tile whatever M."""
     inv = _inv()
-    assert list(inspect.signature(inv.invariant_config).parameters) == ["kind", "n", "k", "interpret"]
     for kind in inv.KINDS:
-        cfg = inv.invariant_config(kind, 4096, 4096)
-        assert cfg.bm == 64 and cfg.bk in (64, 128)
+        for n, k in [(256, 1536), (1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]:
+            cfgs = {inv.invariant_config(kind, n, k, m) for m in (1, 7, 128, 256, 257, 6144, 10**6)}
+            assert len({c.bk for c in cfgs}) == 1 or (kind == "dense" and {c.bk for c in cfgs} <= {64, 128})
+            assert all(c.bm in (64, 128, 256) for c in cfgs)
+            if kind == "w8a8":
+                assert {c.bk for c in cfgs} == {128}
+            assert cfgs <= set(inv.same_bits_tiles(kind))
+            for fixed in ({inv.invariant_config(kind, n, k, m, interpret=True) for m in (1, 6144)},
+                          {inv.invariant_config(kind, n, k, m, fp32=True) for m in (1, 6144)} if kind != "w8a8"
+                          else {inv.invariant_config(kind, n, k, 1)}):
+                assert len(fixed) == 1
+    assert len(inv.same_bits_tiles("dense")) > 1  # (M does move the tile on a GPU)
 
 
 def test_w4a8_is_not_covered():

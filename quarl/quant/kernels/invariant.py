@@ -8,30 +8,35 @@ kernels of :mod:`.triton_kernels` are not invariant: their tile and split-K plan
 from M (``dispatch``), and split-K, a different BK or a different MMA shape changes the order
 in which a row's K products are summed; cuBLAS picks its algorithm by M as well.
 
-Invariance by construction, not by tuning:
+Invariance by construction: what a row's bits depend on is fixed, what only moves work
+around may follow M.
 
-* one tile ``(BM, BN, BK)``, ``num_warps`` and ``num_stages`` per (N, K, kind)
-  (:func:`invariant_config`), never a function of M, nor of the GPU's SM count (engine and
-  learner may run on different GPUs of one kind). The grid grows with M: ``cdiv(M, BM)``
-  tiles of rows (grid axis 0) times ``cdiv(N, BN)`` tiles of columns;
-* no split-K, no stream-K, no atomics: one program owns full rows of its ``[BM, BN]`` output
-  tile and walks K from 0 to the end in the same fixed blocks, ``acc = dot(x_blk, w_blk, acc)``
-  in fp32 (int32 for int8 x int8), then the epilogue (scales, bias, one rounding to the
-  output dtype) element by element;
-* rows past M are loaded as zeros and never stored: they meet a row's values only inside the
-  MMA, where each output element is its own row's dot product.
+* Fixed per (N, K, kind), never a function of M nor of the GPU's SM count (engine and learner
+  may run on different GPUs of one kind): the K walk. No split-K, no stream-K, no atomics:
+  one program owns full rows of its ``[BM, BN]`` output tile and walks K from 0 to the end in
+  the same blocks (``BK`` for dense and W8A8, the packed 128-column chunk's sub-tiles for
+  weight-only), ``acc = dot(x_blk, w_blk, acc)`` in fp32 (int32 for int8 x int8), then the
+  epilogue (scales, bias, one rounding to the output dtype) element by element; the dot's
+  input precision (fp32 inputs use ``"ieee"``, not tf32); fp8's accumulator promotion every
+  BK products (``max_num_imprecise_acc = BK``, as :func:`.triton_kernels._w8a8_dot`), so
+  fp8's BK is always 128; and the MMA family: on Hopper every tile is a whole number of
+  warpgroup ``wgmma m64nNk16`` instructions (BM in 64, 128, 256), each output element one
+  chain of k16 steps in K order.
+* Chosen by M (:func:`invariant_config`): BM, BN, num_warps, num_stages, and for 16-bit
+  dense weights BK between 64 and 128 (both chain the same k16 steps). These change which
+  program computes a row and how the loads are pipelined, not the row's arithmetic: on an
+  H100 every tile of the table gave the same bits as every other on the W1 shapes
+  (``tests_gpu/quant/test_invariant_gpu.py``), while 16- and 32-row tiles (``mma.sync``)
+  on packed int4 and fp8 tiles of another BK did not, so those are not in it. The grid grows
+  with M: ``cdiv(M, BM)`` row tiles (grid axis 0) times ``cdiv(N, BN)`` column tiles.
+* Rows past M are loaded as zeros and never stored: they meet a row's values only inside the
+  MMA, where each output element is its own row's dot product. ``M`` is not specialized on
+  (``do_not_specialize``): Triton would otherwise compile other variants for M == 1 and
+  M % 16 == 0. Alignment specialization of the pointers (a row sliced out of a batch may be
+  less aligned) changes only load vectorization, not arithmetic.
 
-On real hardware the per-row instruction sequence must not depend on M. What fixes it here:
-BM, BN, BK (the dot's shape and so the MMA instruction and its K-steps), num_warps (how the
-tile is cut into warp MMAs: on Hopper one warpgroup's ``wgmma m64nBNk16``), the dot's
-input precision (fp32 inputs use ``"ieee"``, not tf32) and fp8's accumulator promotion every
-BK products (``max_num_imprecise_acc = BK``, as :func:`.triton_kernels._w8a8_dot`). BM could in
-principle vary with M only where the MMA instruction per row does not change (e.g. 64 vs 128
-rows on one wgmma shape); it is fixed here to be safe. ``M`` is not specialized on
-(``do_not_specialize``): Triton would otherwise compile other variants for M == 1 and
-M % 16 == 0. Alignment specialization of the pointers (a row sliced out of a batch may be
-less aligned) changes only load vectorization, not arithmetic. num_stages only pipelines
-loads. Nothing of this is checked on a GPU yet (docs/kernels.md).
+Under Triton's CPU interpreter (the CPU tests) the tile is one small fixed shape: its dot is
+a NumPy matmul, whose summation order may follow the tile's shape.
 
 Kinds (:func:`invariant_linear` picks one from the weight):
 
@@ -68,7 +73,7 @@ KINDS = ("dense", "weight_only", "w8a8")
 
 
 class InvariantConfig(NamedTuple):
-    """One GEMM's fixed tile: a function of (kind, N, K) and of compiled-vs-interpreted only."""
+    """One GEMM's tile (:func:`invariant_config`)."""
 
     bm: int
     bn: int
@@ -77,21 +82,51 @@ class InvariantConfig(NamedTuple):
     num_stages: int = 3
 
 
-def invariant_config(kind: str, n: int, k: int, interpret: bool = False) -> InvariantConfig:
-    """The tile of ``kind`` for an ``[N, K]`` weight. Deliberately has no M argument.
+def invariant_config(kind: str, n: int, k: int, m: int, interpret: bool = False,
+                     fp32: bool = False) -> InvariantConfig:
+    """The tile of ``kind`` for an ``[N, K]`` weight at ``m`` rows (``fp32``: fp32 operands).
 
-    GPU values are a first guess, not tuned (no split-K means small-M parallelism comes
-    from N / BN programs only, so BN is narrower for narrow N). ``k`` is accepted so that a
-    tuned table may depend on it; it must never depend on M or on the device's SM count.
-    The interpreter (CPU tests) takes small tiles for speed."""
+    ``m`` picks among tiles of one K walk only (module doc): BK is a function of (kind, N, K)
+    for packed and 8-bit weights and 64 or 128 for 16-bit dense ones, BM at least 64. From an
+    H100 sweep of the W1 shapes (``.. M <= 256``: decode and small batches, where the column
+    tiles alone must fill the SMs; above: the learner's micro-batches). fp32 operands and the
+    interpreter take one fixed tile."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(KINDS)}")
-    del k  # (not used by this first table)
     if interpret:
         return InvariantConfig(16, 16, 32, num_warps=4, num_stages=1)
-    bn = 64 if n >= 8192 else 32
-    bk = 128 if kind == "w8a8" else 64
-    return InvariantConfig(64, bn, bk, num_warps=4, num_stages=3)
+    small = m <= SMALL_M
+    if kind == "dense":
+        if fp32:
+            return InvariantConfig(64, 32, 64)
+        if small:
+            return InvariantConfig(128, 128, 128, 8) if n >= 8192 else InvariantConfig(64, 64, 128)
+        if n <= 512:
+            return InvariantConfig(64, 128, 64, num_stages=4)
+        if k >= 4096:
+            return InvariantConfig(128, 128, 128, 8)
+        return InvariantConfig(256, 128, 64, 8) if n >= 4096 else InvariantConfig(128, 128, 64, 8)
+    if kind == "weight_only":  # (bk unused: the packed chunk's sub-tiles set the K steps)
+        if fp32:
+            return InvariantConfig(64, 32, 64)
+        if small:
+            return InvariantConfig(128, 64, 64) if n >= 4096 else InvariantConfig(64, 32, 64)
+        return InvariantConfig(128, 64, 64) if n <= 512 else InvariantConfig(256, 128, 64, 8)
+    # w8a8: BK 128 always (fp8 promotes its accumulator every BK products)
+    if small:
+        return InvariantConfig(128, 128, 128, 8) if n >= 4096 else InvariantConfig(64, 64, 128)
+    return InvariantConfig(128, 128, 128, 8) if n >= 8192 else InvariantConfig(64, 128, 128)
+
+
+# Rows up to which a GEMM takes the decode-sized tiles of invariant_config.
+SMALL_M = 256
+
+
+def same_bits_tiles(kind: str) -> tuple[InvariantConfig, ...]:
+    """Every tile :func:`invariant_config` may return for ``kind`` on a GPU with 16-bit (or
+    8-bit) operands: the set the GPU test checks for identical bits."""
+    shapes = [(n, k) for n in (256, 1536, 8960, 151936) for k in (1536, 8960)]
+    return tuple(sorted({invariant_config(kind, n, k, m) for n, k in shapes for m in (1, SMALL_M + 1)}))
 
 
 # --------------------------------------------------------------------------------- kernels
@@ -264,7 +299,7 @@ def dense_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         raise ValueError(f"x has K = {k}, weight {tuple(w.shape)}")
     w = w.to(x.dtype)
     w = w if w.stride(-1) == 1 else w.contiguous()
-    cfg = cfg or invariant_config("dense", n, k, interpreting(x))
+    cfg = cfg or invariant_config("dense", n, k, m, interpreting(x), fp32=x.dtype == torch.float32)
     out = _out(m, n, x.dtype, x.device)
     if m and n:
         inv_dense_kernel[_grid(m, n, cfg)](
@@ -286,7 +321,7 @@ def weight_only_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     n = qw.shape[0]
     if qw.shape[1] != k:
         raise ValueError(f"x has K = {k}, weight {qw.shape}")
-    cfg = cfg or invariant_config("weight_only", n, k, interpreting(x))
+    cfg = cfg or invariant_config("weight_only", n, k, m, interpreting(x), fp32=x.dtype == torch.float32)
     scales, zeros, gs = _group_params(qw)
     out = _out(m, n, x.dtype, x.device)
     if m and n:
@@ -314,7 +349,7 @@ def w8a8_gemm(xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: tor
     n = qw.shape[0]
     if qw.shape[1] != k:
         raise ValueError(f"codes have K = {k}, weight {qw.shape}")
-    cfg = cfg or invariant_config("w8a8", n, k, interpreting(xq))
+    cfg = cfg or invariant_config("w8a8", n, k, m, interpreting(xq))
     out = _out(m, n, out_dtype, xq.device)
     if m and n:
         inv_w8a8_kernel[_grid(m, n, cfg)](

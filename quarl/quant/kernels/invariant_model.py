@@ -43,7 +43,7 @@ from torch import nn
 from quarl.model.lora import LoRALinear
 from quarl.model.moe import SparseMoeBlock
 from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, apply_rotary, batch_attention, rms_norm
-from quarl.quant.kernels.invariant import dense_gemm, invariant_linear
+from quarl.quant.kernels.invariant import SMALL_M, dense_gemm, invariant_linear
 from quarl.quant.kernels.invariant_autograd import Recomputed, needs_grad
 from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
 from quarl.quant.kernels.invariant_moe import exact_moe_block
@@ -81,7 +81,7 @@ class _InvariantLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, qw, deq):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.qw, ctx.deq = bias is not None, qw, deq
-        return invariant_linear(x, weight if qw is None else qw, bias)
+        return _linear(x, weight, bias, qw, deq)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -103,7 +103,26 @@ def _dequantizer(module: nn.Module | None, qw: QuantizedWeight | None) -> Callab
     cache = getattr(module, "repacked", None)
     if cache is None:
         return lambda dtype: dequantize(qw, dtype)
-    return lambda dtype: cache.dequantized(qw, dtype, dequantize)
+
+    def cached(dtype: torch.dtype) -> torch.Tensor:
+        return cache.dequantized(qw, dtype, dequantize)
+
+    cached.cached = True  # (read by _linear: a cached dequantization costs nothing per call)
+    return cached
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, qw: QuantizedWeight | None,
+            deq: Callable[[torch.dtype], torch.Tensor] | None) -> torch.Tensor:
+    """The invariant GEMM of ``x`` on ``qw`` (else ``weight``). A packed weight-only ``qw`` at
+    more than :data:`~.invariant.SMALL_M` rows of 16-bit ``x`` on a GPU whose module caches its
+    dequantized weight (the learner's QAT linear; ``deq`` then reads that cache): the dense
+    kernel on the dequantized weight, the same bits (the same values, dequantized and rounded
+    as the packed kernel does in registers, in the same K steps) at the dense kernel's speed."""
+    if (qw is not None and deq is not None and getattr(deq, "cached", False) and x.is_cuda
+            and x.dtype != torch.float32 and not qw.scheme.quantizes_activations
+            and x.numel() > SMALL_M * x.shape[-1]):
+        return invariant_linear(x, deq(x.dtype), bias)
+    return invariant_linear(x, weight if qw is None else qw, bias)
 
 
 def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -116,9 +135,10 @@ def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ad = getattr(module, "lora", None)
     if ad is not None and ad.enabled:
         return exact_lora(x, w if qw is None else qw, b, ad.A, ad.B, ad.scaling, _dequantizer(module, qw))
+    deq = _dequantizer(module, qw)
     if needs_grad(x, w, b):
-        return _InvariantLinear.apply(x, w, b, qw, _dequantizer(module, qw))
-    return invariant_linear(x, w if qw is None else qw, b)
+        return _InvariantLinear.apply(x, w, b, qw, deq)
+    return _linear(x, w, b, qw, deq)
 
 
 def exact_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -204,10 +224,46 @@ def exact_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return invariant_rms_norm(x, w, eps)
 
 
+def exact_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(x, cos, sin)`` (x ``[B, T, H, D]``): on a GPU the engine's fused rotary
+    kernel, which rounds where torch's ops round (the same bits: tests_gpu/rollout/
+    test_gpu_rollout.py), in one launch instead of five; backward through torch's ops."""
+    if not x.is_cuda or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return apply_rotary(x, cos, sin)
+    from quarl.rollout.fused import rope
+
+    b, t, h, d = x.shape
+
+    def fast(a: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return rope(a.reshape(b * t, h, d), c.reshape(b * t, d), s.reshape(b * t, d)).view(b, t, h, d)
+
+    if needs_grad(x, cos, sin):
+        return Recomputed.apply(fast, apply_rotary, x, cos, sin)
+    return fast(x, cos, sin)
+
+
+def _silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def exact_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u``: on a GPU the engine's fused kernel (torch's roundings, the same bits, as
+    :func:`exact_rotary`); backward through torch's ops."""
+    if not g.is_cuda:
+        return _silu_mul_ref(g, u)
+    from quarl.rollout.fused import silu_mul
+
+    if needs_grad(g, u):
+        return Recomputed.apply(silu_mul, _silu_mul_ref, g, u)
+    return silu_mul(g, u)
+
+
 class ExactOps(TorchOps):
     """:class:`~quarl.model.transformer.TorchOps` over the batch-invariant kernels (module doc)."""
 
     def norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, consumer: nn.Module | None):
+        if residual is not None and x.is_cuda and not needs_grad(x, residual, norm.weight):
+            return invariant_rms_norm(x, norm.weight, norm.eps, residual)  # (the add fused: the same bits)
         residual = x if residual is None else residual + x
         return exact_rms_norm(residual, norm), residual
 
@@ -219,7 +275,7 @@ class ExactOps(TorchOps):
         v = exact_linear(module.v_proj, h).view(b, t, module.n_kv, module.head_dim)
         if module.q_norm is not None:
             q, k = exact_rms_norm(q, module.q_norm), exact_rms_norm(k, module.k_norm)
-        out = attn(module.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        out = attn(module.layer_idx, exact_rotary(q, cos, sin), exact_rotary(k, cos, sin), v)
         return exact_linear(module.o_proj, out.reshape(b, t, -1))
 
     def mlp(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -228,7 +284,7 @@ class ExactOps(TorchOps):
         if not isinstance(module, MLP):
             raise NotImplementedError(f"exact mode runs dense MLPs and MoE blocks, not {type(module).__name__}")
         gate, up = exact_linear(module.gate_proj, h), exact_linear(module.up_proj, h)
-        return exact_linear(module.down_proj, F.silu(gate) * up)
+        return exact_linear(module.down_proj, exact_silu_mul(gate, up))
 
 
 EXACT_OPS = ExactOps()
