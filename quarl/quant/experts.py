@@ -20,7 +20,7 @@ One function runs a projection of all experts on rows sorted by expert
   the GEMM sees them) on bf16 / fp16 rows: always under the Triton backend
   (``quarl.quant.ops.use_backend("triton")``; the CPU tests run it in the interpreter), and
   on a GPU under ``auto`` where it beats the path below, by the rule on the average rows per
-  expert (:func:`quarl.quant.kernels.moe_rules.kernel_wins`; off until measured on a GPU). It reads
+  expert (:func:`quarl.quant.kernels.moe_rules.kernel_wins`, measured on an H100). It reads
   the packed experts directly and dequantizes tiles in registers (the same bf16 / fp16 weight
   values as the dequantized path, summed in fp32 in another order). Not for the learner's
   :class:`QATExperts` (a ``master`` weight: the aligned learner keeps its dequantized-weight
