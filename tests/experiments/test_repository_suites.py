@@ -185,3 +185,4 @@ def test_a_regime_suite_runs_end_to_end_at_tiny_scale(suite_dir, model, tmp_path
     assert page.startswith(f"# {recipe['title']}")
     for plot in recipe["plots"]:
         assert f"![{plot['title']}]" in page, plot["title"]
+
