@@ -113,6 +113,10 @@ class ModelRunner:
 
             require_kernels(self.device)
             self.ops = EXACT_OPS
+            from quarl.rollout.fused import fuse_projections, supports_fused
+
+            if supports_fused(model):  # one invariant GEMM for q/k/v and for gate/up: the same bits per column
+                fuse_projections(model)
         elif self.backend == "triton" and config.fused_kernels:
             from quarl.rollout.fused import FUSED_OPS, fuse_projections, supports_fused
 

@@ -70,7 +70,8 @@ def test_lora_engine_is_the_one_a_lora_run_builds(fmt):
 
 def test_exact_format_runs_the_engine_in_exact_mode():
     """``w4a16+exact``: the engine of the base format in exact mode (the invariant kernels, no
-    fused decode), whose log-probs of a sequence are the same bits alone and in a batch."""
+    fused decode kernels, q/k/v and gate/up fused into one GEMM each), whose log-probs of a
+    sequence are the same bits alone and in a batch."""
     import torch
 
     from quarl.bench.rollout import make_engine, random_model, split_exact
@@ -85,6 +86,8 @@ def test_exact_format_runs_the_engine_in_exact_mode():
     model = random_model(cfg, torch.device("cpu")).float()
     engine = make_engine(model, "w4a16+exact", EngineConfig(max_num_seqs=4, max_model_len=32))
     assert engine.runner.exact is not None and not engine.runner.fused
+    layer = engine.model.layers[0]  # q/k/v and gate/up as one invariant GEMM each (the same bits per column)
+    assert layer.self_attn._fused_qkv.weight.scheme.name == "w4a16" and hasattr(layer.mlp, "_fused_gate_up")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
     alone = engine.generate([[1, 2, 3]], params)[0]
     batch = engine.generate([[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]], params)[0]

@@ -258,6 +258,18 @@ def exact_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return silu_mul(g, u)
 
 
+def _fused(owner: nn.Module, name: str, h: torch.Tensor):
+    """The engine's fused q/k/v or gate/up linear of ``owner`` (:func:`~quarl.rollout.fused.fuse_projections`),
+    where exact mode can run it as one GEMM: without adapters, no gradient. Each output column
+    is its own dot product over the same K walk whatever the width N (the tile that N picks is
+    one of a family of the same bits, :mod:`.invariant`), so the fused GEMM gives each of the
+    linears' columns the bits the learner's separate GEMMs give it."""
+    fused = getattr(owner, name, None)
+    if fused is None or fused.adapters is not None or torch.is_grad_enabled() and h.requires_grad:
+        return None
+    return fused
+
+
 class ExactOps(TorchOps):
     """:class:`~quarl.model.transformer.TorchOps` over the batch-invariant kernels (module doc)."""
 
@@ -270,9 +282,17 @@ class ExactOps(TorchOps):
     def attention(self, module: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttnFn) -> torch.Tensor:
         b, t, _ = h.shape
-        q = exact_linear(module.q_proj, h).view(b, t, module.n_heads, module.head_dim)
-        k = exact_linear(module.k_proj, h).view(b, t, module.n_kv, module.head_dim)
-        v = exact_linear(module.v_proj, h).view(b, t, module.n_kv, module.head_dim)
+        fused = _fused(module, "_fused_qkv", h)
+        if fused is not None:
+            qkv = invariant_linear(h, fused.weight, fused.bias)
+            nq, nkv = module.n_heads * module.head_dim, module.n_kv * module.head_dim
+            q = qkv[..., :nq].view(b, t, module.n_heads, module.head_dim)
+            k = qkv[..., nq : nq + nkv].view(b, t, module.n_kv, module.head_dim)
+            v = qkv[..., nq + nkv :].view(b, t, module.n_kv, module.head_dim)
+        else:
+            q = exact_linear(module.q_proj, h).view(b, t, module.n_heads, module.head_dim)
+            k = exact_linear(module.k_proj, h).view(b, t, module.n_kv, module.head_dim)
+            v = exact_linear(module.v_proj, h).view(b, t, module.n_kv, module.head_dim)
         if module.q_norm is not None:
             q, k = exact_rms_norm(q, module.q_norm), exact_rms_norm(k, module.k_norm)
         out = attn(module.layer_idx, exact_rotary(q, cos, sin), exact_rotary(k, cos, sin), v)
@@ -283,7 +303,12 @@ class ExactOps(TorchOps):
             return exact_moe_block(module, h, exact_dense)
         if not isinstance(module, MLP):
             raise NotImplementedError(f"exact mode runs dense MLPs and MoE blocks, not {type(module).__name__}")
-        gate, up = exact_linear(module.gate_proj, h), exact_linear(module.up_proj, h)
+        fused = _fused(module, "_fused_gate_up", h)
+        if fused is not None:
+            gate_up = invariant_linear(h, fused.weight, fused.bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate, up = exact_linear(module.gate_proj, h), exact_linear(module.up_proj, h)
         return exact_linear(module.down_proj, exact_silu_mul(gate, up))
 
 
