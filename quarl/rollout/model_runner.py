@@ -109,14 +109,9 @@ class ModelRunner:
         self.exact = getattr(model, "exact", None)
         self.ops = TORCH_OPS  # the steps of the model's forward (Transformer.hidden_states)
         if self.exact is not None:
-            from quarl.quant.kernels.invariant_model import EXACT_OPS, require_kernels
+            from quarl.quant.kernels.invariant_model import exact_engine_ops
 
-            require_kernels(self.device)
-            self.ops = EXACT_OPS
-            from quarl.rollout.fused import fuse_projections, supports_fused
-
-            if supports_fused(model):  # one invariant GEMM for q/k/v and for gate/up: the same bits per column
-                fuse_projections(model)
+            self.ops = exact_engine_ops(model, self.device)
         elif self.backend == "triton" and config.fused_kernels:
             from quarl.rollout.fused import FUSED_OPS, fuse_projections, supports_fused
 

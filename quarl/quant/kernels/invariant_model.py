@@ -315,6 +315,17 @@ class ExactOps(TorchOps):
 EXACT_OPS = ExactOps()
 
 
+def exact_engine_ops(model: nn.Module, device: torch.device) -> ExactOps:
+    """The engine's ops in exact mode, its model prepared for them: q/k/v and gate/up fused
+    into one buffer each (one invariant GEMM: the same bits per column, :func:`_fused`)."""
+    from quarl.rollout.fused import fuse_projections, supports_fused
+
+    require_kernels(device)
+    if supports_fused(model):
+        fuse_projections(model)
+    return EXACT_OPS
+
+
 def exact_ops(ops: TorchOps | CheckpointedOps) -> ExactOps | CheckpointedOps:
     """:data:`EXACT_OPS` in place of the learner's ``ops`` (compiled regions fuse elementwise
     steps the engine rounds one by one), keeping its activation checkpointing."""
