@@ -259,7 +259,8 @@ class Trainer:
 
     def update_policy(self, batch: RolloutBatch) -> tuple[UpdateResult, ErrorScan | None]:
         """Stages 5-6 (:func:`quarl.trainer.update.update_policy`)."""
-        return update_policy(batch, self.learner, self.cfg.algo, update_settings(self.cfg), self.dist)
+        return update_policy(batch, self.learner, self.cfg.algo, update_settings(self.cfg), self.dist,
+                             exact=self.cfg.quant.exact)
 
     def _step_metrics(self, rollout: Rollout, batch: RolloutBatch, update: UpdateResult, scan: ErrorScan | None,
                       quant_metrics: dict[str, float], clock: StageClock, preempted: int,

@@ -53,27 +53,39 @@ def update_settings(cfg: RunConfig) -> UpdateSettings:
 
 
 def update_policy(batch: RolloutBatch, learner: Learner, algo: AlgoConfig, settings: UpdateSettings,
-                  dist: Dist) -> tuple[UpdateResult, ErrorScan | None]:
+                  dist: Dist, exact: bool = False) -> tuple[UpdateResult, ErrorScan | None]:
     """Stages 5-6 on ``batch`` (on the learner's device): the update's result, and where its
-    truncation at error tokens found them (None without ``algo.truncate_at_error``)."""
+    truncation at error tokens found them (None without ``algo.truncate_at_error``).
+
+    ``exact`` (``quant.exact``): the learner's log-probs of the sampled tokens under the
+    weights that sampled them are the sampler's, bit for bit; an update of one epoch of one
+    mini-batch whose correction rejects needs them before it, and takes the sampler's
+    instead of an old-logp pass (every ratio is then 1: nothing is removed, as an exact step
+    removes nothing); its own forward, under the same weights, still gives the mismatch
+    metrics that check the claim. (The error-token truncation keeps the pass: it removes
+    tokens whose own log-probs the update's forward then does not report.)"""
     budget, temp = settings.token_budget, settings.temperature
     spec = algo.correction_spec()
     removes = spec.rejects or algo.truncate_at_error
     # an MoE batch with the engine's routes: where the policy's own routing is counted (module docstring)
     tally = learner.route_tally() if batch.routes is not None else None
     replayed = tally is not None and learner.routing_replay
+    one_pass = (settings.ppo_epochs, settings.mini_batches) == (1, 1)
+    borrowed = exact and one_pass and spec.rejects and not algo.truncate_at_error
     # else the update's own forward gives old_logp; what the update removes is known before
     # it (from old_logp), so that every micro-batch's share of the loss counts kept tokens
-    if (settings.ppo_epochs, settings.mini_batches) != (1, 1) or removes:
+    if borrowed:
+        batch.old_logp = batch.sampler_logp
+    elif not one_pass or removes:
         batch.old_logp = learner.logprobs(batch, budget, temp, tally=None if replayed else tally)
     if algo.kl_coef > 0:
         batch.ref_logp = learner.logprobs(batch, budget, temp, ref=True)
     # with replay, the policy's log-probs routing itself, before the update moves it
     free_logp = learner.logprobs(batch, budget, temp, replay=False, tally=tally) if replayed else None
     returns = gae(batch, learner, algo, budget, dist) if algo.advantage == "gae" else None
-    extra = (batch.old_logp is not None) + (batch.ref_logp is not None) + (returns is not None) + \
+    extra = (batch.old_logp is not None and not borrowed) + (batch.ref_logp is not None) + (returns is not None) + \
         (free_logp is not None)
-    update_tally = tally if tally is not None and not replayed and batch.old_logp is None else None
+    update_tally = tally if tally is not None and not replayed and (batch.old_logp is None or borrowed) else None
     full_mask = batch.response_mask
     removed: dict[str, float] = {}
     scan = None
@@ -88,6 +100,8 @@ def update_policy(batch: RolloutBatch, learner: Learner, algo: AlgoConfig, setti
         removed["positive_only/drop_frac"] = 1.0 - n_kept / max(tokens, 1.0)
     metrics = learner.update(batch, settings, returns, tally=update_tally)
     batch.response_mask = full_mask
+    if borrowed:  # what the learner computed is the update's own forward's (the step's metrics read it)
+        batch.old_logp = None
     metrics.update(removed)
     old_logp = batch.old_logp if batch.old_logp is not None else learner.last_logp
     rows = rows_of_all_ranks(dist, old_logp, batch.sampler_logp, batch.response_mask)

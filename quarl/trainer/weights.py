@@ -92,13 +92,13 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
     engine's buffers, so one copy of the base exists. Only the adapters are the engine's own,
     refreshed by the publisher. The learner's base linears run :class:`_FrozenQuantMatmul`
     (``learner_path``): the engine's weights, a gradient to their input, none to them. In exact
-    mode (``model.exact`` set) the engine does not fuse, and both sides run every LoRA layer
-    through :func:`~quarl.quant.kernels.invariant_model.exact_lora`."""
+    mode (``model.exact`` set) both sides run every LoRA layer through
+    :func:`~quarl.quant.kernels.invariant_model.exact_lora` on the (shared, fused) base."""
     if quant.scheme.quantizes_weights or quant.scheme.quantizes_activations:
         quantize_model(model, quant.scheme, QuantLinear, include=quant.include, exclude=quant.exclude)
     add_lora(model, lora.rank, lora.alpha, lora.targets)
     engine_model = _copy_sharing_frozen(model)
-    if engine_config.fused_kernels and next(model.parameters()).is_cuda and model.exact is None:
+    if (engine_config.fused_kernels or model.exact is not None) and next(model.parameters()).is_cuda:
         from quarl.rollout.fused import fuse_projections, supports_fused
 
         if supports_fused(engine_model):

@@ -31,9 +31,11 @@ RUNS = {
         "--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16", "--model.lora_rank=4",
         "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2", "--rollout.temperature=0.8",
         "--rollout.top_p=0.9"],
-    "exact-moe-aligned-w4a16-r3": ["--quant.exact=true", "--model.builtin=moe-tiny", "--quant.mode=aligned",
-                                   "--quant.scheme=w4a16", "--rollout.routing_replay=r3",
-                                   "--trainer.sft_warmup_steps=0", "--rollout.max_new_tokens=4"],
+    # IcePop's rejection, one optimizer step: the sampler's log-probs stand in for the old-logp pass
+    "exact-moe-aligned-w4a16-r3-icepop": ["--quant.exact=true", "--model.builtin=moe-tiny", "--quant.mode=aligned",
+                                          "--quant.scheme=w4a16", "--rollout.routing_replay=r3",
+                                          "--algo.loss=ppo", "--algo.correction=icepop", "--trainer.sft_warmup_steps=0",
+                                          "--rollout.max_new_tokens=4"],
     "not-exact": ["--quant.exact=false"],
 }
 
@@ -62,6 +64,8 @@ def test_exact_mode_has_no_mismatch_at_any_step(tmp_path, name):
             assert diff == 0.0 and kl == 0.0, (name, rows.index(row), diff, kl)
         if "moe" in name:
             assert row["moe/route_agreement"] == 1.0 and row["mismatch/kl_k3_noreplay"] == 0.0
+        if "icepop" in name:
+            assert row["correction/drop_frac"] == 0.0
 
 
 def test_an_exact_run_that_parts_warns_naming_the_token_and_the_layer(tmp_path, monkeypatch, capsys):
