@@ -229,11 +229,10 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     out = project(hidden, "down_proj", offsets)
     if lora is not None:
         out = lora.down_proj.add_to(out, hidden, offsets)
-    out = out * weights.reshape(-1)[order].unsqueeze(-1)
-    # back to (token, slot) order: the sum over slots runs in a fixed order
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    per_slot = out[inverse].view(n, k, out.shape[-1])
+    # back to (token, slot) order (one scatter of the rows: a permutation), then each slot's gate
+    # weight; the sum over the slots runs in a fixed order
+    per_slot = torch.empty_like(out).index_copy_(0, order, out).view(n, k, out.shape[-1])
+    per_slot = per_slot * weights.unsqueeze(-1)
     if not slot_order:
         return per_slot.sum(dim=1)
     total = per_slot[:, 0].float()
