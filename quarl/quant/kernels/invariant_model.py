@@ -44,7 +44,7 @@ from quarl.model.lora import LoRALinear
 from quarl.model.moe import SparseMoeBlock
 from quarl.model.transformer import MLP, AttnFn, CheckpointedOps, TorchOps, apply_rotary, batch_attention, rms_norm
 from quarl.quant.kernels.invariant import SMALL_M, dense_gemm, invariant_linear
-from quarl.quant.kernels.invariant_autograd import Recomputed, needs_grad
+from quarl.quant.kernels.invariant_autograd import invariant_or_recomputed, needs_grad
 from quarl.quant.kernels.invariant_attention import PageLayout, invariant_varlen_attention, page_layout
 from quarl.quant.kernels.invariant_moe import exact_moe_block
 from quarl.quant.kernels.invariant_norm import invariant_rms_norm
@@ -219,9 +219,7 @@ def _exact_weights(module: nn.Module) -> tuple[torch.Tensor | None, QuantizedWei
 def exact_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """``norm(x)`` (an RMSNorm module) through the batch-invariant kernel."""
     w, eps = norm.weight, norm.eps
-    if needs_grad(x, w):
-        return Recomputed.apply(lambda a, b: invariant_rms_norm(a, b, eps), lambda a, b: rms_norm(a, b, eps), x, w)
-    return invariant_rms_norm(x, w, eps)
+    return invariant_or_recomputed(lambda a, b: invariant_rms_norm(a, b, eps), lambda a, b: rms_norm(a, b, eps), x, w)
 
 
 def exact_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -237,9 +235,7 @@ def exact_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     def fast(a: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return rope(a.reshape(b * t, h, d), c.reshape(b * t, d), s.reshape(b * t, d)).view(b, t, h, d)
 
-    if needs_grad(x, cos, sin):
-        return Recomputed.apply(fast, apply_rotary, x, cos, sin)
-    return fast(x, cos, sin)
+    return invariant_or_recomputed(fast, apply_rotary, x, cos, sin)
 
 
 def _silu_mul_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -253,9 +249,7 @@ def exact_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return _silu_mul_ref(g, u)
     from quarl.rollout.fused import silu_mul
 
-    if needs_grad(g, u):
-        return Recomputed.apply(silu_mul, _silu_mul_ref, g, u)
-    return silu_mul(g, u)
+    return invariant_or_recomputed(silu_mul, _silu_mul_ref, g, u)
 
 
 def _fused(owner: nn.Module, name: str, h: torch.Tensor):
@@ -379,9 +373,7 @@ def exact_batch_attention(
     fast = _varlen(lengths, mode, page_layout(lengths, mode.page, input_ids.device))  # (one layout for every layer)
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if needs_grad(q, k, v):
-            return Recomputed.apply(fast, lambda *qkv: ref_attn(layer_idx, *qkv), q, k, v)
-        return fast(q, k, v)
+        return invariant_or_recomputed(fast, lambda *qkv: ref_attn(layer_idx, *qkv), q, k, v)
 
     return positions, attn
 

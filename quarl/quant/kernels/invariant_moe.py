@@ -32,7 +32,7 @@ from torch import nn
 from quarl.model.moe import Experts, SparseMoeBlock, grouped_linear, run_experts
 from quarl.quant.experts import QATExperts, QuantExperts, grouped_quant_linear, seen_rows
 from quarl.quant.kernels.act_quant import interpreting
-from quarl.quant.kernels.invariant_autograd import Recomputed, needs_grad
+from quarl.quant.kernels.invariant_autograd import invariant_or_recomputed
 from quarl.quant.kernels.moe_gemm import MoeConfig, grouped_gemm, grouped_gemm_dense
 from quarl.quant.kernels.moe_rules import moe_kernel_supports
 
@@ -86,9 +86,8 @@ def exact_experts(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor,
     def project(rows: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
         # the weight a gradient may reach (none for the engine's frozen QuantExperts)
         w = None if isinstance(experts, QuantExperts) else getattr(experts, name)
-        if not needs_grad(rows, w):
-            return fast(rows, w, offsets, name)
-        return Recomputed.apply(lambda r, p=None: fast(r, p, offsets, name),
-                                lambda r, p=None: ref(r, p, offsets, name), *((rows,) if w is None else (rows, w)))
+        inputs = (rows,) if w is None else (rows, w)
+        return invariant_or_recomputed(lambda r, p=None: fast(r, p, offsets, name),
+                                       lambda r, p=None: ref(r, p, offsets, name), *inputs)
 
     return run_experts(x, expert_ids, weights, num, inter, project, slot_order=True)
