@@ -19,7 +19,14 @@ reports the same quantity for the tokens it samples, so the two can be compared.
 Exact mode (``model.exact``, :mod:`quarl.quant.kernels.invariant_model`): the forward runs
 the batch-invariant kernels the engine runs (the trunk's ops, the attention over the
 micro-batch's sequences, the LM head GEMM and the log-softmax), so that each token's
-log-prob has the bits the engine reported for it; the backward stays the one above.
+log-prob has the bits the engine reported for it. Under autograd (the update's forward) the
+values come from that forward, run without gradients, and the gradients from the ordinary
+forward (the learner's compiled, checkpointed ops) of the same tokens: the log-probs the loss
+sees are the invariant ones bit for bit, their gradient that of the ordinary path, which
+computes the same function up to rounding (:class:`_ValuesOf`). The two forwards route an MoE
+layer alike only where both replay the engine's experts (routing replay); an MoE policy
+without it runs the invariant forward under autograd instead (slower: each op's backward
+recomputes its ordinary forward).
 """
 
 from __future__ import annotations
@@ -206,6 +213,31 @@ def token_logprobs(
     return logp.view(shape), (ent.view(shape) if with_entropy else None)
 
 
+class _ValuesOf(torch.autograd.Function):
+    """``values`` (bit for bit) in the forward; the gradient passes to ``x`` (the same quantity
+    computed another way) as if the output were ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, values):  # type: ignore[override]
+        return values.to(x.dtype).clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def _routes_alike(model: Transformer) -> bool:
+    """Whether the ordinary forward routes every MoE layer as the invariant one does: a dense
+    model; an MoE model whose every layer replays given experts (routing replay)."""
+    from quarl.model.moe import SparseMoeBlock
+
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock) and (m.routing is None or not m.routing.replay
+                                              or m.layer_idx not in m.routing.replay):
+            return False
+    return True
+
+
 def sequence_logprobs(
     model: Transformer,
     input_ids: torch.Tensor,
@@ -229,6 +261,18 @@ def sequence_logprobs(
     (the learner's batches) spares reading the mask's layout back from the device.
     """
     exact = getattr(model, "exact", None)
+    if exact is not None and torch.is_grad_enabled() and _routes_alike(model):
+        # exact mode's update forward (module doc): invariant values, the ordinary path's gradients
+        with torch.no_grad():
+            values, entropy = sequence_logprobs(model, input_ids, attention_mask, seq_ids, temperature, chunk_size,
+                                                with_entropy, ops, right_padded)
+        model.exact = None
+        try:
+            logp, _ = sequence_logprobs(model, input_ids, attention_mask, seq_ids, temperature, chunk_size, False,
+                                        ops, right_padded)
+        finally:
+            model.exact = exact
+        return _ValuesOf.apply(logp, values), entropy
     if exact is not None:  # exact mode (module doc): the engine's kernels, whatever ``ops`` says
         from quarl.quant.kernels.invariant_model import exact_batch_attention, exact_ops
 

@@ -1,0 +1,89 @@
+"""Exact mode's update forward (autograd on): the log-probs the loss sees are the invariant
+forward's bits, their gradients the ordinary forward's (``sequence_logprobs``, module doc of
+``quarl.learner.logprobs``); an MoE policy takes that path only where its layers replay given
+experts, else the invariant forward under autograd."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from quarl.learner.logprobs import _routes_alike, sequence_logprobs
+from quarl.model.moe import moe_layer_ids, moe_routing
+from quarl.model.presets import build_random_model, preset_config
+from quarl.model.transformer import TORCH_OPS, CheckpointedOps
+from quarl.quant.kernels.invariant_model import ExactMode
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().view(torch.int32)
+
+
+def _batch(vocab: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 11), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 8:], mask[2, 5:] = 0, 0  # right-padded rows of other lengths
+    return ids, mask
+
+
+def _grads_and_logp(model, ids, mask, upstream, exact):
+    model.exact = exact
+    model.zero_grad()
+    logp, ent = sequence_logprobs(model, ids, mask, temperature=0.8, with_entropy=True,
+                                  ops=CheckpointedOps(TORCH_OPS), right_padded=True)
+    (logp * upstream).sum().backward()
+    return logp, ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_exact_update_forward_has_invariant_values_and_the_ordinary_gradients():
+    cfg = dataclasses.replace(preset_config("tiny"), vocab_size=128)
+    model = build_random_model(cfg, dtype=torch.bfloat16, std=0.1)
+    ids, mask = _batch(128, seed=5)
+    upstream = torch.randn(3, 10, generator=torch.Generator().manual_seed(6)) * mask[:, 1:]
+    exact = ExactMode(page=4)
+    model.exact = exact
+    with torch.no_grad():
+        want, want_ent = sequence_logprobs(model, ids, mask, temperature=0.8, with_entropy=True, right_padded=True)
+    logp, ent, grads = _grads_and_logp(model, ids, mask, upstream, exact)
+    _, _, ordinary = _grads_and_logp(model, ids, mask, upstream, None)
+    real = mask[:, 1:].bool()
+    assert logp.requires_grad
+    assert torch.equal(_bits(logp.detach()[real]), _bits(want[real]))  # the invariant bits
+    assert torch.equal(_bits(ent[real]), _bits(want_ent[real]))
+    assert grads.keys() == ordinary.keys() and len(grads) == len(list(model.parameters()))
+    for name, g in grads.items():  # the ordinary path's gradients, bit for bit
+        assert torch.equal(g, ordinary[name]), name
+    assert sum(float(g.abs().sum()) for g in grads.values()) > 0
+
+
+def test_moe_exact_update_forward_takes_the_ordinary_gradients_only_with_replayed_routes():
+    cfg = dataclasses.replace(preset_config("moe-tiny"), vocab_size=128)
+    model = build_random_model(cfg, dtype=torch.bfloat16, std=0.1)
+    ids, mask = _batch(128, seed=8)
+    upstream = torch.randn(3, 10, generator=torch.Generator().manual_seed(9)) * mask[:, 1:]
+    exact = ExactMode(page=4)
+    layers = moe_layer_ids(model)
+    model.exact = exact
+    with torch.no_grad(), moe_routing(model) as routing:
+        want = sequence_logprobs(model, ids, mask, temperature=0.8, right_padded=True)[0]
+    replay = {i: routing.expert_ids[i].clone() for i in layers}  # the invariant forward's own experts
+    real = mask[:, 1:].bool()
+    with moe_routing(model, replay=replay):
+        logp, _, grads = _grads_and_logp(model, ids, mask, upstream, exact)
+    with moe_routing(model, replay=replay):
+        _, _, ordinary = _grads_and_logp(model, ids, mask, upstream, None)
+    assert torch.equal(_bits(logp.detach()[real]), _bits(want[real]))
+    for name, g in grads.items():
+        assert torch.equal(g, ordinary[name]), name
+    # without replay the routes of the two forwards could part: the invariant forward runs under
+    # autograd (its backward recomputes each op's ordinary forward), the same values
+    logp_free, _, free = _grads_and_logp(model, ids, mask, upstream, exact)
+    assert torch.equal(_bits(logp_free.detach()[real]), _bits(want[real]))
+    assert free.keys() == grads.keys() and all(bool(torch.isfinite(g).all()) for g in free.values())
+    assert not _routes_alike(model)
+    with moe_routing(model, replay=replay):
+        assert _routes_alike(model)
+    with moe_routing(model, replay={max(layers) + 1: replay[layers[0]]}):  # no replay for the model's layers
+        assert not _routes_alike(model)
