@@ -225,7 +225,7 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     if lora is not None:
         gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
     gate, up = gate_up.split(intermediate_size, dim=-1)
-    hidden = F.silu(gate) * up
+    hidden = _silu_mul(gate, up)
     out = project(hidden, "down_proj", offsets)
     if lora is not None:
         out = lora.down_proj.add_to(out, hidden, offsets)
@@ -241,14 +241,38 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     return total.to(out.dtype)
 
 
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``; on a GPU without gradients in one kernel that rounds where torch's
+    two ops round (:func:`quarl.rollout.fused.silu_mul`: the same bits)."""
+    if gate.is_cuda and gate.dtype != torch.float32 and not (torch.is_grad_enabled() and gate.requires_grad) \
+            and _triton():
+        from quarl.rollout.fused import silu_mul
+
+        return silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def _triton() -> bool:
+    from quarl.quant.kernels import triton_available
+
+    return triton_available()
+
+
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, slot) pairs of ``expert_ids [N, k]`` in expert order.
 
     Returns ``order [N * k]`` (int64 indices into the flattened pairs, stable: the pairs of
     one expert keep their token order) and ``offsets [E]`` (int32, the end of each expert's
     rows in that order, as grouped GEMMs take them). Counted by a scatter rather than
-    ``bincount``, whose output size would be read back from the device."""
+    ``bincount``, whose output size would be read back from the device. On a GPU, up to
+    :data:`~quarl.quant.kernels.moe_sort.MAX_PAIRS` pairs (decode steps), one counting kernel
+    gives the same order and offsets (:func:`~quarl.quant.kernels.moe_sort.expert_order`)."""
     flat = expert_ids.reshape(-1)
+    if flat.is_cuda and _triton():
+        from quarl.quant.kernels.moe_sort import MAX_PAIRS, expert_order
+
+        if flat.numel() <= MAX_PAIRS:
+            return expert_order(flat, num_experts)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))

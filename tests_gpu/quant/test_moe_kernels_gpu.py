@@ -111,3 +111,31 @@ def test_kernel_runs_inside_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), cfg
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 256, 1024, 2048])
+def test_counting_expert_order_on_the_gpu_is_the_stable_sort(tokens):
+    """sort_by_expert on the GPU (the counting kernel up to MAX_PAIRS pairs, torch's sort above)
+    against torch's stable argsort and a bincount, inside a CUDA graph too."""
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    ids = torch.stack([torch.randperm(E, device=DEV, generator=g)[:TOP_K] for _ in range(tokens)])
+    order, offsets = sort_by_expert(ids, E)
+    flat = ids.reshape(-1)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(offsets, torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sort_by_expert(ids, E)
+    ids.copy_(torch.flip(ids, dims=(0,)))
+    graph.replay()
+    assert torch.equal(captured[0], torch.argsort(ids.reshape(-1), stable=True))
+
+
+def test_expert_silu_mul_is_torch_bits():
+    """run_experts' SiLU-and-mul without gradients (one fused kernel on the GPU) is torch's."""
+    from quarl.model.moe import _silu_mul
+
+    gate_up = torch.randn(512, 2 * 768, device=DEV, dtype=torch.bfloat16) * 3
+    gate, up = gate_up.split(768, dim=-1)
+    with torch.no_grad():
+        assert torch.equal(_silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
