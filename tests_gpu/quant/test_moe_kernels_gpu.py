@@ -30,7 +30,8 @@ SCHEMES = ["w4a16", "w4a16-asym", "w8a8-int8", "w8a8-fp8"]
 def _configs():
     from quarl.quant.kernels.moe_gemm import MoeConfig
 
-    return [None, MoeConfig(16, 64, 4, 4), MoeConfig(16, 64, 4, 4, swap=True), MoeConfig(64, 128, 4, 3, swap=True)]
+    return [None, MoeConfig(16, 64, 4, 4), MoeConfig(16, 64, 4, 4, swap=True), MoeConfig(32, 64, 4, 4, swap=True),
+            MoeConfig(64, 128, 4, 3, swap=True)]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
