@@ -162,8 +162,8 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
         nmask = offs_n[:, None] < N
     else:
         nmask = offs_n[None, :] < N
-    if BITS == 4:
-        code = ((packed >> (4 * h)) & 15).to(tl.float32)
+    if BITS == 4:  # (the codes as fp32 without a conversion instruction: int_f32)
+        code = (((packed >> (4 * h)) & 15) | 0x4B000000).to(tl.float32, bitcast=True)
         if SWAP:
             s = _group_param_t(s_base, offs_n, stride_sn, k_first, N, 64, G)
         else:
@@ -173,9 +173,9 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
                 z = _group_param_t(z_base, offs_n, stride_sn, k_first, N, 64, G)
             else:
                 z = _group_param(z_base, offs_n, stride_sn, k_first, N, 64, G)
-            val = code - z.to(tl.float32)
+            val = code - (z.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
         else:
-            val = code - 8.0
+            val = code - 8388616.0  # (2**23 + 8)
     else:
         ks = k_first + offs_j
         if SWAP:
