@@ -165,3 +165,34 @@ def test_torch_cpu_matmul_for_contrast(record_property):
     record_property("torch_cpu_fp32_matmul_row_invariant", torch_same)
     y = inv.invariant_linear(batch, w)
     assert all(_same_bits(y[i], inv.invariant_linear(batch[i : i + 1], w)[0]) for i in (0, 31, 63))
+
+
+@pytest.mark.parametrize("name,dtype", [("dense", BF16), ("dense", F32), ("w4a16", BF16), ("w4a16-asym", F32),
+                                        ("w2a16", F32)])
+def test_k_segments_one_program_each_or_all_in_one_give_the_same_bits(name, dtype):
+    """K summed in segments (K = 500: four segments of 128 columns, the last partial): one
+    program per segment plus the ordered addition of their fp32 partials equals the segments
+    added inside each program, bit for bit, for rows alone and among others, with a bias; both
+    within the fp32 bound of the float64 reference."""
+    inv = _inv()
+    k, n = 500, 24
+    w, b = _weight(name, n, k), torch.randn(n).to(dtype)
+    gemm = inv.dense_gemm if name == "dense" else inv.weight_only_gemm
+    x = _others(9, k, dtype)
+    split = gemm(x, w, b, seg=128, parallel=True)
+    inner = gemm(x, w, b, seg=128, parallel=False)
+    assert _same_bits(split, inner)
+    _check_reference(name, x, w, b, split)
+    for i in (0, 4, 8):
+        assert _same_bits(gemm(x[i : i + 1], w, b, seg=128, parallel=True)[0], inner[i])
+    if dtype == F32:  # (fp32 output: one segment's sum differs in its last bits somewhere)
+        assert not _same_bits(gemm(x, w, b, seg=512), inner)
+
+
+def test_k_segment_is_a_function_of_k_in_whole_chunks():
+    inv = _inv()
+    assert inv.k_segment(1536) >= 1536 and inv.k_segment(4095) >= 4095  # one segment below K_SPLIT_MIN
+    for k in (4096, 8960, 18944, 27648):
+        seg = inv.k_segment(k)
+        segments = -(-k // seg)
+        assert seg % 128 == 0 and segments == min(8, k // 2048)

@@ -131,8 +131,9 @@ def test_packed_gemm_row_bits_at_every_batch_size(scheme, tol, n, k):
 @pytest.mark.parametrize("n,k", [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)])
 def test_every_tile_of_the_table_gives_the_same_bits(scheme, n, k):
     """invariant_config picks the tile by M among one K walk (invariant.py's module doc): every
-    tile it may return computes every row to the same bits, and a packed weight-only weight
-    dequantized then run through the dense kernel (the learner's route at large M) too."""
+    tile it may return computes every row to the same bits, with K's segments summed in one
+    program or in one program each, and a packed weight-only weight dequantized then run
+    through the dense kernel (the learner's route at large M) too."""
     from quarl.quant.kernels import invariant as inv
     from quarl.quant.kernels.act_quant import act_quant
     from quarl.quant.kernels.weight_only import dequantize
@@ -140,19 +141,22 @@ def test_every_tile_of_the_table_gives_the_same_bits(scheme, n, k):
     w = (torch.randn(n, k, device=DEV) * 0.02).to(BF16)
     x = torch.randn(300, k, device=DEV).to(BF16)
     if scheme == "bf16":
-        kind, run = "dense", lambda cfg: inv.dense_gemm(x, w, None, cfg)
+        kind, run = "dense", lambda cfg, par=None: inv.dense_gemm(x, w, None, cfg, parallel=par)
     elif scheme.startswith("w8a8"):
         qw = quantize_weight(w, scheme)
         xq, sx = act_quant(x, get_scheme(scheme).act_format)
         kind, run = "w8a8", lambda cfg: inv.w8a8_gemm(xq, sx, qw, None, BF16, cfg)
     else:
         qw = quantize_weight(w, scheme)
-        kind, run = "weight_only", lambda cfg: inv.weight_only_gemm(x, qw, None, cfg)
+        kind, run = "weight_only", lambda cfg, par=None: inv.weight_only_gemm(x, qw, None, cfg, parallel=par)
     tiles = inv.same_bits_tiles(kind)
     assert len(tiles) >= 3
     first = run(tiles[0])
     for cfg in tiles[1:]:
         assert _same(run(cfg), first), cfg
+    if kind != "w8a8" and inv.k_segment(k) < k:  # K in segments: one program each, or all in one
+        for cfg in tiles:
+            assert _same(run(cfg, True), first), ("a program per K segment", cfg)
     if kind == "weight_only":
         wd = dequantize(qw, BF16)
         for cfg in inv.same_bits_tiles("dense"):

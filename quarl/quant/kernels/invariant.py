@@ -12,11 +12,15 @@ Invariance by construction: what a row's bits depend on is fixed, what only move
 around may follow M.
 
 * Fixed per (N, K, kind), never a function of M nor of the GPU's SM count (engine and learner
-  may run on different GPUs of one kind): the K walk. No split-K, no stream-K, no atomics:
-  one program owns full rows of its ``[BM, BN]`` output tile and walks K from 0 to the end in
-  the same blocks (``BK`` for dense and W8A8, the packed 128-column chunk's sub-tiles for
-  weight-only), ``acc = dot(x_blk, w_blk, acc)`` in fp32 (int32 for int8 x int8), then the
-  epilogue (scales, bias, one rounding to the output dtype) element by element; the dot's
+  may run on different GPUs of one kind): the K walk. No split-K chosen by M, no stream-K, no
+  atomics: K is cut into segments by K alone (:func:`k_segment`: one below 4096 columns, up
+  to 8 of whole 128-column chunks above; W8A8: one); each segment is walked from 0 in the same
+  blocks (``BK`` for dense and W8A8, the packed 128-column chunk's sub-tiles for
+  weight-only), ``acc = dot(x_blk, w_blk, acc)`` in fp32 (int32 for int8 x int8), the
+  segments' sums added in order, then the epilogue (scales, bias, one rounding to the output
+  dtype) element by element. Whether one program adds all of a tile's segments or each
+  segment has its own program (decode sizes, the partials added by a second kernel in the
+  same order) moves work, not arithmetic; the dot's
   input precision (fp32 inputs use ``"ieee"``, not tf32); fp8's accumulator promotion every
   BK products (``max_num_imprecise_acc = BK``, as :func:`.triton_kernels._w8a8_dot`), so
   fp8's BK is always 128; and the MMA family: on Hopper every tile is a whole number of
@@ -122,6 +126,38 @@ def invariant_config(kind: str, n: int, k: int, m: int, interpret: bool = False,
 SMALL_M = 256
 
 
+# K from which the dense and weight-only GEMMs sum K in segments (k_segment)
+K_SPLIT_MIN = 4096
+
+
+def k_segment(k: int) -> int:
+    """Columns of K per segment (a multiple of 128; ``>= k``: one segment), a function of K
+    alone: below :data:`K_SPLIT_MIN` one, from there ``min(8, K // 2048)`` segments of whole
+    128-column chunks. Each segment is summed from zero and the segments' sums are added in
+    order, whatever M: at decode sizes one program per segment (grid axis 2, fp32 partials
+    added by :func:`inv_segments_kernel`: the parallelism split-K gives the down projection,
+    whose few output tiles would leave most SMs idle), above :data:`SMALL_M` rows the same
+    additions inside each program (the same bits: ``tests_gpu/quant/test_invariant_gpu.py``).
+    The W8A8 kernel does not segment."""
+    chunks = cdiv(k, 128)
+    parts = min(8, k // 2048) if k >= K_SPLIT_MIN else 1
+    return cdiv(chunks, parts) * 128
+
+
+def _partial(segments: int, m: int, parallel: bool | None) -> bool:
+    """Whether a GEMM of ``segments`` K segments runs one program per segment (decode sizes)."""
+    return segments > 1 and (m <= SMALL_M if parallel is None else parallel)
+
+
+def _add_segments(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    segs, m, n = part.shape
+    bm, bn = 16, 256
+    inv_segments_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        part, bias if bias is not None else part, out, m, n, segs, out.stride(0),
+        BM=bm, BN=bn, HAS_BIAS=bias is not None, num_warps=4,
+    )
+
+
 def same_bits_tiles(kind: str) -> tuple[InvariantConfig, ...]:
     """Every tile :func:`invariant_config` may return for ``kind`` on a GPU with 16-bit (or
     8-bit) operands: the set the GPU test checks for identical bits."""
@@ -134,11 +170,14 @@ def same_bits_tiles(kind: str) -> tuple[InvariantConfig, ...]:
 
 @triton.jit(do_not_specialize=["M"])
 def inv_dense_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, SEG_K, stride_xm, stride_wn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    INTERP_BF16: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    """``out = x [M, K] @ w [N, K].T (+ bias)``; x and w of one dtype, fp32 accumulation."""
+    """``out = x [M, K] @ w [N, K].T (+ bias)``; x and w of one dtype, fp32 accumulation, K in
+    segments of ``SEG_K`` columns (:func:`k_segment`), each summed from zero, the segments'
+    sums added in order. PARTIAL: this program's segment (grid axis 2) into ``out`` as an fp32
+    partial ``[segments, M, N]`` for :func:`inv_segments_kernel`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -148,26 +187,33 @@ def inv_dense_kernel(
     nmask = offs_n[None, :] < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BK)):  # one fixed order over K, whatever M
-        ks = kb * BK + offs_k
-        a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
-        b = tl.load(w_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
-        acc = _dot16(a, b, acc, PRECISION, INTERP_BF16)
-    _inv_store(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+    seg_lo, seg_hi = _segments(K, SEG_K, PARTIAL)
+    total = tl.zeros([BM, BN], dtype=tl.float32)
+    for seg in range(seg_lo, seg_hi):  # one fixed order over K, whatever M
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        k0 = seg * SEG_K
+        for kb in range(0, tl.cdiv(tl.minimum(SEG_K, K - k0), BK)):
+            ks = k0 + kb * BK + offs_k
+            a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+            b = tl.load(w_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
+            acc = _dot16(a, b, acc, PRECISION, INTERP_BF16)
+        total = tl.where(seg == seg_lo, acc, total + acc)
+    _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M"])
 def inv_weight_only_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr, M, N, K, NCHUNK,
+    x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr, M, N, K, NCHUNK, SEG_C,
     stride_xm, stride_wn, stride_sn, stride_om,
     FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """``out = x @ deq(W).T (+ bias)`` on quarl's packed sub-byte layout: per 128-column chunk,
     ``8 / BITS`` sub-tiles ``[SUB, BN]`` (one shift and mask each), each dequantized to x's
-    dtype then one dot, always in the order chunk 0, sub 0 .. chunk NCHUNK - 1, last sub.
-    FMT as :data:`.triton_kernels.FMT_INT_SYM` etc."""
+    dtype then one dot, always in the order chunk 0, sub 0 .. chunk NCHUNK - 1, last sub,
+    in segments of ``SEG_C`` chunks as :func:`inv_dense_kernel` (the same columns: the dense
+    kernel on the dequantized weight gives the same bits). FMT as
+    :data:`.triton_kernels.FMT_INT_SYM` etc."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     NSUB: tl.constexpr = 8 // BITS
@@ -182,20 +228,25 @@ def inv_weight_only_kernel(
     gscale = 1.0
     if FMT == 2:
         gscale = tl.load(gs_ptr)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for c in range(0, NCHUNK):
-        packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
-        for i in tl.static_range(NSUB):
-            k_first = c * 128 + i * SUB
-            val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS, SUB, G)
-            if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
-                w = _bf16_rne(val)
-            else:
-                w = val.to(x_ptr.dtype.element_ty)
-            ks = k_first + offs_j
-            a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
-            acc = _dot16(a, w, acc, PRECISION, INTERP_BF16)
-    _inv_store(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+    seg_lo, seg_hi = _segments(NCHUNK, SEG_C, PARTIAL)
+    total = tl.zeros([BM, BN], dtype=tl.float32)
+    for seg in range(seg_lo, seg_hi):
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for c in range(seg * SEG_C, tl.minimum(NCHUNK, (seg + 1) * SEG_C)):
+            packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+            for i in tl.static_range(NSUB):
+                k_first = c * 128 + i * SUB
+                val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS,
+                                      SUB, G)
+                if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
+                    w = _bf16_rne(val)
+                else:
+                    w = val.to(x_ptr.dtype.element_ty)
+                ks = k_first + offs_j
+                a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+                acc = _dot16(a, w, acc, PRECISION, INTERP_BF16)
+        total = tl.where(seg == seg_lo, acc, total + acc)
+    _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -253,6 +304,48 @@ def _bf16_rne(v):
 
 
 @triton.jit
+def _segments(total, seg, PARTIAL: tl.constexpr):
+    """The K segments this program sums: its own (grid axis 2) for a partial, else all."""
+    if PARTIAL:
+        lo = tl.program_id(2)
+        hi = lo + 1
+    else:
+        lo = 0
+        hi = tl.cdiv(total, seg)
+    return lo, hi
+
+
+@triton.jit
+def _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """The output tile (:func:`_inv_store`), or the segment's fp32 partial into ``out_ptr``
+    (``[segments, M, N]``, dense) for :func:`inv_segments_kernel`."""
+    if PARTIAL:
+        omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], total, mask=omask)
+    else:
+        _inv_store(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def inv_segments_kernel(part_ptr, bias_ptr, out_ptr, M, N, SEGS, stride_om,
+                        BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The segments' fp32 partials ``[SEGS, M, N]`` added in order (the first as it is, as the
+    kernels' own loop over segments adds them), then :func:`_inv_store`'s epilogue."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    ptrs = part_ptr + at
+    total = tl.load(ptrs, mask=omask, other=0.0)
+    for _ in range(1, SEGS):
+        ptrs += M * N  # (M <= SMALL_M rows: no overflow)
+        total = total + tl.load(ptrs, mask=omask, other=0.0)
+    _inv_store(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
 def _inv_store(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
     """fp32 tile (+ bias in fp32), rounded once to out's dtype; elementwise, so row-local."""
     if HAS_BIAS:
@@ -290,8 +383,11 @@ def _grid(m: int, n: int, cfg: InvariantConfig) -> tuple[int, int]:
 
 
 def dense_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-               cfg: InvariantConfig | None = None) -> torch.Tensor:
-    """Batch-invariant ``x [M, K] @ w [N, K].T (+ bias)`` in x's dtype (w is cast to it)."""
+               cfg: InvariantConfig | None = None, seg: int | None = None,
+               parallel: bool | None = None) -> torch.Tensor:
+    """Batch-invariant ``x [M, K] @ w [N, K].T (+ bias)`` in x's dtype (w is cast to it).
+    ``seg``: columns per K segment (default :func:`k_segment`); ``parallel``: one program per
+    segment (default: at decode sizes); both for tests."""
     x = _rows(x)
     m, k = x.shape
     n = w.shape[0]
@@ -301,18 +397,26 @@ def dense_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     w = w if w.stride(-1) == 1 else w.contiguous()
     cfg = cfg or invariant_config("dense", n, k, m, interpreting(x), fp32=x.dtype == torch.float32)
     out = _out(m, n, x.dtype, x.device)
+    seg = seg or k_segment(k)
+    segs = cdiv(k, seg)
+    partial = _partial(segs, m, parallel)
     if m and n:
-        inv_dense_kernel[_grid(m, n, cfg)](
-            x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        dest = torch.empty(segs, m, n, dtype=torch.float32, device=x.device) if partial else out
+        inv_dense_kernel[_grid(m, n, cfg) + ((segs,) if partial else ())](
+            x, w, bias if bias is not None else w, dest, m, n, k, seg, x.stride(0), w.stride(0), out.stride(0),
             BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype),
-            INTERP_BF16=_interp_bf16(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INTERP_BF16=_interp_bf16(x), PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if partial:
+            _add_segments(dest, bias, out)
     return out.to(x.dtype)
 
 
 def weight_only_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                     cfg: InvariantConfig | None = None) -> torch.Tensor:
-    """Batch-invariant ``x [M, K] @ deq(W).T (+ bias)`` for a packed weight-only scheme."""
+                     cfg: InvariantConfig | None = None, seg: int | None = None,
+                     parallel: bool | None = None) -> torch.Tensor:
+    """Batch-invariant ``x [M, K] @ deq(W).T (+ bias)`` for a packed weight-only scheme
+    (``seg``, ``parallel``: as :func:`dense_gemm`'s)."""
     sc = qw.scheme
     if not sc.packed or sc.quantizes_activations:
         raise ValueError(f"{sc.name}: the weight-only invariant GEMM takes packed weight-only schemes")
@@ -324,14 +428,21 @@ def weight_only_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     cfg = cfg or invariant_config("weight_only", n, k, m, interpreting(x), fp32=x.dtype == torch.float32)
     scales, zeros, gs = _group_params(qw)
     out = _out(m, n, x.dtype, x.device)
+    seg = seg or k_segment(k)
+    nchunk = _nchunk(qw)
+    segs = cdiv(nchunk, seg // 128)
+    partial = _partial(segs, m, parallel)
     if m and n:
-        inv_weight_only_kernel[_grid(m, n, cfg)](
-            x, qw.qdata, scales, zeros, gs, bias if bias is not None else scales, out, m, n, k, _nchunk(qw),
+        dest = torch.empty(segs, m, n, dtype=torch.float32, device=x.device) if partial else out
+        inv_weight_only_kernel[_grid(m, n, cfg) + ((segs,) if partial else ())](
+            x, qw.qdata, scales, zeros, gs, bias if bias is not None else scales, dest, m, n, k, nchunk, seg // 128,
             x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(0),
             FMT=_fmt(qw), BITS=sc.weight_bits, G=sc.group_size, BM=cfg.bm, BN=cfg.bn,
             HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype), INTERP_BF16=_interp_bf16(x),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if partial:
+            _add_segments(dest, bias, out)
     return out.to(x.dtype)
 
 
