@@ -225,7 +225,7 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     if lora is not None:
         gate_up = lora.gate_up_proj.add_to(gate_up, rows, offsets)
     gate, up = gate_up.split(intermediate_size, dim=-1)
-    hidden = _silu_mul(gate, up)
+    hidden = F.silu(gate) * up
     out = project(hidden, "down_proj", offsets)
     if lora is not None:
         out = lora.down_proj.add_to(out, hidden, offsets)
@@ -239,17 +239,6 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     for j in range(1, k):
         total = total + per_slot[:, j].float()
     return total.to(out.dtype)
-
-
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``; on a GPU without gradients in one kernel that rounds where torch's
-    two ops round (:func:`quarl.rollout.fused.silu_mul`: the same bits)."""
-    if gate.is_cuda and gate.dtype != torch.float32 and not (torch.is_grad_enabled() and gate.requires_grad) \
-            and _triton():
-        from quarl.rollout.fused import silu_mul
-
-        return silu_mul(gate, up)
-    return F.silu(gate) * up
 
 
 def _triton() -> bool:

@@ -131,12 +131,3 @@ def test_counting_expert_order_on_the_gpu_is_the_stable_sort(tokens):
     graph.replay()
     assert torch.equal(captured[0], torch.argsort(ids.reshape(-1), stable=True))
 
-
-def test_expert_silu_mul_is_torch_bits():
-    """run_experts' SiLU-and-mul without gradients (one fused kernel on the GPU) is torch's."""
-    from quarl.model.moe import _silu_mul
-
-    gate_up = torch.randn(512, 2 * 768, device=DEV, dtype=torch.bfloat16) * 3
-    gate, up = gate_up.split(768, dim=-1)
-    with torch.no_grad():
-        assert torch.equal(_silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
