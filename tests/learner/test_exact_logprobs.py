@@ -20,12 +20,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous().view(torch.int32)
 
 
-def _batch(vocab: int, seed: int):
+def _setup(preset: str, seed: int):
+    """A random bf16 model of ``preset`` (vocabulary 128) in exact mode, a right-padded batch
+    ``(ids, mask)`` and a random upstream gradient for its log-probs."""
+    cfg = dataclasses.replace(preset_config(preset), vocab_size=128)
+    model = build_random_model(cfg, dtype=torch.bfloat16, std=0.1)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (3, 11), generator=gen)
+    ids = torch.randint(0, 128, (3, 11), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, 8:], mask[2, 5:] = 0, 0  # right-padded rows of other lengths
-    return ids, mask
+    upstream = torch.randn(3, 10, generator=gen) * mask[:, 1:]
+    model.exact = ExactMode(page=4)
+    return model, ids, mask, upstream, model.exact
 
 
 def _grads_and_logp(model, ids, mask, upstream, exact):
@@ -38,12 +44,7 @@ def _grads_and_logp(model, ids, mask, upstream, exact):
 
 
 def test_exact_update_forward_has_invariant_values_and_the_ordinary_gradients():
-    cfg = dataclasses.replace(preset_config("tiny"), vocab_size=128)
-    model = build_random_model(cfg, dtype=torch.bfloat16, std=0.1)
-    ids, mask = _batch(128, seed=5)
-    upstream = torch.randn(3, 10, generator=torch.Generator().manual_seed(6)) * mask[:, 1:]
-    exact = ExactMode(page=4)
-    model.exact = exact
+    model, ids, mask, upstream, exact = _setup("tiny", seed=5)
     with torch.no_grad():
         want, want_ent = sequence_logprobs(model, ids, mask, temperature=0.8, with_entropy=True, right_padded=True)
     logp, ent, grads = _grads_and_logp(model, ids, mask, upstream, exact)
@@ -59,13 +60,8 @@ def test_exact_update_forward_has_invariant_values_and_the_ordinary_gradients():
 
 
 def test_moe_exact_update_forward_takes_the_ordinary_gradients_only_with_replayed_routes():
-    cfg = dataclasses.replace(preset_config("moe-tiny"), vocab_size=128)
-    model = build_random_model(cfg, dtype=torch.bfloat16, std=0.1)
-    ids, mask = _batch(128, seed=8)
-    upstream = torch.randn(3, 10, generator=torch.Generator().manual_seed(9)) * mask[:, 1:]
-    exact = ExactMode(page=4)
+    model, ids, mask, upstream, exact = _setup("moe-tiny", seed=8)
     layers = moe_layer_ids(model)
-    model.exact = exact
     with torch.no_grad(), moe_routing(model) as routing:
         want = sequence_logprobs(model, ids, mask, temperature=0.8, right_padded=True)[0]
     replay = {i: routing.expert_ids[i].clone() for i in layers}  # the invariant forward's own experts
