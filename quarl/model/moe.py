@@ -241,12 +241,6 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     return total.to(out.dtype)
 
 
-def _triton() -> bool:
-    from quarl.quant.kernels import triton_available
-
-    return triton_available()
-
-
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, slot) pairs of ``expert_ids [N, k]`` in expert order.
 
@@ -257,11 +251,14 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     :data:`~quarl.quant.kernels.moe_sort.MAX_PAIRS` pairs (decode steps), one counting kernel
     gives the same order and offsets (:func:`~quarl.quant.kernels.moe_sort.expert_order`)."""
     flat = expert_ids.reshape(-1)
-    if flat.is_cuda and _triton():
-        from quarl.quant.kernels.moe_sort import MAX_PAIRS, expert_order
+    if flat.is_cuda:
+        from quarl.quant.kernels import triton_available
 
-        if flat.numel() <= MAX_PAIRS:
-            return expert_order(flat, num_experts)
+        if triton_available():
+            from quarl.quant.kernels.moe_sort import MAX_PAIRS, expert_order
+
+            if flat.numel() <= MAX_PAIRS:
+                return expert_order(flat, num_experts)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
