@@ -56,7 +56,7 @@ import triton.language as tl
 from quarl.quant.kernels.act_quant import interpreting, next_pow2
 from quarl.quant.kernels.moe_rules import moe_kernel_supports
 from quarl.quant.kernels.splitk import cdiv
-from quarl.quant.kernels.triton_kernels import _group_param, _tile_ids
+from quarl.quant.kernels.triton_kernels import _group_param, _tile_ids, biased_f32
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
@@ -162,8 +162,8 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
         nmask = offs_n[:, None] < N
     else:
         nmask = offs_n[None, :] < N
-    if BITS == 4:  # (the codes as fp32 without a conversion instruction: int_f32)
-        code = (((packed >> (4 * h)) & 15) | 0x4B000000).to(tl.float32, bitcast=True)
+    if BITS == 4:  # (2**23 + code: no conversion instruction, biased_f32)
+        code = biased_f32((packed >> (4 * h)) & 15)
         if SWAP:
             s = _group_param_t(s_base, offs_n, stride_sn, k_first, N, 64, G)
         else:
@@ -173,7 +173,7 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
                 z = _group_param_t(z_base, offs_n, stride_sn, k_first, N, 64, G)
             else:
                 z = _group_param(z_base, offs_n, stride_sn, k_first, N, 64, G)
-            val = code - (z.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+            val = code - biased_f32(z.to(tl.int32))
         else:
             val = code - 8388616.0  # (2**23 + 8)
     else:

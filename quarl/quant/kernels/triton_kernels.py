@@ -316,13 +316,13 @@ def _group_param(ptr, offs_n, stride_n, k_first, N, SUB: tl.constexpr, G: tl.con
 
 
 @triton.jit
-def int_f32(v):
-    """int32 ``v`` (``0 <= v < 2**23``: codes and zero points) as fp32, exactly, without an
-    int-to-float conversion: ``v`` in the mantissa of ``2**23``, that power subtracted. The
-    conversion instruction runs at a sixteenth of the FP32 rate on Hopper and caps a 4-bit
-    GEMM's dequantization near half the memory bandwidth; an OR and a subtraction do not.
-    A caller may fold a constant into the subtraction (``2**23 + offset``: exact)."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def biased_f32(v):
+    """``2**23 + v`` as fp32 for int32 ``0 <= v < 2**23`` (codes, zero points): ``v``'s bits
+    put in that power's mantissa, no int-to-float conversion (which runs at a sixteenth of the
+    FP32 rate on Hopper and caps a 4-bit GEMM's dequantization near half the memory
+    bandwidth). The difference of two, or one less ``2**23 + c``, is exact: ``v - z`` or
+    ``v - c`` as the conversion would give it."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -337,12 +337,10 @@ def dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gsca
     code = (packed >> (BITS * i)) & CODE_MASK
     if FMT == 2 or FMT == 3:
         val = _e2m1_value(code)
-    elif FMT == 0:  # (int_f32 with the zero point folded into its subtraction)
-        val = (code | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + HALF)
+    elif FMT == 0:
+        val = biased_f32(code) - (8388608.0 + HALF)
     else:
-        val = (code | 0x4B000000).to(tl.float32, bitcast=True) - \
-            (_group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.int32) | 0x4B000000).to(
-                tl.float32, bitcast=True)
+        val = biased_f32(code) - biased_f32(_group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.int32))
     s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
     if FMT == 2:
         s = _e4m3_value(s.to(tl.int32)) * gscale
@@ -389,9 +387,9 @@ def wo_gemm_kernel(
                 k_first = c * 128 + i * SUB
                 code = (packed >> (BITS * i)) & CODE_MASK
                 if FMT == 0:
-                    ival = int_f32(code) - HALF
+                    ival = biased_f32(code) - (8388608.0 + HALF)
                 else:
-                    ival = int_f32(code) - int_f32(
+                    ival = biased_f32(code) - biased_f32(
                         _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G).to(tl.int32))
                 ks = k_first + offs_j
                 x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
