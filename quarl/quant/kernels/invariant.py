@@ -172,7 +172,7 @@ def same_bits_tiles(kind: str) -> tuple[InvariantConfig, ...]:
 def inv_dense_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, SEG_K, stride_xm, stride_wn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr, PARTIAL: tl.constexpr,
+    INTERP_BF16: tl.constexpr, SEGMENTED: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """``out = x [M, K] @ w [N, K].T (+ bias)``; x and w of one dtype, fp32 accumulation, K in
     segments of ``SEG_K`` columns (:func:`k_segment`), each summed from zero, the segments'
@@ -187,18 +187,30 @@ def inv_dense_kernel(
     nmask = offs_n[None, :] < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
-    seg_lo, seg_hi = _segments(K, SEG_K, PARTIAL)
-    total = tl.zeros([BM, BN], dtype=tl.float32)
-    for seg in range(seg_lo, seg_hi):  # one fixed order over K, whatever M
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        k0 = seg * SEG_K
-        for kb in range(0, tl.cdiv(tl.minimum(SEG_K, K - k0), BK)):
-            ks = k0 + kb * BK + offs_k
-            a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
-            b = tl.load(w_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
-            acc = _dot16(a, b, acc, PRECISION, INTERP_BF16)
-        total = tl.where(seg == seg_lo, acc, total + acc)
+    zero = tl.zeros([BM, BN], dtype=tl.float32)
+    if SEGMENTED:
+        seg_lo, seg_hi = _segments(K, SEG_K, PARTIAL)
+        total = zero
+        for seg in range(seg_lo, seg_hi):  # one fixed order over K, whatever M
+            k0 = seg * SEG_K
+            acc = _dense_walk(x_rows, w_cols, offs_k, mmask, nmask, k0, tl.minimum(SEG_K, K - k0), K, zero,
+                              BK, PRECISION, INTERP_BF16)
+            total = tl.where(seg == seg_lo, acc, total + acc)
+    else:  # (one segment: one accumulator, no running total held beside it)
+        total = _dense_walk(x_rows, w_cols, offs_k, mmask, nmask, 0, K, K, zero, BK, PRECISION, INTERP_BF16)
     _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _dense_walk(x_rows, w_cols, offs_k, mmask, nmask, k0, length, K, acc, BK: tl.constexpr,
+                PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``acc`` plus the products of columns ``k0 .. k0 + length`` in steps of BK."""
+    for kb in range(0, tl.cdiv(length, BK)):
+        ks = k0 + kb * BK + offs_k
+        a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
+        acc = _dot16(a, b, acc, PRECISION, INTERP_BF16)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -206,7 +218,8 @@ def inv_weight_only_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, gs_ptr, bias_ptr, out_ptr, M, N, K, NCHUNK, SEG_C,
     stride_xm, stride_wn, stride_sn, stride_om,
     FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, PARTIAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, SEGMENTED: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
     """``out = x @ deq(W).T (+ bias)`` on quarl's packed sub-byte layout: per 128-column chunk,
     ``8 / BITS`` sub-tiles ``[SUB, BN]`` (one shift and mask each), each dequantized to x's
@@ -228,25 +241,40 @@ def inv_weight_only_kernel(
     gscale = 1.0
     if FMT == 2:
         gscale = tl.load(gs_ptr)
-    seg_lo, seg_hi = _segments(NCHUNK, SEG_C, PARTIAL)
-    total = tl.zeros([BM, BN], dtype=tl.float32)
-    for seg in range(seg_lo, seg_hi):
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for c in range(seg * SEG_C, tl.minimum(NCHUNK, (seg + 1) * SEG_C)):
-            packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
-            for i in tl.static_range(NSUB):
-                k_first = c * 128 + i * SUB
-                val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS,
-                                      SUB, G)
-                if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
-                    w = _bf16_rne(val)
-                else:
-                    w = val.to(x_ptr.dtype.element_ty)
-                ks = k_first + offs_j
-                a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
-                acc = _dot16(a, w, acc, PRECISION, INTERP_BF16)
-        total = tl.where(seg == seg_lo, acc, total + acc)
+    zero = tl.zeros([BM, BN], dtype=tl.float32)
+    if SEGMENTED:
+        seg_lo, seg_hi = _segments(NCHUNK, SEG_C, PARTIAL)
+        total = zero
+        for seg in range(seg_lo, seg_hi):
+            acc = _packed_walk(x_rows, w_cols, s_ptr, z_ptr, offs_n, offs_j, mmask, nmask, stride_sn, N, K, gscale,
+                               seg * SEG_C, tl.minimum(NCHUNK, (seg + 1) * SEG_C), zero, x_ptr.dtype.element_ty,
+                               FMT, BITS, G, SUB, NSUB, PRECISION, INTERP_BF16)
+            total = tl.where(seg == seg_lo, acc, total + acc)
+    else:  # (one segment: one accumulator)
+        total = _packed_walk(x_rows, w_cols, s_ptr, z_ptr, offs_n, offs_j, mmask, nmask, stride_sn, N, K, gscale,
+                             0, NCHUNK, zero, x_ptr.dtype.element_ty, FMT, BITS, G, SUB, NSUB, PRECISION, INTERP_BF16)
     _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _packed_walk(x_rows, w_cols, s_ptr, z_ptr, offs_n, offs_j, mmask, nmask, stride_sn, N, K, gscale, c_lo, c_hi, acc,
+                 XT: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr,
+                 NSUB: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``acc`` plus the products of the packed chunks ``c_lo .. c_hi`` (each sub-tile
+    dequantized to ``XT``, x's dtype, then one dot)."""
+    for c in range(c_lo, c_hi):
+        packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+        for i in tl.static_range(NSUB):
+            k_first = c * 128 + i * SUB
+            val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS, SUB, G)
+            if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
+                w = _bf16_rne(val)
+            else:
+                w = val.to(XT)
+            ks = k_first + offs_j
+            a = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+            acc = _dot16(a, w, acc, PRECISION, INTERP_BF16)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -405,7 +433,8 @@ def dense_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         inv_dense_kernel[_grid(m, n, cfg) + ((segs,) if partial else ())](
             x, w, bias if bias is not None else w, dest, m, n, k, seg, x.stride(0), w.stride(0), out.stride(0),
             BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype),
-            INTERP_BF16=_interp_bf16(x), PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INTERP_BF16=_interp_bf16(x), SEGMENTED=segs > 1, PARTIAL=partial, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if partial:
             _add_segments(dest, bias, out)
@@ -439,7 +468,7 @@ def weight_only_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
             x.stride(0), qw.qdata.stride(0), scales.stride(0), out.stride(0),
             FMT=_fmt(qw), BITS=sc.weight_bits, G=sc.group_size, BM=cfg.bm, BN=cfg.bn,
             HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype), INTERP_BF16=_interp_bf16(x),
-            PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SEGMENTED=segs > 1, PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if partial:
             _add_segments(dest, bias, out)
