@@ -13,7 +13,7 @@ from quarl.model.transformer import TORCH_OPS, Transformer
 from quarl.quant.kernels.device import dependent_launches
 from quarl.rollout.attention import PagedAttention, StepContext
 from quarl.rollout.config import EngineConfig
-from quarl.rollout.dense_weights import use_dense_weights, weight_only_caches
+from quarl.rollout.dense_weights import dense_bytes, dense_weight_plan
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampler import Sampler, SamplingBatch, row_seeds
 from quarl.rollout.sequence import Sequence
@@ -132,15 +132,14 @@ class ModelRunner:
     # ---------------------------------------------------------------- memory
     def _plan_dense_weights(self) -> int:
         """Marks the weight-only quantized GEMMs to keep a dense copy of their weight
-        (``EngineConfig.dense_weights``); returns the bytes those copies will take (0: none)."""
-        caches = weight_only_caches(self.model)
-        need = sum(qw.shape[0] * qw.shape[1] for _, qw in caches) * self.dtype.itemsize
+        (``EngineConfig.dense_weights``, :func:`~quarl.rollout.dense_weights.dense_weight_plan`);
+        returns the bytes those copies will take (0: none)."""
         total = torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else 0
-        if not caches or self.model.exact or not use_dense_weights(self.config.dense_weights, need, total):
-            return 0  # (exact mode runs the packed invariant GEMM, never the dense copies)
-        for cache, _ in caches:
+        chosen = dense_weight_plan(self.config.dense_weights, self.model, self.dtype.itemsize, total,
+                                   exact=self.exact is not None)
+        for cache, _ in chosen:
             cache.dense = True
-        return need
+        return dense_bytes(chosen, self.dtype.itemsize)
 
     def _new_cache(self, num_blocks: int) -> KVCache:
         return KVCache(

@@ -316,9 +316,10 @@ def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():
     from quarl.quant.kernels.invariant_model import ExactMode
 
     exact_model = copy.deepcopy(model)
-    exact_model.exact = ExactMode(4)  # exact mode's linears run the packed invariant GEMM: no copies, even "on"
+    exact_model.exact = ExactMode(4)  # exact mode keeps them too: its dense kernel on a copy gives the packed one's bits
     exact = Engine(exact_model, "w4a16", EngineConfig(**cfg, dense_weights="on"))
-    assert exact.runner.dense_weight_bytes == 0 and not any(c.dense for c, _ in weight_only_caches(exact.model))
+    caches = weight_only_caches(exact.model)
+    assert caches and all(c.dense for c, _ in caches) and exact.runner.dense_weight_bytes == want
     with pytest.raises(ValueError, match="dense_weights must be auto, on or off"):
         EngineConfig(dense_weights="yes")
 
@@ -388,3 +389,29 @@ def test_dense_copies_of_moe_experts_give_the_same_samples():
     a, b = on.generate([[1, 2, 3], [7, 8]], params), off.generate([[1, 2, 3], [7, 8]], params)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert [c.logprobs for c in a] == [c.logprobs for c in b]
+
+
+def test_auto_dense_copies_of_an_moe_model_fall_back_to_its_attention():
+    """``dense_weights="auto"`` (:func:`dense_weight_plan`): every weight-only GEMM's copy where
+    all fit the GPU's share, else the GEMMs outside the MoE experts (attention) where those fit,
+    else none; exact mode never copies the experts (its grouped kernel reads the codes)."""
+    from quarl.quant.experts import PackedExperts
+    from quarl.rollout.dense_weights import DENSE_AUTO_FRACTION, dense_bytes, dense_weight_plan, weight_only_caches
+
+    model = build_random_model("moe-tiny", seed=4)
+    quantize_model(model, "w4a16", QuantLinear)
+    every = weight_only_caches(model)
+    attention = weight_only_caches(model, experts=False)
+    experts = [m.repacked for m in model.modules() if isinstance(m, PackedExperts)]
+    assert experts and len(attention) == len(every) - len(experts)
+    assert not any(any(c is e for e in experts) for c, _ in attention)
+    all_b, attn_b = dense_bytes(every, 2), dense_bytes(attention, 2)
+    assert 0 < attn_b < all_b
+    gpu = int(all_b / DENSE_AUTO_FRACTION) + 1  # everything fits its share
+    assert dense_weight_plan("auto", model, 2, gpu) == every
+    gpu = int(attn_b / DENSE_AUTO_FRACTION) + 1  # only the attention's copies fit
+    assert dense_weight_plan("auto", model, 2, gpu) == attention
+    assert dense_weight_plan("auto", model, 2, gpu - 2) == [] == dense_weight_plan("off", model, 2, 1 << 50)
+    assert dense_weight_plan("on", model, 2, 0) == every
+    assert dense_weight_plan("on", model, 2, 0, exact=True) == attention
+    assert dense_weight_plan("auto", model, 2, 1 << 50, exact=True) == attention

@@ -346,9 +346,10 @@ QWEN3_MOE = TransformerConfig(model_type="qwen3_moe", vocab_size=32000, hidden_s
                               moe_intermediate_size=512, norm_topk_prob=True)
 
 
-def _exact_engine(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str = "bf16"):
+def _exact_engine(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str = "bf16", dense: str = "auto"):
     """``scheme``: bf16 mode, an aligned scheme, or ``lora-<scheme>`` (rank-8 adapters on that frozen
-    base, B made non-zero and published)."""
+    base, B made non-zero and published); ``dense``: the engine's ``dense_weights`` (auto: these
+    small models keep dense copies, which exact mode runs through the dense kernel)."""
     model = build_random_model(cfg, dtype=BF16, device=DEV, std=0.05)
     lora = LoRASettings(8, 16.0, DEFAULT_TARGETS if not cfg.is_moe else ("q_proj", "k_proj", "v_proj", "o_proj")) \
         if scheme.startswith("lora-") else None
@@ -357,7 +358,8 @@ def _exact_engine(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str = "
     quant = QuantConfig(mode=mode, scheme=get_scheme(scheme), exact=True)
     quant.validate()
     config = EngineConfig(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=4096, num_kv_blocks=2048,
-                          gpu_memory_utilization=0.5, cuda_graphs=graphs, kv_cache_dtype=kv)
+                          gpu_memory_utilization=0.5, cuda_graphs=graphs, kv_cache_dtype=kv,
+                          dense_weights=dense)
     engine, publisher = build_engine_and_publisher(model, quant, config, lora, record_routes=cfg.is_moe)
     if lora is not None:
         with torch.no_grad():
@@ -385,11 +387,13 @@ def test_exact_engine_and_learner_agree_bit_for_bit(cfg, kv, graphs):
     _check_engine_and_learner(cfg, kv, graphs, "bf16")
 
 
-@pytest.mark.parametrize("cfg,kv,graphs", [(QWEN3, "auto", True), (QWEN2, "fp8", False)],
-                         ids=["qwen3-gqa4-auto-graphs", "qwen2-gqa7-fp8-eager"])
-def test_exact_aligned_w4a16_engine_and_learner_agree_bit_for_bit(cfg, kv, graphs):
-    """Aligned w4a16: the engine's QuantLinear and the learner's QATLinear on the same codes."""
-    _check_engine_and_learner(cfg, kv, graphs, "w4a16")
+@pytest.mark.parametrize("cfg,kv,graphs,dense", [(QWEN3, "auto", True, "auto"), (QWEN2, "fp8", False, "auto"),
+                                                 (QWEN3, "fp8", True, "off")],
+                         ids=["qwen3-gqa4-auto-graphs", "qwen2-gqa7-fp8-eager", "qwen3-fp8-graphs-packed"])
+def test_exact_aligned_w4a16_engine_and_learner_agree_bit_for_bit(cfg, kv, graphs, dense):
+    """Aligned w4a16: the engine's QuantLinear and the learner's QATLinear on the same codes; the
+    engine on its dense copies (dense kernel) or on the packed codes (packed kernel)."""
+    _check_engine_and_learner(cfg, kv, graphs, "w4a16", dense)
 
 
 @pytest.mark.parametrize("cfg,kv,graphs,scheme", [
@@ -403,9 +407,11 @@ def test_exact_w8a8_lora_and_moe_engine_and_learner_agree_bit_for_bit(cfg, kv, g
     _check_engine_and_learner(cfg, kv, graphs, scheme)
 
 
-def _check_engine_and_learner(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str) -> None:
-    model, engine = _exact_engine(cfg, kv, graphs, scheme)
+def _check_engine_and_learner(cfg: TransformerConfig, kv: str, graphs: bool, scheme: str, dense: str = "auto") -> None:
+    model, engine = _exact_engine(cfg, kv, graphs, scheme, dense)
     assert engine.runner.exact is not None and not engine.runner.fused
+    if scheme in ("w4a16", "lora-w4a16") and not cfg.is_moe:
+        assert (engine.runner.dense_weight_bytes > 0) == (dense == "auto")
     if not cfg.is_moe and not scheme.startswith("lora-"):
         learner_linear, served = model.layers[0].mlp.down_proj, engine.model.layers[0].mlp.down_proj
         assert type(served).__name__ == ("Linear" if scheme == "bf16" else "QuantLinear")

@@ -108,21 +108,40 @@ def _dequantizer(module: nn.Module | None, qw: QuantizedWeight | None) -> Callab
         return cache.dequantized(qw, dtype, dequantize)
 
     cached.cached = True  # (read by _linear: a cached dequantization costs nothing per call)
+    cached.dense = cache.dense  # (the engine keeps this copy: no dequantization per call at any M)
     return cached
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, qw: QuantizedWeight | None,
             deq: Callable[[torch.dtype], torch.Tensor] | None) -> torch.Tensor:
-    """The invariant GEMM of ``x`` on ``qw`` (else ``weight``). A packed weight-only ``qw`` at
-    more than :data:`~.invariant.SMALL_M` rows of 16-bit ``x`` on a GPU whose module caches its
-    dequantized weight (the learner's QAT linear; ``deq`` then reads that cache): the dense
-    kernel on the dequantized weight, the same bits (the same values, dequantized and rounded
-    as the packed kernel does in registers, in the same K steps) at the dense kernel's speed."""
-    if (qw is not None and deq is not None and getattr(deq, "cached", False) and x.is_cuda
-            and x.dtype != torch.float32 and not qw.scheme.quantizes_activations
-            and x.numel() > SMALL_M * x.shape[-1]):
+    """The invariant GEMM of ``x`` on ``qw`` (else ``weight``); on a GPU, for 16-bit ``x`` and a
+    packed weight-only ``qw``, the dense kernel on its dequantized weight where that is kept
+    (:func:`_dense_route`): the same bits (the same values, dequantized and rounded as the
+    packed kernel does in registers, summed in the same K steps and segments) at the dense
+    kernel's speed."""
+    if _dense_route(x, qw, deq):
         return invariant_linear(x, deq(x.dtype), bias)
     return invariant_linear(x, weight if qw is None else qw, bias)
+
+
+def _dense_route(x: torch.Tensor, qw: QuantizedWeight | None,
+                 deq: Callable[[torch.dtype], torch.Tensor] | None) -> bool:
+    """Whether :func:`_linear` runs the dense kernel on ``deq``'s copy: the engine's dense copy
+    (``rollout.engine.dense_weights``) at any M, the learner's per-step copy (a QAT linear's
+    cache) above :data:`~.invariant.SMALL_M` rows. (Not under the interpreter, whose tile for
+    dense weights sums K in other steps than the packed kernel's.)"""
+    if (qw is None or deq is None or not getattr(deq, "cached", False) or not x.is_cuda
+            or x.dtype == torch.float32 or qw.scheme.quantizes_activations):
+        return False
+    return getattr(deq, "dense", False) or x.numel() > SMALL_M * x.shape[-1]
+
+
+def _fused_linear(fused, h: torch.Tensor) -> torch.Tensor:
+    """The engine's fused q/k/v or gate/up GEMM (:func:`_fused`) on its buffer: dense, or
+    quantized through :func:`_linear` (its own dense copy where the engine keeps one)."""
+    if isinstance(fused.weight, QuantizedWeight):
+        return _linear(h, None, fused.bias, fused.weight, _dequantizer(fused, fused.weight))
+    return invariant_linear(h, fused.weight, fused.bias)
 
 
 def exact_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -149,12 +168,16 @@ def exact_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _lora_forward(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
-                  a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, xa)``: ``y = base(x) + scaling * (x A^T) B^T`` with each GEMM batch-invariant and the
-    sum elementwise (in fp32, rounded once to x's dtype); ``xa = x A^T`` (x's dtype)."""
+                  a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  deq: Callable[[torch.dtype], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, xa)``: ``y = base(x) + scaling * (x A^T) B^T`` with each GEMM batch-invariant (a
+    quantized base through :func:`_linear`, with ``deq``) and the sum elementwise (in fp32,
+    rounded once to x's dtype); ``xa = x A^T`` (x's dtype)."""
     x2 = x.reshape(-1, x.shape[-1])
     xa = dense_gemm(x2, a)
-    y = invariant_linear(x2, base, bias).float() + dense_gemm(xa, b).float() * scaling
+    dense = isinstance(base, torch.Tensor)
+    y_base = _linear(x2, base if dense else None, bias, None if dense else base, deq)
+    y = y_base.float() + dense_gemm(xa, b).float() * scaling
     return y.to(x.dtype).view(*x.shape[:-1], -1), xa
 
 
@@ -164,7 +187,7 @@ class _InvariantLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a, b, base, bias, scaling, deq):  # type: ignore[override]
-        y, xa = _lora_forward(x, base, bias, a, b, scaling)
+        y, xa = _lora_forward(x, base, bias, a, b, scaling, deq)
         ctx.save_for_backward(x, a, b, xa)
         ctx.base, ctx.scaling, ctx.deq = base, scaling, deq
         return y
@@ -196,7 +219,7 @@ def exact_lora(x: torch.Tensor, base: torch.Tensor | QuantizedWeight, bias: torc
         if deq is None and not isinstance(base, torch.Tensor):
             deq = _dequantizer(None, base)
         return _InvariantLoRA.apply(x, a, b, base, bias, scaling, deq)
-    return _lora_forward(x, base, bias, a, b, scaling)[0]
+    return _lora_forward(x, base, bias, a, b, scaling, deq)[0]
 
 
 def _exact_weights(module: nn.Module) -> tuple[torch.Tensor | None, QuantizedWeight | None]:
@@ -278,7 +301,7 @@ class ExactOps(TorchOps):
         b, t, _ = h.shape
         fused = _fused(module, "_fused_qkv", h)
         if fused is not None:
-            qkv = invariant_linear(h, fused.weight, fused.bias)
+            qkv = _fused_linear(fused, h)
             nq, nkv = module.n_heads * module.head_dim, module.n_kv * module.head_dim
             q = qkv[..., :nq].view(b, t, module.n_heads, module.head_dim)
             k = qkv[..., nq : nq + nkv].view(b, t, module.n_kv, module.head_dim)
@@ -299,7 +322,7 @@ class ExactOps(TorchOps):
             raise NotImplementedError(f"exact mode runs dense MLPs and MoE blocks, not {type(module).__name__}")
         fused = _fused(module, "_fused_gate_up", h)
         if fused is not None:
-            gate_up = invariant_linear(h, fused.weight, fused.bias)
+            gate_up = _fused_linear(fused, h)
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = exact_linear(module.gate_proj, h), exact_linear(module.up_proj, h)
