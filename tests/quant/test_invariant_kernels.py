@@ -168,16 +168,18 @@ def test_torch_cpu_matmul_for_contrast(record_property):
 
 
 @pytest.mark.parametrize("name,dtype", [("dense", BF16), ("dense", F32), ("w4a16", BF16), ("w4a16-asym", F32),
-                                        ("w2a16", F32)])
+                                        ("w2a16", F32), ("w8a8-int8", BF16), ("w8a8-fp8", F32)])
 def test_k_segments_one_program_each_or_all_in_one_give_the_same_bits(name, dtype):
     """K summed in segments (K = 500: four segments of 128 columns, the last partial): one
-    program per segment plus the ordered addition of their fp32 partials equals the segments
-    added inside each program, bit for bit, for rows alone and among others, with a bias; both
-    within the fp32 bound of the float64 reference."""
+    program per segment plus the ordered addition of their partials (fp32; int8's int32 code
+    sums, then the scales) equals the segments added inside each program, bit for bit, for
+    rows alone and among others, with a bias; both within the fp32 bound of the float64
+    reference."""
     inv = _inv()
     k, n = 500, 24
     w, b = _weight(name, n, k), torch.randn(n).to(dtype)
-    gemm = inv.dense_gemm if name == "dense" else inv.weight_only_gemm
+    gemm = {"dense": inv.dense_gemm, "w8a8-int8": _w8a8(inv, dtype), "w8a8-fp8": _w8a8(inv, dtype)}.get(
+        name, inv.weight_only_gemm)
     x = _others(9, k, dtype)
     split = gemm(x, w, b, seg=128, parallel=True)
     inner = gemm(x, w, b, seg=128, parallel=False)
@@ -185,8 +187,21 @@ def test_k_segments_one_program_each_or_all_in_one_give_the_same_bits(name, dtyp
     _check_reference(name, x, w, b, split)
     for i in (0, 4, 8):
         assert _same_bits(gemm(x[i : i + 1], w, b, seg=128, parallel=True)[0], inner[i])
-    if dtype == F32:  # (fp32 output: one segment's sum differs in its last bits somewhere)
+    if name == "w8a8-int8":  # integer sums: any segments give the same bits
+        assert _same_bits(gemm(x, w, b, seg=512), inner)
+    elif dtype == F32:  # (fp32 output: one segment's sum differs in its last bits somewhere)
         assert not _same_bits(gemm(x, w, b, seg=512), inner)
+
+
+def _w8a8(inv, dtype):
+    """``gemm(x, qw, bias, seg=, parallel=)`` of the W8A8 kernel on x's per-token codes."""
+    from quarl.quant.kernels.act_quant import act_quant
+
+    def gemm(x, qw, bias, seg=None, parallel=None):
+        xq, sx = act_quant(x.contiguous(), qw.scheme.act_format)
+        return inv.w8a8_gemm(xq, sx, qw, bias, dtype, seg=seg, parallel=parallel)
+
+    return gemm
 
 
 def test_k_segment_is_a_function_of_k_in_whole_chunks():

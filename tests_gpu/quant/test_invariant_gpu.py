@@ -145,7 +145,7 @@ def test_every_tile_of_the_table_gives_the_same_bits(scheme, n, k):
     elif scheme.startswith("w8a8"):
         qw = quantize_weight(w, scheme)
         xq, sx = act_quant(x, get_scheme(scheme).act_format)
-        kind, run = "w8a8", lambda cfg: inv.w8a8_gemm(xq, sx, qw, None, BF16, cfg)
+        kind, run = "w8a8", lambda cfg, par=None: inv.w8a8_gemm(xq, sx, qw, None, BF16, cfg, parallel=par)
     else:
         qw = quantize_weight(w, scheme)
         kind, run = "weight_only", lambda cfg, par=None: inv.weight_only_gemm(x, qw, None, cfg, parallel=par)
@@ -154,7 +154,7 @@ def test_every_tile_of_the_table_gives_the_same_bits(scheme, n, k):
     first = run(tiles[0])
     for cfg in tiles[1:]:
         assert _same(run(cfg), first), cfg
-    if kind != "w8a8" and inv.k_segment(k) < k:  # K in segments: one program each, or all in one
+    if inv.k_segment(k) < k:  # K in segments: one program each, or all in one
         for cfg in tiles:
             assert _same(run(cfg, True), first), ("a program per K segment", cfg)
     if kind == "weight_only":

@@ -14,7 +14,7 @@ around may follow M.
 * Fixed per (N, K, kind), never a function of M nor of the GPU's SM count (engine and learner
   may run on different GPUs of one kind): the K walk. No split-K chosen by M, no stream-K, no
   atomics: K is cut into segments by K alone (:func:`k_segment`: one below 4096 columns, up
-  to 8 of whole 128-column chunks above; W8A8: one); each segment is walked from 0 in the same
+  to 8 of whole 128-column chunks above); each segment is walked from 0 in the same
   blocks (``BK`` for dense and W8A8, the packed 128-column chunk's sub-tiles for
   weight-only), ``acc = dot(x_blk, w_blk, acc)`` in fp32 (int32 for int8 x int8), the
   segments' sums added in order, then the epilogue (scales, bias, one rounding to the output
@@ -138,7 +138,7 @@ def k_segment(k: int) -> int:
     added by :func:`inv_segments_kernel`: the parallelism split-K gives the down projection,
     whose few output tiles would leave most SMs idle), above :data:`SMALL_M` rows the same
     additions inside each program (the same bits: ``tests_gpu/quant/test_invariant_gpu.py``).
-    The W8A8 kernel does not segment."""
+    The W8A8 kernel segments alike (BK 128 divides the segments)."""
     chunks = cdiv(k, 128)
     parts = min(8, k // 2048) if k >= K_SPLIT_MIN else 1
     return cdiv(chunks, parts) * 128
@@ -149,12 +149,14 @@ def _partial(segments: int, m: int, parallel: bool | None) -> bool:
     return segments > 1 and (m <= SMALL_M if parallel is None else parallel)
 
 
-def _add_segments(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def _add_segments(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     segs, m, n = part.shape
     bm, bn = 16, 256
+    sa, sb = scales if scales is not None else (part, part)
     inv_segments_kernel[(cdiv(m, bm), cdiv(n, bn))](
-        part, bias if bias is not None else part, out, m, n, segs, out.stride(0),
-        BM=bm, BN=bn, HAS_BIAS=bias is not None, num_warps=4,
+        part, sa, sb, bias if bias is not None else part, out, m, n, segs, out.stride(0),
+        BM=bm, BN=bn, HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, num_warps=4,
     )
 
 
@@ -279,12 +281,14 @@ def _packed_walk(x_rows, w_cols, s_ptr, z_ptr, offs_n, offs_j, mmask, nmask, str
 
 @triton.jit(do_not_specialize=["M"])
 def inv_w8a8_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_om,
+    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K, SEG_K, stride_am, stride_bn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
+    SEGMENTED: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """``out = (a [M, K] @ b [N, K].T) * sa[:, None] * sb[None, :] (+ bias)``: int8 codes with an
     int32 accumulator (exact: the order cannot matter) or e4m3 codes with fp32 accumulation,
-    promoted every BK products."""
+    promoted every BK products; K in segments as :func:`inv_dense_kernel` (PARTIAL: the
+    segment's unscaled sum, int32 or fp32, into ``out``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -295,21 +299,45 @@ def inv_w8a8_kernel(
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
     if ACC_INT:
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        zero = tl.zeros([BM, BN], dtype=tl.int32)
     else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BK)):
-        ks = kb * BK + offs_k
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+    if SEGMENTED:
+        seg_lo, seg_hi = _segments(K, SEG_K, PARTIAL)
+        total = zero
+        for seg in range(seg_lo, seg_hi):
+            k0 = seg * SEG_K
+            acc = _code_walk(a_rows, b_cols, offs_k, mmask, nmask, k0, tl.minimum(SEG_K, K - k0), K, zero, BK, ACC_INT)
+            total = tl.where(seg == seg_lo, acc, total + acc)
+    else:
+        total = _code_walk(a_rows, b_cols, offs_k, mmask, nmask, 0, K, K, zero, BK, ACC_INT)
+    if PARTIAL:
+        _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS, True)
+    else:
+        _inv_store(_code_scales(total, sa_ptr, sb_ptr, offs_m, offs_n, M, N), bias_ptr, out_ptr, offs_m, offs_n,
+                   M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _code_walk(a_rows, b_cols, offs_k, mmask, nmask, k0, length, K, acc, BK: tl.constexpr, ACC_INT: tl.constexpr):
+    """``acc`` plus the code products of columns ``k0 .. k0 + length`` in steps of BK."""
+    for kb in range(0, tl.cdiv(length, BK)):
+        ks = k0 + kb * BK + offs_k
         a = tl.load(a_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
         b = tl.load(b_cols + ks[:, None], mask=nmask & (ks[:, None] < K), other=0.0)
         if ACC_INT:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+    return acc
+
+
+@triton.jit
+def _code_scales(total, sa_ptr, sb_ptr, offs_m, offs_n, M, N):
+    """The code GEMM's sum times the row's and the column's scales, in fp32."""
     sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
-    y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-    _inv_store(y, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+    return total.to(tl.float32) * sa[:, None] * sb[None, :]
 
 
 @triton.jit
@@ -357,19 +385,22 @@ def _inv_finish(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_B
 
 
 @triton.jit(do_not_specialize=["M"])
-def inv_segments_kernel(part_ptr, bias_ptr, out_ptr, M, N, SEGS, stride_om,
-                        BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The segments' fp32 partials ``[SEGS, M, N]`` added in order (the first as it is, as the
-    kernels' own loop over segments adds them), then :func:`_inv_store`'s epilogue."""
+def inv_segments_kernel(part_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SEGS, stride_om,
+                        BM: tl.constexpr, BN: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The segments' partials ``[SEGS, M, N]`` (fp32, or int32 code sums) added in order (the
+    first as it is, as the kernels' own loop over segments adds them), times the W8A8 scales
+    (HAS_SCALES, as :func:`_code_scales`), then :func:`_inv_store`'s epilogue."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     ptrs = part_ptr + at
-    total = tl.load(ptrs, mask=omask, other=0.0)
+    total = tl.load(ptrs, mask=omask, other=0)
     for _ in range(1, SEGS):
         ptrs += M * N  # (M <= SMALL_M rows: no overflow)
-        total = total + tl.load(ptrs, mask=omask, other=0.0)
+        total = total + tl.load(ptrs, mask=omask, other=0)
+    if HAS_SCALES:
+        total = _code_scales(total, sa_ptr, sb_ptr, offs_m, offs_n, M, N)
     _inv_store(total, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
 
 
@@ -476,9 +507,12 @@ def weight_only_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 
 
 def w8a8_gemm(xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
-              out_dtype: torch.dtype, cfg: InvariantConfig | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, cfg: InvariantConfig | None = None, seg: int | None = None,
+              parallel: bool | None = None) -> torch.Tensor:
     """Batch-invariant ``(xq [M, K] @ W.T) * sx[:, None] * sw[None, :] (+ bias)`` on per-token
-    codes (int8 or e4m3, matching the weight's) and their fp32 scales."""
+    codes (int8 or e4m3, matching the weight's) and their fp32 scales; K in segments as
+    :func:`dense_gemm` (``seg``, ``parallel``: as its; int8's integer sums are the same in
+    any segments)."""
     sc = qw.scheme
     if sc.act_format not in ("int8", "fp8") or sc.packed or sc.group_size is not None:
         raise ValueError(f"{sc.name}: the W8A8 invariant GEMM takes w8a8-int8 / w8a8-fp8 weights")
@@ -491,13 +525,22 @@ def w8a8_gemm(xq: torch.Tensor, sx: torch.Tensor, qw: QuantizedWeight, bias: tor
         raise ValueError(f"codes have K = {k}, weight {qw.shape}")
     cfg = cfg or invariant_config("w8a8", n, k, m, interpreting(xq))
     out = _out(m, n, out_dtype, xq.device)
+    seg = seg or k_segment(k)
+    segs = cdiv(k, seg)
+    partial = _partial(segs, m, parallel)
+    acc_int = xq.dtype == torch.int8
     if m and n:
-        inv_w8a8_kernel[_grid(m, n, cfg)](
-            xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, out, m, n, k,
+        dest = out
+        if partial:
+            dest = torch.empty(segs, m, n, dtype=torch.int32 if acc_int else torch.float32, device=xq.device)
+        inv_w8a8_kernel[_grid(m, n, cfg) + ((segs,) if partial else ())](
+            xq, qw.qdata, sx, qw.scales, bias if bias is not None else sx, dest, m, n, k, seg,
             xq.stride(0), qw.qdata.stride(0), out.stride(0),
-            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, ACC_INT=xq.dtype == torch.int8,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HAS_BIAS=bias is not None, ACC_INT=acc_int,
+            SEGMENTED=segs > 1, PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if partial:
+            _add_segments(dest, bias, out, (sx, qw.scales))
     return out.to(out_dtype)
 
 
