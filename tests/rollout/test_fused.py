@@ -316,7 +316,7 @@ def test_the_engine_marks_its_weight_only_gemms_dense_per_setting():
     from quarl.quant.kernels.invariant_model import ExactMode
 
     exact_model = copy.deepcopy(model)
-    exact_model.exact = ExactMode(4)  # exact mode keeps them too: its dense kernel on a copy gives the packed one's bits
+    exact_model.exact = ExactMode(4)  # exact mode keeps them too (its dense kernel gives the packed bits)
     exact = Engine(exact_model, "w4a16", EngineConfig(**cfg, dense_weights="on"))
     caches = weight_only_caches(exact.model)
     assert caches and all(c.dense for c, _ in caches) and exact.runner.dense_weight_bytes == want
