@@ -7,7 +7,8 @@ sequences of other lengths at any position, inside the engine's prefill of its w
 sequence packed among others, in an extend step over a cached prefix, and recomputed in the
 learner's packed sequences (``invariant_varlen_attention``); model-dtype and fp8 caches.
 Group sizes 1, 3 (5 tokens per 16-row tile, the last row padding) and 4; a head dim below
-the block (24 of 32); contexts spanning several 16-key blocks and pages of 4 tokens."""
+the block (24 of 32); contexts spanning several 16-key blocks, 32-key splits and pages of 4
+tokens."""
 
 import pytest
 import torch
@@ -187,6 +188,21 @@ def test_every_token_of_a_prefill_equals_its_decode(group, hkv, dtype, fp8):
         assert _same_bits(packed[t], dec), t
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_decode_split_by_split_equals_the_learners_in_program_merge(fp8):
+    """A 100-token sequence spans four 32-key splits (the interpreter's): a token decoded at
+    and around each split boundary (one program per split, the merge kernel) equals the same
+    token in the learner's packed sequences (the splits merged inside one program)."""
+    q, k, v = _seq(100, 6, 2, BF16)
+    other = _seq(9, 6, 2, BF16)
+    packed = _learner([other, (q, k, v)], fp8)[9:]
+    assert _mod().attention_config(D, 3, interpret=True).split == 32
+    for t in (0, 31, 32, 33, 63, 64, 65, 99):
+        dec = _decode([(q[: t + 1], k[: t + 1], v[: t + 1]), other], 2, BF16, fp8)[0]
+        assert _same_bits(packed[t], dec), t
+    _check_reference(packed, q, k, v, fp8)
+
+
 def test_page_packed_kv_layout():
     mod = _mod()
     k = torch.arange(11 * 2 * 4, dtype=F32).view(11, 2, 4)
@@ -204,6 +220,6 @@ def test_config_has_no_token_count_argument_and_refuses_large_groups():
 
     mod = _mod()
     assert list(inspect.signature(mod.attention_config).parameters) == ["head_dim", "group", "interpret"]
-    assert mod.attention_config(128, 7) == mod.AttentionConfig(64, 64, 128, 4, 2)
+    assert mod.attention_config(128, 7) == mod.AttentionConfig(64, 64, 128, 4, 2, 512)
     with pytest.raises(ValueError, match="at most"):
         mod.attention_config(128, 65)

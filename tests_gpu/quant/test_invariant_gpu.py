@@ -312,7 +312,7 @@ def _check_prefill_and_extend(alone, s, n, hq, hkv, fp8) -> None:
 def _check_decode(alone, s, n, hq, hkv, fp8, gen) -> None:
     """One new token per sequence (the engine's decode step) at several positions, in batches
     of 1-256 sequences of other lengths, the sequence's row at its first, middle or last place."""
-    for p in sorted({0, 15, 16, 63, 64, n - 1} & set(range(n))):
+    for p in sorted({0, 15, 16, 63, 64, 511, 512, n - 1} & set(range(n))):  # (512 keys a split)
         for bsz in (1, 7, 64, 256):
             lens = [int(x) for x in torch.randint(1, 700, (bsz,), generator=gen)]
             row = [0, bsz // 2, bsz - 1][p % 3]

@@ -14,14 +14,20 @@ How:
   (``cu_seqlens_q = 0, 1, .., B``); the learner's packed sequences are written into a
   paged cache of the engine's page size first (:func:`invariant_varlen_attention`), so
   engine and learner run the very same compiled kernel;
-* keys are visited from position 0 in fixed ``BLOCK_N`` blocks, with a base-2 online
-  softmax: per block ``m' = max(m, rowmax(s))``, ``acc = acc * 2^(m - m') + p @ V``,
-  ``l = l * 2^(m - m') + rowsum(p)``. No split over the keys (no flash-decoding); the
-  tile shape ``(BLOCK_R, BLOCK_N, BLOCK_D)`` and ``num_warps`` come from
-  :func:`attention_config`, a function of the head dimension only;
-* a block holding none of a row's visible keys (a prefill tile's later tokens see more
-  keys than its earlier ones) leaves that row's ``m``, ``l`` and ``acc`` untouched (a
-  select, not a multiplication by ``2^0``), so a row's arithmetic is the same sequence of
+* keys are cut into fixed splits of ``SPLIT`` keys from position 0 (a split-KV cut by key
+  position alone, never by the batch); within a split they are visited in fixed ``BLOCK_N``
+  blocks with a base-2 online softmax started from zero: per block ``m' = max(m, rowmax(s))``,
+  ``acc = fma(acc, 2^(m - m'), p @ V)``, ``l = fma(l, 2^(m - m'), rowsum(p))``; the splits'
+  states are then merged in order, each rescaled to the larger maximum (:func:`_merge`). A
+  decode step runs one program per split and a second kernel merging them
+  (:func:`inv_attention_merge_kernel`: the parallelism flash-decoding gives a long context);
+  prefill and the learner merge inside each program: the same operations, with explicit
+  FMAs so that both kernels round alike. The tile shape ``(BLOCK_R, BLOCK_N, BLOCK_D)``, the
+  split and ``num_warps`` come from :func:`attention_config`, a function of the head
+  dimension only;
+* a block (or a split) holding none of a row's visible keys (a prefill tile's later tokens
+  see more keys than its earlier ones) leaves that row's ``m``, ``l`` and ``acc`` untouched
+  (a select, not a multiplication by ``2^0``), so a row's arithmetic is the same sequence of
   operations whether its tile stops at its own position (decode) or runs further;
   invisible keys inside a block get a score of ``-inf`` (probability 0);
 * fp8 KV cache: the e4m3 codes are converted exactly to the model dtype, the per-(token,
@@ -57,13 +63,14 @@ class AttentionConfig(NamedTuple):
     block_d: int
     num_warps: int = 4
     num_stages: int = 2
+    split: int = 512  # keys per split (a multiple of block_n): each split's softmax state from zero
 
 
 def attention_config(head_dim: int, group: int, interpret: bool = False) -> AttentionConfig:
     """Tile for ``head_dim`` and a GQA ``group`` (query heads per KV head). Deliberately has no
     argument for the number of tokens or sequences; ``group`` only has to fit in BLOCK_R."""
     block_d = max(16, next_pow2(head_dim))
-    cfg = AttentionConfig(16, 16, block_d, 4, 1) if interpret else AttentionConfig(64, 64, block_d, 4, 2)
+    cfg = AttentionConfig(16, 16, block_d, 4, 1, 32) if interpret else AttentionConfig(64, 64, block_d, 4, 2, 512)
     if group > cfg.block_r:
         raise ValueError(f"{group} query heads per KV head: the invariant attention takes at most {cfg.block_r}")
     return cfg
@@ -120,18 +127,25 @@ def _row_setup(cu_q_ptr, kv_len_ptr, s, qb, TOK: tl.constexpr, GROUP: tl.constex
 
 @triton.jit
 def inv_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, out_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, out_ptr, ml_ptr, qk_scale, T, HQ, NSPLIT,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """Program (sequence, token block, kv head): causal attention of its query rows over the
-    sequence's paged keys (see the module doc)."""
+    sequence's paged keys (see the module doc). PARTIAL (decode, one token per sequence): the
+    program (sequence, split, kv head) computes its split's state only, into ``out_ptr``
+    (``acc [T, Hq, NSPLIT, BLOCK_D]``) and ``ml_ptr`` (``m, l [2, T, Hq, NSPLIT]``), for
+    :func:`inv_attention_merge_kernel`."""
     s = tl.program_id(0)
     kvh = tl.program_id(2)
     TOK: tl.constexpr = BLOCK_R // GROUP
-    q_row, g, row_ok, lim, hi = _row_setup(cu_q_ptr, kv_len_ptr, s, tl.program_id(1), TOK, GROUP, BLOCK_R)
+    if PARTIAL:
+        qb = 0
+    else:
+        qb = tl.program_id(1)
+    q_row, g, row_ok, lim, hi = _row_setup(cu_q_ptr, kv_len_ptr, s, qb, TOK, GROUP, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     heads = kvh * GROUP + g
@@ -139,33 +153,101 @@ def inv_attention_kernel(
     q = tl.load(q_ptr + q_row[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
     dt: tl.constexpr = q_ptr.dtype.element_ty
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    for n0 in range(0, hi, BLOCK_N):  # keys from position 0, fixed blocks, no split
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
-        srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
-        k, k_s = _kv_tile(k_ptr, ks_ptr, row, srow, offs_d, n_ok, HEAD_DIM, dt, KV_FP8, INTERP_BF16)
-        sc = _dot16(q, tl.trans(k), tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32), PRECISION, INTERP_BF16)
-        if KV_FP8:
-            sc = sc * k_s[None, :]
-        sc = tl.where(offs_n[None, :] < lim[:, None], sc * qk_scale, float("-inf"))
-        live = n0 < lim  # the block holds some of the row's keys
-        m_new = tl.where(live, tl.maximum(m_i, tl.max(sc, 1)), m_i)
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v, v_s = _kv_tile(v_ptr, vs_ptr, row, srow, offs_d, n_ok, HEAD_DIM, dt, KV_FP8, INTERP_BF16)
-        pv = _dot16(_p_operand(p, v_s, dt, KV_FP8, INTERP_BF16), v, tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
-                    PRECISION, INTERP_BF16)
-        acc = tl.where(live[:, None], acc * alpha[:, None] + pv, acc)
-        l_i = tl.where(live, l_i * alpha + tl.sum(p, 1), l_i)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_row[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+    m_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    if PARTIAL:
+        lo = tl.program_id(1) * SPLIT
+        end = tl.minimum(lo + SPLIT, hi)
+    else:
+        lo = 0
+        end = hi
+    for s0 in range(lo, end, SPLIT):  # splits of SPLIT keys from position 0, each from zero
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for n0 in range(s0, tl.minimum(s0 + SPLIT, hi), BLOCK_N):  # fixed blocks
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            row = page * stride_kb + (offs_n % PAGE) * stride_kt + kvh * stride_kh
+            srow = page * stride_sb + (offs_n % PAGE) * stride_st + kvh
+            k, k_s = _kv_tile(k_ptr, ks_ptr, row, srow, offs_d, n_ok, HEAD_DIM, dt, KV_FP8, INTERP_BF16)
+            sc = _dot16(q, tl.trans(k), tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32), PRECISION, INTERP_BF16)
+            if KV_FP8:
+                sc = sc * k_s[None, :]
+            sc = tl.where(offs_n[None, :] < lim[:, None], sc * qk_scale, float("-inf"))
+            live = n0 < lim  # the block holds some of the row's keys
+            m_new = tl.where(live, tl.maximum(m_i, tl.max(sc, 1)), m_i)
+            p = tl.exp2(sc - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            v, v_s = _kv_tile(v_ptr, vs_ptr, row, srow, offs_d, n_ok, HEAD_DIM, dt, KV_FP8, INTERP_BF16)
+            pv = _dot16(_p_operand(p, v_s, dt, KV_FP8, INTERP_BF16), v, tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
+                        PRECISION, INTERP_BF16)
+            acc = tl.where(live[:, None], tl.fma(acc, alpha[:, None], pv), acc)
+            l_i = tl.where(live, tl.fma(l_i, alpha, tl.sum(p, 1)), l_i)
+            m_i = m_new
+        if PARTIAL:
+            at = _split_at(q_row, heads, tl.program_id(1), HQ, NSPLIT)
+            tl.store(out_ptr + at[:, None] * BLOCK_D + offs_d[None, :], acc, mask=io_mask)
+            tl.store(ml_ptr + at, m_i, mask=row_ok)
+            tl.store(ml_ptr + T * HQ * NSPLIT + at, l_i, mask=row_ok)
+        else:
+            m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_i, l_i, acc, s0 == 0, s0 < lim)
+    if not PARTIAL:
+        out = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
+        tl.store(out_ptr + q_row[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _merge(m_t, l_t, acc_t, m_i, l_i, acc, first, live):
+    """The running state of a row's splits ``(m_t, l_t, acc_t)`` with the next split's: the
+    first split as it is, a split holding none of the row's keys (``live`` false) skipped, else
+    both rescaled to the larger maximum; explicit FMAs, so that this kernel and the merge
+    kernel round alike."""
+    m_n = tl.where(live, tl.maximum(m_t, m_i), m_t)
+    a = tl.exp2(m_t - m_n)
+    b = tl.exp2(m_i - m_n)
+    acc_n = tl.where(live[:, None], tl.fma(acc_t, a[:, None], acc * b[:, None]), acc_t)
+    l_n = tl.where(live, tl.fma(l_t, a, l_i * b), l_t)
+    return tl.where(first, m_i, m_n), tl.where(first, l_i, l_n), tl.where(first, acc, acc_n)
+
+
+@triton.jit
+def _split_at(q_row, heads, j, HQ, NSPLIT):
+    """Index of (token row, head, split ``j``) in the partials ``[T, Hq, NSPLIT]``."""
+    return (q_row.to(tl.int64) * HQ + heads) * NSPLIT + j
+
+
+@triton.jit
+def inv_attention_merge_kernel(acc_ptr, ml_ptr, kv_len_ptr, out_ptr, T, HQ, NSPLIT, stride_ot, stride_oh,
+                               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                               SPLIT: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Decode: the splits of token ``t`` (one per sequence), kv head ``h`` merged in order, as
+    :func:`inv_attention_kernel` merges them in one program (:func:`_merge`), then normalised."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+    rows = tl.zeros([BLOCK_G], dtype=tl.int32) + t
+    offs_d = tl.arange(0, BLOCK_D)
+    io_mask = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lim = tl.zeros([BLOCK_G], dtype=tl.int32) + tl.load(kv_len_ptr + t)  # (the decoded token sees every key)
+    m_t = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_t = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    n_live = tl.cdiv(tl.load(kv_len_ptr + t), SPLIT)
+    for j in range(0, n_live):
+        at = _split_at(rows, heads, j, HQ, NSPLIT)
+        acc = tl.load(acc_ptr + at[:, None] * BLOCK_D + offs_d[None, :], mask=io_mask, other=0.0)
+        m_i = tl.load(ml_ptr + at, mask=g_ok, other=0.0)
+        l_i = tl.load(ml_ptr + T * HQ * NSPLIT + at, mask=g_ok, other=0.0)
+        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_i, l_i, acc, j == 0, j * SPLIT < lim)
+    out = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -214,14 +296,30 @@ def invariant_paged_attention(
     tok = cfg.block_r // group
     if n and s:
         k_arg, v_arg, ks, vs, stride_sb, stride_st, fp8 = _kv_operands(k_cache, v_cache, kv_scales)
-        inv_attention_kernel[(s, triton.cdiv(max_seqlen_q, tok), hkv)](
-            q, k_arg, v_arg, ks, vs, block_tables, cu_seqlens_q, kv_lens, out, scale * LOG2E,
+        # decode (one new token per sequence): one program per split, then the ordered merge
+        partial = max_seqlen_q == 1 and n == s
+        nsplit = triton.cdiv(block_tables.shape[1] * page, cfg.split)
+        if partial:
+            dest = torch.empty(n, hq, nsplit, cfg.block_d, dtype=torch.float32, device=q.device)
+            ml = torch.empty(2, n, hq, nsplit, dtype=torch.float32, device=q.device)
+            grid = (s, nsplit, hkv)
+        else:
+            dest, ml, grid = out, out, (s, triton.cdiv(max_seqlen_q, tok), hkv)
+        inv_attention_kernel[grid](
+            q, k_arg, v_arg, ks, vs, block_tables, cu_seqlens_q, kv_lens, dest, ml, scale * LOG2E, n, hq, nsplit,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
             block_tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=d, BLOCK_D=cfg.block_d, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, PAGE=page,
-            KV_FP8=fp8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            INTERP_BF16=interp and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP=group, HEAD_DIM=d, BLOCK_D=cfg.block_d, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
+            PAGE=page, KV_FP8=fp8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            INTERP_BF16=interp and q.dtype == torch.bfloat16, PARTIAL=partial, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
+        if partial:
+            inv_attention_merge_kernel[(s, hkv)](
+                dest, ml, kv_lens, out, n, hq, nsplit, out.stride(0), out.stride(1),
+                GROUP=group, HEAD_DIM=d, BLOCK_D=cfg.block_d, SPLIT=cfg.split, BLOCK_G=max(16, next_pow2(group)),
+                num_warps=4,
+            )
     return out.to(q.dtype)
 
 
