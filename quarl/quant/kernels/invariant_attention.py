@@ -298,7 +298,10 @@ def invariant_paged_attention(
         k_arg, v_arg, ks, vs, stride_sb, stride_st, fp8 = _kv_operands(k_cache, v_cache, kv_scales)
         # decode (one new token per sequence): one program per split, then the ordered merge
         partial = max_seqlen_q == 1 and n == s
-        nsplit = triton.cdiv(block_tables.shape[1] * page, cfg.split)
+        # splits of the longest context the table can hold (a CUDA graph's fixed grid; programs
+        # past a sequence's end exit at once); the interpreter reads the longest one instead
+        longest = int(kv_lens.max()) if interp else block_tables.shape[1] * page
+        nsplit = max(1, triton.cdiv(longest, cfg.split))
         if partial:
             dest = torch.empty(n, hq, nsplit, cfg.block_d, dtype=torch.float32, device=q.device)
             ml = torch.empty(2, n, hq, nsplit, dtype=torch.float32, device=q.device)
