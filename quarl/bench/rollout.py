@@ -270,15 +270,17 @@ def against_baseline(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any
             "decode_step_vs_baseline": base["decode_step_ms_median"] / row["decode_step_ms_median"]}
 
 
-def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats: list[str],
+def run_benchmark(shape: str, batch: int | list[int], prompt_len: int, gen_len: int, formats: list[str],
                   hf_gen_len: int = 0, out: str | None = None, engine_kw: dict | None = None,
                   kv_cache_dtypes: tuple[str, ...] = ("auto",), lora_rank: int = 0, baseline: Path | None = None,
                   baseline_commit: str | None = None, child=run_child) -> dict[str, Any]:
-    """One row per weight format and KV-cache dtype; ``speedup_vs_bf16`` against the bf16
-    row with the model-dtype cache (the first bf16 row when there is none). With ``baseline``
-    (a directory holding another version's ``quarl`` package) every row runs in a fresh
-    process, this code's then the baseline's (``child``), and carries the baseline's row and
-    the speedups over it."""
+    """One row per batch size, weight format and KV-cache dtype; ``speedup_vs_bf16`` against
+    the bf16 row of the same batch with the model-dtype cache (the first bf16 row of that batch
+    when there is none). With ``baseline`` (a directory holding another version's ``quarl``
+    package) every row runs in a fresh process, this code's then the baseline's (``child``),
+    and carries the baseline's row and the speedups over it. HF generate (``hf_gen_len``) runs
+    at the first batch size."""
+    batches = [batch] if isinstance(batch, int) else list(batch)
     if baseline is not None:
         check_baseline(baseline)
     device = torch.device("cuda")
@@ -286,23 +288,22 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
     torch.cuda.empty_cache()  # (children size their KV caches by the memory left free)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for fmt in formats:
-            for kv in kv_cache_dtypes:
-                kw = {**(engine_kw or {}), "kv_cache_dtype": kv}
-                try:
-                    if baseline is None:
-                        rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw,
-                                               lora_rank=lora_rank))
-                    else:
-                        args = (Path(tmp), shape, batch, prompt_len, gen_len, fmt, kv, lora_rank, engine_kw)
-                        row = child(package_root(), git_commit(), *args)
-                        rows.append(against_baseline(row, child(baseline, baseline_commit, *args)))
-                except Exception as e:  # keep the other rows of a long run
-                    rows.append({"shape": shape, "format": fmt, "kv_cache_dtype": kv,
-                                 "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-                gc.collect()  # the failed engine's frames are gone with the exception; free its memory
-                torch.cuda.empty_cache()
-                print(json.dumps(rows[-1]), flush=True)
+        for batch, fmt, kv in ((b, f, k) for b in batches for f in formats for k in kv_cache_dtypes):
+            kw = {**(engine_kw or {}), "kv_cache_dtype": kv}
+            try:
+                if baseline is None:
+                    rows.append(run_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=kw,
+                                           lora_rank=lora_rank))
+                else:
+                    args = (Path(tmp), shape, batch, prompt_len, gen_len, fmt, kv, lora_rank, engine_kw)
+                    row = child(package_root(), git_commit(), *args)
+                    rows.append(against_baseline(row, child(baseline, baseline_commit, *args)))
+            except Exception as e:  # keep the other rows of a long run
+                rows.append({"shape": shape, "format": fmt, "kv_cache_dtype": kv, "batch": batch,
+                             "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            gc.collect()  # the failed engine's frames are gone with the exception; free its memory
+            torch.cuda.empty_cache()
+            print(json.dumps(rows[-1]), flush=True)
     result = {
         "benchmark": "rollout", "device": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -310,19 +311,21 @@ def run_benchmark(shape: str, batch: int, prompt_len: int, gen_len: int, formats
         "ceilings": asdict(ceil), "rows": rows,
     }
     if hf_gen_len:
-        hf = run_hf(shape, batch, prompt_len, hf_gen_len, device)
+        hf = run_hf(shape, batches[0], prompt_len, hf_gen_len, device)
         hf["note"] = (f"HF generate ran {hf['gen_len']} new tokens (not {gen_len}); its tok/s is used as is, "
                       "which favours HF (its per-token cost grows with context)")
         result["hf"] = hf
         print(json.dumps(hf), flush=True)
         for r in rows:
-            if "generated_tok_per_s" in r:
+            if "generated_tok_per_s" in r and r.get("batch") == batches[0]:
                 r["speedup_vs_hf"] = r["generated_tok_per_s"] / hf["generated_tok_per_s"]
-    bf16_rows = [r for r in rows if r.get("format") == "bf16" and "generated_tok_per_s" in r]
-    base = next((r for r in bf16_rows if r.get("kv_cache_dtype") == "auto"), bf16_rows[0] if bf16_rows else None)
-    for r in rows:
-        if base is not None and "generated_tok_per_s" in r:
-            r["speedup_vs_bf16"] = r["generated_tok_per_s"] / base["generated_tok_per_s"]
+    for b in batches:
+        here = [r for r in rows if r.get("batch") == b]
+        bf16_rows = [r for r in here if r.get("format") == "bf16" and "generated_tok_per_s" in r]
+        base = next((r for r in bf16_rows if r.get("kv_cache_dtype") == "auto"), bf16_rows[0] if bf16_rows else None)
+        for r in here:
+            if base is not None and "generated_tok_per_s" in r:
+                r["speedup_vs_bf16"] = r["generated_tok_per_s"] / base["generated_tok_per_s"]
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2))

@@ -19,7 +19,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     from quarl.bench.rollout import SHAPES
 
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=_batches, default=[256],
+                   help="sequences decoded together; a comma list (e.g. 64,256) runs every format at each")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=1024)
     p.add_argument("--formats", default="bf16",
@@ -51,6 +52,17 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "of the largest decode graph), one table per format")
 
 
+def _batches(text: str) -> list[int]:
+    """``--batch``: one or more positive integers, comma separated."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes integers separated by commas (e.g. 64,256), got {text!r}")
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"--batch takes positive integers (e.g. 64,256), got {text!r}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -68,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("quarl bench rollout needs a CUDA GPU; run it on a GPU machine")
     engine_kw = {"dependent_launches": args.dependent_launches == "on", "dense_weights": args.dense_weights}
     if args.profile_kernels:
-        text = "\n".join(profile_kernels(args.shape, f, args.batch, args.prompt_len, kv_cache_dtype=kv,
+        text = "\n".join(profile_kernels(args.shape, f, b, args.prompt_len, kv_cache_dtype=kv,
                                          lora_rank=args.lora_rank, engine_kw=engine_kw)
-                         for f in args.formats.split(",") if f for kv in kv_dtypes)
+                         for b in args.batch for f in args.formats.split(",") if f for kv in kv_dtypes)
         print(text)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -179,7 +179,7 @@ def test_a_baseline_child_runs_the_settings_of_the_parent():
     bench_rollout._add_args(p)
     a = p.parse_args(argv[5:])
     assert (a.shape, a.batch, a.prompt_len, a.gen_len, a.formats, a.kv_cache_dtype, a.lora_rank) == \
-        ("qwen2.5-7b", 384, 128, 256, "w4a16", "fp8", 8)
+        ("qwen2.5-7b", [384], 128, 256, "w4a16", "fp8", 8)
     assert (a.dependent_launches, a.dense_weights, a.out, a.baseline, a.hf_gen_len) == \
         ("off", "off", "/tmp/x.json", None, 0)
     d = p.parse_args(child_argv("qwen2.5-1.5b", 64, 16, 32, "bf16", "auto", 0, None, Path("/tmp/y.json"))[5:])
@@ -220,7 +220,7 @@ def test_each_row_runs_under_this_code_then_the_baselines(tmp_path, monkeypatch)
                                                                               {"dense_weights": "off"})
         if fmt == "nvfp4" and not ours:
             raise RuntimeError(f"the run of quarl in {root} failed on nvfp4 kv=auto (exit 2): unknown format")
-        return {**_timed_row(fmt, *times.get((ours, fmt), (20000.0, 14.0))), "git_commit": commit}
+        return {**_timed_row(fmt, *times.get((ours, fmt), (20000.0, 14.0))), "git_commit": commit, "batch": batch}
 
     out = tmp_path / "r.json"
     result = rollout.run_benchmark("qwen2.5-7b", 384, 128, 256, ["bf16", "w4a16", "nvfp4"], out=str(out),
@@ -242,6 +242,45 @@ def test_each_row_runs_under_this_code_then_the_baselines(tmp_path, monkeypatch)
                         "median decode step 12.680 -> 12.350 ms (1.027x)")
     with pytest.raises(ValueError, match="no quarl/ package there"):
         rollout.run_benchmark("qwen2.5-7b", 8, 8, 8, ["bf16"], baseline=tmp_path / "none", child=fake_child)
+
+
+def test_several_batch_sizes_run_in_one_call_each_against_its_own_bf16_row(tmp_path, monkeypatch):
+    """``--batch 64,256``: every format at each batch size, in that order; each row's
+    ``speedup_vs_bf16`` against the bf16 row of its own batch (by hand below); an engine that
+    fails leaves an error row that names its batch; a bad list is a clear parse error."""
+    import torch
+
+    from quarl.bench import rollout
+    from quarl.bench.timing import Ceilings
+
+    monkeypatch.setattr(rollout, "measure_ceilings", lambda device: Ceilings(4.0e12, 7.7e14, 1.4e15))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    tok = {(64, "bf16"): 1000.0, (64, "w4a16"): 2500.0, (256, "bf16"): 3000.0, (256, "w4a16"): 4500.0}
+    ran = []
+
+    def fake_engine(shape, fmt, batch, prompt_len, gen_len, ceil, device, engine_kw=None, lora_rank=0):
+        ran.append((batch, fmt))
+        if (batch, fmt) == (256, "w8a8-fp8"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {**_timed_row(fmt, tok.get((batch, fmt), 2000.0), 10.0), "batch": batch}
+
+    monkeypatch.setattr(rollout, "run_engine", fake_engine)
+    result = rollout.run_benchmark("qwen3-30b-a3b", [64, 256], 256, 1024, ["bf16", "w4a16", "w8a8-fp8"],
+                                   out=str(tmp_path / "r.json"))
+    assert ran == [(64, "bf16"), (64, "w4a16"), (64, "w8a8-fp8"), (256, "bf16"), (256, "w4a16"), (256, "w8a8-fp8")]
+    rows = {(r["batch"], r["format"]): r for r in result["rows"]}
+    assert rows[64, "w4a16"]["speedup_vs_bf16"] == pytest.approx(2.5)
+    assert rows[64, "w8a8-fp8"]["speedup_vs_bf16"] == pytest.approx(2.0)
+    assert rows[256, "w4a16"]["speedup_vs_bf16"] == pytest.approx(1.5)
+    assert rows[256, "bf16"]["speedup_vs_bf16"] == pytest.approx(1.0)
+    assert "out of memory" in rows[256, "w8a8-fp8"]["error"]
+    p = argparse.ArgumentParser()
+    bench_rollout._add_args(p)
+    assert p.parse_args(["--batch", "64,256"]).batch == [64, 256] and p.parse_args([]).batch == [256]
+    for bad in ("64,x", "0", ","):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--batch", bad])
 
 
 def test_a_child_that_fails_is_an_error_naming_the_run_and_its_last_lines(tmp_path):
