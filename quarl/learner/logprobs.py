@@ -33,7 +33,16 @@ from __future__ import annotations
 
 import torch
 
-from quarl.model.transformer import TORCH_OPS, CheckpointedOps, TorchOps, Transformer, batch_attention
+from quarl.model.transformer import (
+    TORCH_OPS,
+    CheckpointedOps,
+    TorchOps,
+    Transformer,
+    batch_attention,
+    float64_attention,
+    quantizes_activations,
+)
+from quarl.runtime import recomputed_layer
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -213,19 +222,6 @@ def token_logprobs(
     return logp.view(shape), (ent.view(shape) if with_entropy else None)
 
 
-class _ValuesOf(torch.autograd.Function):
-    """``values`` (bit for bit) in the forward; the gradient passes to ``x`` (the same quantity
-    computed another way) as if the output were ``x``."""
-
-    @staticmethod
-    def forward(ctx, x, values):  # type: ignore[override]
-        return values.to(x.dtype).clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
-
-
 def _routes_alike(model: Transformer) -> bool:
     """Whether the ordinary forward routes every MoE layer as the invariant one does: a dense
     model; an MoE model whose every layer replays given experts (routing replay)."""
@@ -236,6 +232,66 @@ def _routes_alike(model: Transformer) -> bool:
                                               or m.layer_idx not in m.routing.replay):
             return False
     return True
+
+
+def _ordinary_layers(model: Transformer, input_ids, attention_mask, seq_ids, right_padded, ops):
+    """``(ops, cos, sin, attn)`` of the ordinary forward of this batch (the learner's ops without
+    their checkpointing), for :class:`ValuesThenOrdinaryOps`'s recomputation."""
+    positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant,
+                                      right_padded=right_padded)
+    cos, sin = model.rotary(positions, model.compute_dtype, input_ids.shape[1])
+    if (input_ids.device.type == "cpu" and model.compute_dtype != torch.float64
+            and getattr(attn, "backend", None) != "triton" and quantizes_activations(model.layers)):
+        attn = float64_attention(attn)  # (as Transformer.hidden_states does for the ordinary forward)
+    return (ops.inner if isinstance(ops, CheckpointedOps) else ops), cos, sin, attn
+
+
+class _ValuesThenOrdinary(torch.autograd.Function):
+    """One decoder layer's block: forward through the invariant ops without autograd (the
+    values, bit for bit the engine's); backward by recomputing the block through the ordinary
+    ops from the same inputs and running its backward (as reentrant activation checkpointing
+    does: parameter gradients accumulate there). ``params`` only make the outputs require
+    gradients where the layer trains."""
+
+    @staticmethod
+    def forward(ctx, h, residual, values, ordinary, *params):  # type: ignore[override]
+        ctx.ordinary = ordinary
+        ctx.save_for_backward(h, residual)
+        with torch.no_grad():
+            return values(h, residual)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_res):  # type: ignore[override]
+        h, residual = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad(), recomputed_layer():
+            out = ctx.ordinary(h, residual)
+        torch.autograd.backward(out, (grad_h, grad_res))
+        return (h.grad, residual.grad, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+class ValuesThenOrdinaryOps:
+    """Ops of exact mode's update forward: each layer's block :class:`_ValuesThenOrdinary` (the
+    invariant ops ``exact`` for values, the ordinary ``inner`` on the batch's ordinary rotary and
+    attention for gradients); the first norm through ``exact`` (whose RMSNorm recomputes its
+    ordinary form in the backward). One forward instead of the invariant one plus a
+    checkpointed ordinary one; the gradients are the ordinary ops' at the invariant
+    activations, equal to the ordinary path's up to rounding."""
+
+    def __init__(self, exact: TorchOps, inner: TorchOps, cos: torch.Tensor, sin: torch.Tensor, attn) -> None:
+        self.exact, self.inner, self.cos, self.sin, self.attn = exact, inner, cos, sin, attn
+
+    def norm(self, x, norm, residual, consumer):
+        return self.exact.norm(x, norm, residual, consumer)
+
+    def block(self, layer, h, residual, cos, sin, attn, next_norm, next_consumer):
+        def values(a, r):
+            return self.exact.block(layer, a, r, cos, sin, attn, next_norm, next_consumer)
+
+        def ordinary(a, r):
+            return self.inner.block(layer, a, r, self.cos, self.sin, self.attn, next_norm, next_consumer)
+
+        params = [p for m in (layer, next_norm) for p in m.parameters() if p.requires_grad]
+        return _ValuesThenOrdinary.apply(h, residual, values, ordinary, *params)
 
 
 def sequence_logprobs(
@@ -261,24 +317,15 @@ def sequence_logprobs(
     (the learner's batches) spares reading the mask's layout back from the device.
     """
     exact = getattr(model, "exact", None)
-    if exact is not None and torch.is_grad_enabled() and _routes_alike(model):
-        # exact mode's update forward (module doc): invariant values, the ordinary path's gradients
-        with torch.no_grad():
-            values, entropy = sequence_logprobs(model, input_ids, attention_mask, seq_ids, temperature, chunk_size,
-                                                with_entropy, ops, right_padded)
-        model.exact = None
-        try:
-            logp, _ = sequence_logprobs(model, input_ids, attention_mask, seq_ids, temperature, chunk_size, False,
-                                        ops, right_padded)
-        finally:
-            model.exact = exact
-        return _ValuesOf.apply(logp, values), entropy
+    update = exact is not None and torch.is_grad_enabled() and _routes_alike(model)
     if exact is not None:  # exact mode (module doc): the engine's kernels, whatever ``ops`` says
-        from quarl.quant.kernels.invariant_model import exact_batch_attention, exact_ops
+        from quarl.quant.kernels.invariant_model import EXACT_OPS, exact_batch_attention, exact_ops
 
+        if update:  # the update's forward: invariant values, each layer's gradient from its ordinary ops
+            ordinary = _ordinary_layers(model, input_ids, attention_mask, seq_ids, right_padded, ops)
         positions, attn = exact_batch_attention(input_ids, exact, attention_mask, seq_ids, model.kv_quant,
                                                 right_padded)
-        ops = exact_ops(ops)
+        ops = ValuesThenOrdinaryOps(EXACT_OPS, *ordinary) if update else exact_ops(ops)
     else:
         positions, attn = batch_attention(input_ids, attention_mask, seq_ids=seq_ids, kv_quant=model.kv_quant,
                                           right_padded=right_padded)
