@@ -19,14 +19,16 @@ reports the same quantity for the tokens it samples, so the two can be compared.
 Exact mode (``model.exact``, :mod:`quarl.quant.kernels.invariant_model`): the forward runs
 the batch-invariant kernels the engine runs (the trunk's ops, the attention over the
 micro-batch's sequences, the LM head GEMM and the log-softmax), so that each token's
-log-prob has the bits the engine reported for it. Under autograd (the update's forward) the
-values come from that forward, run without gradients, and the gradients from the ordinary
-forward (the learner's compiled, checkpointed ops) of the same tokens: the log-probs the loss
-sees are the invariant ones bit for bit, their gradient that of the ordinary path, which
-computes the same function up to rounding (:class:`_ValuesOf`). The two forwards route an MoE
-layer alike only where both replay the engine's experts (routing replay); an MoE policy
-without it runs the invariant forward under autograd instead (slower: each op's backward
-recomputes its ordinary forward).
+log-prob has the bits the engine reported for it. Under autograd (the update's forward) each
+layer runs the invariant ops without gradients for its values and, in the backward, its
+ordinary ops (the learner's compiled ones) recomputed from the same inputs for its gradients
+(:class:`ValuesThenOrdinaryOps`, reentrant activation checkpointing with two functions): the
+log-probs the loss sees are the invariant ones bit for bit, their gradient that of the ordinary
+ops at the invariant activations (the same function up to rounding), for one invariant forward,
+one recomputation and one backward. The ordinary recomputation routes an MoE layer as the
+invariant forward did only where both replay the engine's experts (routing replay); an MoE
+policy without it runs the invariant forward under autograd instead (slower: each op's
+backward recomputes its ordinary forward).
 """
 
 from __future__ import annotations
