@@ -152,30 +152,36 @@ def _group_param_t(ptr, offs_n, stride_n, k_first, N, SUB: tl.constexpr, G: tl.c
 
 @triton.jit
 def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, K,
-            BITS: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr, ROUND_BF16: tl.constexpr):
+            BITS: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr, ROUND_BF16: tl.constexpr,
+            PACKED_BF16: tl.constexpr):
     """Columns ``128 c + 64 h ..`` of the weight tile (``[64, BN]``, or ``[BN, 64]`` when
-    ``SWAP``) as the values ``ops.dequantize`` writes, in fp32 (the caller casts). BITS 4: half
-    ``h`` of the packed chunk ``packed`` with its group scales (and zero points); BITS 8: int8 /
-    e4m3 codes loaded here, times their channel's scale; BITS 16: a dense 16-bit weight."""
+    ``SWAP``) as the values ``ops.dequantize`` writes. BITS 4: half ``h`` of the packed chunk
+    ``packed`` with its group scales (and zero points); BITS 8: int8 / e4m3 codes loaded here,
+    times their channel's scale; BITS 16: a dense 16-bit weight. In fp32 (the caller casts),
+    except for ``PACKED_BF16`` (4-bit codes, bf16 rows, on a GPU): there in bf16, two weights
+    an instruction (:func:`_w4_bf16`)."""
     k_first = c * 128 + h * 64
     if SWAP:
         nmask = offs_n[:, None] < N
     else:
         nmask = offs_n[None, :] < N
-    if BITS == 4:  # (2**23 + code: no conversion instruction, biased_f32)
-        code = biased_f32((packed >> (4 * h)) & 15)
+    if BITS == 4:
         if SWAP:
             s = _group_param_t(s_base, offs_n, stride_sn, k_first, N, 64, G)
         else:
             s = _group_param(s_base, offs_n, stride_sn, k_first, N, 64, G)
+        z = 0
         if ASYM:
             if SWAP:
                 z = _group_param_t(z_base, offs_n, stride_sn, k_first, N, 64, G)
             else:
                 z = _group_param(z_base, offs_n, stride_sn, k_first, N, 64, G)
-            val = code - biased_f32(z.to(tl.int32))
+        if PACKED_BF16:
+            val = _w4_bf16((packed >> (4 * h)) & 15, z, ASYM, ROUND_BF16)
+        elif ASYM:  # (2**23 + code: no conversion instruction, biased_f32)
+            val = biased_f32((packed >> (4 * h)) & 15) - biased_f32(z.to(tl.int32))
         else:
-            val = code - 8388616.0  # (2**23 + 8)
+            val = biased_f32((packed >> (4 * h)) & 15) - 8388616.0  # (2**23 + 8)
     else:
         ks = k_first + offs_j
         if SWAP:
@@ -192,21 +198,53 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
                 s = tl.load(s_base + offs_n[None, :], mask=nmask, other=0)
         else:  # BITS 16: a dense weight, read as it is
             s = 1.0
-    w = val * s
+    if PACKED_BF16 and not ROUND_BF16:
+        w = val * s.to(tl.bfloat16)  # (see _w4_bf16)
+    else:
+        w = val.to(tl.float32) * s
     if ROUND_BF16:  # (the interpreter's fp32 operands that stand for bf16 ones)
         w = _round_bf16(w)
     return w
 
 
 @triton.jit
-def _packed_chunk(w_tile, c, offs_j, nmask, BITS: tl.constexpr, SWAP: tl.constexpr):
-    """Chunk ``c``'s packed bytes (BITS 4: 128 columns in 64 bytes a row); nothing for 8-bit
-    codes, which :func:`_w_half` loads per half."""
+def _w4_bf16(code, z, ASYM: tl.constexpr, F32: tl.constexpr):
+    """bf16 ``code - z`` of int16 codes (0..15) less their zero points (uint8 ``z``, or 8):
+    ``code | 0x4300`` is the bf16 ``128 + code`` (no conversion instruction), less ``128 + z``,
+    exactly. The caller multiplies by the scale in bf16 (fp32 scales that hold bf16 values, as
+    the quantizer rounds them, ``reference.bf16_scale``): one rounding of the exact product,
+    the bf16 that ``ops.dequantize`` writes from its fp32 product. Packed bf16 arithmetic, two
+    weights an instruction; the chain reads only loads and constants, so the compiler converts
+    the packed codes to the MMA operand layout and dequantizes there, with no trip of the
+    dequantized tile through shared memory. ``F32``: the difference in fp32 (the interpreter,
+    whose bf16 arithmetic is wrong)."""
+    v = (code | 0x4300).to(tl.bfloat16, bitcast=True)
+    if F32:
+        v = v.to(tl.float32)
+    if ASYM:
+        zb = (z.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        if F32:
+            zb = zb.to(tl.float32)
+        v = v - zb
+    else:
+        v = v - 136.0  # 128 + 8
+    return v
+
+
+@triton.jit
+def _packed_chunk(w_tile, c, offs_j, nmask, BITS: tl.constexpr, SWAP: tl.constexpr, PACKED_BF16: tl.constexpr):
+    """Chunk ``c``'s packed bytes (BITS 4: 128 columns in 64 bytes a row; int16 for the packed
+    bf16 dequantization, else int32); nothing for 8-bit codes, which :func:`_w_half` loads
+    per half."""
     if BITS == 4:
         if SWAP:
-            packed = tl.load(w_tile + (c * 64 + offs_j)[None, :], mask=nmask, other=0).to(tl.int32)
+            packed = tl.load(w_tile + (c * 64 + offs_j)[None, :], mask=nmask, other=0)
         else:
-            packed = tl.load(w_tile + (c * 64 + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+            packed = tl.load(w_tile + (c * 64 + offs_j)[:, None], mask=nmask, other=0)
+        if PACKED_BF16:
+            packed = packed.to(tl.int16)
+        else:
+            packed = packed.to(tl.int32)
     else:
         packed = 0
     return packed
@@ -219,6 +257,7 @@ def grouped_gemm_kernel(
     stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, EP: tl.constexpr, SWAP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PACKED_BF16: tl.constexpr,
 ):
     pid_t, pid_n = _tile_ids(tl.program_id(0), M_TILES * BM, N, BM, BN, GROUP_M)
     e, row0, row_end, exists = expert_tile(off_ptr, pid_t, E, EP, BM)
@@ -237,10 +276,10 @@ def grouped_gemm_kernel(
         w_tile = w_ptr + (first_row + offs_n[:, None]) * stride_wn
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for c in range(0, NCHUNK):
-            packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP)
+            packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP, PACKED_BF16)
             for h in tl.static_range(2):
                 w = _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, K,
-                            BITS, ASYM, G, SWAP, ROUND_BF16)
+                            BITS, ASYM, G, SWAP, ROUND_BF16, PACKED_BF16)
                 ks = c * 128 + h * 64 + offs_j
                 x = tl.load(x_cols + ks[:, None], mask=mmask & (ks[:, None] < K), other=0.0)
                 acc = tl.dot(w.to(x_ptr.dtype.element_ty), x, acc)
@@ -253,10 +292,10 @@ def grouped_gemm_kernel(
         w_tile = w_ptr + (first_row + offs_n[None, :]) * stride_wn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for c in range(0, NCHUNK):
-            packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP)
+            packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP, PACKED_BF16)
             for h in tl.static_range(2):
                 w = _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, K,
-                            BITS, ASYM, G, SWAP, ROUND_BF16)
+                            BITS, ASYM, G, SWAP, ROUND_BF16, PACKED_BF16)
                 ks = c * 128 + h * 64 + offs_j
                 x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
                 acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
@@ -327,6 +366,7 @@ def _launch(x: torch.Tensor, offsets: torch.Tensor, qdata: torch.Tensor, scales:
         x.stride(0), qdata.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, ASYM=zeros is not None, G=group, EP=max(2, next_pow2(num_experts)),
         SWAP=cfg.swap, BM=cfg.bm, BN=cfg.bn, GROUP_M=cfg.group_m, ROUND_BF16=emulate,
+        PACKED_BF16=bits == 4 and dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.to(dtype)
