@@ -64,7 +64,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quarl.model.moe import Experts, grouped_linear, run_experts
+from quarl.model.moe import Experts, grouped_linear, run_experts, sort_by_expert
 from quarl.quant import ops
 from quarl.quant.kernels.moe_rules import kernel_wins, moe_kernel_supports
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -133,11 +133,13 @@ def seen_rows(rows: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch.
 
 
 def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, num_experts: int,
-                            repacked: RepackCache | None, master: torch.Tensor | None) -> bool:
+                            repacked: RepackCache | None, master: torch.Tensor | None,
+                            pairs: int | None = None) -> bool:
     """Whether :func:`grouped_quant_linear` runs the grouped kernel: a scheme it reads
     (int4 groups, 8-bit per channel), bf16 / fp16 rows on the fast path, no learner
     ``master``, no dense copy kept by the owner, and no gradient wanted through the rows (the
-    kernel has no backward)."""
+    kernel has no backward). ``pairs``: the GEMM's row count where it is not ``rows``' (the
+    fused gather reads each token's row once for its k pairs)."""
     if master is not None or (repacked is not None and repacked.dense):
         return False
     if not moe_kernel_supports(qw.scheme):
@@ -149,7 +151,7 @@ def _grouped_kernel_applies(rows: torch.Tensor, qw: QuantizedWeight, num_experts
     if rows.is_cuda and ops.get_backend() != "triton":
         # `auto` on a GPU: the kernel where it beats dequantize + grouped GEMM (few rows per
         # expert: decode), by the measured rule; `use_backend("triton")` always runs it
-        return kernel_wins(qw.scheme, rows.shape[0], num_experts)
+        return kernel_wins(qw.scheme, rows.shape[0] if pairs is None else pairs, num_experts)
     return True
 
 
@@ -185,15 +187,42 @@ def experts_forward(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     ``[E * N, K]`` :class:`QuantizedWeight` of each projection): x ``[N, H]``, expert_ids
     ``[N, k]``, weights ``[N, k]`` -> ``[N, H]``. The same sort, gathers and fixed-order sum over
     the slots as the bf16 experts; each projection is :func:`grouped_quant_linear`, plus its
-    adapter's term where ``lora`` (enabled :class:`~quarl.model.lora.ExpertsLoRA`) is given."""
+    adapter's term where ``lora`` (enabled :class:`~quarl.model.lora.ExpertsLoRA`) is given.
+    Where the grouped kernel runs both projections (no adapters), the steps around them are
+    fused into it (:func:`_fused_experts`)."""
     num_experts = weights_of["gate_up_proj"].out_features // (2 * intermediate_size)
     cache = repacked or {}
     master = masters or {}
+    pairs = expert_ids.numel()
+    if lora is None and weights.dtype == x.dtype and all(
+            _grouped_kernel_applies(x, weights_of[p], num_experts, cache.get(p), master.get(p), pairs)
+            for p in PROJECTIONS):
+        return _fused_experts(x, expert_ids, weights, num_experts, weights_of)
 
     def project(rows: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
         return grouped_quant_linear(rows, weights_of[name], offsets, num_experts, cache.get(name), master.get(name))
 
     return run_experts(x, expert_ids, weights, num_experts, intermediate_size, project, lora)
+
+
+def _fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                   weights_of: dict[str, QuantizedWeight]) -> torch.Tensor:
+    """:func:`~quarl.model.moe.run_experts`'s steps with the grouped kernel's fusions
+    (:func:`quarl.quant.kernels.moe_gemm.grouped_gemm`): the gate/up GEMM reads each pair's
+    token row of x in place (no gathered copy) and ends in SiLU-and-mul; the down GEMM writes
+    each pair's row back to its (token, slot) position times its routing weight; the sum over
+    the slots is the unfused one. The same roundings as the unfused path, step by step
+    (W8A8: x's rows quantized per token once, which is each gathered copy's quantization)."""
+    from quarl.quant.kernels.moe_gemm import grouped_gemm
+
+    n, k = expert_ids.shape
+    order, offsets = sort_by_expert(expert_ids, num_experts)
+    gate_up, down = weights_of["gate_up_proj"], weights_of["down_proj"]
+    hidden = grouped_gemm(seen_rows(x, gate_up.scheme.act_format, x.dtype), offsets, gate_up, num_experts,
+                          gated=True, order=order, slots=k)
+    per_slot = grouped_gemm(seen_rows(hidden, down.scheme.act_format, x.dtype), offsets, down, num_experts,
+                            order=order, route_weights=weights.reshape(-1))
+    return per_slot.view(n, k, -1).sum(dim=1)
 
 
 def _enabled(experts: nn.Module):

@@ -131,3 +131,55 @@ def test_counting_expert_order_on_the_gpu_is_the_stable_sort(tokens):
     graph.replay()
     assert torch.equal(captured[0], torch.argsort(ids.reshape(-1), stable=True))
 
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym"])
+def test_kernel_weights_are_the_dequantized_values_bit_for_bit(scheme):
+    """One-hot rows read the weights back: row ``j`` of expert ``e`` (a 1 in column ``j``)
+    gives expert e's dequantized column ``j`` exactly, whatever the summation order (every
+    other product is zero). So the kernel's in-register bf16 dequantization (packed bf16
+    subtract and scale) equals ``dequantize``'s fp32 product rounded once, in every config."""
+    from quarl.quant.kernels.moe_gemm import grouped_gemm
+
+    e, n, k = 4, 192, 384
+    qw = quantize_weight(0.05 * torch.randn(e * n, k, device=DEV), scheme)
+    want = qw.dequantize(torch.bfloat16).view(e, n, k).transpose(1, 2).reshape(e * k, n)
+    x = torch.eye(k, device=DEV, dtype=torch.bfloat16).repeat(e, 1)
+    offsets = torch.arange(1, e + 1, device=DEV, dtype=torch.int32) * k
+    for cfg in _configs():
+        assert torch.equal(grouped_gemm(x, offsets, qw, e, cfg), want), cfg
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tokens", [8, 64, 512])
+def test_fused_steps_equal_the_unfused_ones(scheme, tokens):
+    """The fused gather + gate/up + SiLU-and-mul and down + weighted scatter (what QuantExperts
+    runs where the kernel takes both projections) against the same kernel unfused with torch's
+    steps between: the scatter bit for bit; SiLU-and-mul as the engine's fused kernel computes
+    it, torch's bits (one rounding step at most, seldom, where exp's last bit differs)."""
+    from quarl.quant import ops
+    from quarl.quant.kernels.moe_gemm import grouped_gemm
+
+    hidden, inter = SHAPES["down"]
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    gate_up = quantize_weight(0.02 * torch.randn(E * 2 * inter, hidden, device=DEV, generator=g), scheme)
+    down = quantize_weight(0.02 * torch.randn(E * hidden, inter, device=DEV, generator=g), scheme)
+    x = torch.randn(tokens, hidden, device=DEV, generator=g, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=DEV, generator=g)[:TOP_K] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, TOP_K, device=DEV, generator=g), -1).bfloat16()
+    order, offsets = sort_by_expert(ids, E)
+    fmt = gate_up.scheme.act_format
+
+    def seen(rows):
+        return rows if fmt == "none" else ops.quantize_input(rows.contiguous(), fmt, torch.bfloat16)[2]
+
+    rows = x.unsqueeze(1).expand(tokens, TOP_K, hidden).reshape(-1, hidden)[order]
+    gate, up = grouped_gemm(seen(rows), offsets, gate_up, E).chunk(2, dim=-1)
+    hidden_ref = torch.nn.functional.silu(gate) * up
+    got = grouped_gemm(seen(x), offsets, gate_up, E, gated=True, order=order, slots=TOP_K)
+    assert ((got.float() - hidden_ref.float()).abs() <= 2.0**-7 * hidden_ref.float().abs()).all()
+    assert (got == hidden_ref).float().mean() > 0.999
+    out = grouped_gemm(seen(hidden_ref), offsets, down, E)
+    per_slot_ref = torch.empty_like(out).index_copy_(0, order, out) * w.reshape(-1, 1)
+    per_slot = grouped_gemm(seen(hidden_ref), offsets, down, E, order=order, route_weights=w.reshape(-1))
+    assert torch.equal(per_slot, per_slot_ref)

@@ -56,7 +56,7 @@ import triton.language as tl
 from quarl.quant.kernels.act_quant import interpreting, next_pow2
 from quarl.quant.kernels.moe_rules import moe_kernel_supports
 from quarl.quant.kernels.splitk import cdiv
-from quarl.quant.kernels.triton_kernels import _group_param, _tile_ids, biased_f32
+from quarl.quant.kernels.triton_kernels import _group_param, _tile_ids, biased_f32, silu_mul_value
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
@@ -251,13 +251,52 @@ def _packed_chunk(w_tile, c, offs_j, nmask, BITS: tl.constexpr, SWAP: tl.constex
 
 
 @triton.jit
+def _gated_value(acc_g, acc_u, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """``silu(g) * u`` of the gate and up sums, each rounded to the output dtype first: the
+    steps of the unfused path (the grouped GEMM's output, then the model's SiLU-and-mul,
+    :func:`~quarl.quant.kernels.triton_kernels.silu_mul_value`). Under the interpreter's bf16
+    stand-in every rounding is explicit (:func:`_round_bf16`)."""
+    if ROUND_BF16:
+        g = _round_bf16(acc_g)
+        sg = _round_bf16(g / (1.0 + tl.exp(-g)))
+        out = _round_bf16(sg * _round_bf16(acc_u))
+    else:
+        out = silu_mul_value(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
+    return out
+
+
+@triton.jit
+def _store_tile(acc, acc_u, out_ptr, dst_ptr, rw_ptr, m_idx, n_idx, mmask, nmask, stride_om,
+                GATED: tl.constexpr, SCATTER: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The tile's outputs (``m_idx`` / ``n_idx``: its rows and columns, broadcast to the tile's
+    orientation): ``silu(g) * u`` when GATED; with SCATTER, row ``m`` goes to row ``dst[m]``
+    (its (token, slot) position) times that pair's routing weight ``rw[dst[m]]`` (the product
+    of two rounded values, rounded once, as the unfused path multiplies them)."""
+    dt = out_ptr.dtype.element_ty
+    if GATED:
+        y = _gated_value(acc, acc_u, dt, ROUND_BF16)
+    elif SCATTER and ROUND_BF16:
+        y = _round_bf16(acc)
+    else:
+        y = acc
+    rows = m_idx.to(tl.int64)
+    if SCATTER:
+        rows = tl.load(dst_ptr + m_idx, mask=mmask, other=0)
+        rw = tl.load(rw_ptr + rows, mask=mmask, other=0).to(tl.float32)
+        y = y.to(dt).to(tl.float32) * rw
+        if ROUND_BF16:
+            y = _round_bf16(y)
+    tl.store(out_ptr + rows * stride_om + n_idx, y.to(dt), mask=mmask & nmask)
+
+
+@triton.jit
 def grouped_gemm_kernel(
-    x_ptr, off_ptr, w_ptr, s_ptr, z_ptr, out_ptr,
+    x_ptr, off_ptr, w_ptr, s_ptr, z_ptr, out_ptr, src_ptr, dst_ptr, rw_ptr,
     N, K, E, NCHUNK, M_TILES,
     stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, EP: tl.constexpr, SWAP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, ROUND_BF16: tl.constexpr,
-    PACKED_BF16: tl.constexpr,
+    PACKED_BF16: tl.constexpr, GATED: tl.constexpr, SLOTS: tl.constexpr, SCATTER: tl.constexpr,
 ):
     pid_t, pid_n = _tile_ids(tl.program_id(0), M_TILES * BM, N, BM, BN, GROUP_M)
     e, row0, row_end, exists = expert_tile(off_ptr, pid_t, E, EP, BM)
@@ -266,60 +305,87 @@ def grouped_gemm_kernel(
     offs_m = row0 + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_j = tl.arange(0, 64)
-    first_row = e.to(tl.int64) * N  # expert e's rows of the stacked [E * N, ...] tensors
+    # expert e's rows of the stacked [E * N, ...] tensors ([E * 2N, ...] when GATED: N gate
+    # rows, then N up rows)
+    first_row = e.to(tl.int64) * N * (2 if GATED else 1)
     s_base = s_ptr + first_row * stride_sn
     z_base = z_ptr + first_row * stride_sn
+    if SLOTS > 0:  # sorted pair m reads its token's row of x (module docstring of grouped_gemm)
+        x_row = tl.load(src_ptr + offs_m, mask=offs_m < row_end, other=0) // SLOTS
+    else:
+        x_row = offs_m.to(tl.int64)
     if SWAP:  # out^T tile [BN, BM] = W [BN, 64] @ x^T [64, BM]: the weight is the dot's first operand
-        mmask = offs_m[None, :] < row_end
-        nmask = offs_n[:, None] < N
-        x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
-        w_tile = w_ptr + (first_row + offs_n[:, None]) * stride_wn
+        m_idx = offs_m[None, :]
+        n_idx = offs_n[:, None]
+        x_at = x_ptr + x_row[None, :] * stride_xm
         acc = tl.zeros([BN, BM], dtype=tl.float32)
-        for c in range(0, NCHUNK):
-            packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP, PACKED_BF16)
-            for h in tl.static_range(2):
-                w = _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, K,
-                            BITS, ASYM, G, SWAP, ROUND_BF16, PACKED_BF16)
-                ks = c * 128 + h * 64 + offs_j
-                x = tl.load(x_cols + ks[:, None], mask=mmask & (ks[:, None] < K), other=0.0)
-                acc = tl.dot(w.to(x_ptr.dtype.element_ty), x, acc)
-        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=mmask & nmask)
     else:  # out tile [BM, BN] = x [BM, 64] @ W^T [64, BN]
-        mmask = offs_m[:, None] < row_end
-        nmask = offs_n[None, :] < N
-        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-        w_tile = w_ptr + (first_row + offs_n[None, :]) * stride_wn
+        m_idx = offs_m[:, None]
+        n_idx = offs_n[None, :]
+        x_at = x_ptr + x_row[:, None] * stride_xm
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for c in range(0, NCHUNK):
-            packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP, PACKED_BF16)
-            for h in tl.static_range(2):
-                w = _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, K,
-                            BITS, ASYM, G, SWAP, ROUND_BF16, PACKED_BF16)
-                ks = c * 128 + h * 64 + offs_j
-                x = tl.load(x_rows + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
-                acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mmask & nmask)
+    mmask = m_idx < row_end
+    nmask = n_idx < N
+    w_tile = w_ptr + (first_row + n_idx) * stride_wn
+    w_tile_u = w_tile + N * stride_wn
+    acc_u = acc
+    for c in range(0, NCHUNK):
+        packed = _packed_chunk(w_tile, c, offs_j, nmask, BITS, SWAP, PACKED_BF16)
+        if GATED:
+            packed_u = _packed_chunk(w_tile_u, c, offs_j, nmask, BITS, SWAP, PACKED_BF16)
+        for h in tl.static_range(2):
+            ks = c * 128 + h * 64 + offs_j
+            w = _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, K,
+                        BITS, ASYM, G, SWAP, ROUND_BF16, PACKED_BF16).to(x_ptr.dtype.element_ty)
+            if GATED:
+                w_u = _w_half(w_tile_u, packed_u, c, h, offs_j, s_base + N * stride_sn, z_base + N * stride_sn,
+                              offs_n, stride_sn, N, K, BITS, ASYM, G, SWAP, ROUND_BF16,
+                              PACKED_BF16).to(x_ptr.dtype.element_ty)
+            if SWAP:
+                x = tl.load(x_at + ks[:, None], mask=mmask & (ks[:, None] < K), other=0.0)
+                acc = tl.dot(w, x, acc)
+                if GATED:
+                    acc_u = tl.dot(w_u, x, acc_u)
+            else:
+                x = tl.load(x_at + ks[None, :], mask=mmask & (ks[None, :] < K), other=0.0)
+                acc = tl.dot(x, w, acc)
+                if GATED:
+                    acc_u = tl.dot(x, w_u, acc_u)
+    _store_tile(acc, acc_u, out_ptr, dst_ptr, rw_ptr, m_idx, n_idx, mmask, nmask, stride_om,
+                GATED, SCATTER, ROUND_BF16)
 
 
 def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, qw: QuantizedWeight, num_experts: int,
-                cfg: MoeConfig | None = None) -> torch.Tensor:
+                cfg: MoeConfig | None = None, *, gated: bool = False, order: torch.Tensor | None = None,
+                slots: int = 0, route_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``[M, N]`` in x's dtype: each expert's sorted rows of ``x [M, K]`` times its block of the
     packed ``qw [E * N, K]`` transposed (module docstring). Rows past ``offsets[E-1]`` are not
-    written (there are none for :func:`~quarl.model.moe.sort_by_expert`'s offsets)."""
+    written (there are none for :func:`~quarl.model.moe.sort_by_expert`'s offsets).
+
+    The MoE block's steps around the GEMMs, fused (the unfused path's roundings, step by step):
+
+    - ``gated``: ``qw`` is ``[E * 2N, K]``, each expert's N gate rows above its N up rows (the
+      stacked ``gate_up_proj``); the output is ``silu(gate) * up``, ``[M, N]``.
+    - ``order`` with ``slots = k`` (the gather): ``x [T, K]`` holds one row per token and the
+      sorted (token, slot) pairs ``order [M]`` (:func:`~quarl.model.moe.sort_by_expert`) read
+      token ``order[m] // k``'s row: no ``[M, K]`` copy of the rows.
+    - ``order`` with ``route_weights [M]`` (the scatter; the pairs' routing weights in (token,
+      slot) order): the output is in (token, slot) order, row ``order[m]`` holding sorted row
+      ``m`` times its routing weight, ready for the sum over the slots."""
     if not moe_kernel_supports(qw.scheme):
         raise ValueError(f"the grouped MoE kernel runs int4 group and 8-bit per-channel weights, got {qw.scheme.name}")
     k = x.shape[1]
-    if qw.in_features != k or qw.out_features % num_experts:
-        raise ValueError(f"rows [{x.shape[0]}, {k}] vs experts' weight {tuple(qw.shape)} of {num_experts} experts")
+    if qw.in_features != k or qw.out_features % (num_experts * (2 if gated else 1)):
+        raise ValueError(f"rows [{x.shape[0]}, {k}] vs experts' weight {tuple(qw.shape)} of {num_experts} experts"
+                         + (" (gated: gate and up rows)" if gated else ""))
     bits = qw.scheme.weight_bits
     scales = qw.scales if bits == 4 else qw.scales.reshape(-1, 1)  # 8-bit: one fp32 scale per channel
     if qw.qdata.stride(1) != 1 or scales.stride(1) != 1 or (
             qw.zeros is not None and qw.zeros.stride() != scales.stride()):
         raise ValueError("the grouped MoE kernel reads row-contiguous codes, scales and zero points")
     nchunk = qw.qdata.shape[1] // (PACK_K // 2) if bits == 4 else cdiv(k, PACK_K)
-    return _launch(x, offsets, qw.qdata, scales, qw.zeros, bits, qw.scheme.group_size or 1, num_experts, nchunk, cfg)
+    return _launch(x, offsets, qw.qdata, scales, qw.zeros, bits, qw.scheme.group_size or 1, num_experts, nchunk, cfg,
+                   _Fusion(gated, order, slots, route_weights))
 
 
 def grouped_gemm_dense(x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor,
@@ -336,23 +402,51 @@ def grouped_gemm_dense(x: torch.Tensor, offsets: torch.Tensor, weight: torch.Ten
     return _launch(x, offsets, w, w, None, 16, 1, e, cdiv(k, PACK_K), cfg)
 
 
+class _Fusion(NamedTuple):
+    """The steps :func:`grouped_gemm` fuses (its docstring)."""
+
+    gated: bool = False
+    order: torch.Tensor | None = None
+    slots: int = 0
+    route_weights: torch.Tensor | None = None
+
+    def rows(self, x: torch.Tensor) -> int:
+        """Rows of the GEMM (sorted pairs)."""
+        if (self.slots or self.route_weights is not None) and self.order is None:
+            raise ValueError("the gather (slots) and the scatter (route_weights) need the pairs' order")
+        if self.order is not None and (self.order.dim() != 1 or self.order.device != x.device):
+            raise ValueError(f"order must be 1-D on {x.device}, got {tuple(self.order.shape)} on {self.order.device}")
+        if self.slots:
+            if self.order.numel() > x.shape[0] * self.slots:
+                raise ValueError(f"{self.order.numel()} pairs from {x.shape[0]} tokens of {self.slots} slots")
+            return self.order.numel()
+        if self.order is not None and self.order.numel() != x.shape[0]:
+            raise ValueError(f"order of {self.order.numel()} pairs vs {x.shape[0]} rows")
+        if self.route_weights is not None and self.route_weights.shape != (x.shape[0],):
+            raise ValueError(f"route_weights {tuple(self.route_weights.shape)} vs {x.shape[0]} pairs")
+        return x.shape[0]
+
+
 def _launch(x: torch.Tensor, offsets: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, bits: int, group: int, num_experts: int, nchunk: int,
-            cfg: MoeConfig | None) -> torch.Tensor:
+            cfg: MoeConfig | None, fusion: _Fusion = _Fusion()) -> torch.Tensor:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the grouped MoE kernel takes bf16 / fp16 rows, got {x.dtype}")
     if offsets.shape != (num_experts,) or offsets.dtype != torch.int32 or offsets.device != x.device:
         raise ValueError(f"offsets must be int32 [{num_experts}] on {x.device}, got {offsets.dtype} "
                          f"{tuple(offsets.shape)} on {offsets.device}")
-    m, k = x.shape
-    n = qdata.shape[0] // num_experts
+    m, k = fusion.rows(x), x.shape[1]
+    n = qdata.shape[0] // num_experts // (2 if fusion.gated else 1)
     dtype = x.dtype
     # the interpreter's bf16 stand-in (module docstring)
     emulate = interpreting(x) and dtype == torch.bfloat16
+    route_weights = fusion.route_weights
     if emulate:
         x = x.float()
         if bits == 16:
             qdata = qdata.float()
+        if route_weights is not None:
+            route_weights = route_weights.float()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.to(dtype)
@@ -360,13 +454,16 @@ def _launch(x: torch.Tensor, offsets: torch.Tensor, qdata: torch.Tensor, scales:
         x = x.contiguous()
     cfg = cfg or pick_config(m, num_experts, interpreting(x))
     m_tiles = tile_bound(m, num_experts, cfg.bm)
+    order = fusion.order if fusion.order is not None else offsets
     grouped_gemm_kernel[(m_tiles * cdiv(n, cfg.bn),)](
         x, offsets, qdata, scales, zeros if zeros is not None else scales, out,
+        order, order, route_weights if route_weights is not None else scales,
         n, k, num_experts, nchunk, m_tiles,
         x.stride(0), qdata.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, ASYM=zeros is not None, G=group, EP=max(2, next_pow2(num_experts)),
         SWAP=cfg.swap, BM=cfg.bm, BN=cfg.bn, GROUP_M=cfg.group_m, ROUND_BF16=emulate,
-        PACKED_BF16=bits == 4 and dtype == torch.bfloat16,
+        PACKED_BF16=bits == 4 and dtype == torch.bfloat16, GATED=fusion.gated, SLOTS=fusion.slots,
+        SCATTER=route_weights is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.to(dtype)
