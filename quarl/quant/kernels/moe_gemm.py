@@ -185,12 +185,16 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
     else:
         ks = k_first + offs_j
         if SWAP:
+            at = w_tile + ks[None, :]
             wmask = nmask & (ks[None, :] < K)
-            code = tl.load(w_tile + ks[None, :], mask=wmask)
         else:
+            at = w_tile + ks[:, None]
             wmask = nmask & (ks[:, None] < K)
-            code = tl.load(w_tile + ks[:, None], mask=wmask)
-        val = tl.where(wmask, code.to(tl.float32), 0.0)  # (no `other` for e4m3 codes: masked lanes are zeroed here)
+        if w_tile.dtype.element_ty == tl.float8e4nv:  # (no `other` for e4m3: the bytes, zero where masked)
+            code = tl.load(at.to(tl.pointer_type(tl.uint8)), mask=wmask, other=0).to(tl.float8e4nv, bitcast=True)
+        else:
+            code = tl.load(at, mask=wmask, other=0)
+        val = code.to(tl.float32)
         if BITS == 8:
             if SWAP:
                 s = tl.load(s_base + offs_n[:, None], mask=nmask, other=0)
