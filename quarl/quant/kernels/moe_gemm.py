@@ -158,8 +158,8 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
     ``SWAP``) as the values ``ops.dequantize`` writes. BITS 4: half ``h`` of the packed chunk
     ``packed`` with its group scales (and zero points); BITS 8: int8 / e4m3 codes loaded here,
     times their channel's scale; BITS 16: a dense 16-bit weight. In fp32 (the caller casts),
-    except for ``PACKED_BF16`` (4-bit codes, bf16 rows, on a GPU): there in bf16, two weights
-    an instruction (:func:`_w4_bf16`)."""
+    except for ``PACKED_BF16`` (4-bit codes, bf16 rows): there in bf16, two weights an
+    instruction (:func:`_w4_bf16`; under the interpreter, ``ROUND_BF16``, in fp32)."""
     k_first = c * 128 + h * 64
     if SWAP:
         nmask = offs_n[:, None] < N
