@@ -30,7 +30,7 @@ RUNS = {
     "exact-lora-aligned-w4a16-kvfp8-oldlogp": [
         "--quant.exact=true", "--quant.mode=aligned", "--quant.scheme=w4a16", "--model.lora_rank=4",
         "--rollout.engine.kv_cache_dtype=fp8", "--trainer.mini_batches=2", "--rollout.temperature=0.8",
-        "--rollout.top_p=0.9", "--trainer.sft_warmup_steps=0"],
+        "--rollout.top_p=0.9"],
     # IcePop's rejection, one optimizer step: the sampler's log-probs stand in for the old-logp pass
     "exact-moe-aligned-w4a16-r3-icepop": ["--quant.exact=true", "--model.builtin=moe-tiny", "--quant.mode=aligned",
                                           "--quant.scheme=w4a16", "--rollout.routing_replay=r3",
