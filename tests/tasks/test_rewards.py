@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+import re
 import time
 
 import pytest
@@ -156,7 +157,11 @@ def test_a_verifier_that_hangs_on_everything_stops_after_about_two_timeouts():
         with pytest.raises(RewardFailed) as e:
             pool.score(["hang"] * 20, examples("a" * 20))
         elapsed = time.monotonic() - start
-    assert "timed out on all 20 items of the batch (> 1 s each; the last 16 were not tried" in str(e.value)
+    # each worker hangs twice before the batch stops: 4 items tried, or 5 when one worker's replacement takes
+    # an item while the other's first item is still running (the timeouts need not fall in one wake-up)
+    untried = re.search(r"timed out on all 20 items of the batch \(> 1 s each; the last (\d+) were not tried",
+                        str(e.value))
+    assert untried and 15 <= int(untried.group(1)) <= 16, str(e.value)
     assert "reward tests.tasks.reward_fns:exact" in str(e.value) and "data.reward_timeout_s (now 1)" in str(e.value)
     assert elapsed < 6.0, elapsed
 
