@@ -3,7 +3,12 @@ a float64 loop over experts, and its dispatch in quarl.quant.experts.grouped_qua
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("needs_triton")
 
 SUPPORTED = ["w4a16", "w4a16-asym", "w8a8-int8", "w8a8-fp8"]  # int4 groups; 8-bit codes, a scale per channel
 UNSUPPORTED = ["w4a8-int8", "w2a16", "mxfp4", "nvfp4"]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16]  # bf16: the interpreter's fp32 stand-in (grouped_gemm); fp16: as on GPU
 N, K = 40, 200  # N not a multiple of the tile, K not of the 128-column chunk (Kp = 256)
 
@@ -181,6 +187,29 @@ def test_one_hot_rows_read_back_the_dequantized_weights_bit_for_bit(name, dtype)
     offsets = torch.tensor([k, 2 * k], dtype=torch.int32)
     for cfg in (None, moe_gemm.MoeConfig(16, 16, group_m=2, swap=True)):
         assert torch.equal(moe_gemm.grouped_gemm(x, offsets, qw, e, cfg), want)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gate_up-fused", "plain"])
+def test_the_int4_decode_loop_spends_few_instructions_a_weight(gated):
+    """The decode tile's main loop compiled for Hopper (no GPU needed: tests/quant/sass_count.py)
+    dequantizes a packed int4 weight in about four instructions: one PRMT a pair of weights
+    (the inline PTX of ``_W4_LOW``; Triton's own byte extension spent three), one packed
+    subtract and one packed multiply a pair, the rest shared by the tile (loads, the x
+    operand, the MMAs). At ~6 a weight the kernel was bound by instruction issue at 58% of its
+    memory floor (docs/moe.md); full bandwidth leaves about 5 (docs/kernels.md)."""
+    moe_gemm = _moe_gemm()
+    cfg = moe_gemm.pick_config(8 * 128, 128)  # Qwen3-30B-A3B decode: ~8 rows an expert
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    args = [4, cfg.bm, cfg.bn, cfg.num_warps, cfg.num_stages, int(cfg.swap), int(gated)]
+    out = subprocess.run([sys.executable, "-m", "tests.quant.sass_count", *map(str, args)], env=env,
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    got = json.loads(out)
+    per_weight = got["loop"] / got["weights_per_thread"]
+    assert per_weight < (4.2 if gated else 5.0), got  # (3.9 and 4.6 now; 5.7 and 6.2 with Triton's unpacking)
+    assert got["ops"]["PRMT"] <= got["weights_per_thread"] / 2, got
+    # the loop found is the K loop: its m16n8k16 MMAs, each warp's BN / warps columns over BK = 128
+    mmas = cfg.bn // cfg.num_warps // 8 * (moe_gemm.BK // 16) * (2 if gated else 1)
+    assert got["ops"]["HMMA"] == mmas, got
 
 
 def _unfused(x, ids, w, gate_up, down, e):

@@ -177,7 +177,7 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
             else:
                 z = _group_param(z_base, offs_n, stride_sn, k_first, N, 64, G)
         if PACKED_BF16:
-            val = _w4_bf16((packed >> (4 * h)) & 15, z, ASYM, ROUND_BF16)
+            val = _w4_bf16(packed, h, z, ASYM, ROUND_BF16)
         elif ASYM:  # (2**23 + code: no conversion instruction, biased_f32)
             val = biased_f32((packed >> (4 * h)) & 15) - biased_f32(z.to(tl.int32))
         else:
@@ -211,20 +211,34 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
     return w
 
 
+# bf16 `128 + code` of four packed bytes' low nibbles (`$2`: the bytes, four to a register;
+# `$0`, `$1`: two bf16 each): mask the nibbles, then one PRMT a pair sets each code byte under a
+# 0x43 high byte. _W4_HIGH shifts the high nibbles down first.
+_W4_LOW = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x0f0f0f0f; "
+                        "prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362; }")
+_W4_HIGH = tl.constexpr("{ .reg .b32 t; shr.u32 t, $2, 4; and.b32 t, t, 0x0f0f0f0f; "
+                         "prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362; }")
+
+
 @triton.jit
-def _w4_bf16(code, z, ASYM: tl.constexpr, F32: tl.constexpr):
-    """bf16 ``code - z`` of int16 codes (0..15) less their zero points (uint8 ``z``, or 8):
-    ``code | 0x4300`` is the bf16 ``128 + code`` (no conversion instruction), less ``128 + z``,
-    exactly. The caller multiplies by the scale in bf16 (fp32 scales that hold bf16 values, as
-    the quantizer rounds them, ``reference.bf16_scale``): one rounding of the exact product,
-    the bf16 that ``ops.dequantize`` writes from its fp32 product. Packed bf16 arithmetic, two
-    weights an instruction; the chain reads only loads and constants, so the compiler converts
-    the packed codes to the MMA operand layout and dequantizes there, with no trip of the
-    dequantized tile through shared memory. ``F32``: the difference in fp32 (the interpreter,
-    whose bf16 arithmetic is wrong)."""
-    v = (code | 0x4300).to(tl.bfloat16, bitcast=True)
+def _w4_bf16(packed, h: tl.constexpr, z, ASYM: tl.constexpr, F32: tl.constexpr):
+    """bf16 ``code - z`` of the packed bytes' nibble ``h`` (codes 0..15) less their zero points
+    (uint8 ``z``, or 8): the bf16 whose bits are ``code | 0x4300`` is ``128 + code``, less
+    ``128 + z``, exactly. Four bytes become four such bf16 in three instructions (``_W4_LOW``,
+    inline PTX: Triton's own byte-to-int16 extension costs three PRMTs a pair). The caller
+    multiplies by the scale in bf16 (fp32 scales that hold bf16 values, as the quantizer rounds
+    them, ``reference.bf16_scale``): one rounding of the exact product, the bf16 that
+    ``ops.dequantize`` writes from its fp32 product. Packed bf16 arithmetic, two weights an
+    instruction; the chain reads only loads and constants, so the compiler converts the packed
+    bytes to the MMA operand layout and dequantizes there, with no trip of the dequantized tile
+    through shared memory. ``F32`` (the interpreter, which runs no PTX and whose bf16 arithmetic
+    is wrong): the same bits built with integer ops, the difference in fp32."""
     if F32:
-        v = v.to(tl.float32)
+        code = ((packed >> (4 * h)) & 15).to(tl.int16)
+        v = (code | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        v = tl.inline_asm_elementwise(_W4_LOW if h == 0 else _W4_HIGH, "=r,=r,r", [packed], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
     if ASYM:
         zb = (z.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
         if F32:
@@ -245,9 +259,7 @@ def _packed_chunk(w_tile, c, offs_j, nmask, BITS: tl.constexpr, SWAP: tl.constex
             packed = tl.load(w_tile + (c * 64 + offs_j)[None, :], mask=nmask, other=0)
         else:
             packed = tl.load(w_tile + (c * 64 + offs_j)[:, None], mask=nmask, other=0)
-        if PACKED_BF16:
-            packed = packed.to(tl.int16)
-        else:
+        if not PACKED_BF16:  # (packed bf16: the bytes as loaded, four to a register)
             packed = packed.to(tl.int32)
     else:
         packed = 0

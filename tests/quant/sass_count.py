@@ -1,0 +1,82 @@
+"""Instructions in the main loop of :func:`grouped_gemm_kernel` compiled for Hopper (sm_90), on
+any machine: Triton compiles without a GPU and its wheel carries ``cuobjdump``
+(docs/kernels.md, "Counting a Triton kernel's instructions without a GPU"). Run as a script
+(the test runs it in a child process: under TRITON_INTERPRET the kernel is not compiled):
+
+    python -m tests.quant.sass_count BITS BM BN WARPS STAGES SWAP GATED
+
+prints a JSON object: ``loop`` (instructions between the loop's backward branch and its target),
+``ops`` (their count by opcode) and ``weights_per_thread`` (weights one iteration dequantizes per
+thread)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def compile_sm90(bits: int, bm: int, bn: int, warps: int, stages: int, swap: bool, gated: bool) -> bytes:
+    """The cubin of the grouped kernel for the launch ``grouped_gemm`` makes with bf16 rows,
+    with its specialization (16-divisible pointers and strides)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quarl.quant.kernels.moe_gemm import BK, grouped_gemm_kernel
+
+    w = {4: "*u8", 8: "*fp8e4nv", 16: "*bf16"}[bits]
+    sig = {"x_ptr": "*bf16", "off_ptr": "*i32", "w_ptr": w, "s_ptr": "*fp32", "z_ptr": "*fp32",
+           "out_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64", "rw_ptr": "*bf16",
+           **dict.fromkeys(("N", "K", "E", "NCHUNK", "M_TILES", "stride_xm", "stride_wn", "stride_sn",
+                            "stride_om"), "i32")}
+    consts = {"BITS": bits, "ASYM": False, "G": BK if bits == 4 else 1, "EP": 128, "SWAP": swap, "BM": bm,
+              "BN": bn, "GROUP_M": 8, "ROUND_BF16": False, "PACKED_BF16": bits == 4, "GATED": gated,
+              "SLOTS": 8 if gated else 0, "SCATTER": False}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    names = list(sig)
+    divisible = names[:9] + ["N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(grouped_gemm_kernel, sig, consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return k.asm["cubin"]
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (without modifiers) of the longest backward-branch loop of a SASS listing."""
+    ins = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _INSTR.match(line))]
+    best: list[str] = []
+    for off, op, line in ins:
+        target = re.search(r"0x([0-9a-f]+)", line.split(op, 1)[1]) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < off:
+            body = [o for at, o, _ in ins if int(target.group(1), 16) <= at <= off]
+            best = max(best, body, key=len)
+    return collections.Counter(o.split(".")[0] for o in best)
+
+
+def cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def main(argv: list[str]) -> None:
+    bits, bm, bn, warps, stages, swap, gated = (int(a) for a in argv)
+    cubin = compile_sm90(bits, bm, bn, warps, stages, bool(swap), bool(gated))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([cuobjdump(), "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    ops = loop_opcodes(sass)
+    weights = 128 * bn * (2 if gated else 1) // (32 * warps)  # one K step of BK = 128 columns
+    print(json.dumps({"loop": sum(ops.values()), "ops": dict(ops), "weights_per_thread": weights}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
