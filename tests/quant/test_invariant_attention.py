@@ -6,7 +6,7 @@ output is bit-identical decoded alone from a paged cache, decoded in batches of 
 sequences of other lengths at any position, inside the engine's prefill of its whole
 sequence packed among others, in an extend step over a cached prefix, and recomputed in the
 learner's packed sequences (``invariant_varlen_attention``); model-dtype and fp8 caches.
-Group sizes 1, 3 (5 tokens per 16-row tile, the last row padding) and 4; a head dim below
+Group sizes 1, 3 (21 tokens per 64-row tile, the last row padding) and 4; a head dim below
 the block (24 of 32); contexts spanning several 16-key blocks, 32-key splits and pages of 4
 tokens."""
 
@@ -179,11 +179,12 @@ def test_token_is_bit_identical_decoded_prefilled_or_recomputed(group, hkv, dtyp
 @pytest.mark.parametrize("group,hkv,dtype,fp8", CASES[:2] + CASES[3:4], ids=IDS[:2] + IDS[3:4])
 def test_every_token_of_a_prefill_equals_its_decode(group, hkv, dtype, fp8):
     """Token t of a sequence computed inside the learner's packed batch equals decoding it with
-    a cache of t + 1 tokens, for every t (each row position within the 16-row tiles)."""
-    q, k, v = _seq(23, group * hkv, hkv, dtype)
+    a cache of t + 1 tokens, for every t (each row position of the interpreter's 64-row tiles,
+    64 // group tokens each: 70 tokens span two for every group here)."""
+    q, k, v = _seq(70, group * hkv, hkv, dtype)
     other = _seq(9, group * hkv, hkv, dtype)
     packed = _learner([other, (q, k, v)], fp8)[9:]
-    for t in range(23):
+    for t in range(70):
         dec = _decode([(q[: t + 1], k[: t + 1], v[: t + 1])], hkv, dtype, fp8)[0]
         assert _same_bits(packed[t], dec), t
 

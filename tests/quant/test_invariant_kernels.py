@@ -92,8 +92,8 @@ def test_row_is_bit_identical_at_any_batch_size_and_position(name, dtype):
     w, b = _weight(name), torch.randn(N).to(dtype)
     row = torch.randn(1, K).to(dtype)
     alone = inv.invariant_linear(row, w, b)
-    for m in (2, 7, 33, 64):
-        for pos in sorted({0, m // 2, m - 1}):  # tile starts and ends (BM = 16 here) included
+    for m in (2, 7, 33, 130):  # (BM = 64 here: 130 rows span three row tiles)
+        for pos in sorted({0, m // 2, m - 1} | ({63, 64} if m > 64 else set())):  # tile ends and starts included
             batch = _others(m, K, dtype)
             batch[pos] = row[0]
             y = inv.invariant_linear(batch, w, b)

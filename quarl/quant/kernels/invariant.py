@@ -98,7 +98,7 @@ def invariant_config(kind: str, n: int, k: int, m: int, interpret: bool = False,
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; valid: {', '.join(KINDS)}")
     if interpret:
-        return InvariantConfig(16, 16, 32, num_warps=4, num_stages=1)
+        return InvariantConfig(64, 64, 32, num_warps=4, num_stages=1)
     small = m <= SMALL_M
     if kind == "dense":
         if fp32:

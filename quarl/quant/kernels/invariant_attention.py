@@ -70,7 +70,7 @@ def attention_config(head_dim: int, group: int, interpret: bool = False) -> Atte
     """Tile for ``head_dim`` and a GQA ``group`` (query heads per KV head). Deliberately has no
     argument for the number of tokens or sequences; ``group`` only has to fit in BLOCK_R."""
     block_d = max(16, next_pow2(head_dim))
-    cfg = AttentionConfig(16, 16, block_d, 4, 1, 32) if interpret else AttentionConfig(64, 64, block_d, 4, 2, 512)
+    cfg = AttentionConfig(64, 16, block_d, 4, 1, 32) if interpret else AttentionConfig(64, 64, block_d, 4, 2, 512)
     if group > cfg.block_r:
         raise ValueError(f"{group} query heads per KV head: the invariant attention takes at most {cfg.block_r}")
     return cfg

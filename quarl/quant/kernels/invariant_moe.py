@@ -40,7 +40,7 @@ from quarl.quant.kernels.moe_rules import moe_kernel_supports
 def exact_tile(x: torch.Tensor) -> MoeConfig:
     """The one grouped-GEMM tile of exact mode: a function of the device kind only (the
     interpreter takes small tiles), never of the rows. Not tuned."""
-    return MoeConfig(16, 32, 4, 1) if interpreting(x) else MoeConfig(64, 64, 4, 3)
+    return MoeConfig(32, 64, 4, 1) if interpreting(x) else MoeConfig(64, 64, 4, 3)
 
 
 def exact_moe_block(block: SparseMoeBlock, x: torch.Tensor, linear) -> torch.Tensor:
