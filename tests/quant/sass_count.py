@@ -1,9 +1,10 @@
-"""Instructions in the main loop of :func:`grouped_gemm_kernel` compiled for Hopper (sm_90), on
-any machine: Triton compiles without a GPU and its wheel carries ``cuobjdump``
-(docs/kernels.md, "Counting a Triton kernel's instructions without a GPU"). Run as a script
-(the test runs it in a child process: under TRITON_INTERPRET the kernel is not compiled):
+"""Instructions in the main loop of a 4-bit GEMM kernel compiled for Hopper (sm_90), on any
+machine: Triton compiles without a GPU and its wheel carries ``cuobjdump`` (docs/kernels.md,
+"Counting a Triton kernel's instructions without a GPU"). Run as a script (the tests run it in
+a child process: under TRITON_INTERPRET the kernels are not compiled):
 
-    python -m tests.quant.sass_count BITS BM BN WARPS STAGES SWAP GATED
+    python -m tests.quant.sass_count moe BITS BM BN WARPS STAGES SWAP GATED   # grouped_gemm_kernel
+    python -m tests.quant.sass_count invariant BM BN WARPS STAGES             # inv_weight_only_kernel, int4 g128
 
 prints a JSON object: ``loop`` (instructions between the loop's backward branch and its target),
 ``ops`` (their count by opcode) and ``weights_per_thread`` (weights one iteration dequantizes per
@@ -48,6 +49,30 @@ def compile_sm90(bits: int, bm: int, bn: int, warps: int, stages: int, swap: boo
     return k.asm["cubin"]
 
 
+def compile_invariant_sm90(bm: int, bn: int, warps: int, stages: int) -> bytes:
+    """The cubin of the batch-invariant weight-only GEMM on symmetric int4 (group 128) with bf16
+    rows, one K segment, as ``weight_only_gemm`` launches it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quarl.quant.kernels.invariant import inv_weight_only_kernel
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*fp32", "gs_ptr": "*fp32",
+           "bias_ptr": "*fp32", "out_ptr": "*bf16",
+           **dict.fromkeys(("M", "N", "K", "NCHUNK", "SEG_C", "stride_xm", "stride_wn", "stride_sn", "stride_om"),
+                           "i32")}
+    consts = {"FMT": 0, "BITS": 4, "G": 128, "BM": bm, "BN": bn, "HAS_BIAS": False, "PRECISION": "tf32",
+              "INTERP_BF16": False, "SEGMENTED": False, "PARTIAL": False}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    names = list(sig)
+    divisible = names[:7] + ["N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(inv_weight_only_kernel, sig, consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return k.asm["cubin"]
+
+
 def loop_opcodes(sass: str) -> collections.Counter:
     """Opcodes (without modifiers) of the longest backward-branch loop of a SASS listing."""
     ins = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _INSTR.match(line))]
@@ -66,15 +91,30 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+def count(*args: object) -> dict:
+    """This script's JSON for ``args``, run in a child process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "tests.quant.sass_count", *map(str, args)], env=env, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
 def main(argv: list[str]) -> None:
-    bits, bm, bn, warps, stages, swap, gated = (int(a) for a in argv)
-    cubin = compile_sm90(bits, bm, bn, warps, stages, bool(swap), bool(gated))
+    kind, args = argv[0], [int(a) for a in argv[1:]]
+    if kind == "moe":
+        bits, bm, bn, warps, stages, swap, gated = args
+        cubin = compile_sm90(bits, bm, bn, warps, stages, bool(swap), bool(gated))
+        weights = 128 * bn * (2 if gated else 1) // (32 * warps)  # one K step of BK = 128 columns
+    else:
+        bm, bn, warps, stages = args
+        cubin = compile_invariant_sm90(bm, bn, warps, stages)
+        weights = 128 * bn // (32 * warps)  # one packed chunk of 128 columns
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([cuobjdump(), "-sass", f.name], check=True, capture_output=True, text=True).stdout
     ops = loop_opcodes(sass)
-    weights = 128 * bn * (2 if gated else 1) // (32 * warps)  # one K step of BK = 128 columns
     print(json.dumps({"loop": sum(ops.values()), "ops": dict(ops), "weights_per_thread": weights}))
 
 

@@ -1,7 +1,7 @@
 """Batch-invariant GEMMs (quarl.quant.kernels.invariant) under TRITON_INTERPRET=1 on CPU.
 
 For every kind: (i) the float64 reference within an fp32-accumulation bound; (ii) a row's
-output is bit-identical alone (M = 1) and inside batches of M = 2, 7, 33, 64 at different
+output is bit-identical alone (M = 1) and inside batches of M = 2, 7, 33, 130 at different
 positions among other random rows; (iii) M = 0 and odd K. On CPU the interpreter runs each
 tile's dot as one numpy matmul of a fixed shape, so this checks the kernels' structure (tile,
 K order, masking, epilogue, no M-dependent choice); invariance on real tensor cores is for a
@@ -14,14 +14,16 @@ import torch
 
 from quarl.quant import quantize_weight
 from quarl.quant import reference as ref
+from tests.quant import sass_count
 
 pytestmark = pytest.mark.usefixtures("needs_triton")
 
-N, K = 40, 200  # N: the last 16-wide column tile is partial; K: not a multiple of BK nor of 128
+N, K = 40, 200  # N: the column tile is partial; K: not a multiple of BK nor of 128
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CASES = [
     ("dense", F32), ("dense", BF16), ("dense", F16),
-    ("w4a16", F32), ("w4a16", BF16), ("w4a16-asym", F32), ("w2a16", F32), ("nvfp4", F32), ("mxfp4", F32),
+    ("w4a16", F32), ("w4a16", BF16), ("w4a16-asym", F32), ("w4a16-asym", BF16), ("w2a16", F32), ("nvfp4", F32),
+    ("mxfp4", F32),
     ("w8a8-int8", F32), ("w8a8-int8", BF16), ("w8a8-fp8", F32),
 ]
 IDS = [f"{name}-{str(dt).split('.')[-1]}" for name, dt in CASES]
@@ -211,3 +213,15 @@ def test_k_segment_is_a_function_of_k_in_whole_chunks():
         seg = inv.k_segment(k)
         segments = -(-k // seg)
         assert seg % 128 == 0 and segments == min(8, k // 2048)
+
+
+def test_the_int4_decode_tile_dequantizes_in_packed_bf16():
+    """The weight-only kernel's decode tile (W1's shapes: N < 4096) compiled for Hopper (no GPU
+    needed): int4 codes to bf16 in inline PTX and bf16 arithmetic (``w4_bf16``, as the MoE
+    kernel), about 8 instructions a weight in the K loop; the fp32 unpacking, scaling and
+    conversion before it spent 11.7."""
+    cfg = _inv().invariant_config("weight_only", 1536, 1536, 64)
+    got = sass_count.count("invariant", cfg.bm, cfg.bn, cfg.num_warps, cfg.num_stages)
+    assert got["loop"] / got["weights_per_thread"] < 9.0, got
+    assert "FMUL" not in got["ops"] and got["ops"]["HMUL2"] == got["weights_per_thread"] // 2, got
+

@@ -3,12 +3,7 @@ a float64 loop over experts, and its dispatch in quarl.quant.experts.grouped_qua
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +12,12 @@ from quarl.model.moe import sort_by_expert
 from quarl.quant import SCHEMES, get_scheme, quantize_weight, use_backend
 from quarl.quant.experts import QATExperts, QuantExperts, grouped_quant_linear
 from quarl.quant.kernels.w4_layout import RepackCache
+from tests.quant import sass_count
 
 pytestmark = pytest.mark.usefixtures("needs_triton")
 
 SUPPORTED = ["w4a16", "w4a16-asym", "w8a8-int8", "w8a8-fp8"]  # int4 groups; 8-bit codes, a scale per channel
 UNSUPPORTED = ["w4a8-int8", "w2a16", "mxfp4", "nvfp4"]
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16]  # bf16: the interpreter's fp32 stand-in (grouped_gemm); fp16: as on GPU
 N, K = 40, 200  # N not a multiple of the tile, K not of the 128-column chunk (Kp = 256)
 
@@ -199,11 +194,7 @@ def test_the_int4_decode_loop_spends_few_instructions_a_weight(gated):
     memory floor (docs/moe.md); full bandwidth leaves about 5 (docs/kernels.md)."""
     moe_gemm = _moe_gemm()
     cfg = moe_gemm.pick_config(8 * 128, 128)  # Qwen3-30B-A3B decode: ~8 rows an expert
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
-    args = [4, cfg.bm, cfg.bn, cfg.num_warps, cfg.num_stages, int(cfg.swap), int(gated)]
-    out = subprocess.run([sys.executable, "-m", "tests.quant.sass_count", *map(str, args)], env=env,
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    got = json.loads(out)
+    got = sass_count.count("moe", 4, cfg.bm, cfg.bn, cfg.num_warps, cfg.num_stages, int(cfg.swap), int(gated))
     per_weight = got["loop"] / got["weights_per_thread"]
     assert per_weight < (4.2 if gated else 5.0), got  # (3.9 and 4.6 now; 5.7 and 6.2 with Triton's unpacking)
     assert got["ops"]["PRMT"] <= got["weights_per_thread"] / 2, got

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from quarl.quant.kernels.act_quant import act_quant, interpreting
 from quarl.quant.kernels.splitk import cdiv
-from quarl.quant.kernels.triton_kernels import dequant_subtile
+from quarl.quant.kernels.triton_kernels import _group_param, dequant_subtile, w4_bf16
 from quarl.quant.kernels.weight_only import _fmt, _group_params, _nchunk
 from quarl.quant.qweight import QuantizedWeight
 
@@ -264,11 +264,25 @@ def _packed_walk(x_rows, w_cols, s_ptr, z_ptr, offs_n, offs_j, mmask, nmask, str
                  NSUB: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``acc`` plus the products of the packed chunks ``c_lo .. c_hi`` (each sub-tile
     dequantized to ``XT``, x's dtype, then one dot)."""
+    PACKED_BF16: tl.constexpr = BITS == 4 and FMT <= 1 and XT == tl.bfloat16  # (FMT 0 / 1: int sym / asym)
     for c in range(c_lo, c_hi):
-        packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0).to(tl.int32)
+        packed = tl.load(w_cols + (c * SUB + offs_j)[:, None], mask=nmask, other=0)
+        if not PACKED_BF16:
+            packed = packed.to(tl.int32)
         for i in tl.static_range(NSUB):
             k_first = c * 128 + i * SUB
-            val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS, SUB, G)
+            if PACKED_BF16:  # the same values in bf16 arithmetic, bytes unpacked in PTX (w4_bf16)
+                z = 0
+                if FMT == 1:
+                    z = _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+                s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
+                if INTERP_BF16:
+                    val = w4_bf16(packed, i, z, FMT == 1, True) * s
+                else:
+                    val = w4_bf16(packed, i, z, FMT == 1, False) * s.to(tl.bfloat16)
+            else:
+                val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS,
+                                      SUB, G)
             if INTERP_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round in fp32 bits
                 w = _bf16_rne(val)
             else:

@@ -56,7 +56,7 @@ import triton.language as tl
 from quarl.quant.kernels.act_quant import interpreting, next_pow2
 from quarl.quant.kernels.moe_rules import moe_kernel_supports
 from quarl.quant.kernels.splitk import cdiv
-from quarl.quant.kernels.triton_kernels import _group_param, _tile_ids, biased_f32, silu_mul_value
+from quarl.quant.kernels.triton_kernels import _group_param, _tile_ids, biased_f32, silu_mul_value, w4_bf16
 from quarl.quant.qweight import QuantizedWeight
 from quarl.quant.scheme import PACK_K
 
@@ -161,7 +161,8 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
     ``packed`` with its group scales (and zero points); BITS 8: int8 / e4m3 codes loaded here,
     times their channel's scale; BITS 16: a dense 16-bit weight. In fp32 (the caller casts),
     except for ``PACKED_BF16`` (4-bit codes, bf16 rows): there in bf16, two weights an
-    instruction (:func:`_w4_bf16`; under the interpreter, ``ROUND_BF16``, in fp32)."""
+    instruction (:func:`~quarl.quant.kernels.triton_kernels.w4_bf16`; under the interpreter,
+    ``ROUND_BF16``, in fp32)."""
     k_first = c * 128 + h * 64
     if SWAP:
         nmask = offs_n[:, None] < N
@@ -179,7 +180,7 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
             else:
                 z = _group_param(z_base, offs_n, stride_sn, k_first, N, 64, G)
         if PACKED_BF16:
-            val = _w4_bf16(packed, h, z, ASYM, ROUND_BF16)
+            val = w4_bf16(packed, h, z, ASYM, ROUND_BF16)
         elif ASYM:  # (2**23 + code: no conversion instruction, biased_f32)
             val = biased_f32((packed >> (4 * h)) & 15) - biased_f32(z.to(tl.int32))
         else:
@@ -205,50 +206,12 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
         else:  # BITS 16: a dense weight, read as it is
             s = 1.0
     if PACKED_BF16 and not ROUND_BF16:
-        w = val * s.to(tl.bfloat16)  # (see _w4_bf16)
+        w = val * s.to(tl.bfloat16)  # (see w4_bf16)
     else:
         w = val.to(tl.float32) * s
     if ROUND_BF16:  # (the interpreter's fp32 operands that stand for bf16 ones)
         w = _round_bf16(w)
     return w
-
-
-# bf16 `128 + code` of four packed bytes' low nibbles (`$2`: the bytes, four to a register;
-# `$0`, `$1`: two bf16 each): mask the nibbles, then one PRMT a pair sets each code byte under a
-# 0x43 high byte. _W4_HIGH shifts the high nibbles down first.
-_W4_LOW = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x0f0f0f0f; "
-                        "prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362; }")
-_W4_HIGH = tl.constexpr("{ .reg .b32 t; shr.u32 t, $2, 4; and.b32 t, t, 0x0f0f0f0f; "
-                         "prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362; }")
-
-
-@triton.jit
-def _w4_bf16(packed, h: tl.constexpr, z, ASYM: tl.constexpr, F32: tl.constexpr):
-    """bf16 ``code - z`` of the packed bytes' nibble ``h`` (codes 0..15) less their zero points
-    (uint8 ``z``, or 8): the bf16 whose bits are ``code | 0x4300`` is ``128 + code``, less
-    ``128 + z``, exactly. Four bytes become four such bf16 in three instructions (``_W4_LOW``,
-    inline PTX: Triton's own byte-to-int16 extension costs three PRMTs a pair). The caller
-    multiplies by the scale in bf16 (fp32 scales that hold bf16 values, as the quantizer rounds
-    them, ``reference.bf16_scale``): one rounding of the exact product, the bf16 that
-    ``ops.dequantize`` writes from its fp32 product. Packed bf16 arithmetic, two weights an
-    instruction; the chain reads only loads and constants, so the compiler converts the packed
-    bytes to the MMA operand layout and dequantizes there, with no trip of the dequantized tile
-    through shared memory. ``F32`` (the interpreter, which runs no PTX and whose bf16 arithmetic
-    is wrong): the same bits built with integer ops, the difference in fp32."""
-    if F32:
-        code = ((packed >> (4 * h)) & 15).to(tl.int16)
-        v = (code | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32)
-    else:
-        v = tl.inline_asm_elementwise(_W4_LOW if h == 0 else _W4_HIGH, "=r,=r,r", [packed], dtype=tl.bfloat16,
-                                      is_pure=True, pack=4)
-    if ASYM:
-        zb = (z.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-        if F32:
-            zb = zb.to(tl.float32)
-        v = v - zb
-    else:
-        v = v - 136.0  # 128 + 8
-    return v
 
 
 @triton.jit

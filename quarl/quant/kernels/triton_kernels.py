@@ -325,6 +325,45 @@ def biased_f32(v):
     return (v | 0x4B000000).to(tl.float32, bitcast=True)
 
 
+# bf16 `128 + code` of four packed bytes' low nibbles (`$2`: the bytes, four to a register;
+# `$0`, `$1`: two bf16 each): mask the nibbles, then one PRMT a pair sets each code byte under a
+# 0x43 high byte. W4_HIGH shifts the high nibbles down first.
+W4_LOW = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x0f0f0f0f; "
+                       "prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362; }")
+W4_HIGH = tl.constexpr("{ .reg .b32 t; shr.u32 t, $2, 4; and.b32 t, t, 0x0f0f0f0f; "
+                        "prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362; }")
+
+
+@triton.jit
+def w4_bf16(packed, h: tl.constexpr, z, ASYM: tl.constexpr, F32: tl.constexpr):
+    """bf16 ``code - z`` of the packed bytes' nibble ``h`` (codes 0..15) less their zero points
+    (uint8 ``z``, or 8): the bf16 whose bits are ``code | 0x4300`` is ``128 + code``, less
+    ``128 + z``, exactly. Four bytes become four such bf16 in three instructions (``W4_LOW``,
+    inline PTX: Triton's own byte-to-int16 extension costs three PRMTs a pair). The caller
+    multiplies by the scale in bf16 (fp32 scales that hold bf16 values, as the quantizer rounds
+    them, ``reference.bf16_scale``): one rounding of the exact product, the bf16 that
+    ``ops.dequantize`` writes from its fp32 product. Packed bf16 arithmetic, two weights an
+    instruction; the chain reads only loads and constants, so where the weight is a register
+    operand of the MMA the compiler converts the packed bytes to that layout and dequantizes
+    there, with no trip of the dequantized tile through shared memory. ``F32`` (the interpreter,
+    which runs no PTX and whose bf16 arithmetic is wrong): the same bits built with integer ops,
+    the difference in fp32."""
+    if F32:
+        code = ((packed >> (4 * h)) & 15).to(tl.int16)
+        v = (code | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        v = tl.inline_asm_elementwise(W4_LOW if h == 0 else W4_HIGH, "=r,=r,r", [packed], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
+    if ASYM:
+        zb = (z.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        if F32:
+            zb = zb.to(tl.float32)
+        v = v - zb
+    else:
+        v = v - 136.0  # 128 + 8
+    return v
+
+
 @triton.jit
 def dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale,
                     FMT: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr):
