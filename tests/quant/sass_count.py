@@ -23,13 +23,26 @@ import tempfile
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def compile_sm90(bits: int, bm: int, bn: int, warps: int, stages: int, swap: bool, gated: bool) -> bytes:
-    """The cubin of the grouped kernel for the launch ``grouped_gemm`` makes with bf16 rows,
-    with its specialization (16-divisible pointers and strides)."""
+_STRIDES = ("N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om")  # 16-divisible at real shapes
+
+
+def _compile(kernel, sig: dict, consts: dict, warps: int, stages: int) -> bytes:
+    """The sm_90 cubin of ``kernel`` with the launch's specialization: every pointer and the
+    :data:`_STRIDES` integers marked 16-divisible (without it loads are not vectorized)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in _STRIDES}
+    src = ASTSource(kernel, sig, consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return k.asm["cubin"]
+
+
+def compile_sm90(bits: int, bm: int, bn: int, warps: int, stages: int, swap: bool, gated: bool) -> bytes:
+    """The cubin of the grouped kernel for the launch ``grouped_gemm`` makes with bf16 rows."""
     from quarl.quant.kernels.moe_gemm import BK, grouped_gemm_kernel
 
     w = {4: "*u8", 8: "*fp8e4nv", 16: "*bf16"}[bits]
@@ -40,22 +53,12 @@ def compile_sm90(bits: int, bm: int, bn: int, warps: int, stages: int, swap: boo
     consts = {"BITS": bits, "ASYM": False, "G": BK if bits == 4 else 1, "EP": 128, "SWAP": swap, "BM": bm,
               "BN": bn, "GROUP_M": 8, "ROUND_BF16": False, "PACKED_BF16": bits == 4, "GATED": gated,
               "SLOTS": 8 if gated else 0, "SCATTER": False}
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    names = list(sig)
-    divisible = names[:9] + ["N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(grouped_gemm_kernel, sig, consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    return k.asm["cubin"]
+    return _compile(grouped_gemm_kernel, sig, consts, warps, stages)
 
 
 def compile_invariant_sm90(bm: int, bn: int, warps: int, stages: int) -> bytes:
     """The cubin of the batch-invariant weight-only GEMM on symmetric int4 (group 128) with bf16
     rows, one K segment, as ``weight_only_gemm`` launches it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from quarl.quant.kernels.invariant import inv_weight_only_kernel
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*fp32", "gs_ptr": "*fp32",
@@ -64,13 +67,7 @@ def compile_invariant_sm90(bm: int, bn: int, warps: int, stages: int) -> bytes:
                            "i32")}
     consts = {"FMT": 0, "BITS": 4, "G": 128, "BM": bm, "BN": bn, "HAS_BIAS": False, "PRECISION": "tf32",
               "INTERP_BF16": False, "SEGMENTED": False, "PARTIAL": False}
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    names = list(sig)
-    divisible = names[:7] + ["N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(inv_weight_only_kernel, sig, consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    return k.asm["cubin"]
+    return _compile(inv_weight_only_kernel, sig, consts, warps, stages)
 
 
 def loop_opcodes(sass: str) -> collections.Counter:
