@@ -83,9 +83,10 @@ def loop_opcodes(sass: str) -> collections.Counter:
 
 
 def cuobjdump() -> str:
-    import triton
+    """The ``cuobjdump`` Triton uses (its wheel's, or ``TRITON_CUOBJDUMP_PATH``)."""
+    from triton import knobs
 
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return knobs.nvidia.cuobjdump.path
 
 
 def count(*args: object) -> dict:
