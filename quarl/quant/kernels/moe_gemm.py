@@ -216,15 +216,15 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
 
 @triton.jit
 def _packed_chunk(w_tile, c, offs_j, nmask, BITS: tl.constexpr, SWAP: tl.constexpr, PACKED_BF16: tl.constexpr):
-    """Chunk ``c``'s packed bytes (BITS 4: 128 columns in 64 bytes a row; int16 for the packed
-    bf16 dequantization, else int32); nothing for 8-bit codes, which :func:`_w_half` loads
-    per half."""
+    """Chunk ``c``'s packed bytes (BITS 4: 128 columns in 64 bytes a row; uint8 as loaded for the
+    packed bf16 dequantization, else int32); nothing for 8-bit codes, which :func:`_w_half`
+    loads per half."""
     if BITS == 4:
         if SWAP:
             packed = tl.load(w_tile + (c * 64 + offs_j)[None, :], mask=nmask, other=0)
         else:
             packed = tl.load(w_tile + (c * 64 + offs_j)[:, None], mask=nmask, other=0)
-        if not PACKED_BF16:  # (packed bf16: the bytes as loaded, four to a register)
+        if not PACKED_BF16:
             packed = packed.to(tl.int32)
     else:
         packed = 0
