@@ -276,10 +276,7 @@ def _packed_walk(x_rows, w_cols, s_ptr, z_ptr, offs_n, offs_j, mmask, nmask, str
                 if FMT == 1:
                     z = _group_param(z_ptr, offs_n, stride_sn, k_first, N, SUB, G)
                 s = _group_param(s_ptr, offs_n, stride_sn, k_first, N, SUB, G)
-                if INTERP_BF16:
-                    val = w4_bf16(packed, i, z, FMT == 1, True) * s
-                else:
-                    val = w4_bf16(packed, i, z, FMT == 1, False) * s.to(tl.bfloat16)
+                val = w4_bf16(packed, i, z, s, FMT == 1, INTERP_BF16)
             else:
                 val = dequant_subtile(packed, i, s_ptr, z_ptr, offs_n, stride_sn, k_first, N, gscale, FMT, BITS,
                                       SUB, G)

@@ -180,11 +180,11 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
             else:
                 z = _group_param(z_base, offs_n, stride_sn, k_first, N, 64, G)
         if PACKED_BF16:
-            val = w4_bf16(packed, h, z, ASYM, ROUND_BF16)
+            w = w4_bf16(packed, h, z, s, ASYM, ROUND_BF16)
         elif ASYM:  # (2**23 + code: no conversion instruction, biased_f32)
-            val = biased_f32((packed >> (4 * h)) & 15) - biased_f32(z.to(tl.int32))
+            w = (biased_f32((packed >> (4 * h)) & 15) - biased_f32(z.to(tl.int32))) * s
         else:
-            val = biased_f32((packed >> (4 * h)) & 15) - 8388616.0  # (2**23 + 8)
+            w = (biased_f32((packed >> (4 * h)) & 15) - 8388616.0) * s  # (2**23 + 8)
     else:
         ks = k_first + offs_j
         if SWAP:
@@ -197,18 +197,13 @@ def _w_half(w_tile, packed, c, h, offs_j, s_base, z_base, offs_n, stride_sn, N, 
             code = tl.load(at.to(tl.pointer_type(tl.uint8)), mask=wmask, other=0).to(tl.float8e4nv, bitcast=True)
         else:
             code = tl.load(at, mask=wmask, other=0)
-        val = code.to(tl.float32)
+        w = code.to(tl.float32)
         if BITS == 8:
             if SWAP:
-                s = tl.load(s_base + offs_n[:, None], mask=nmask, other=0)
+                w = w * tl.load(s_base + offs_n[:, None], mask=nmask, other=0)
             else:
-                s = tl.load(s_base + offs_n[None, :], mask=nmask, other=0)
-        else:  # BITS 16: a dense weight, read as it is
-            s = 1.0
-    if PACKED_BF16 and not ROUND_BF16:
-        w = val * s.to(tl.bfloat16)  # (see w4_bf16)
-    else:
-        w = val.to(tl.float32) * s
+                w = w * tl.load(s_base + offs_n[None, :], mask=nmask, other=0)
+        # (BITS 16: a dense weight, read as it is)
     if ROUND_BF16:  # (the interpreter's fp32 operands that stand for bf16 ones)
         w = _round_bf16(w)
     return w

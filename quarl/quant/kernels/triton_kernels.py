@@ -335,19 +335,19 @@ W4_HIGH = tl.constexpr("{ .reg .b32 t; shr.u32 t, $2, 4; and.b32 t, t, 0x0f0f0f0
 
 
 @triton.jit
-def w4_bf16(packed, h: tl.constexpr, z, ASYM: tl.constexpr, F32: tl.constexpr):
-    """bf16 ``code - z`` of the packed bytes' nibble ``h`` (codes 0..15) less their zero points
-    (uint8 ``z``, or 8): the bf16 whose bits are ``code | 0x4300`` is ``128 + code``, less
-    ``128 + z``, exactly. Four bytes become four such bf16 in three instructions (``W4_LOW``,
-    inline PTX: Triton's own byte-to-int16 extension costs three PRMTs a pair). The caller
-    multiplies by the scale in bf16 (fp32 scales that hold bf16 values, as the quantizer rounds
-    them, ``reference.bf16_scale``): one rounding of the exact product, the bf16 that
+def w4_bf16(packed, h: tl.constexpr, z, s, ASYM: tl.constexpr, F32: tl.constexpr):
+    """bf16 weights ``(code - z) * s`` of the packed bytes' nibble ``h`` (codes 0..15), their
+    zero points (uint8 ``z``, or 8) and scales ``s``: the bf16 whose bits are ``code | 0x4300`` is
+    ``128 + code``, less ``128 + z``, exactly. Four bytes become four such bf16 in three
+    instructions (``W4_LOW``, inline PTX: Triton's own byte-to-int16 extension costs three PRMTs
+    a pair). Then times the scale in bf16 (fp32 scales that hold bf16 values, as the quantizer
+    rounds them, ``reference.bf16_scale``): one rounding of the exact product, the bf16 that
     ``ops.dequantize`` writes from its fp32 product. Packed bf16 arithmetic, two weights an
     instruction; the chain reads only loads and constants, so where the weight is a register
     operand of the MMA the compiler converts the packed bytes to that layout and dequantizes
     there, with no trip of the dequantized tile through shared memory. ``F32`` (the interpreter,
     which runs no PTX and whose bf16 arithmetic is wrong): the same bits built with integer ops,
-    the difference in fp32."""
+    the difference and the exact product in fp32, for the caller to round."""
     if F32:
         code = ((packed >> (4 * h)) & 15).to(tl.int16)
         v = (code | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32)
@@ -361,7 +361,9 @@ def w4_bf16(packed, h: tl.constexpr, z, ASYM: tl.constexpr, F32: tl.constexpr):
         v = v - zb
     else:
         v = v - 136.0  # 128 + 8
-    return v
+    if F32:
+        return v * s
+    return v * s.to(tl.bfloat16)
 
 
 @triton.jit
