@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable
@@ -21,11 +23,20 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_json(result: dict, out: Path | None) -> None:
-    """``result`` as JSON at ``out`` (nothing for None), atomically: a temporary file renamed over it."""
+def bench_command() -> str:
+    """The command line that made this result, as a user would type it (``quarl bench ...``)."""
+    return shlex.join(["quarl", *sys.argv[1:]])
+
+
+def write_json(result: dict, out: str | Path | None, indent: int = 2) -> None:
+    """``result`` as JSON at ``out`` (nothing for None), atomically (a temporary file renamed over
+    it), with the command that made it first unless it names one already."""
     if out is None:
         return
-    write_json_atomic(out, result, indent=2)
+    if "command" not in result:
+        result = {"command": bench_command(), **result}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, result, indent=indent)
 
 
 def child_env(root: Path, commit: str | None) -> dict[str, str]:

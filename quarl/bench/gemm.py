@@ -29,16 +29,14 @@ cost plus x and y in bf16, over the measured bandwidth, vs the FLOPs over the ma
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import os
 from dataclasses import asdict
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from quarl.bench.common import git_commit
+from quarl.bench.common import git_commit, write_json
 from quarl.bench.timing import POWER_MODES, Ceilings, PowerGate, measure_ceilings, n_sets, time_per_call
 from quarl.model.presets import PRESETS
 from quarl.quant.kernels.w4_layout import RepackCache
@@ -441,9 +439,7 @@ def format_table(result: dict) -> str:
 
 
 def save(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, path, indent=1)
 
 
 ALL_FORMATS = list(SCHEMES)

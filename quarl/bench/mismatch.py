@@ -107,7 +107,7 @@ def measure_mode(overrides: list[str], run_dir: Path, other_budget: int, nudge: 
 
 def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list[str],
                  out: Path | None, nudge: float = 0.1) -> dict[str, Any]:
-    from quarl.bench.common import git_commit
+    from quarl.bench.common import git_commit, write_json
     from quarl.bench.train import MODES, check_workload, save_random_model, workload_overrides
 
     w = check_workload(workload, modes)
@@ -127,9 +127,7 @@ def run_mismatch(workload: str, modes: list[str], other_budget: int, extra: list
             r = measure_mode(overrides, Path(tmp) / mode, other_budget, nudge)
             result["modes"][mode] = r
             print(mode, json.dumps(r), flush=True)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+    write_json(result, out)
     return result
 
 

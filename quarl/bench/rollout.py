@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from quarl.bench.common import check_baseline, child_env, child_failed, git_commit, idle_gaps, package_root
+from quarl.bench.common import (check_baseline, child_env, child_failed, git_commit, idle_gaps, package_root,
+                                write_json)
 from quarl.bench.timing import Ceilings, measure_ceilings, median_cuda_time
 from quarl.model.config import TransformerConfig
 from quarl.model.presets import DEMO_PRESETS, PRESETS
@@ -326,9 +327,7 @@ def run_benchmark(shape: str, batch: int | list[int], prompt_len: int, gen_len: 
         for r in here:
             if base is not None and "generated_tok_per_s" in r:
                 r["speedup_vs_bf16"] = r["generated_tok_per_s"] / base["generated_tok_per_s"]
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2))
+    write_json(result, out or None)
     return result
 
 

@@ -101,6 +101,7 @@ def _against(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from quarl.bench.common import write_json
     from quarl.bench.sweep import family, format_candidate, parse_shapes, run_once, run_sweep, run_trace
 
     if args.against:
@@ -127,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     def save(result: dict, path: str | None = args.out) -> None:
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(result, indent=1))
+        write_json(result, path, indent=1)
 
     if args.trace:
         save(run_trace(args.family, ms, shapes, cands, args.format, log=lambda s: print(s, flush=True)))
