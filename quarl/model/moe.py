@@ -152,16 +152,32 @@ class Router(nn.Module):
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
-          expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          expert_ids: torch.Tensor | None = None,
+          fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gate weights of the chosen experts from router ``logits [N, E]``.
 
     Returns ``(weights [N, k] in dtype, expert ids [N, k] int64, router top-k [N, k] int64)``:
-    softmax in float32, the ``top_k`` largest probabilities (``expert_ids`` given: those
-    experts' probabilities instead, so the router's gradient flows through them; a row with a
+    softmax in float32, the ``top_k`` largest probabilities, descending, equal ones by expert
+    id (a stable sort: deterministic where ``torch.topk``'s order of ties is not); with
+    ``expert_ids`` those experts' probabilities instead, so the router's gradient flows through them; a row with a
     negative id, ``-1`` for unknown, takes the router's own top-k), divided by their sum when
-    ``norm_topk_prob``. No host sync either way."""
+    ``norm_topk_prob``. No host sync either way. ``fused`` (the engine's own forward, no
+    gradients): on a GPU without ``expert_ids``, the one-launch kernel
+    (:func:`~quarl.quant.kernels.moe_route.route_topk`: the same experts, the weights up to the
+    softmax's last bits)."""
+    if fused and expert_ids is None and logits.is_cuda:
+        from quarl.quant.kernels import triton_available
+
+        if triton_available():
+            from quarl.quant.kernels.moe_route import MAX_EXPERTS, route_topk
+
+            if logits.shape[-1] <= MAX_EXPERTS:
+                weights, ids = route_topk(logits, top_k, norm_topk_prob, dtype)
+                return weights, ids, ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top_p, top_ids = torch.topk(probs, top_k, dim=-1)
+    # the k largest, equal probabilities (equal bf16 logits: frequent) in expert order, the rule the
+    # fused kernel follows too (torch.topk leaves the order of ties unspecified)
+    top_p, top_ids = (t[:, :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     if expert_ids is None:
         p, ids = top_p, top_ids
     else:
@@ -318,18 +334,20 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
         self.routing: MoeRouting | None = None  # a plain attribute: never in checkpoints
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused_route: bool = False) -> torch.Tensor:
+        """``fused_route``: the engine's forward (:func:`route`'s ``fused``)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.route_tokens(self.gate(flat), x.dtype)
+        weights, ids = self.route_tokens(self.gate(flat), x.dtype, fused_route)
         return self.experts(flat, ids, weights).view(shape)
 
-    def route_tokens(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def route_tokens(self, logits: torch.Tensor, dtype: torch.dtype,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [N, k] in dtype, expert ids [N, k])`` of the router ``logits [N, E]``
         (:func:`route`), the experts replayed and recorded as ``routing`` says."""
         routing = self.routing
         given = routing.replay.get(self.layer_idx) if routing is not None and routing.replay else None
-        weights, ids, own = route(logits, self.top_k, self.norm_topk_prob, dtype, given)
+        weights, ids, own = route(logits, self.top_k, self.norm_topk_prob, dtype, given, fused)
         if routing is not None and routing.record:
             used = ids.to(ROUTING_ID_DTYPE)
             routing.expert_ids[self.layer_idx] = used

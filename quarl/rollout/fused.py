@@ -637,8 +637,8 @@ class FusedOps(TorchOps):
         return a.o_proj(out.reshape(b * t, -1))
 
     def mlp(self, mlp: nn.Module, h) -> torch.Tensor:
-        if isinstance(mlp, SparseMoeBlock):  # its own forward on the rows (``norm`` gave plain rows: no fused gate/up)
-            return mlp(h)
+        if isinstance(mlp, SparseMoeBlock):  # its own forward on the rows (``norm`` gave plain rows: no fused gate/up),
+            return mlp(h, fused_route=True)  # its routing in one launch
         fused_gu = getattr(mlp, "_fused_gate_up", None)
         if fused_gu is None:
             return mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))

@@ -58,3 +58,18 @@ def test_moe_graph_decode_equals_eager_in_float32():
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=40, seed=11, ignore_eos=True)
     a, b = graph.generate(_prompts(), params), eager.generate(_prompts(), params)
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_fused_routing_is_the_torch_routing(tokens):
+    """The engine's one-launch routing (route(fused=True)) against route's torch ops on bf16
+    logits of Qwen3-30B-A3B's router (128 experts, 8 per token; equal logits are common): the
+    same experts in the same order, weights within one bf16 rounding step."""
+    from quarl.model.moe import route
+
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    logits = (torch.randn(tokens, 128, device=DEV, generator=g) * 2).to(torch.bfloat16)
+    w, ids, own = route(logits, 8, True, torch.bfloat16, fused=True)
+    want_w, want_ids, _ = route(logits, 8, True, torch.bfloat16)
+    assert torch.equal(ids, want_ids) and torch.equal(own, ids)
+    torch.testing.assert_close(w, want_w, rtol=2 ** -8, atol=0)
