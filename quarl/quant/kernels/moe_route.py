@@ -2,9 +2,9 @@
 
 :func:`quarl.model.moe.route` runs it as torch ops: a float32 softmax, ``torch.topk`` (two
 kernels on a GPU: a radix select and a sort of the k winners), the sum of the k
-probabilities, the division and the cast back to the model's dtype: five to six launches per
-layer, about 1.3 ms of a 13 ms decode step of Qwen3-30B-A3B at batch 64 on an H100 (48
-layers; ``quarl bench rollout --profile-kernels``). Here one program takes ``BLOCK_T`` rows:
+probabilities, the division and the cast back to the model's dtype: six launches per layer,
+about 1 ms of a 13 ms decode step of Qwen3-30B-A3B at batch 64 on an H100 (48 layers; the
+top-k's two kernels alone 0.6 ms; ``quarl bench rollout --profile-kernels``). Here one program takes ``BLOCK_T`` rows:
 each row's logits in registers (E <= 256 experts), the softmax in float32 (max, exponentials,
 sum, one division per probability, as torch's), then k rounds of "largest probability, the
 lowest expert id among equal ones" (``torch.topk``'s order: descending; ties, which random
