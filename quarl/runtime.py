@@ -179,9 +179,40 @@ def compiled_frames() -> int:
     return int(counters["frames"]["total"])
 
 
+class _TritonBuilds:
+    """Triton kernel variants this process has built (compiled, or loaded from Triton's disk
+    cache): one per kernel and specialization, counted by Triton's post-compile hook. A step
+    that builds one after the first steps paid a compile inside its timed stages (a new row
+    count's divisibility, say, where an argument is specialized)."""
+
+    def __init__(self) -> None:
+        self.count, self.installed, self.previous = 0, False, None
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        try:
+            from triton import knobs
+        except Exception:  # (no triton, or one without knobs: the metric stays 0)
+            return
+        self.previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.previous(*args, **kwargs) if self.previous is not None else None
+
+
+TRITON_BUILDS = _TritonBuilds()
+
+
 def process_totals() -> dict[str, float]:
     """This process's running totals behind the per-step metrics ``perf/compiles``,
-    ``perf/compile_s``, ``perf/gc_s`` and ``perf/gc_full`` (a step reports its difference)."""
+    ``perf/compile_s``, ``perf/triton_builds``, ``perf/gc_s`` and ``perf/gc_full`` (a step
+    reports its difference)."""
     clock = gc_clock()
+    TRITON_BUILDS.install()
     return {"perf/compiles": float(compiled_frames()), "perf/compile_s": compile_seconds(),
-            "perf/gc_s": clock.seconds, "perf/gc_full": float(clock.full)}
+            "perf/triton_builds": float(TRITON_BUILDS.count), "perf/gc_s": clock.seconds,
+            "perf/gc_full": float(clock.full)}

@@ -99,3 +99,25 @@ def test_gc_clock_counts_collections_and_their_time():
         assert (totals["perf/compiles"], totals["perf/compile_s"]) == (compiled_frames(), compile_seconds())
     finally:
         gc.enable()
+
+
+def test_triton_builds_count_through_the_post_compile_hook_and_chain_to_the_previous_one(monkeypatch):
+    """perf/triton_builds: the counter takes Triton's post-compile hook once, counts each call
+    (Triton calls it per kernel variant built) and passes it on to a hook installed before it.
+    (The interpreter compiles nothing, so the hook is called here as Triton calls it.)"""
+    from triton import knobs
+
+    from quarl.runtime import TRITON_BUILDS, _TritonBuilds
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["key"]))
+    builds = _TritonBuilds()
+    builds.install()
+    builds.install()  # (once: never its own previous hook)
+    assert knobs.runtime.jit_post_compile_hook is builds
+    knobs.runtime.jit_post_compile_hook(key="a", repr="k[...]", fn=None, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+    knobs.runtime.jit_post_compile_hook(key="b", repr="k[...]", fn=None, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+    assert builds.count == 2 and seen == ["a", "b"]
+    assert process_totals()["perf/triton_builds"] == float(TRITON_BUILDS.count)

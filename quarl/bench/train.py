@@ -47,7 +47,8 @@ KEYS = {
     "memory/learner_alloc_retries": "learner_alloc_retries", "memory/rollout_alloc_retries": "rollout_alloc_retries",
     "response/len_mean": "len_mean", "perf/learner_tokens": "learner_tokens", "rollout/preemptions": "preemptions",
     "perf/learner_tflops": "learner_tflops", "perf/learner_mfu": "learner_mfu", "perf/compiles": "compiles",
-    "perf/compile_s": "compile_s", "perf/gc_s": "gc_s", "perf/gc_full": "gc_full",
+    "perf/compile_s": "compile_s", "perf/triton_builds": "triton_builds", "perf/gc_s": "gc_s",
+    "perf/gc_full": "gc_full",
     "gpu/rollout_sm_mhz": "rollout_sm_mhz", "gpu/learner_sm_mhz": "learner_sm_mhz",
     "gpu/rollout_power_w": "rollout_power_w", "gpu/learner_power_w": "learner_power_w",
 }
@@ -324,6 +325,9 @@ def stage_clock_line(name: str, run: dict[str, Any], stages: tuple[str, ...] = (
         if seen:
             parts.append(f"{stage} " + " ".join(f"{t}:" + ("" if sec is None else f"{sec:.2f}s/")
                                                 + f"{mhz:.0f}MHz/{w:.0f}W" for t, sec, mhz, w in seen))
+    builds = [f"{r['step']}:{r['perf/triton_builds']:.0f}" for r in run.get("steps", []) if "perf/triton_builds" in r]
+    if parts and builds:  # (kernels built inside a step's stages: compile time in its timings)
+        parts.append("Triton kernels built " + " ".join(builds))
     return f"{name} by step: " + "; ".join(parts) if parts else ""
 
 

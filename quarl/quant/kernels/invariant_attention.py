@@ -125,7 +125,9 @@ def _row_setup(cu_q_ptr, kv_len_ptr, s, qb, TOK: tl.constexpr, GROUP: tl.constex
     return q0 + qi, r % GROUP, row_ok, lim, hi
 
 
-@triton.jit
+# (token counts, split counts and the block table's width change with every batch: not
+# specialized, so that a new one never compiles another variant in the middle of a rollout)
+@triton.jit(do_not_specialize=["T", "NSPLIT", "stride_bt"])
 def inv_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, kv_len_ptr, out_ptr, ml_ptr, qk_scale, T, HQ, NSPLIT,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_bt, stride_ot, stride_oh,
@@ -221,7 +223,7 @@ def _split_at(q_row, heads, j, HQ, NSPLIT):
     return (q_row.to(tl.int64) * HQ + heads) * NSPLIT + j
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NSPLIT"])
 def inv_attention_merge_kernel(acc_ptr, ml_ptr, kv_len_ptr, out_ptr, T, HQ, NSPLIT, stride_ot, stride_oh,
                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                SPLIT: tl.constexpr, BLOCK_G: tl.constexpr):
