@@ -95,6 +95,7 @@ BAD = [
     ("--rollout.engine.num_kv_blocks=0", r"rollout.engine.num_kv_blocks must be >= 1, got 0"),
     ("--rollout.engine.gpu_memory_utilization=0", r"rollout.engine.gpu_memory_utilization must be in \(0, 1\], "
                                                   r"got 0.0 \(a share of the GPU's memory\)"),
+    ("--quant.exact_update=twice", r"quant.exact_update='twice': choose recompute or autograd"),
 ]
 
 
@@ -116,6 +117,7 @@ def test_out_of_range_values_are_refused(flags, message):
     "--algo.eps_low=0 --algo.eps_high=0 --algo.delta_low=0.999 --algo.dual_clip_c=1.01 --algo.gamma=0 --algo.lam=1",
     "--quant.include=lm_head", "--quant.include=layers.1?.* --quant.exclude=*.down_proj",
     "--quant.mode=bf16 --quant.exclude=layers.*",  # bf16 quantizes nothing anyway
+    "--quant.mode=bf16 --quant.exact=true --quant.exact_update=autograd",
     "--optim.betas=0,0.999 --optim.weight_decay=0 --optim.warmup_steps=0 --data.num_eval=0",
 ])
 def test_edge_values_are_accepted(flags):

@@ -147,6 +147,8 @@ MODE_OPTIONS: dict[str, list[str]] = {
     "dense": ["--rollout.engine.dense_weights=on"],
     "r3": ["--rollout.routing_replay=r3"],  # MoE: the learner replays the engine's expert choices
     "exact": ["--quant.exact=true"],  # the batch-invariant kernels on both sides (docs/configuration.md)
+    # with +exact: the update forward under autograd instead of recomputing each layer (quant.exact_update)
+    "autograd": ["--quant.exact_update=autograd"],
 }
 
 

@@ -36,6 +36,9 @@ def _at_least(section: str, obj: object, minimum: float, *names: str) -> None:
             )
 
 
+EXACT_UPDATES = ("recompute", "autograd")  # quant.exact_update
+
+
 def _positive(section: str, obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -203,9 +206,17 @@ class QuantConfig:
     # for bit. bf16 mode, or aligned mode with w4a16 / w4a16-asym / w2a16, on dense models only: other
     # settings are refused when the config loads, naming why
     exact: bool = False
+    # how exact mode's update forward gets its gradients (the values are the invariant forward's either
+    # way): "recompute", the invariant ops without autograd, then each layer's ordinary ops recomputed
+    # in the backward (one more forward of every GEMM); "autograd", the invariant ops under autograd
+    # (each linear's backward the ordinary one; attention, norms and elementwise steps recompute their
+    # ordinary forward, no GEMM twice)
+    exact_update: str = "recompute"
 
     def validate(self) -> None:
         _positive("quant", self, "uaq_scale")
+        if self.exact_update not in EXACT_UPDATES:
+            raise ConfigError(f"quant.exact_update={self.exact_update!r}: choose {' or '.join(EXACT_UPDATES)}")
         self._check_patterns()
         if self.mode is QuantMode.BF16:
             self.scheme = SCHEMES["bf16"]

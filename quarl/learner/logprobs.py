@@ -27,8 +27,10 @@ log-probs the loss sees are the invariant ones bit for bit, their gradient that 
 ops at the invariant activations (the same function up to rounding), for one invariant forward,
 one recomputation and one backward. The ordinary recomputation routes an MoE layer as the
 invariant forward did only where both replay the engine's experts (routing replay); an MoE
-policy without it runs the invariant forward under autograd instead (slower: each op's
-backward recomputes its ordinary forward).
+policy without it runs the invariant forward under autograd instead, as ``quant.exact_update=
+autograd`` does for every model: each linear's backward is the ordinary one on the saved
+inputs, the attention, norms and elementwise steps recompute their ordinary forward in the
+backward (:mod:`quarl.quant.kernels.invariant_autograd`), so no GEMM runs twice.
 """
 
 from __future__ import annotations
@@ -319,7 +321,7 @@ def sequence_logprobs(
     (the learner's batches) spares reading the mask's layout back from the device.
     """
     exact = getattr(model, "exact", None)
-    update = exact is not None and torch.is_grad_enabled() and _routes_alike(model)
+    update = exact is not None and torch.is_grad_enabled() and exact.update == "recompute" and _routes_alike(model)
     if exact is not None:  # exact mode (module doc): the engine's kernels, whatever ``ops`` says
         from quarl.quant.kernels.invariant_model import EXACT_OPS, exact_batch_attention, exact_ops
 

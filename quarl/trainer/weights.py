@@ -63,7 +63,7 @@ def build_engine_and_publisher(
     ``record_routes``: the engine records the experts of an MoE model's rollouts.
     """
     if quant.exact:
-        _set_exact(learner_model, engine_config)
+        _set_exact(learner_model, engine_config, quant.exact_update)
     if lora is not None:
         return build_lora_engine(learner_model, quant, engine_config, lora, kv_cache, record_routes)
     engine = Engine(_engine_copy(learner_model, quant), scheme=quant.scheme, config=engine_config,
@@ -116,12 +116,13 @@ def build_lora_engine(model: Transformer, quant: QuantConfig, engine_config: Eng
     return engine, LoRAPublisher(model, engine)
 
 
-def _set_exact(model: Transformer, engine_config: EngineConfig) -> None:
+def _set_exact(model: Transformer, engine_config: EngineConfig, update: str = "recompute") -> None:
     """``quant.exact``: ``model.exact`` (the engine's block size and fp8 cache, which the learner's
-    exact forward mirrors), set before the engine's copy is made so that both carry it."""
+    exact forward mirrors, and ``quant.exact_update``), set before the engine's copy is made so
+    that both carry it."""
     from quarl.quant.kernels.invariant_model import ExactMode
 
-    model.exact = ExactMode(engine_config.block_size, engine_config.kv_cache_dtype == "fp8")
+    model.exact = ExactMode(engine_config.block_size, engine_config.kv_cache_dtype == "fp8", update)
 
 
 def _engine_copy(model: nn.Module, quant: QuantConfig) -> nn.Module:

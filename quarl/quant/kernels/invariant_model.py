@@ -55,10 +55,13 @@ from quarl.quant.qweight import QuantizedWeight
 
 class ExactMode(NamedTuple):
     """What the learner's exact forward must know of the engine: its KV block size (the
-    learner pages its K / V the same way) and whether its cache holds fp8 K / V."""
+    learner pages its K / V the same way) and whether its cache holds fp8 K / V; and how its
+    update forward takes gradients (``quant.exact_update``: "recompute" or "autograd",
+    :func:`quarl.learner.logprobs.sequence_logprobs`)."""
 
     page: int
     kv_fp8: bool = False
+    update: str = "recompute"
 
 
 def require_kernels(device: torch.device) -> None:
