@@ -80,16 +80,17 @@ class PagedAttention:
 
     @property
     def rope_store(self):
-        """Triton backend: ``(layer_idx, q, k, v, cos, sin) -> rope(q)``, writing rope(k) and
-        v into this step's cache slots in the same launch (then :meth:`attend`); else None."""
+        """Triton backend: ``(layer_idx, q, k, v, cos, sin[, (q_norm, k_norm)]) -> rope(q)``,
+        writing rope(k) and v into this step's cache slots in the same launch (then
+        :meth:`attend`), q and k first through their RMSNorm modules where given; else None."""
         return self._rope_store if self.backend == "triton" and not self.exact else None
 
-    def _rope_store(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
+    def _rope_store(self, layer_idx: int, q, k, v, cos, sin, qk_norm=None) -> torch.Tensor:
         from quarl.rollout.fused import rope_store_kv
 
         c = self.cache
         return rope_store_kv(q, k, v, cos, sin, c.k[layer_idx], c.v[layer_idx], self.ctx.slot_mapping,
-                             c.k_scale[layer_idx], c.v_scale[layer_idx])
+                             c.k_scale[layer_idx], c.v_scale[layer_idx], qk_norm)
 
     def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q [B, T, Hq, D]`` over the cache, this step's K/V already in it."""

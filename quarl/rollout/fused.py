@@ -107,16 +107,24 @@ def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _rope_values(x_ptr, stride_xh, n_heads, c1, c2, s1, s2, dt: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, nw_ptr, eps, NORM: tl.constexpr):
     """Rotate one token's ``n_heads`` rows (``x_ptr`` at its first head): the halves
     y1 = x1*c1 + (-x2)*s1, y2 = x2*c2 + x1*s2 ``[BLOCK_H, BLOCK_D]`` in ``dt``, each product and
-    the sum rounded to ``dt`` as in torch (0 off the mask), and the mask."""
+    the sum rounded to ``dt`` as in torch (0 off the mask), and the mask. NORM: each row first
+    through its RMSNorm (weight ``nw_ptr [2 HALF]``, Qwen3's q / k norm), rounded as
+    :func:`_rmsnorm_kernel` rounds (the normed row, then its product with the weight)."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     m = (heads < n_heads)[:, None] & (d < HALF)[None, :]
     base = x_ptr + heads[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(nw_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(nw_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
     return y1, y2, m
@@ -124,9 +132,10 @@ def _rope_values(x_ptr, stride_xh, n_heads, c1, c2, s1, s2, dt: tl.constexpr, HA
 
 @triton.jit
 def _rope_heads(x_ptr, stride_xh, out_ptr, stride_oh, n_heads, c1, c2, s1, s2, dt: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, nw_ptr, eps, NORM: tl.constexpr):
     """:func:`_rope_values` of one token's rows, stored at ``out_ptr`` (its first head) in out's dtype."""
-    y1, y2, m = _rope_values(x_ptr, stride_xh, n_heads, c1, c2, s1, s2, dt, HALF, BLOCK_H, BLOCK_D)
+    y1, y2, m = _rope_values(x_ptr, stride_xh, n_heads, c1, c2, s1, s2, dt, HALF, BLOCK_H, BLOCK_D, nw_ptr, eps,
+                             NORM)
     st = out_ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -176,26 +185,29 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, stride_xt, stride_xh
     t = tl.program_id(0).to(tl.int64)
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK_D)
     _rope_heads(x_ptr + t * stride_xt, stride_xh, out_ptr + t * stride_ot, stride_oh, n_heads, c1, c2, s1, s2,
-                out_ptr.dtype.element_ty, HALF, BLOCK_H, BLOCK_D)
+                out_ptr.dtype.element_ty, HALF, BLOCK_H, BLOCK_D, x_ptr, 0.0, False)
 
 
 @triton.jit
 def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+                          qn_ptr, kn_ptr, q_eps, k_eps,
                           n_q, n_kv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
                           stride_ot, stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                           BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          KV_FP8: tl.constexpr, PDL: tl.constexpr):
+                          KV_FP8: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     """One token: rotated q into ``qo``; rotated k and v into the paged caches' slot of the
     token (``[slots, n_kv, D]`` contiguous), in the cache dtype; the rotation rounds as
     ``_rope_kernel`` with q's dtype. KV_FP8: the caches are e4m3 bytes and the token's
-    per-head scales go to ``ks`` / ``vs`` (``[slots, n_kv]``), as quarl.quant.kv.quantize_kv."""
+    per-head scales go to ``ks`` / ``vs`` (``[slots, n_kv]``), as quarl.quant.kv.quantize_kv.
+    QK_NORM: q's and k's rows through their RMSNorms (weights ``qn`` / ``kn``) before the
+    rotation (Qwen3: two launches and their strided copies fewer per layer)."""
     wait_ahead(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dt = qo_ptr.dtype.element_ty
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK_D)
     _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * stride_ot, stride_oh, n_q, c1, c2, s1, s2, dt, HALF,
-                BLOCK_HQ, BLOCK_D)
+                BLOCK_HQ, BLOCK_D, qn_ptr, q_eps, QK_NORM)
     heads = tl.arange(0, BLOCK_HKV)
     d = tl.arange(0, BLOCK_DV)
     m = (heads < n_kv)[:, None] & (d < D)[None, :]
@@ -203,7 +215,7 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr,
     v_dst = vc_ptr + slot * (n_kv * D) + heads[:, None] * D + d[None, :]
     if KV_FP8:
         y1, y2, km = _rope_values(k_ptr + t * stride_kt, stride_kh, n_kv, c1, c2, s1, s2, dt, HALF, BLOCK_HKV,
-                                  BLOCK_D)
+                                  BLOCK_D, kn_ptr, k_eps, QK_NORM)
         _store_k_fp8(y1, y2, km, kc_ptr + slot * (n_kv * D), ks_ptr + slot * n_kv, n_kv, D, HALF, BLOCK_HKV,
                      BLOCK_D)
         vf = v.to(tl.float32)
@@ -212,7 +224,7 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr,
         tl.store(vs_ptr + slot * n_kv + heads, vs, mask=heads < n_kv)
     else:
         _rope_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + slot * (n_kv * D), D, n_kv, c1, c2, s1, s2, dt, HALF,
-                    BLOCK_HKV, BLOCK_D)
+                    BLOCK_HKV, BLOCK_D, kn_ptr, k_eps, QK_NORM)
         tl.store(v_dst, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
@@ -228,13 +240,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  qk_norm: tuple[nn.Module, nn.Module] | None = None) -> torch.Tensor:
     """``rope(q, cos, sin)``, with ``rope(k, cos, sin)`` and ``v`` written into the paged
     caches at ``slots`` in one launch (what ``rope`` twice and two ``index_copy_`` do):
     q / k / v ``[N, H, D]`` (unit last stride), caches ``[..., Hkv, D]`` contiguous,
     slots ``[N]`` (``block * block_size + offset``). An fp8 cache (float8_e4m3fn, with
     ``k_scale`` / ``v_scale [..., Hkv]`` float32 contiguous) gets the codes and scales of
-    :func:`quarl.quant.kv.quantize_kv` of rope(k) and v, bit for bit."""
+    :func:`quarl.quant.kv.quantize_kv` of rope(k) and v, bit for bit. ``qk_norm``: the q and k
+    RMSNorm modules (Qwen3), applied first in the same launch: ``rope(rmsnorm(q))`` and
+    ``rope(rmsnorm(k))`` with :func:`rmsnorm`'s rounding steps (its sum of squares in another
+    order: equal to the last bit of the normed values but for rare ties of rounding)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
@@ -243,14 +259,17 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:
         k_scale = v_scale = k_cache  # unused
+    qn, kn = qk_norm if qk_norm is not None else (None, None)
     if n:
         _rope_store_kv_kernel[(n,)](
-            q, k, v, cos, sin, out, k_cache, v_cache, k_scale, v_scale, slots, hq, hkv,
+            q, k, v, cos, sin, out, k_cache, v_cache, k_scale, v_scale, slots,
+            q if qn is None else qn.weight, q if kn is None else kn.weight,
+            0.0 if qn is None else float(qn.eps), 0.0 if kn is None else float(kn.eps), hq, hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             out.stride(0), out.stride(1),
             D=d, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-            BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_DV=triton.next_power_of_2(d), KV_FP8=fp8, num_warps=4,
-            **NO_FMA, **pdl(q.device),
+            BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_DV=triton.next_power_of_2(d), KV_FP8=fp8,
+            QK_NORM=qk_norm is not None, num_warps=4, **NO_FMA, **pdl(q.device),
         )
     return out
 
@@ -623,14 +642,15 @@ class FusedOps(TorchOps):
             q = a.q_proj(h).view(b * t, a.n_heads, a.head_dim)
             k = a.k_proj(h).view(b * t, a.n_kv, a.head_dim)
             v = a.v_proj(h).view(b * t, a.n_kv, a.head_dim)
-        if a.q_norm is not None:
-            q = rmsnorm(q, a.q_norm.weight, a.q_norm.eps)
-            k = rmsnorm(k, a.k_norm.weight, a.k_norm.eps)
         rope_store = getattr(attn, "rope_store", None)  # the engine's paged attention: one launch
-        if rope_store is not None:
-            q = rope_store(a.layer_idx, q, k, v, cos, sin)
+        qk_norm = (a.q_norm, a.k_norm) if a.q_norm is not None else None
+        if rope_store is not None:  # (Qwen3's q / k norms in the same launch)
+            q = rope_store(a.layer_idx, q, k, v, cos, sin, qk_norm)
             out = attn.attend(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim))
         else:
+            if qk_norm is not None:
+                q = rmsnorm(q, a.q_norm.weight, a.q_norm.eps)
+                k = rmsnorm(k, a.k_norm.weight, a.k_norm.eps)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
             out = attn(a.layer_idx, q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim),
                        v.reshape(b, t, a.n_kv, a.head_dim))

@@ -172,6 +172,55 @@ def test_rope_store_kv_equals_rope_then_cache_copies(dtype):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_with_qk_norms_is_rope_of_the_normed_rows(dtype, kv):
+    """Qwen3's q / k RMSNorms inside the one launch: rope(rmsnorm(q)) and the cache contents of
+    rope(rmsnorm(k)) (codes and scales with an fp8 cache). The sum of squares is added in
+    another order than rmsnorm's: float32 rows a few ulps apart; bfloat16 ones equal but for a
+    rounding tie now and then."""
+    from quarl.model.transformer import RMSNorm
+    from quarl.quant.kv import quantize_kv
+    from quarl.rollout.fused import rmsnorm, rope, rope_store_kv
+
+    torch.manual_seed(6)
+    n, hq, hkv, d, blocks, bs = 7, 6, 2, 32, 4, 4
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d) * torch.logspace(-2, 2, n)[:, None]).to(dtype)
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+    qn, kn = RMSNorm(d, eps=1e-6), RMSNorm(d, eps=1e-5)
+    with torch.no_grad():
+        qn.weight.copy_(1 + 0.3 * torch.randn(d))
+        kn.weight.copy_(1 + 0.3 * torch.randn(d))
+    qn, kn = qn.to(dtype), kn.to(dtype)
+    ang = torch.randn(n, d // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    slots = torch.randperm(blocks * bs)[:n]
+    qr = rope(rmsnorm(q, qn.weight, qn.eps), cos, sin)
+    kr = rope(rmsnorm(k, kn.weight, kn.eps), cos, sin)
+    ulp = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
+    most = 0.97 if dtype == torch.bfloat16 else 0.0  # (share of bit-equal values)
+    if kv == "fp8":
+        kc, vc = (torch.zeros(blocks, bs, hkv, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+        ks, vs = torch.zeros(blocks, bs, hkv), torch.zeros(blocks, bs, hkv)
+        out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, ks, vs, qk_norm=(qn, kn))
+        codes, scales = quantize_kv(kr)
+        got = kc.view(-1, hkv, d)[slots].float() * ks.view(-1, hkv)[slots][..., None]
+        torch.testing.assert_close(got, codes.float() * scales[..., None], rtol=2 ** -3, atol=0)
+        assert (kc.view(torch.uint8).view(-1, hkv, d)[slots] == codes.view(torch.uint8)).float().mean() >= most
+        assert torch.equal(vc.view(torch.uint8).view(-1, hkv, d)[slots], quantize_kv(v)[0].view(torch.uint8))
+    else:
+        kc, vc = (torch.zeros(blocks, bs, hkv, d, dtype=dtype) for _ in range(2))
+        out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=(qn, kn))
+        torch.testing.assert_close(kc.view(-1, hkv, d)[slots], kr, **ulp)
+        assert (kc.view(-1, hkv, d)[slots] == kr).float().mean() >= most
+        assert torch.equal(vc.view(-1, hkv, d)[slots], v)
+    torch.testing.assert_close(out, qr, **ulp)
+    assert (out == qr).float().mean() >= most
+    assert not torch.allclose(out, rope(q, cos, sin))  # (the norms did run)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_and_silu_with_fused_quantizer_give_the_quantizers_codes(fmt, dtype):
