@@ -276,6 +276,41 @@ def test_fused_kernels_match_model_forward():
     assert torch.equal(silu_mul(g, u), F.silu(g) * u)
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_rope_store_with_qk_norms_on_gpu(kv):
+    """Qwen3-30B-A3B's attention shape (32 q / 4 kv heads of 128): the q / k RMSNorms inside the
+    rope + KV-store launch against rmsnorm then rope (bf16 values equal but for rare rounding
+    ties of the reordered sum of squares; fp8 codes likewise)."""
+    from quarl.model.transformer import RMSNorm
+    from quarl.quant.kv import quantize_kv
+    from quarl.rollout.fused import rmsnorm, rope, rope_store_kv
+
+    n, hq, hkv, d = 96, 32, 4, 128
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV).bfloat16()
+    q, k, v = qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d), \
+        qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+    qn, kn = RMSNorm(d, 1e-6).to(DEV).bfloat16(), RMSNorm(d, 1e-6).to(DEV).bfloat16()
+    with torch.no_grad():
+        qn.weight.normal_(1.0, 0.2)
+        kn.weight.normal_(1.0, 0.2)
+    cos, sin = torch.randn(n, d, device=DEV).bfloat16(), torch.randn(n, d, device=DEV).bfloat16()
+    slots = torch.randperm(200, device=DEV)[:n]
+    qr = rope(rmsnorm(q, qn.weight, qn.eps), cos, sin)
+    kr = rope(rmsnorm(k, kn.weight, kn.eps), cos, sin)
+    if kv == "fp8":
+        kc, vc = (torch.zeros(25, 8, hkv, d, device=DEV, dtype=torch.float8_e4m3fn) for _ in range(2))
+        ks, vs = torch.zeros(25, 8, hkv, device=DEV), torch.zeros(25, 8, hkv, device=DEV)
+        out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, ks, vs, qk_norm=(qn, kn))
+        same = (kc.view(torch.uint8).view(-1, hkv, d)[slots] == quantize_kv(kr)[0].view(torch.uint8)).float().mean()
+    else:
+        kc, vc = (torch.zeros(25, 8, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=(qn, kn))
+        same = (kc.view(-1, hkv, d)[slots] == kr).float().mean()
+    assert same > 0.99
+    assert (out == qr).float().mean() > 0.99
+    torch.testing.assert_close(out, qr, rtol=2 ** -7, atol=1e-2)
+
+
 def test_fused_engine_equals_unfused():
     """Both decode paths report the log-probs the model itself gives the tokens they chose.
 
