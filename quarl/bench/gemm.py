@@ -101,10 +101,19 @@ def slice_qw(big: QuantizedWeight, i: int, n: int, k: int) -> QuantizedWeight:
     return QuantizedWeight(big.scheme, (n, k), **parts)
 
 
+def scheme_of(fmt: str) -> str:
+    """The scheme of a format name: ``"w4a16+exact"`` -> ``"w4a16"`` (``+exact``: exact mode's
+    batch-invariant GEMM of that scheme, :mod:`quarl.quant.kernels.invariant`)."""
+    return fmt.removesuffix("+exact")
+
+
 def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int,
                seed: int = 0) -> list[Callable[[], object]]:
-    """One closure per rotating set: ``y = linear(x_i, W_i)`` under format ``fmt``."""
-    sc = get_scheme(fmt)
+    """One closure per rotating set: ``y = linear(x_i, W_i)`` under format ``fmt`` (``+exact``:
+    the batch-invariant GEMM exact mode's engine runs, at its own tile for M; W8A8 with its
+    per-row activation quantizer)."""
+    sc = get_scheme(scheme_of(fmt))
+    exact = fmt != sc.name
     gen = torch.Generator(device=device).manual_seed(seed)
     per_set = int(n * k * sc.bits_per_weight / 8 + m * k * 2)
     sets = n_sets(per_set, l2)
@@ -112,12 +121,29 @@ def make_calls(fmt: str, m: int, n: int, k: int, device: torch.device, l2: int,
     x = torch.randn(sets, m, k, device=device, dtype=torch.bfloat16, generator=gen)
     if not sc.quantizes_weights:
         ws = w  # (the closures keep the bf16 weights; the quantized path drops them below)
+        if exact:
+            from quarl.quant.kernels.invariant import dense_gemm
+
+            return [lambda i=i: dense_gemm(x[i], ws[i * n : (i + 1) * n]) for i in range(sets)]
         return [lambda i=i: F.linear(x[i], ws[i * n : (i + 1) * n]) for i in range(sets)]
     big = quantize_weight(w, sc)
     del w
     qws = [slice_qw(big, i, n, k) for i in range(sets)]
+    if exact:
+        return [_exact_call(x[i], qw) for i, qw in enumerate(qws)]
     repacked = [RepackCache() for _ in range(sets)]  # as each QuantLinear owns its kernel layouts
     return [lambda i=i: quant_linear(x[i], qws[i], None, repacked[i]) for i in range(sets)]
+
+
+def _exact_call(x: torch.Tensor, qw: QuantizedWeight) -> Callable[[], object]:
+    """Exact mode's GEMM of ``x`` on the packed ``qw``: the invariant weight-only GEMM, or the
+    per-row activation codes then the invariant code GEMM (W8A8)."""
+    from quarl.quant.kernels import invariant as inv
+    from quarl.quant.kernels.act_quant import act_quant
+
+    if qw.scheme.quantizes_activations:
+        return lambda: inv.w8a8_gemm(*act_quant(x, qw.scheme.act_format), qw, None, x.dtype)
+    return lambda: inv.weight_only_gemm(x, qw)
 
 
 # Engine shapes whose input the rollout engine quantizes inside the op before (its fused
@@ -130,7 +156,8 @@ def engine_split(label: str, counts: dict[str, int], fmt: str) -> tuple[dict[str
     engine runs it)``: for a format that quantizes activations, an engine shape in
     ``ENGINE_QUANTIZED_INPUT`` is timed twice (the module set keeps the quantizer's launch);
     otherwise one row keeps every count."""
-    if get_scheme(fmt).quantizes_activations and label in ENGINE_QUANTIZED_INPUT and "engine" in counts:
+    if fmt == scheme_of(fmt) and get_scheme(fmt).quantizes_activations and label in ENGINE_QUANTIZED_INPUT \
+            and "engine" in counts:
         return {k: v for k, v in counts.items() if k != "engine"}, {"engine": counts["engine"]}
     return counts, {}
 
@@ -211,7 +238,7 @@ def silu_mul_seconds(m: int, inter: int, device: torch.device, tk: dict) -> floa
 
 
 def floor_seconds(fmt: str, m: int, n: int, k: int, ceil: Ceilings) -> float:
-    sc = get_scheme(fmt)
+    sc = get_scheme(scheme_of(fmt))
     nbytes = n * k * sc.bits_per_weight / 8 + 2 * m * k + 2 * m * n
     rate = ceil.fp8_flops if sc.quantizes_activations else ceil.bf16_flops
     return max(nbytes / ceil.bandwidth, 2 * m * n * k / rate)
@@ -442,4 +469,8 @@ def save(result: dict, path: str) -> None:
     write_json(result, path, indent=1)
 
 
-ALL_FORMATS = list(SCHEMES)
+# every scheme, and exact mode's invariant GEMMs of those it runs (``+exact``)
+EXACT_FORMATS = ["bf16+exact", "w4a16+exact", "w4a16-asym+exact", "w2a16+exact", "w8a8-int8+exact",
+                 "w8a8-fp8+exact"]
+DEFAULT_FORMATS = list(SCHEMES)
+ALL_FORMATS = DEFAULT_FORMATS + EXACT_FORMATS

@@ -12,14 +12,15 @@ import argparse
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from quarl.bench.gemm import ALL_FORMATS, DEFAULT_MODELS, M_VALUES, MODELS, SHAPE_SETS
+    from quarl.bench.gemm import DEFAULT_FORMATS, DEFAULT_MODELS, EXACT_FORMATS, M_VALUES, MODELS, SHAPE_SETS
     from quarl.bench.gemm_moe import MOE_FORMATS, MOE_MODELS, MOE_TOKENS_PER_EXPERT
 
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (tokens)")
     p.add_argument("--formats", default=None,
-                   help=f"comma list of scheme names (default: {','.join(ALL_FORMATS)}; "
-                        f"with --moe: {','.join(MOE_FORMATS)})")
+                   help=f"comma list of scheme names (default: {','.join(DEFAULT_FORMATS)}; "
+                        f"with --moe: {','.join(MOE_FORMATS)}); exact mode's batch-invariant GEMMs: "
+                        f"{','.join(EXACT_FORMATS)}")
     p.add_argument("--shapes", default=",".join(SHAPE_SETS),
                    help="comma list of shape sets: modules (q, k, v, o, gate, up, down apart), "
                         "engine (q/k/v and gate/up fused, as the rollout engine runs them)")
@@ -51,15 +52,18 @@ def _moe_models(spec: str) -> list[str]:
 
 
 def _formats(args: argparse.Namespace) -> list[str]:
-    from quarl.bench.gemm import ALL_FORMATS
+    from quarl.bench.gemm import ALL_FORMATS, DEFAULT_FORMATS, EXACT_FORMATS
     from quarl.bench.gemm_moe import MOE_FORMATS, moe_methods
 
     if args.formats is None:
-        return list(MOE_FORMATS if args.moe else ALL_FORMATS)
+        return list(MOE_FORMATS if args.moe else DEFAULT_FORMATS)
     formats = [x for x in args.formats.split(",") if x]
     bad = [x for x in formats if x not in ALL_FORMATS]
     if bad or not formats:
         raise ValueError(f"--formats: unknown scheme(s) {bad or args.formats!r}; valid: {', '.join(ALL_FORMATS)}")
+    if args.moe and set(formats) & set(EXACT_FORMATS):
+        raise ValueError("--moe times the grouped expert GEMMs; the +exact formats time exact mode's dense "
+                         "invariant GEMMs: run them without --moe")
     if args.moe:
         for f in formats:
             moe_methods(f)  # (refuses what quantized experts refuse)

@@ -215,3 +215,36 @@ def test_moe_benchmark_rows_totals_and_table(monkeypatch):
     assert len(tiled["rows"]) == 2 * (3 + len(TILE_CANDIDATES))
     tile_row = next(r for r in tiled["rows"] if r["method"] == tile_label(TILE_CANDIDATES[1]))
     assert math.isclose(tile_row["speedup"], 8.0) and tile_label(TILE_CANDIDATES[1]).endswith("T")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "w4a16", "w8a8-fp8"])
+def test_exact_formats_time_the_invariant_gemm_of_the_same_product(fmt):
+    """``--formats X+exact``: closures over exact mode's invariant GEMM (interpreter here) on the
+    same operands as format X's ordinary ones; their products agree to the format's rounding,
+    and the floor is the scheme's."""
+    import torch
+
+    from quarl.bench.gemm import floor_seconds, make_calls, scheme_of
+    from quarl.bench.timing import Ceilings
+
+    assert scheme_of(fmt + "+exact") == fmt
+    m, n, k = 5, 64, 256
+    plain = make_calls(fmt, m, n, k, torch.device("cpu"), l2=0)[0]()
+    exact = make_calls(fmt + "+exact", m, n, k, torch.device("cpu"), l2=0)[0]()
+    assert exact.shape == plain.shape == (m, n) and exact.dtype == torch.bfloat16
+    rel = float((exact.float() - plain.float()).norm() / plain.float().norm())
+    assert rel < (2e-2 if fmt == "w8a8-fp8" else 5e-3), rel
+    ceil = Ceilings(bandwidth=1e12, bf16_flops=1e15, fp8_flops=2e15)
+    assert floor_seconds(fmt + "+exact", m, n, k, ceil) == floor_seconds(fmt, m, n, k, ceil)
+
+
+def test_exact_formats_are_refused_for_the_moe_benchmark():
+    import argparse
+
+    from quarl.cli.bench_gemm import _formats
+
+    with pytest.raises(ValueError, match="without --moe"):
+        _formats(argparse.Namespace(formats="bf16,w4a16+exact", moe="qwen3-30b-a3b"))
+    assert _formats(argparse.Namespace(formats="bf16,w4a16+exact", moe=None)) == ["bf16", "w4a16+exact"]
+    with pytest.raises(ValueError, match="unknown scheme"):
+        _formats(argparse.Namespace(formats="nvfp4+exact", moe=None))
