@@ -76,14 +76,16 @@ def _seq(n, hq, hkv, dtype, spread=1.0):
             torch.randn(n, hkv, D).to(dtype))
 
 
-def _decode(seqs, hkv, dtype, fp8):
-    """Decode step: the last token of each (q, k, v) sequence, over a cache of all its tokens."""
+def _decode(seqs, hkv, dtype, fp8, split_programs=None):
+    """Decode step: the last token of each (q, k, v) sequence, over a cache of all its tokens
+    (``split_programs``: the kernel's choice of path, as on a GPU by the batch)."""
     cache = Cache([(k, v) for _, k, v in seqs], hkv, dtype, fp8)
     q = torch.stack([q[-1] for q, _, _ in seqs])
     b = len(seqs)
     cu = torch.arange(b + 1, dtype=torch.int32)
     lens = torch.tensor([k.shape[0] for _, k, _ in seqs], dtype=torch.int32)
-    return _mod().invariant_paged_attention(q, cache.k, cache.v, cache.table, cu, lens, 1, D**-0.5, cache.scales)
+    return _mod().invariant_paged_attention(q, cache.k, cache.v, cache.table, cu, lens, 1, D**-0.5, cache.scales,
+                                            split_programs=split_programs)
 
 
 def _prefill(seqs, hkv, dtype, fp8, cached=None):
@@ -192,15 +194,17 @@ def test_every_token_of_a_prefill_equals_its_decode(group, hkv, dtype, fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_decode_split_by_split_equals_the_learners_in_program_merge(fp8):
     """A 100-token sequence spans four 32-key splits (the interpreter's): a token decoded at
-    and around each split boundary (one program per split, the merge kernel) equals the same
-    token in the learner's packed sequences (the splits merged inside one program)."""
+    and around each split boundary, by one program per split and the merge kernel or by the
+    in-program merge a large decode batch takes, equals the same token in the learner's packed
+    sequences (the splits merged inside one program)."""
     q, k, v = _seq(100, 6, 2, BF16)
     other = _seq(9, 6, 2, BF16)
     packed = _learner([other, (q, k, v)], fp8)[9:]
     assert _mod().attention_config(D, 3, interpret=True).split == 32
     for t in (0, 31, 32, 33, 63, 64, 65, 99):
-        dec = _decode([(q[: t + 1], k[: t + 1], v[: t + 1]), other], 2, BF16, fp8)[0]
-        assert _same_bits(packed[t], dec), t
+        for split in (True, False):  # a program per split (few sequences) or merged in-program (many)
+            dec = _decode([(q[: t + 1], k[: t + 1], v[: t + 1]), other], 2, BF16, fp8, split)[0]
+            assert _same_bits(packed[t], dec), (t, split)
     _check_reference(packed, q, k, v, fp8)
 
 
@@ -214,6 +218,15 @@ def test_page_packed_kv_layout():
     codes, scales = quantize_kv(k)
     assert torch.equal(fp8.k[1, :2].view(torch.uint8), codes[4:6].view(torch.uint8))
     assert torch.equal(fp8.k_scale[3], scales[7:11])
+
+
+def test_decode_splits_only_where_the_pairs_leave_sms_idle():
+    from quarl.quant.kernels.invariant_attention import split_decode
+
+    assert split_decode(10**6, torch.device("cpu"))  # (the interpreter: the split path always)
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert split_decode(sms - 1, torch.device("cuda")) and not split_decode(sms, torch.device("cuda"))
 
 
 def test_config_has_no_token_count_argument_and_refuses_large_groups():
