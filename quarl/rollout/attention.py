@@ -82,8 +82,10 @@ class PagedAttention:
     def rope_store(self):
         """Triton backend: ``(layer_idx, q, k, v, cos, sin[, (q_norm, k_norm)]) -> rope(q)``,
         writing rope(k) and v into this step's cache slots in the same launch (then
-        :meth:`attend`), q and k first through their RMSNorm modules where given; else None."""
-        return self._rope_store if self.backend == "triton" and not self.exact else None
+        :meth:`attend`), q and k first through their RMSNorm modules where given; else None.
+        Exact mode takes it too (without the norms): its rotary and its stores are the separate
+        kernels' bits."""
+        return self._rope_store if self.backend == "triton" else None
 
     def _rope_store(self, layer_idx: int, q, k, v, cos, sin, qk_norm=None) -> torch.Tensor:
         from quarl.rollout.fused import rope_store_kv

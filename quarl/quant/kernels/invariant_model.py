@@ -315,7 +315,16 @@ class ExactOps(TorchOps):
             v = exact_linear(module.v_proj, h).view(b, t, module.n_kv, module.head_dim)
         if module.q_norm is not None:
             q, k = exact_rms_norm(q, module.q_norm), exact_rms_norm(k, module.k_norm)
-        out = attn(module.layer_idx, exact_rotary(q, cos, sin), exact_rotary(k, cos, sin), v)
+        rope_store = getattr(attn, "rope_store", None)
+        if rope_store is not None and q.is_cuda and cos.dtype == q.dtype and not needs_grad(q, k, v):
+            # the engine: rotary and the K / V cache write in one launch, the bits of the rotary
+            # kernel exact_rotary runs and of the cache store (tests/rollout/test_fused.py)
+            n = b * t
+            q = rope_store(module.layer_idx, q.reshape(n, module.n_heads, -1), k.reshape(n, module.n_kv, -1),
+                           v.reshape(n, module.n_kv, -1), cos.reshape(n, -1), sin.reshape(n, -1))
+            out = attn.attend(module.layer_idx, q.view(b, t, module.n_heads, module.head_dim))
+        else:
+            out = attn(module.layer_idx, exact_rotary(q, cos, sin), exact_rotary(k, cos, sin), v)
         return exact_linear(module.o_proj, out.reshape(b, t, -1))
 
     def mlp(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
