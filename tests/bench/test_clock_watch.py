@@ -90,6 +90,8 @@ def test_readings_tagged_by_stage_and_step_give_each_stages_clock_per_step():
     assert line == ("aligned-w8a8-fp8 by step: rollout 1:1975MHz/610W; "
                     "learner 1:2.50s/1850MHz/695W 2:3.25s/1500MHz/700W")
     assert stage_clock_line("bf16", {"steps": [{"step": 1}]}) == ""
+    steps[0]["perf/triton_builds"], steps[1]["perf/triton_builds"] = 14.0, 1.0  # (kernels built inside the steps)
+    assert stage_clock_line("aligned-w8a8-fp8", {"steps": steps}).endswith("; Triton kernels built 1:14 2:1")
 
 
 def test_a_benchmark_run_tags_its_clock_readings_with_the_trainer_stage(tmp_path, monkeypatch):
