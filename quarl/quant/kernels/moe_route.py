@@ -4,12 +4,12 @@
 kernels on a GPU: a radix select and a sort of the k winners), the sum of the k
 probabilities, the division and the cast back to the model's dtype: six launches per layer,
 about 1 ms of a 13 ms decode step of Qwen3-30B-A3B at batch 64 on an H100 (48 layers; the
-top-k's two kernels alone 0.6 ms; ``quarl bench rollout --profile-kernels``). Here one program takes ``BLOCK_T`` rows:
-each row's logits in registers (E <= 256 experts), the softmax in float32 (max, exponentials,
-sum, one division per probability, as torch's), then k rounds of "largest probability, the
-lowest expert id among equal ones" (``torch.topk``'s order: descending; ties, which random
-logits never produce, by id), each winner masked out for the next round, and the k
-probabilities divided by their sum (added in rank order) when ``norm_topk_prob``.
+top-k's two kernels alone 0.6 ms; ``quarl bench rollout --profile-kernels``). Here one
+program takes ``BLOCK_T`` rows: each row's logits in registers (E <= 256 experts), the softmax
+in float32 (max, exponentials, sum, one division per probability, as torch's), then k rounds
+of "largest probability, the lowest expert id among equal ones" (route's rule: descending,
+ties by id), each winner masked out for the next round, and the k probabilities divided by
+their sum when ``norm_topk_prob``.
 
 Same experts and, up to the last bits of the float32 softmax (a sum over 128 values in
 another order), the same weights as the torch ops: the engine takes it for its own decode
@@ -52,11 +52,8 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, N, E, stride_l,
         top_p = tl.where(ks[None, :] == j, best[:, None], top_p)
         top_i = tl.where(ks[None, :] == j, idx[:, None], top_i)
         work = tl.where(cols[None, :] == idx[:, None], -1.0, work)
-    if NORM:
-        total = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            total += tl.sum(tl.where(ks[None, :] == j, top_p, 0.0), axis=1)
-        top_p = top_p / total[:, None]
+    if NORM:  # (the ranks past k hold 0)
+        top_p = top_p / tl.sum(top_p, axis=1)[:, None]
     at = rows[:, None].to(tl.int64) * TOP_K + ks[None, :]
     out_ok = row_ok[:, None] & (ks < TOP_K)[None, :]
     tl.store(w_ptr + at, top_p.to(w_ptr.dtype.element_ty), mask=out_ok)
